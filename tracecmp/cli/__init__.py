@@ -1,0 +1,1 @@
+"""The ``tracecmp`` command line."""

@@ -1,0 +1,5 @@
+import sys
+
+from tracecmp.cli.main import main
+
+sys.exit(main())

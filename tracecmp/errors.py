@@ -1,0 +1,46 @@
+"""One error family for everything tracecmp refuses to do.
+
+The CLI turns any :class:`TracecmpError` into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TracecmpError(Exception):
+    """Base class of every error tracecmp raises on purpose.
+
+    ``path`` names the file or folder the error is about, when there is one.
+
+    >>> str(TracecmpError("no trace here", path="runs/x"))
+    'runs/x: no trace here'
+    """
+
+    def __init__(self, message: str, *, path: str | Path | None = None) -> None:
+        self.message = message
+        self.path = None if path is None else str(path)
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class TraceNotFoundError(TracecmpError):
+    """The path holds no trace at all (missing folder or manifest)."""
+
+
+class TraceFormatError(TracecmpError):
+    """The trace exists but is corrupt, truncated, foreign or of an unknown layout."""
+
+
+class TraceVersionError(TraceFormatError):
+    """The trace was written by a newer format version than this tracecmp reads."""
+
+
+class CaptureError(TracecmpError):
+    """Capture was misused (nested sessions, step() outside the context, bad options)."""
+
+
+class CompareError(TracecmpError):
+    """Two traces cannot be compared (no common ranks or steps, bad tolerances)."""
+
+
+class OverflowDetected(TracecmpError):
+    """Raised by ``TraceCompare(overflow="raise")`` at the first op producing NaN/Inf from finite inputs."""

@@ -1,0 +1,243 @@
+"""Reading a trace folder back, validating everything before anything is trusted."""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tracecmp.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
+from tracecmp.trace.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    OPS_SCHEMA,
+    RANK_MANIFEST,
+    RUN_MANIFEST,
+    TENSORS_SCHEMA,
+)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise TraceNotFoundError("no manifest.json: not a tracecmp trace folder", path=path.parent) from exc
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read manifest: {exc.strerror}", path=path) from exc
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceFormatError(f"manifest is not valid JSON ({exc})", path=path) from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise TraceFormatError(f"not a tracecmp trace (format is not {FORMAT_NAME!r})", path=path)
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise TraceFormatError("manifest has no integer format_version", path=path)
+    if version > FORMAT_VERSION:
+        raise TraceVersionError(
+            f"trace format version {version} is newer than this tracecmp reads ({FORMAT_VERSION}); upgrade tracecmp",
+            path=path,
+        )
+    return manifest
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _check_file(folder: Path, entry: Any, what: str) -> Path:
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"] or ".." in entry["file"]:
+        raise TraceFormatError(f"manifest lists a malformed {what} chunk entry", path=folder / RANK_MANIFEST)
+    path = folder / entry["file"]
+    if not path.is_file():
+        raise TraceFormatError(f"{what} chunk listed in the manifest is missing", path=path)
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        raise TraceFormatError(f"truncated or altered: {size} bytes, manifest says {entry.get('bytes')}", path=path)
+    if _crc32(path) != entry.get("crc32"):
+        raise TraceFormatError("corrupted: CRC-32 does not match the manifest", path=path)
+    return path
+
+
+def _read_table(path: Path, schema: pa.Schema) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceFormatError(f"unreadable Parquet table ({exc})", path=path) from exc
+    missing = [name for name in schema.names if name not in table.column_names]
+    if missing:
+        raise TraceFormatError(f"table lacks columns {missing}", path=path)
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowException, ValueError) as exc:
+        raise TraceFormatError(f"table columns have unexpected types ({exc})", path=path) from exc
+
+
+@dataclass
+class RankTrace:
+    """One rank of a recorded run: its manifest and its two tables (Arrow, concatenated chunks)."""
+
+    rank: int
+    path: Path
+    manifest: dict[str, Any]
+    ops_table: pa.Table
+    tensors_table: pa.Table
+    data_files: dict[int, Path] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def device(self) -> str:
+        return str(self.manifest.get("device", ""))
+
+    @cached_property
+    def ops(self) -> pd.DataFrame:
+        """One row per node (op, view or source), in execution order."""
+        return self.ops_table.to_pandas()
+
+    @cached_property
+    def tensors(self) -> pd.DataFrame:
+        """One row per tensor value, indexed by nothing (``tensor_id`` is a column)."""
+        return self.tensors_table.to_pandas()
+
+    def load_tensor(self, tensor_id: int) -> Any:
+        """The saved tensor ``tensor_id`` (only with ``data="tensors"``), read through safetensors."""
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+
+        rows = self.tensors[self.tensors["tensor_id"] == tensor_id]
+        if rows.empty or not rows.iloc[0]["data_key"]:
+            raise TraceFormatError(f"tensor {tensor_id} was not saved in this trace", path=self.path)
+        key = rows.iloc[0]["data_key"]
+        chunk = int(key.split("/")[0])
+        path = self.data_files.get(chunk)
+        if path is None:
+            raise TraceFormatError(f"tensor {tensor_id} refers to missing data chunk {chunk}", path=self.path)
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return fh.get_tensor(key)
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=path) from exc
+
+
+def load_rank(folder: Path) -> RankTrace:
+    """Read and validate ``RUN/rank<R>``."""
+    manifest = _read_manifest(folder / RANK_MANIFEST)
+    chunks = manifest.get("chunks")
+    if not isinstance(chunks, list):
+        raise TraceFormatError("rank manifest has no chunk list", path=folder / RANK_MANIFEST)
+    ops_parts, tensor_parts, data_files = [], [], {}
+    for index, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict):
+            raise TraceFormatError("manifest lists a malformed chunk", path=folder / RANK_MANIFEST)
+        ops_parts.append(_read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA))
+        tensor_parts.append(_read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA))
+        if "data" in chunk:
+            data_files[index] = _check_file(folder, chunk["data"], "data")
+    ops = pa.concat_tables(ops_parts) if ops_parts else OPS_SCHEMA.empty_table()
+    tensors = pa.concat_tables(tensor_parts) if tensor_parts else TENSORS_SCHEMA.empty_table()
+    _check_references(folder, ops, tensors)
+    rank = manifest.get("rank", 0)
+    return RankTrace(int(rank) if isinstance(rank, int) else 0, folder, manifest, ops, tensors, data_files)
+
+
+def _check_references(folder: Path, ops: pa.Table, tensors: pa.Table) -> None:
+    """Every tensor id an op reads or writes must exist, every producer must be a recorded op."""
+    import pyarrow.compute as pc
+
+    tensor_ids = tensors.column("tensor_id")
+    if pc.count_distinct(tensor_ids).as_py() != len(tensor_ids):
+        raise TraceFormatError("duplicate tensor ids", path=folder)
+    if pc.count_distinct(ops.column("op_id")).as_py() != ops.num_rows:
+        raise TraceFormatError("duplicate op ids", path=folder)
+    for column in ("inputs", "outputs"):
+        used = pc.list_flatten(ops.column(column))
+        unknown = pc.sum(pc.invert(pc.is_in(used, value_set=tensor_ids))).as_py() if len(used) else 0
+        if unknown:
+            raise TraceFormatError(f"{unknown} op {column} refer to tensors the trace does not hold", path=folder)
+    producers = tensors.column("op_id")
+    if len(producers) and not pc.all(pc.is_in(producers, value_set=ops.column("op_id"))).as_py():
+        raise TraceFormatError("tensors name producer ops the trace does not hold", path=folder)
+
+
+class Trace:
+    """A recorded run: the run manifest and one :class:`RankTrace` per rank.
+
+    >>> trace = load("runs/bench")          # doctest: +SKIP
+    >>> trace.to_frame().groupby("phase").size()  # doctest: +SKIP
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any], ranks: dict[int, RankTrace]) -> None:
+        self.path = path
+        self.manifest = manifest
+        self._ranks = ranks
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._ranks)
+
+    def rank(self, rank: int = 0) -> RankTrace:
+        try:
+            return self._ranks[rank]
+        except KeyError:
+            raise TraceFormatError(f"trace has no rank {rank} (ranks: {self.ranks})", path=self.path) from None
+
+    @property
+    def complete(self) -> bool:
+        """True when every rank finished its capture normally."""
+        return all(r.complete for r in self._ranks.values())
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.manifest.get("options", {}))
+
+    def to_frame(self, rank: int | None = None) -> pd.DataFrame:
+        """One row per recorded node (ops, views and source tensors), with a ``rank`` column."""
+        chosen = self.ranks if rank is None else [rank]
+        frames = [self.rank(r).ops.assign(rank=r) for r in chosen]
+        return pd.concat(frames, ignore_index=True) if frames else OPS_SCHEMA.empty_table().to_pandas()
+
+    def tensors_frame(self, rank: int | None = None) -> pd.DataFrame:
+        """One row per tensor value, with a ``rank`` column."""
+        chosen = self.ranks if rank is None else [rank]
+        frames = [self.rank(r).tensors.assign(rank=r) for r in chosen]
+        return pd.concat(frames, ignore_index=True) if frames else TENSORS_SCHEMA.empty_table().to_pandas()
+
+    def __repr__(self) -> str:
+        return f"Trace({str(self.path)!r}, ranks={self.ranks}, complete={self.complete})"
+
+
+def load(path: str | Path) -> Trace:
+    """Open a recorded trace folder, validating manifests, chunk checksums and references.
+
+    Raises a :class:`~tracecmp.errors.TracecmpError` subclass naming the file for anything
+    missing, truncated, corrupt, foreign or too new.
+
+    >>> trace = tracecmp.load("runs/bench")  # doctest: +SKIP
+    """
+    root = Path(path)
+    if not root.exists():
+        raise TraceNotFoundError("no such trace folder", path=root)
+    if not root.is_dir():
+        raise TraceFormatError("a trace is a folder, this is a file", path=root)
+    manifest = _read_manifest(root / RUN_MANIFEST)
+    ranks: dict[int, RankTrace] = {}
+    for folder in sorted(root.glob("rank*")):
+        if folder.is_dir() and folder.name[4:].isdigit():
+            rank_trace = load_rank(folder)
+            ranks[int(folder.name[4:])] = rank_trace
+    if not ranks:
+        raise TraceFormatError("trace holds no rank folders (rank0/ ...)", path=root)
+    return Trace(root, manifest, ranks)

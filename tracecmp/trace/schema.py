@@ -1,0 +1,77 @@
+"""The on-disk trace format: folder layout, manifests and the two column tables.
+
+A trace is one folder per run::
+
+    RUN/manifest.json              run identity: format name and version, versions, options
+    RUN/rank<R>/manifest.json      per rank: device, complete-or-not, the committed chunks
+    RUN/rank<R>/ops-<K>.parquet    one row per recorded node (op, view or source tensor)
+    RUN/rank<R>/tensors-<K>.parquet  one row per tensor value (a version: in-place ops make new ones)
+    RUN/rank<R>/data-<K>.safetensors whole tensors, only with ``data="tensors"``
+
+Chunks are written to temporary names, fsynced and renamed, then the rank manifest (also renamed
+into place) lists them with their size and CRC-32; a reader trusts only listed chunks whose bytes
+match. A run killed mid-step therefore leaves every earlier chunk readable and ``complete: false``.
+Nothing is ever pickled: manifests are JSON, tables Parquet, tensors safetensors.
+
+Ids: ``op_id`` and ``tensor_id`` are unique within a rank and increase in execution order.
+A node's ``inputs``/``outputs`` hold tensor ids; a tensor row's ``op_id`` is its producer, so
+producer -> consumer edges are a join. An in-place op consumes the old version of the tensor it
+writes and produces a new id (``inplace`` is true); a view op produces a tensor whose ``view_of``
+names its base and carries no statistics.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+FORMAT_NAME = "tracecmp-trace"
+FORMAT_VERSION = 1
+
+RUN_MANIFEST = "manifest.json"
+RANK_MANIFEST = "manifest.json"
+
+PHASES = ("forward", "backward", "optimizer")
+KINDS = ("op", "view", "source")
+SOURCE_OPS = ("source.parameter", "source.buffer", "source.input", "source.tensor")
+
+OPS_SCHEMA = pa.schema(
+    [
+        ("op_id", pa.int64()),
+        ("step", pa.int32()),
+        ("phase", pa.string()),  # forward | backward | optimizer (sources: phase of first use)
+        ("kind", pa.string()),  # op | view | source
+        ("op", pa.string()),  # "aten.mm.default", "npu.fused_x.default", "source.parameter", ...
+        ("name", pa.string()),  # sources: "fc1.weight", "input.0"; ops: ""
+        ("module", pa.string()),  # dotted path as in named_modules(); "" outside any module
+        ("location", pa.string()),  # "train.py:42", the first frame outside torch and tracecmp
+        ("args", pa.string()),  # JSON of the non-tensor arguments (tensors as {"tensor": index})
+        ("inputs", pa.list_(pa.int64())),  # tensor ids read, in argument order
+        ("outputs", pa.list_(pa.int64())),  # tensor ids produced, in output order
+        ("inplace", pa.bool_()),  # the op wrote one of its inputs
+        ("random", pa.bool_()),  # the op draws random numbers
+        ("seq_nr", pa.int64()),  # autograd sequence number linking backward to forward, -1 if none
+        ("stack", pa.string()),  # full user stack when asked for, else ""
+    ]
+)
+
+TENSORS_SCHEMA = pa.schema(
+    [
+        ("tensor_id", pa.int64()),
+        ("op_id", pa.int64()),  # producer node
+        ("index", pa.int32()),  # position among the producer's outputs
+        ("shape", pa.list_(pa.int64())),
+        ("dtype", pa.string()),  # "float32", "bfloat16", "int64", ...
+        ("device", pa.string()),  # "cpu", "cuda:0", "npu:0"
+        ("view_of", pa.int64()),  # base tensor id for view outputs, else -1
+        ("has_stats", pa.bool_()),
+        ("min", pa.float64()),
+        ("max", pa.float64()),
+        ("mean", pa.float64()),
+        ("norm", pa.float64()),
+        ("nan_count", pa.int64()),
+        ("inf_count", pa.int64()),
+        ("checksum", pa.int64()),
+        ("data_key", pa.string()),  # key in the chunk's safetensors file, "" if not saved
+    ]
+)
+
+STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "checksum")

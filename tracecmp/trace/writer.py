@@ -1,0 +1,172 @@
+"""Crash-safe chunked writer of a trace folder (see :mod:`tracecmp.trace.schema`)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from tracecmp.errors import TracecmpError
+from tracecmp.trace.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    OPS_SCHEMA,
+    RANK_MANIFEST,
+    RUN_MANIFEST,
+    TENSORS_SCHEMA,
+)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` as JSON to ``path`` so that readers see the old or the new file, never half."""
+    _atomic_write_bytes(path, json.dumps(payload, indent=1, sort_keys=True, default=str).encode())
+
+
+def _crc32_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _versions() -> dict[str, str]:
+    from tracecmp import __version__
+
+    return {"tracecmp": __version__, "torch": torch.__version__}
+
+
+def write_run_manifest(root: Path, *, options: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> None:
+    """Write the run-level manifest (format identity, versions, options)."""
+    payload: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "versions": _versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "options": dict(options),
+    }
+    if extra:
+        payload.update(extra)
+    root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(root / RUN_MANIFEST, payload)
+
+
+class RankWriter:
+    """Appends committed chunks to ``RUN/rank<R>/`` and keeps its manifest current.
+
+    >>> import tempfile, pathlib
+    >>> w = RankWriter(pathlib.Path(tempfile.mkdtemp()) / "run", rank=0, device="cpu")
+    >>> w.close(complete=True)
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        info: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.dir = self.root / f"rank{rank}"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TracecmpError(f"cannot create the trace folder: {exc.strerror}", path=self.dir) from exc
+        for stale in list(self.dir.glob("ops-*")) + list(self.dir.glob("tensors-*")) + list(self.dir.glob("data-*")):
+            stale.unlink()
+        self.manifest: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "rank": rank,
+            "world_size": world_size,
+            "device": device,
+            "complete": False,
+            "chunks": [],
+            "ops": 0,
+            "tensors": 0,
+            "steps": [],
+            "info": dict(info or {}),
+        }
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        write_json_atomic(self.dir / RANK_MANIFEST, self.manifest)
+
+    def _commit_file(self, name: str, write: Any) -> dict[str, Any]:
+        final = self.dir / name
+        tmp = self.dir / (name + ".tmp")
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        return {"file": name, "bytes": final.stat().st_size, "crc32": _crc32_file(final)}
+
+    def write_chunk(
+        self,
+        ops: Mapping[str, Sequence[Any]],
+        tensors: Mapping[str, Sequence[Any]],
+        data: Mapping[str, torch.Tensor] | None = None,
+        steps: Sequence[int] = (),
+    ) -> None:
+        """Commit one chunk: column lists for ops and tensors, and optionally whole tensors."""
+        index = len(self.manifest["chunks"])
+        ops_table = pa.Table.from_pydict({k: ops[k] for k in OPS_SCHEMA.names}, schema=OPS_SCHEMA)
+        tensors_table = pa.Table.from_pydict({k: tensors[k] for k in TENSORS_SCHEMA.names}, schema=TENSORS_SCHEMA)
+        entry: dict[str, Any] = {
+            "ops": self._commit_file(f"ops-{index:05d}.parquet", lambda p: pq.write_table(ops_table, p, compression="zstd")),
+            "tensors": self._commit_file(
+                f"tensors-{index:05d}.parquet", lambda p: pq.write_table(tensors_table, p, compression="zstd")
+            ),
+            "rows": {"ops": ops_table.num_rows, "tensors": tensors_table.num_rows},
+        }
+        if data:
+            from safetensors.torch import save_file
+
+            cpu = {key: t.detach().to("cpu").contiguous() for key, t in data.items()}
+            entry["data"] = self._commit_file(f"data-{index:05d}.safetensors", lambda p: save_file(cpu, str(p)))
+        self.manifest["chunks"].append(entry)
+        self.manifest["ops"] += ops_table.num_rows
+        self.manifest["tensors"] += tensors_table.num_rows
+        self.manifest["steps"] = sorted(set(self.manifest["steps"]).union(int(s) for s in steps))
+        self._write_manifest()
+        _fsync_dir(self.dir)
+
+    def update_info(self, **info: Any) -> None:
+        """Merge ``info`` into the rank manifest (e.g. the first overflow found)."""
+        self.manifest["info"].update(info)
+        self._write_manifest()
+
+    def close(self, *, complete: bool) -> None:
+        """Mark the rank finished; ``complete=False`` when the traced program raised."""
+        self.manifest["complete"] = complete
+        self._write_manifest()
