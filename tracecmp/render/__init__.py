@@ -1,0 +1,10 @@
+"""Pictures and reports of a comparison: the suspicious subgraph, the HTML report, the error chart.
+
+>>> from tracecmp.render import render_subgraph, write_report
+>>> write_report(tracecmp.compare("runs/target", "runs/bench"), "out")  # doctest: +SKIP
+PosixPath('out/report.html')
+"""
+from tracecmp.render.html import write_report
+from tracecmp.render.subgraph import render_subgraph
+
+__all__ = ["render_subgraph", "write_report"]

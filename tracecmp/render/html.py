@@ -1,0 +1,348 @@
+"""The self-contained HTML report: one file with inline CSS, JS and SVG that works offline.
+
+It reads top to bottom the way a person debugs: the verdict, the first divergence and its stack,
+the subgraph around it, the error along the network, the ranked suspects, the modules that
+introduced error, and the counts behind the verdict.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tracecmp.errors import TracecmpError
+from tracecmp.render.chart import error_chart
+from tracecmp.render.subgraph import find_focus, format_number, render_subgraph, short_op
+
+REPORT_NAME = "report.html"
+SUBGRAPH_NAME = "divergence.svg"
+
+_CSS = """
+body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#fff}
+main{max-width:1240px;margin:0 auto;padding:18px 28px 40px}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
+.runs{color:#57606a;font-size:13px}.runs code{font-size:12px}
+.verdict{margin:14px 0 6px;padding:12px 16px;border-radius:6px;font-size:16px;font-weight:600}
+.verdict.diverged{background:#ffebe9;border:1px solid #ff8182;color:#82071e}
+.verdict.agree{background:#dafbe1;border:1px solid #4ac26b;color:#116329}
+.verdict.incomplete{background:#fff8c5;border:1px solid #d4a72c;color:#7d4e00}
+.warn{margin:6px 0;padding:8px 14px;border-radius:6px;background:#fff8c5;border:1px solid #d4a72c;color:#7d4e00}
+.counts{display:flex;flex-wrap:wrap;gap:8px;margin:10px 0}
+.count{border:1px solid #d0d7de;border-radius:6px;padding:6px 12px;min-width:84px}
+.count b{display:block;font-size:18px}.count span{color:#57606a;font-size:12px}
+.count.bad b{color:#cf222e}.count.nan b{color:#6f42c1}
+dl.first{display:grid;grid-template-columns:max-content 1fr;gap:3px 14px;margin:0}
+dl.first dt{color:#57606a}dl.first dd{margin:0}
+pre{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:10px;overflow:auto;font-size:12px;max-height:360px}
+.figure{border:1px solid #d0d7de;border-radius:6px;padding:8px;overflow:auto;background:#fff}
+.figure svg{max-width:100%;height:auto}
+.note{color:#57606a;font-size:13px}
+table{border-collapse:collapse;width:100%;font-size:13px}
+th,td{border-bottom:1px solid #e5e8eb;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa;position:sticky;top:0}
+table.sortable th{cursor:pointer;user-select:none}
+table.sortable th::after{content:" \\2195";color:#afb8c1}
+table.sortable th[data-dir=asc]::after{content:" \\25B2";color:#1f2328}
+table.sortable th[data-dir=desc]::after{content:" \\25BC";color:#1f2328}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td code,dd code{font-size:12px}
+.bar{display:inline-block;height:9px;background:#e36209;border-radius:2px;vertical-align:middle;margin-right:6px}
+footer{margin-top:36px;color:#8c959f;font-size:12px}
+"""
+
+# Sorting by clicking a header: numbers by data-sort, text by its content; a second click reverses.
+_JS = """
+document.querySelectorAll("table.sortable").forEach(function (table) {
+  table.querySelectorAll("th").forEach(function (th, col) {
+    th.addEventListener("click", function () {
+      var asc = th.dataset.dir !== "asc";
+      table.querySelectorAll("th").forEach(function (h) { delete h.dataset.dir; });
+      th.dataset.dir = asc ? "asc" : "desc";
+      var numeric = th.dataset.type === "num";
+      var body = table.tBodies[0];
+      var rows = Array.prototype.slice.call(body.rows);
+      function key(row) {
+        var cell = row.cells[col];
+        var text = cell.dataset.sort !== undefined ? cell.dataset.sort : cell.textContent;
+        if (!numeric) return text.toLowerCase();
+        var value = parseFloat(text);
+        return isNaN(value) ? -Infinity : value;
+      }
+      rows.sort(function (a, b) {
+        var x = key(a), y = key(b);
+        var order = x < y ? -1 : x > y ? 1 : 0;
+        return asc ? order : -order;
+      });
+      rows.forEach(function (row) { body.appendChild(row); });
+    });
+  });
+});
+"""
+
+
+def _num(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _sort_value(value: Any) -> str:
+    x = _num(value)
+    return "" if math.isnan(x) else repr(x)
+
+
+def verdict(result: Any) -> tuple[str, str]:
+    """(css class, sentence): "diverged", "agree" or "incomplete" (could not compare)."""
+    d = result.first_divergence
+    if d is not None:
+        where = f"{short_op(d.op)} in {d.module or '<top>'} ({d.phase}, step {d.step}"
+        where += f", rank {d.rank})" if d.rank else ")"
+        return "diverged", f"Diverged — the first divergence is {where}" + (f" at {d.location}" if d.location else "")
+    if result.agrees:
+        return "agree", "Agree — no op's output diverges beyond rounding noise"
+    return "incomplete", "Could not compare everything — no divergence found among what was compared, which is not agreement"
+
+
+def _incomplete_notes(result: Any) -> list[str]:
+    notes = []
+    for name in ("target", "bench"):
+        trace = getattr(result, name, None)
+        if trace is not None and not getattr(trace, "complete", True):
+            notes.append(
+                f"The {name} trace is incomplete (its run stopped before the capture closed): "
+                "only what was recorded could be compared."
+            )
+    return notes
+
+
+def status_counts(result: Any) -> dict[str, int]:
+    """Node counts behind the verdict: paired, unpaired (each side), and one per status."""
+    nodes = result.nodes
+    counted = nodes[nodes["kind"] != "view"] if "kind" in nodes.columns else nodes
+    status = counted["status"].astype(str) if "status" in counted.columns else pd.Series(dtype=str)
+    paired = int(counted["bench_op_id"].notna().sum()) if "bench_op_id" in counted.columns else 0
+    unpaired_bench = result.unpaired_bench
+    counts = {
+        "target nodes": len(counted),
+        "paired": paired,
+        "unpaired target": int((status == "unpaired").sum()),
+        "unpaired bench": len(unpaired_bench) if unpaired_bench is not None else 0,
+    }
+    for name in ("agrees", "noise", "diverged", "nan", "uncompared"):
+        counts[name] = int((status == name).sum())
+    return counts
+
+
+def module_rollup(nodes: pd.DataFrame, limit: int = 40) -> pd.DataFrame:
+    """Per module: ops, diverged ops, the largest error it introduced, its largest output error.
+
+    Sorted by error introduced, so the module that created the problem comes before the ones
+    that only carried it.
+
+    >>> module_rollup(result.nodes).head()  # doctest: +SKIP
+    """
+    frame = nodes[nodes["kind"] != "view"] if "kind" in nodes.columns else nodes
+    if frame.empty:
+        return pd.DataFrame(columns=["module", "ops", "diverged", "max_introduced", "max_error", "first_diverged"])
+    frame = frame.assign(
+        module=frame["module"].fillna("").astype(str),
+        _bad=frame["status"].isin(["diverged", "nan"]),
+        _introduced=pd.to_numeric(frame.get("introduced", pd.Series(math.nan, index=frame.index)), errors="coerce"),
+        _error=pd.to_numeric(frame["error"], errors="coerce"),
+    )
+    first_bad = frame[frame["_bad"]].sort_values("op_id").groupby("module")["op"].first().map(short_op)
+    table = frame.groupby("module").agg(
+        ops=("op_id", "size"),
+        diverged=("_bad", "sum"),
+        max_introduced=("_introduced", "max"),
+        max_error=("_error", "max"),
+    )
+    table["first_diverged"] = first_bad.reindex(table.index).fillna("")
+    table = table.reset_index().sort_values(
+        ["max_introduced", "diverged", "max_error"], ascending=False, na_position="last"
+    )
+    return table.head(limit).reset_index(drop=True)
+
+
+def _first_divergence_html(result: Any) -> str:
+    d = result.first_divergence
+    if d is None:
+        focus = find_focus(result)
+        return f"<p>No first divergence. {escape(focus.subtitle)}</p>"
+    metrics = ", ".join(f"{escape(k)} = {format_number(v)}" for k, v in d.metrics.items()) or "—"
+    rows = [
+        ("op", f"<code>{escape(d.op)}</code>"),
+        ("module", f"<code>{escape(d.module or '<top>')}</code>"),
+        ("where", f"{escape(d.phase)}, step {d.step}, rank {d.rank}"),
+        ("source line", f"<code>{escape(d.location or '?')}</code>"),
+        ("why", escape(d.reason or d.kind)),
+        ("kind", escape(d.kind)),
+        ("error introduced", f"{format_number(d.score)} rounding units"),
+        ("metrics", metrics),
+        ("node", f"target op {d.op_id}" + (f", bench op {d.bench_op_id}" if d.bench_op_id is not None else ", no bench counterpart")),
+    ]
+    body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
+    stack = (
+        f"<pre>{escape(d.stack)}</pre>"
+        if d.stack
+        else '<p class="note">No stack recorded (capture with stacks on to see the full call stack).</p>'
+    )
+    return f'<dl class="first">{body}</dl><h3>Stack</h3>{stack}'
+
+
+def _suspects_html(result: Any) -> str:
+    suspects = list(result.suspects or [])
+    if not suspects:
+        return '<p class="note">No suspects.</p>'
+    head = (
+        '<table class="sortable" id="suspects-table"><thead><tr>'
+        '<th data-type="num">#</th><th>op</th><th>module</th><th>phase</th><th data-type="num">step</th>'
+        '<th>kind</th><th data-type="num">error introduced</th><th>why</th><th>source line</th></tr></thead><tbody>'
+    )
+    rows = []
+    for index, d in enumerate(suspects, 1):
+        rows.append(
+            f'<tr><td class="num" data-sort="{index}">{index}</td>'
+            f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
+            f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
+            f'<td class="num" data-sort="{d.step}">{d.step}</td><td>{escape(d.kind)}</td>'
+            f'<td class="num" data-sort="{_sort_value(d.score)}">{format_number(d.score)}</td>'
+            f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
+        )
+    return head + "".join(rows) + "</tbody></table>"
+
+
+def _modules_html(result: Any) -> str:
+    table = module_rollup(result.nodes)
+    if table.empty:
+        return '<p class="note">No modules.</p>'
+    top = table["max_introduced"].max()
+    rows = []
+    for row in table.itertuples():
+        introduced = _num(row.max_introduced)
+        width = 0.0
+        if top > 0 and introduced > 0:
+            # Log scale over eight decades below the largest: errors span orders of magnitude.
+            width = max(2.0, 120 * (1 + math.log10(introduced / top) / 8))
+        rows.append(
+            f"<tr><td><code>{escape(row.module or '<top>')}</code></td>"
+            f'<td class="num" data-sort="{row.ops}">{row.ops}</td>'
+            f'<td class="num" data-sort="{row.diverged}">{row.diverged}</td>'
+            f'<td class="num" data-sort="{_sort_value(introduced)}"><span class="bar" style="width:{width:.0f}px"></span>'
+            f"{format_number(introduced)}</td>"
+            f'<td class="num" data-sort="{_sort_value(row.max_error)}">{format_number(row.max_error)}</td>'
+            f"<td><code>{escape(row.first_diverged)}</code></td></tr>"
+        )
+    return (
+        '<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
+        '<th data-type="num">diverged ops</th><th data-type="num">max error introduced</th>'
+        '<th data-type="num">max output error</th><th>first diverged op</th></tr></thead><tbody>'
+        + "".join(rows)
+        + "</tbody></table>"
+    )
+
+
+def _counts_html(counts: dict[str, int]) -> str:
+    css = {"diverged": "bad", "nan": "nan", "unpaired target": "bad" if counts["unpaired target"] else ""}
+    return (
+        '<div class="counts">'
+        + "".join(
+            f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
+            for name, value in counts.items()
+        )
+        + "</div>"
+    )
+
+
+def _inline_svg(svg: str) -> str:
+    """dot's SVG without the XML prolog and doctype, ready to sit inside HTML."""
+    return re.sub(r"^.*?(?=<svg\b)", "", svg, count=1, flags=re.S)
+
+
+def _run_line(result: Any) -> str:
+    parts = []
+    for name in ("target", "bench"):
+        trace = getattr(result, name, None)
+        if trace is None:
+            continue
+        versions = (getattr(trace, "manifest", {}) or {}).get("versions", {})
+        try:
+            device = trace.rank(trace.ranks[0]).device
+        except (AttributeError, IndexError, TracecmpError):
+            device = ""
+        detail = ", ".join(x for x in (device, f"torch {versions['torch']}" if "torch" in versions else "") if x)
+        parts.append(f"{name}: <code>{escape(str(trace.path))}</code>" + (f" ({escape(detail)})" if detail else ""))
+    return " · ".join(parts)
+
+
+def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes: int = 60) -> Path:
+    """Write ``out_dir/report.html`` (self-contained) and ``out_dir/divergence.svg``; returns the report path.
+
+    >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
+    >>> write_report(result, "out")                             # doctest: +SKIP
+    PosixPath('out/report.html')
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
+    picture = render_subgraph(result, out / SUBGRAPH_NAME, depth=depth, max_nodes=max_nodes)
+    if picture.suffix == ".svg":
+        subgraph = f'<div class="figure">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+    else:
+        subgraph = (
+            '<p class="note">graphviz <code>dot</code> is not installed, so the subgraph is shown as DOT text '
+            f"(also in <code>{escape(picture.name)}</code>; install graphviz or paste it into any graphviz viewer).</p>"
+            f"<pre>{escape(picture.read_text(encoding='utf-8'))}</pre>"
+        )
+    css_class, sentence = verdict(result)
+    focus = find_focus(result)
+    chart_root = result.first_divergence.op_id if result.first_divergence is not None else None
+    warnings_html = "".join(f'<div class="warn">{escape(note)}</div>' for note in _incomplete_notes(result))
+    from tracecmp import __version__
+
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>tracecmp — {escape(css_class)}</title>
+<style>{_CSS}</style></head>
+<body><main>
+<h1>tracecmp report</h1>
+<div class="runs">{_run_line(result)}</div>
+<div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
+{warnings_html}
+{_counts_html(status_counts(result))}
+<h2 id="first-divergence">First divergence</h2>
+{_first_divergence_html(result)}
+<h2 id="subgraph">Suspicious subgraph</h2>
+<p class="note">The root with its producers and consumers ({depth} hops), grouped by module; colour is the status
+and, for diverged ops, the size of the error. Edges carry tensor shapes; chains of views are folded into edges.</p>
+{subgraph}
+<h2 id="chart">Error along the network</h2>
+<p class="note">Output error of each op in rounding units of its dtype, in execution order (rank {focus.rank}).
+Shaded stretches are backward and optimizer ops; hover a point for its op.</p>
+<div class="figure">{error_chart(result.nodes, root=chart_root, rank=focus.rank)}</div>
+<h2 id="suspects">Suspects</h2>
+<p class="note">Ranked root causes (click a header to sort).</p>
+{_suspects_html(result)}
+<h2 id="modules">Modules</h2>
+<p class="note">Per module: the largest error its ops introduced themselves, and how many of its ops diverged.</p>
+{_modules_html(result)}
+<footer>tracecmp {escape(__version__)} · {escape(time.strftime("%Y-%m-%d %H:%M:%S"))}</footer>
+</main>
+<script>{_JS}</script>
+</body></html>
+"""
+    path = out / REPORT_NAME
+    try:
+        path.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise TracecmpError(f"cannot write the report: {exc.strerror}", path=path) from exc
+    return path
