@@ -89,10 +89,12 @@ def format_number(value: Any) -> str:
         return "inf" if x > 0 else "-inf"
     if x == 0:
         return "0"
-    if 1e-3 <= abs(x) < 1e4:
+    if 100 <= abs(x) < 1e4:
+        return f"{x:.0f}"
+    if 1e-3 <= abs(x) < 100:
         return f"{x:.3g}"
-    mantissa, exponent = f"{x:.2g}".split("e") if "e" in f"{x:.2g}" else (f"{x:.2g}", "0")
-    return f"{mantissa}e{int(exponent)}"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
 
 
 def diverged_fill(error: float, low: float, high: float) -> tuple[str, str]:
