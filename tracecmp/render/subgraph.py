@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import networkx as nx
+import numpy as np
 import pandas as pd
 
 from tracecmp.compare.records import STATUSES
@@ -180,11 +181,14 @@ class _NodeInfo:
 
 
 def _missing(value: Any) -> bool:
+    """None or a scalar NaN/NA; sequences (shapes, input lists) are never missing."""
     if value is None:
         return True
+    if isinstance(value, (list, tuple, dict, np.ndarray)):
+        return False
     try:
         return bool(pd.isna(value))
-    except (TypeError, ValueError):  # lists and arrays are never "missing"
+    except (TypeError, ValueError):
         return False
 
 
