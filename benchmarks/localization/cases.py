@@ -1,0 +1,283 @@
+"""Which faults the benchmark injects where: a seeded rule over the ops each model really runs.
+
+A clean profiling pass lists every program call. Fault sites are chosen per model and phase by
+cycling over op *categories* (matmul, conv, norm, softmax, activation, reduction, elementwise,
+...) in a seeded order and taking a seeded op and occurrence inside each, so every model gets
+several kinds of op in both phases without anyone picking sites by hand.
+"""
+from __future__ import annotations
+
+import random
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.localization.faults import (
+    INSERTIONS,
+    MAGNITUDES,
+    ArgFault,
+    CallRecord,
+    Injector,
+    Insertion,
+    OutputFault,
+    Plan,
+    Site,
+)
+from benchmarks.localization.models import FAMILIES, build
+
+VARIANTS = ("plain", "structure", "tf32")
+WEIGHT_PERTURBATION = 1e-3
+
+# Keyword rules, first match wins; the op's base name is matched ("native_layer_norm_backward").
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("conv", ("convolution",)),
+    ("norm", ("layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm")),
+    ("softmax", ("softmax",)),
+    ("pool", ("pool",)),
+    ("loss", ("nll_loss", "mse_loss", "cross_entropy", "binary_cross_entropy")),
+    ("matmul", ("mm", "bmm", "matmul", "scaled_dot_product", "embedding")),
+    ("activation", ("gelu", "relu", "tanh", "sigmoid", "silu", "threshold", "hardtanh", "elu", "softplus")),
+    ("reduction", ("sum", "mean", "amax", "amin", "max", "min", "norm", "var", "std", "prod")),
+)
+
+# Realistic non-tensor argument mix-ups: (argument, new value as a function of the old one).
+ARG_CHANGES: dict[str, tuple[str, Any]] = {
+    "aten.gelu.default": ("approximate", lambda old: "none" if old == "tanh" else "tanh"),
+    "aten.gelu_backward.default": ("approximate", lambda old: "none" if old == "tanh" else "tanh"),
+    # T5/LLaMA use 1e-6 where GPT-2/BERT-base use 1e-5.
+    "aten.native_layer_norm.default": ("eps", lambda old: 1e-5 if old == 1e-6 else 1e-6),
+    # Keras/TF default 1e-3 against PyTorch's 1e-5.
+    "aten.native_batch_norm.default": ("eps", lambda old: 1e-5 if old == 1e-3 else 1e-3),
+    "aten.native_batch_norm_backward.default": ("eps", lambda old: 1e-5 if old == 1e-3 else 1e-3),
+    "aten._native_batch_norm_legit_functional.default": ("eps", lambda old: 1e-5 if old == 1e-3 else 1e-3),
+    # GAN code uses 0.2, Keras 0.3, PyTorch 0.01.
+    "aten.leaky_relu.default": ("negative_slope", lambda old: 0.01 if old == 0.2 else 0.2),
+    "aten.leaky_relu_backward.default": ("negative_slope", lambda old: 0.01 if old == 0.2 else 0.2),
+}
+
+
+def category(op: str) -> str:
+    """The category of an aten overload name.
+
+    >>> category("aten.native_layer_norm_backward.default"), category("aten.add.Tensor")
+    ('norm', 'elementwise')
+    """
+    base = op.split(".")[1] if op.count(".") >= 2 else op
+    for name, keys in CATEGORIES:
+        if any(key in base for key in keys):
+            return name
+    return "elementwise"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a target plan, the bench it is compared with, what should be found."""
+
+    id: str
+    model: str
+    kind: str  # scale|noise|bf16|fp16|nan|inf|arg|weight, or a negative: identical|exact-op|tf32-only
+    variant: str  # plain|structure|tf32 ("-" for negatives)
+    phase: str  # phase of the fault ("" for negatives)
+    magnitude: float
+    target: Plan
+    bench: Plan  # the bench's plan: empty, or an insertion (the target "misses" an op)
+    weight: str = ""  # parameter perturbed in the target
+    structure: str = ""  # "extra:<how>@<site>" or "missing:<how>@<site>"
+    expect_divergence: bool = True
+    counted: bool = True  # negatives under tf32 noise are reported apart from false alarms
+
+    @property
+    def category(self) -> str:
+        site = self.site
+        return "parameter" if self.kind == "weight" else category(site.op) if site else ""
+
+    @property
+    def site(self) -> Site | None:
+        fault = self.target.output_fault or self.target.arg_fault
+        return fault.site if fault is not None else None
+
+
+@dataclass
+class Profile:
+    """The clean run's calls for one model, and the parameters it trains."""
+
+    model: str
+    calls: list[CallRecord]
+    parameters: list[str] = field(default_factory=list)
+
+
+def profile(family: str, seed: int) -> Profile:
+    """Run ``family`` once, clean, recording every program call (no capture involved)."""
+    workload = build(family, seed)
+    optimizer = workload.make_optimizer(workload.model)
+    injector = Injector(workload.model, Plan(), profile=True)
+    torch.manual_seed(seed)
+    with injector.outer(), injector.inner():
+        workload.train_step(optimizer)
+    params = [n for n, p in workload.model.named_parameters() if p.requires_grad and p.dtype.is_floating_point]
+    return Profile(family, injector.calls or [], params)
+
+
+def _output_site_ok(c: CallRecord) -> bool:
+    return (
+        c.site.op.startswith("aten.")
+        and not c.is_view
+        and not c.random
+        and c.n_tensor_inputs > 0
+        and c.n_float_outputs > 0
+        and c.float_varies
+        # Corrupting an output that shares storage with an input would also change the input,
+        # which capture recorded earlier: the fault would have no single true op.
+        and (c.mutable or not c.aliases_input)
+    )
+
+
+def _insertion_ok(c: CallRecord) -> bool:
+    return _output_site_ok(c) and c.single_output and not c.mutable and c.site.phase == "forward"
+
+
+def _rng(seed: int, *parts: str) -> random.Random:
+    return random.Random(zlib.crc32("/".join((str(seed), *parts)).encode()))
+
+
+def choose_sites(calls: list[CallRecord], phase: str, n: int, rng: random.Random) -> list[Site]:
+    """``n`` output-fault sites in ``phase``: categories in seeded order, one op each, repeating.
+
+    Distinct ops come first; once every op was used, further rounds take other occurrences.
+    """
+    by_cat: dict[str, dict[str, list[CallRecord]]] = defaultdict(lambda: defaultdict(list))
+    for c in calls:
+        if c.site.phase == phase and _output_site_ok(c):
+            by_cat[category(c.site.op)][c.site.op].append(c)
+    if not by_cat:
+        return []
+    cats = sorted(by_cat)
+    rng.shuffle(cats)
+    queues = {}
+    for cat in cats:
+        ops = sorted(by_cat[cat])
+        rng.shuffle(ops)
+        queues[cat] = ops
+    used: set[Site] = set()
+    sites: list[Site] = []
+    total = sum(len(v) for ops in by_cat.values() for v in ops.values())
+    round_ = 0
+    while len(sites) < min(n, total):
+        for cat in cats:
+            ops = queues[cat]
+            op = ops[round_ % len(ops)]
+            free = [c.site for c in by_cat[cat][op] if c.site not in used]
+            if not free or len(sites) >= n:
+                continue
+            site = rng.choice(free)
+            used.add(site)
+            sites.append(site)
+        round_ += 1
+    return sites
+
+
+def plan_model(prof: Profile, seed: int, model_index: int) -> list[Case]:
+    """Every case for one model, in a stable order."""
+    m = prof.model
+    calls = prof.calls
+    output_kinds = [("scale", mag) for mag in MAGNITUDES] + [("noise", mag) for mag in MAGNITUDES]
+    output_kinds += [("bf16", 0.0), ("fp16", 0.0), ("nan", 0.0), ("inf", 0.0)]
+
+    faults: list[tuple[str, str, float, Plan, str]] = []  # kind, phase, magnitude, plan, weight
+    for phase in ("forward", "backward"):
+        sites = choose_sites(calls, phase, len(output_kinds), _rng(seed, m, phase))
+        for i, (kind, mag) in enumerate(output_kinds):
+            if sites:
+                site = sites[i % len(sites)]
+                fault = OutputFault(kind, site, mag, seed=zlib.crc32(f"{seed}/{m}/{site}/{kind}".encode()))
+                faults.append((kind, phase, mag, Plan(output_fault=fault), ""))
+    opt_sites = choose_sites(calls, "optimizer", 1, _rng(seed, m, "optimizer"))
+    for site in opt_sites:
+        faults.append(("scale", "optimizer", 1e-2, Plan(output_fault=OutputFault("scale", site, 1e-2, seed=seed)), ""))
+    arg_rng = _rng(seed, m, "args")
+    for op in sorted({c.site.op for c in calls if c.site.op in ARG_CHANGES}):
+        name, change = ARG_CHANGES[op]
+        occurrences = [c for c in calls if c.site.op == op]
+        call = arg_rng.choice(occurrences)
+        fault = ArgFault(call.site, name, change(call.args.get(name)))
+        faults.append(("arg", call.site.phase, 0.0, Plan(arg_fault=fault), ""))
+    if prof.parameters:
+        param = _rng(seed, m, "weight").choice(prof.parameters)
+        faults.append(("weight", "forward", WEIGHT_PERTURBATION, Plan(), param))
+
+    ins_candidates = [c for c in calls if _insertion_ok(c)]
+    ins_rng = _rng(seed, m, "insertion")
+    # Early in the forward pass, so that most faults come after the change in structure.
+    early = ins_candidates[: max(1, len(ins_candidates) // 2)]
+    extra = Insertion(ins_rng.choice(early).site, INSERTIONS[model_index % len(INSERTIONS)]) if early else None
+    missing = Insertion(ins_rng.choice(early).site, INSERTIONS[(model_index + 1) % len(INSERTIONS)]) if early else None
+
+    cases: list[Case] = []
+    for n, (kind, phase, mag, plan, weight) in enumerate(faults):
+        label = _label(kind, mag, plan, weight)
+        for variant in VARIANTS:
+            target, bench, structure = plan, Plan(), ""
+            if variant == "structure":
+                if extra is None or missing is None:
+                    continue
+                if n % 2 == 0:
+                    target = Plan(plan.output_fault, plan.arg_fault, extra, plan.tf32)
+                    structure = f"extra:{extra.how}@{extra.site}"
+                else:
+                    bench = Plan(insertion=missing)
+                    structure = f"missing:{missing.how}@{missing.site}"
+            elif variant == "tf32":
+                target = Plan(plan.output_fault, plan.arg_fault, plan.insertion, tf32=True)
+            cases.append(Case(f"{m}/{label}/{variant}", m, kind, variant, phase, mag, target, bench, weight, structure))
+
+    cases.append(Case(f"{m}/identical", m, "identical", "-", "", 0.0, Plan(), Plan(), expect_divergence=False))
+    if extra is not None and missing is not None:
+        cases.append(Case(f"{m}/exact-op-extra", m, "exact-op", "-", "", 0.0, Plan(insertion=extra), Plan(),
+                          structure=f"extra:{extra.how}@{extra.site}", expect_divergence=False))
+        cases.append(Case(f"{m}/exact-op-missing", m, "exact-op", "-", "", 0.0, Plan(), Plan(insertion=missing),
+                          structure=f"missing:{missing.how}@{missing.site}", expect_divergence=False))
+    cases.append(Case(f"{m}/tf32-only", m, "tf32-only", "-", "", 0.0, Plan(tf32=True), Plan(),
+                      expect_divergence=False, counted=False))
+    return cases
+
+
+def _label(kind: str, mag: float, plan: Plan, weight: str) -> str:
+    if kind == "weight":
+        return f"weight:{weight}"
+    if kind == "arg":
+        assert plan.arg_fault is not None
+        f = plan.arg_fault
+        return f"arg:{f.name}={f.value}@{f.site.op}#{f.site.k}:{f.site.phase}"
+    assert plan.output_fault is not None
+    site = plan.output_fault.site
+    size = f"{mag:.0e}" if mag else ""
+    return f"{kind}{size}@{site.op}#{site.k}:{site.phase}"
+
+
+def plan_all(families: tuple[str, ...] = FAMILIES, seed: int = 0, model_seed: int = 1234) -> list[Case]:
+    """Every case for ``families`` (profiling each model once)."""
+    cases: list[Case] = []
+    for i, family in enumerate(families):
+        cases += plan_model(profile(family, model_seed), seed, FAMILIES.index(family) if family in FAMILIES else i)
+    return cases
+
+
+def quick(cases: list[Case], stride: int = 5) -> list[Case]:
+    """A deterministic subset: every negative, and every ``stride``-th fault case of each model.
+
+    Each fault appears once per variant in a row, so a stride of 5 walks across the three
+    variants, the fault kinds and both phases.
+    """
+    out: list[Case] = []
+    seen: dict[str, int] = defaultdict(int)
+    for case in cases:
+        if not case.expect_divergence:
+            out.append(case)
+            continue
+        if seen[case.model] % stride == 0:
+            out.append(case)
+        seen[case.model] += 1
+    return out

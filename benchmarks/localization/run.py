@@ -1,0 +1,482 @@
+"""Run the localization cases: capture target and bench, compare, score against the ground truth.
+
+Ground truth comes from the target trace itself: the row whose output carries the checksum of
+the faulty output that the injector saw (for a weight fault, the parameter's source row), so a
+case is scored against what the run really recorded. Its module is then checked against our own
+expectation and any disagreement is reported as a warning (a capture question, not a score).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+import zlib
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from benchmarks.localization.cases import VARIANTS, Case, plan_all, quick
+from benchmarks.localization.faults import Injector, Observation, Plan
+from benchmarks.localization.models import FAMILIES, build
+
+MODEL_SEED = 1234
+
+
+class HarnessError(Exception):
+    """The case could not be set up as intended (not a localization failure)."""
+
+
+@dataclass
+class Record:
+    """One reported divergence, flattened for JSON and tables."""
+
+    op: str
+    module: str
+    phase: str
+    step: int
+    op_id: int
+    kind: str = ""
+    reason: str = ""
+    score: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, d: Any) -> "Record":
+        return cls(d.op, d.module, d.phase, int(d.step), int(d.op_id), str(getattr(d, "kind", "")),
+                   str(getattr(d, "reason", "")), float(getattr(d, "score", 0.0) or 0.0),
+                   {str(k): _num(v) for k, v in dict(getattr(d, "metrics", {}) or {}).items()})
+
+    def where(self) -> str:
+        return f"{self.op} @ {self.module or '<top>'} [{self.phase}] op_id {self.op_id}"
+
+
+@dataclass
+class Result:
+    """The outcome of one case."""
+
+    id: str
+    model: str
+    kind: str
+    variant: str
+    phase: str
+    magnitude: float
+    category: str
+    structure: str
+    expect_divergence: bool
+    counted: bool
+    status: str = "ok"  # ok | error (tracecmp raised) | harness (the case could not be set up)
+    error: str = ""
+    truth: Record | None = None
+    found: Record | None = None
+    ranked: list[Record] = field(default_factory=list)  # first divergence, then other suspects
+    top1: bool = False  # op, phase and module of the first divergence match the truth
+    exact: bool = False  # ... and it is the very same node (op_id)
+    top3: bool = False
+    rank: int | None = None  # 1-based position of the truth among the ranked suspects
+    outcome: str = ""  # hit | missed | early | late | same-node-other-attrs | false-alarm | clean | error
+    truth_rows: list[dict[str, Any]] = field(default_factory=list)  # compare's rows for the true op
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _num(v: Any) -> Any:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return f if math.isfinite(f) else str(f)
+
+
+def record_run(family: str, plan: Plan, path: Path, weight: str = "", weight_seed: int = 0) -> Observation:
+    """One training step of ``family`` under ``plan``, captured into ``path``."""
+    import tracecmp
+
+    workload = build(family, MODEL_SEED)
+    if weight:
+        param = dict(workload.model.named_parameters())[weight]
+        gen = torch.Generator().manual_seed(weight_seed)
+        with torch.no_grad():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            param.copy_((param.double() * (1.0 + 1e-3 * noise)).to(param.dtype))
+    optimizer = workload.make_optimizer(workload.model)
+    injector = Injector(workload.model, plan)
+    with injector.outer():
+        with tracecmp.TraceCompare(str(path), model=workload.model) as tc:
+            with injector.inner():
+                workload.train_step(optimizer)
+            tc.step()
+    return injector.obs
+
+
+def find_truth(case: Case, obs: Observation, trace_path: Path) -> tuple[Record, list[str]]:
+    """The target-trace row of the injected fault, and warnings from the sanity checks."""
+    import tracecmp
+
+    rank = tracecmp.load(str(trace_path)).rank(0)
+    ops, tensors = rank.ops, rank.tensors
+    notes: list[str] = []
+    if case.kind == "weight":
+        rows = ops[(ops["kind"] == "source") & (ops["name"] == case.weight)]
+        if rows.empty:
+            raise HarnessError(f"the target trace has no source node named {case.weight!r}")
+        row = rows.sort_values("op_id").iloc[0]
+        expected_module = case.weight.rpartition(".")[0]
+        if row["module"] != expected_module:
+            notes.append(f"parameter module: trace says {row['module']!r}, owner is {expected_module!r}")
+        return _row_record(row), notes
+    site = case.site
+    assert site is not None
+    if not obs.site_reached:
+        raise HarnessError(f"the run never called {site}")
+    if case.target.output_fault is not None:
+        if not obs.fault_applied:
+            raise HarnessError(f"{site} never reached the outer fault mode (capture bypassed the mode stack?)")
+        if not obs.effective:
+            raise HarnessError(f"the {case.kind} fault changed no bit of {site}'s output")
+    producers = tensors.loc[tensors["checksum"].isin(obs.site_checksums), "op_id"]
+    rows = ops[ops["op_id"].isin(producers) & (ops["op"] == site.op)].sort_values("op_id")
+    if rows.empty:
+        raise HarnessError(f"no row of {site.op} in the target trace holds the faulty output (checksum)")
+    row = rows.iloc[0]
+    kth = ops[(ops["kind"] == "op") & (ops["op"] == site.op) & (ops["phase"] == site.phase)].sort_values("op_id")
+    if case.target.insertion is None and (len(kth) <= site.k or int(kth.iloc[site.k]["op_id"]) != int(row["op_id"])):
+        notes.append(f"the {site.k}-th {site.op} in {site.phase} of the trace is not the faulty call")
+    if row["phase"] != site.phase:
+        notes.append(f"phase: trace says {row['phase']!r}, benchmark saw {site.phase!r}")
+    if obs.site_module not in (None, "?") and site.phase != "optimizer" and row["module"] != obs.site_module:
+        notes.append(f"module: trace says {row['module']!r}, benchmark expected {obs.site_module!r}")
+    return _row_record(row), notes
+
+
+def _row_record(row: Any) -> Record:
+    return Record(str(row["op"]), str(row["module"]), str(row["phase"]), int(row["step"]), int(row["op_id"]))
+
+
+def _matches(d: Record, truth: Record) -> bool:
+    return (d.op, d.phase, d.module) == (truth.op, truth.phase, truth.module)
+
+
+def _truth_rows(result: Any, op_id: int) -> list[dict[str, Any]]:
+    """Compare's per-tensor rows for the true op, so a miss shows what tracecmp measured there."""
+    try:
+        frame = result.to_frame()
+    except Exception as exc:  # report, do not mask the case result
+        return [{"to_frame failed": repr(exc)}]
+    for column in ("op_id", "target_op_id"):
+        if column in frame.columns:
+            rows = frame[frame[column] == op_id]
+            return [{k: _num(v) for k, v in r.items()} for r in rows.to_dict("records")]
+    return [{"to_frame": f"no op_id column among {list(frame.columns)}"}]
+
+
+def score(case: Case, result: Any, truth: Record | None, out: Result) -> None:
+    """Fill the scoring fields of ``out`` from a CompareResult."""
+    first = result.first_divergence
+    out.found = Record.of(first) if first is not None else None
+    ranked = [out.found] if out.found else []
+    for s in list(result.suspects or []):
+        rec = Record.of(s)
+        if all(rec.op_id != r.op_id for r in ranked):
+            ranked.append(rec)
+    out.ranked = ranked[:10]
+    if not case.expect_divergence:
+        out.outcome = "clean" if first is None else "false-alarm"
+        return
+    assert truth is not None
+    out.top1 = out.found is not None and _matches(out.found, truth)
+    out.exact = out.top1 and out.found is not None and out.found.op_id == truth.op_id
+    hits = [i for i, r in enumerate(ranked) if _matches(r, truth)]
+    out.rank = hits[0] + 1 if hits else None
+    out.top3 = bool(hits) and hits[0] < 3
+    if out.found is None:
+        out.outcome = "missed"
+    elif out.top1:
+        out.outcome = "hit"
+    elif out.found.op_id == truth.op_id:
+        out.outcome = "same-node-other-attrs"
+    else:
+        out.outcome = "early" if out.found.op_id < truth.op_id else "late"
+    if not out.top1:
+        out.truth_rows = _truth_rows(result, truth.op_id)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_: Any) -> None:
+    raise _Timeout()
+
+
+def run_case(case: Case, bench_path: Path, work: Path, keep: bool, timeout_s: int) -> Result:
+    """Capture the target of ``case``, compare it with ``bench_path`` and score it."""
+    import tracecmp
+
+    out = Result(case.id, case.model, case.kind, case.variant, case.phase, case.magnitude, case.category,
+                 case.structure, case.expect_divergence, case.counted)
+    target = work / "targets" / case.id.replace("/", "__").replace(":", "_")
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout_s)
+    try:
+        obs = record_run(case.model, case.target, target, case.weight, weight_seed=zlib.crc32(f"{case.model}/{case.weight}".encode()))
+        truth = None
+        if case.expect_divergence:
+            truth, out.warnings = find_truth(case, obs, target)
+            out.truth = truth
+        result = tracecmp.compare(str(target), str(bench_path))
+        score(case, result, truth, out)
+    except HarnessError as exc:
+        out.status, out.error, out.outcome = "harness", str(exc), "harness"
+    except _Timeout:
+        out.status, out.error, out.outcome = "error", f"timed out after {timeout_s} s", "error"
+    except Exception as exc:  # tracecmp failing on a case is a result to report, not a crash
+        out.status, out.outcome = "error", "error"
+        out.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        out.seconds = time.perf_counter() - start
+        if not keep:
+            shutil.rmtree(target, ignore_errors=True)
+    return out
+
+
+def bench_key(case: Case) -> str:
+    """A folder name for the bench a case needs (shared by every case with the same bench)."""
+    ins = case.bench.insertion
+    return f"{case.model}__clean" if ins is None else f"{case.model}__{ins.how}_{ins.site.op}_{ins.site.k}"
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)  # bitwise-equal reductions in bench and target whatever the worker
+    warnings.simplefilter("ignore")
+
+
+def _bench_task(args: tuple[str, Plan, str]) -> tuple[str, str]:
+    family, plan, path = args
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        record_run(family, plan, Path(path))
+    except Exception as exc:
+        return path, f"{type(exc).__name__}: {exc}"
+    return path, ""
+
+
+def _case_task(args: tuple[Case, str, str, bool, int]) -> Result:
+    case, bench, work, keep, timeout_s = args
+    return run_case(case, Path(bench), Path(work), keep, timeout_s)
+
+
+def _pool_map(fn: Any, items: list[Any], jobs: int) -> Iterable[Any]:
+    if jobs <= 1:
+        _init_worker()
+        yield from map(fn, items)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, maxtasksperchild=40) as pool:
+        yield from pool.imap_unordered(fn, items)
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _pct(hits: int, n: int) -> str:
+    return f"{100.0 * hits / n:.0f}% ({hits}/{n})" if n else "-"
+
+
+def _scored(results: list[Result]) -> list[Result]:
+    return [r for r in results if r.expect_divergence and r.status != "harness"]
+
+
+def tables(results: list[Result], seconds: float, command: str) -> str:
+    """The Markdown report: totals, per-group tables, negatives, failures."""
+    pos = _scored(results)
+    neg = [r for r in results if not r.expect_divergence]
+    lines: list[str] = []
+    n = len(pos)
+    top1 = sum(r.top1 for r in pos)
+    top3 = sum(r.top3 for r in pos)
+    exact = sum(r.exact for r in pos)
+    alarms = [r for r in neg if r.counted and r.outcome != "clean"]
+    clean_ref = [r for r in pos if r.variant == "plain" and r.structure == ""]
+    lines += [
+        f"Command: `{command}`",
+        "",
+        f"- cases: {len(results)} ({n} faults scored, {len(neg)} negatives, "
+        f"{sum(r.status == 'harness' for r in results)} not set up, {sum(r.status == 'error' for r in results)} tracecmp errors); "
+        f"runtime {seconds:.0f} s",
+        f"- **top-1: {_pct(top1, n)}** (goal >= 95%); exact node: {_pct(exact, n)}; **top-3: {_pct(top3, n)}**",
+        f"- top-1 with identical structure and no background noise (variant plain): "
+        f"{_pct(sum(r.top1 for r in clean_ref), len(clean_ref))} (goal 100%)",
+        f"- **false alarms: {len(alarms)} of {sum(r.counted for r in neg)} negatives** (goal 0); "
+        f"tf32 background alone flagged: {sum(1 for r in neg if not r.counted and r.outcome != 'clean')} of "
+        f"{sum(not r.counted for r in neg)} (reported apart: a device that runs matmuls in tf32 is noise, not a fault)",
+        "",
+    ]
+    lines += _group_table("By variant", pos, lambda r: r.variant)
+    lines += _group_table("By fault kind", pos, lambda r: r.kind)
+    lines += _group_table("By phase", pos, lambda r: r.phase)
+    lines += _group_table("By magnitude (scale and noise)", [r for r in pos if r.kind in ("scale", "noise")],
+                          lambda r: f"{r.kind} {r.magnitude:.0e}")
+    lines += _group_table("By op category", pos, lambda r: r.category)
+    lines += _cross_table(pos)
+    lines += ["### Negatives", "", "| case | outcome | reported |", "|---|---|---|"]
+    for r in neg:
+        lines.append(f"| {r.id} | {r.outcome or r.status} | {r.found.where() if r.found else r.error.splitlines()[0] if r.error else ''} |")
+    lines.append("")
+    fails = [r for r in results if (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")]
+    lines += ["### Failures", ""]
+    lines += [_failure(r) for r in fails] or ["none"]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _group_table(title: str, rows: list[Result], key: Any) -> list[str]:
+    groups: dict[str, list[Result]] = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    out = [f"### {title}", "", "| group | n | top-1 | top-3 | exact node | missed | early | late |", "|---|---|---|---|---|---|---|---|"]
+    for name in sorted(groups):
+        g = groups[name]
+        out.append(
+            f"| {name} | {len(g)} | {_pct(sum(r.top1 for r in g), len(g))} | {_pct(sum(r.top3 for r in g), len(g))} | "
+            f"{sum(r.exact for r in g)} | {sum(r.outcome == 'missed' for r in g)} | {sum(r.outcome == 'early' for r in g)} | "
+            f"{sum(r.outcome == 'late' for r in g)} |"
+        )
+    return out + [""]
+
+
+def _cross_table(rows: list[Result]) -> list[str]:
+    cells: dict[tuple[str, str], dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        cells[(r.model, r.kind)][r.variant].append(r)
+    out = ["### By model x fault kind x variant (top-1 hits/n, top-3 in brackets)", "",
+           "| model | kind | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
+    for (model, kind) in sorted(cells, key=lambda mk: (FAMILIES.index(mk[0]) if mk[0] in FAMILIES else 99, mk[1])):
+        parts = []
+        for v in VARIANTS:
+            g = cells[(model, kind)].get(v, [])
+            parts.append(f"{sum(r.top1 for r in g)}/{len(g)} [{sum(r.top3 for r in g)}]" if g else "-")
+        out.append(f"| {model} | {kind} | " + " | ".join(parts) + " |")
+    return out + [""]
+
+
+def _failure(r: Result) -> str:
+    head = f"- `{r.id}`"
+    if r.structure:
+        head += f" ({r.structure})"
+    if r.status != "ok":
+        return f"{head}: {r.status}: {r.error.splitlines()[0] if r.error else ''}"
+    if not r.expect_divergence:
+        assert r.found is not None
+        return f"{head}: false alarm: {r.found.where()} kind={r.found.kind} reason={r.found.reason!r} metrics={r.found.metrics}"
+    assert r.truth is not None
+    found = (f"{r.found.where()} kind={r.found.kind} score={r.found.score:.3g} reason={r.found.reason!r}"
+             if r.found else "no divergence")
+    text = f"{head}: {r.outcome}; expected {r.truth.where()}; found {found}; truth rank {r.rank or '-'}"
+    true_suspect = next((s for s in r.ranked if s.op_id == r.truth.op_id), None)
+    if true_suspect is not None:
+        text += f"; tracecmp on the true op: score={true_suspect.score:.3g} metrics={true_suspect.metrics}"
+    if r.truth_rows:
+        text += f"; compare rows for the true op: {r.truth_rows[:2]}"
+    if r.warnings:
+        text += f"; harness notes: {r.warnings}"
+    return text
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.localization [--quick] [--jobs N] [--models a,b] [--case SUBSTR]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.localization", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="about a fifth of the fault cases, every negative")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--models", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
+    parser.add_argument("--case", action="append", default=[], help="run only cases whose id contains this (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault-site rule")
+    parser.add_argument("--list", action="store_true", help="list the planned cases and exit")
+    parser.add_argument("--json", type=Path, help="write every case result here")
+    parser.add_argument("--markdown", type=Path, help="write the report here as well")
+    parser.add_argument("--workdir", type=Path, help="where traces go (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep target and bench traces (implies a printed workdir)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per case")
+    args = parser.parse_args(argv)
+    _init_worker()
+
+    families = tuple(m for m in args.models.split(",") if m)
+    unknown = [m for m in families if m not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {FAMILIES}")
+    start = time.perf_counter()
+    cases = plan_all(families, seed=args.seed, model_seed=MODEL_SEED)
+    if args.quick:
+        cases = quick(cases)
+    if args.case:
+        cases = [c for c in cases if any(s in c.id for s in args.case)]
+    if args.list:
+        for c in cases:
+            print(c.id, c.structure)
+        print(f"{len(cases)} cases", file=sys.stderr)
+        return 0
+    if not cases:
+        print("no case matches", file=sys.stderr)
+        return 2
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="tracecmp-loc-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        benches = {bench_key(c): (c.model, c.bench, str(work / "benches" / bench_key(c))) for c in cases}
+        failed_bench: dict[str, str] = {}
+        for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs):
+            if err:
+                failed_bench[path] = err
+        results: list[Result] = []
+        todo = []
+        for c in cases:
+            path = benches[bench_key(c)][2]
+            if path in failed_bench:
+                r = Result(c.id, c.model, c.kind, c.variant, c.phase, c.magnitude, c.category, c.structure,
+                           c.expect_divergence, c.counted, status="error", outcome="error",
+                           error=f"bench capture failed: {failed_bench[path]}")
+                results.append(r)
+            else:
+                todo.append((c, path, str(work), args.keep, args.timeout))
+        # Slow models first so the pool does not end on one long tail.
+        todo.sort(key=lambda t: FAMILIES.index(t[0].model) if t[0].model in FAMILIES else 0, reverse=True)
+        for i, r in enumerate(_pool_map(_case_task, todo, args.jobs), 1):
+            results.append(r)
+            bad = (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")
+            if bad or i % 25 == 0:
+                print(f"[{i}/{len(todo)} {time.perf_counter() - start:.0f}s] {r.id}: {r.outcome}", file=sys.stderr)
+    finally:
+        if args.keep:
+            print(f"traces kept in {work}", file=sys.stderr)
+        elif args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    order = {c.id: i for i, c in enumerate(cases)}
+    results.sort(key=lambda r: order[r.id])
+    seconds = time.perf_counter() - start
+    command = "python -m benchmarks.localization " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = tables(results, seconds, command.strip())
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
+    return 0
