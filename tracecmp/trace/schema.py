@@ -32,6 +32,10 @@ RANK_MANIFEST = "manifest.json"
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("op", "view", "source")
 SOURCE_OPS = ("source.parameter", "source.buffer", "source.input", "source.tensor")
+# A kind "view" node made when an op wrote a tensor through another alias (a view, or the base of
+# a view): inputs = the tensor's previous value and the written values, output = its new value
+# (with statistics). It computes nothing; it keeps producer -> consumer edges right.
+ALIAS_UPDATE_OP = "alias.update"
 
 OPS_SCHEMA = pa.schema(
     [

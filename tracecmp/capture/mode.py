@@ -1,0 +1,403 @@
+"""The private TorchDispatchMode that records every dispatched op (behind :class:`TraceCompare`).
+
+Per op it appends one row (a tuple in ``OPS_SCHEMA`` column order) and one row per produced
+tensor value (``TENSORS_SCHEMA`` order); tuples are transposed into columns once per chunk, which
+keeps the per-op path at one ``append`` per row. Rows hold ids, strings and numbers, never tensors.
+
+Tensor identity. Every tensor *value* gets an id: a fresh output, a view, and each in-place write
+(a new version of the same tensor). A weak map from the tensor object to ``[id, _version, group]``
+says which value an input is. The map is keyed by ``id(tensor)`` and checked with a weak
+reference: ``torch.utils.weak.WeakTensorKeyDictionary`` does the same thing with Python-level
+hashing and costs ~1.1 us per lookup here against ~0.1 us, and an op looks up every input.
+An input whose ``_version`` moved since it was recorded was written by something the trace did
+not see, *unless* the write went through another alias: views share their base's version
+counter, so every tensor carries the *group* (its view family) and each recorded write notes the
+group's new version. When an input's group was last written by a recorded op at exactly its
+current version, capture emits an ``alias.update`` node (kind ``view``) whose inputs are the
+tensor's previous value and the written values since, and whose output is the tensor's new
+value, with statistics. Otherwise the input is a *source* node named after what it is
+(parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch._C import _current_autograd_node
+from torch._C._autograd import _get_sequence_nr
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tracecmp.capture.location import Locator
+from tracecmp.capture.modules import ModuleScope
+from tracecmp.capture.ops import FRESH, VIEW, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
+from tracecmp.capture.stats import stats_tensor_reference, unpack_stats
+from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
+
+try:
+    from tracecmp.capture.stats import tensor_stats_row
+except ImportError:  # the fused kernel's entry point is not there yet: same numbers, slower
+    from tracecmp.capture.stats import reference_stats
+
+    def tensor_stats_row(t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(reference_stats(t))
+
+
+_NO_STATS = (None,) * 7
+_SEQ_NONE = 1 << 63  # engine nodes such as AccumulateGrad carry UINT64_MAX, not a sequence number
+_WRITE_HISTORY = 16  # recorded writes remembered per view family
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+_Tensor = torch.Tensor
+
+# Device kinds: statistics now (CPU), statistics gathered at flush (accelerators), none (meta).
+_CPU, _DEFERRED, _NONE = 0, 1, 2
+
+
+class CaptureMode(TorchDispatchMode):
+    """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
+
+    def __init__(
+        self,
+        scope: ModuleScope,
+        locator: Locator,
+        *,
+        save_data: bool,
+        stack: bool,
+        max_ops: int,
+        max_bytes: int,
+        on_full: Callable[[], None],
+    ) -> None:
+        super().__init__()
+        self.scope = scope
+        self.step = 0
+        self.chunk = 0  # index of the chunk being filled (names saved tensors "<chunk>/<id>")
+        self.in_optimizer = False
+        self.rows: list[tuple[Any, ...]] = []
+        self.tensor_rows: list[tuple[Any, ...]] = []
+        self.saved: dict[str, torch.Tensor] = {}
+        self.saved_bytes = 0
+        self.devices: dict[torch.device, tuple[str, int]] = {}
+        self._locator = locator
+        self._save_data = save_data
+        self._stack = stack
+        self._max_ops = max_ops
+        self._max_bytes = max_bytes
+        self._on_full = on_full
+        self._next_op = 0
+        self._next_tensor = 0
+        self._known: dict[int, list[Any]] = {}  # id(tensor) -> [tensor id, _version or None, group, weakref]
+        self._writes: dict[int, list[list[Any]]] = {}  # group -> [[version after, tensor id]]
+        self._unsettled: list[tuple[list[Any], list[Any]]] = []  # writes whose version is not bumped yet
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
+        self._dtypes: dict[torch.dtype, str] = {}
+        self._args = ArgsEncoder()
+
+    # -- the per-op path -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if self._unsettled:
+            self._settle()
+        info = op_info(func)
+        if not info.record:
+            return func(*args, **kwargs)
+        tensors: list[torch.Tensor] = []
+        key = scan(args, kwargs, tensors)
+        scope = self.scope
+        node = _current_autograd_node()
+        if node is None:
+            phase = "optimizer" if self.in_optimizer else "forward"
+            module = scope.current
+            location = self._locator.location(1)
+            seq = -1
+        else:
+            phase = "backward"
+            module, location, seq = self._backward_context(node)
+        if tensors and _is_grad_enabled() and (node is None or scope.depth):
+            newest = _get_sequence_nr() - 1
+            if newest > scope.last_claim and any(t.requires_grad for t in tensors):
+                # This op's autograd node was just made: remember where it came from (modules.py).
+                scope.last_claim = newest
+                scope.seq_info[newest] = (module, location)
+                scope.claims += 1
+                if node is None:
+                    seq = newest
+        stack = self._locator.stack(1) if self._stack else ""
+        known = self._known
+        inputs: list[int] = []
+        for t in tensors:
+            rec = known.get(id(t))
+            if rec is not None and rec[3]() is t and (rec[1] is None or rec[1] == t._version):
+                inputs.append(rec[0])
+            else:
+                inputs.append(self._enter(t, rec, phase, module, location, stack))
+        out = func(*args, **kwargs)
+        op_id = self._next_op
+        self._next_op = op_id + 1
+        outputs = self._outputs(info, op_id, args, kwargs, out)
+        self.rows.append(
+            (
+                op_id,
+                self.step,
+                phase,
+                info.kind,
+                info.name,
+                "",
+                module,
+                location,
+                self._args.encode(info, key, args, kwargs),
+                inputs,
+                outputs,
+                info.inplace,
+                info.random,
+                seq,
+                stack,
+            )
+        )
+        if len(self.rows) >= self._max_ops or self.saved_bytes >= self._max_bytes:
+            self._on_full()
+        return out
+
+    def _backward_context(self, node: Any) -> tuple[str, str, int]:
+        """(module, location, seq_nr) of an op run by the autograd engine for ``node``."""
+        scope = self.scope
+        seq = node._sequence_nr()
+        if seq >= _SEQ_NONE:
+            # Gradient accumulation into a parameter: it belongs to the parameter's module.
+            variable = getattr(node, "variable", None)
+            module = scope.owner(variable)[0] if variable is not None else ""
+            return module, self._locator.location(2), -1
+        if scope.depth:  # a forward recomputed inside backward (activation checkpointing)
+            return scope.current, self._locator.location(2), seq
+        hit = scope.seq_info.get(seq)
+        if hit is None:
+            return "", self._locator.location(2), seq
+        return hit[0], hit[1] or self._locator.location(2), seq
+
+    def _enter(
+        self, t: torch.Tensor, rec: list[Any] | None, phase: str, module: str, location: str, stack: str
+    ) -> int:
+        """Id of an input the map does not vouch for: a refreshed alias or a new source node."""
+        if rec is not None and rec[3]() is not t:
+            rec = None  # a dead tensor's entry; its id() was reused
+        op_id = self._next_op
+        self._next_op = op_id + 1
+        tid = self._next_tensor
+        self._next_tensor = tid + 1
+        if rec is not None:
+            version = t._version
+            writes = self._writes.get(rec[2])
+            if writes and writes[-1][0] == version:
+                written = [w for v, w in writes if v > rec[1]]
+                self.rows.append(
+                    (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}",
+                     [rec[0], *written], [tid], False, False, -1, stack)
+                )  # fmt: skip
+                self._value(t, tid, op_id, 0, written[-1])
+                rec[0], rec[1] = tid, version
+                return tid
+            group = rec[2]  # written behind our back: a source, still in its view family
+        else:
+            version = None if t.is_inference() else t._version
+            group = tid
+        source, name = self.scope.source(t, (self.step, phase))
+        self.rows.append(
+            (op_id, self.step, phase, "source", source, name, module, location, "{}", [], [tid], False, False, -1, stack)
+        )
+        self._value(t, tid, op_id, 0, -1)
+        self._known[id(t)] = [tid, version, group, weakref.ref(t)]
+        return tid
+
+    def _outputs(self, info: OpInfo, op_id: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[int]:
+        outputs: list[int] = []
+        if not info.schema:
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, _Tensor):
+                    self._fresh(value, op_id, outputs)
+            return outputs
+        returns = info.returns
+        values = (out,) if len(returns) == 1 else (out if returns else ())
+        for (kind, ref), value in zip(returns, values):
+            if isinstance(value, _Tensor):
+                self._output(kind, ref, value, None, args, kwargs, op_id, outputs)
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, _Tensor):
+                        self._output(kind, ref, item, i, args, kwargs, op_id, outputs)
+        for ref in info.extra_writes:
+            value = arg_value(ref, args, kwargs)
+            if isinstance(value, _Tensor):
+                self._written(value, op_id, outputs)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, _Tensor):
+                        self._written(item, op_id, outputs)
+        return outputs
+
+    def _output(
+        self,
+        kind: int,
+        ref: Any,
+        t: torch.Tensor,
+        item: int | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        op_id: int,
+        outputs: list[int],
+    ) -> None:
+        if kind == FRESH:
+            self._fresh(t, op_id, outputs)
+        elif kind == WRITE:
+            self._written(t, op_id, outputs)
+        else:
+            base = arg_value(ref, args, kwargs)
+            if isinstance(base, (list, tuple)):
+                base = base[item] if item is not None and item < len(base) else None
+            self._view(t, base, op_id, outputs)
+
+    def _fresh(self, t: torch.Tensor, op_id: int, outputs: list[int]) -> None:
+        tid = self._next_tensor
+        self._next_tensor = tid + 1
+        version = None if _is_inference_mode_enabled() and t.is_inference() else t._version
+        self._known[id(t)] = [tid, version, tid, weakref.ref(t)]
+        self._value(t, tid, op_id, len(outputs), -1)
+        outputs.append(tid)
+
+    def _written(self, t: torch.Tensor, op_id: int, outputs: list[int]) -> None:
+        tid = self._next_tensor
+        self._next_tensor = tid + 1
+        rec = self._known.get(id(t))
+        if rec is not None and rec[3]() is t:
+            version = None if rec[1] is None else t._version
+            rec[0], rec[1] = tid, version
+            group = rec[2]
+        else:  # only when the written tensor was not an input (an op hiding its writes)
+            version = None if t.is_inference() else t._version
+            group = tid
+            self._known[id(t)] = [tid, version, group, weakref.ref(t)]
+        if version is not None:
+            # Autograd bumps the version counter only after the op returns: settled at the next op.
+            entry = [version, tid]
+            self._unsettled.append((self._known[id(t)], entry))
+            history = self._writes.get(group)
+            if history is None:
+                self._writes[group] = [entry]
+            else:
+                history.append(entry)
+                if len(history) > _WRITE_HISTORY:
+                    del history[0]
+        self._value(t, tid, op_id, len(outputs), -1)
+        outputs.append(tid)
+
+    def _settle(self) -> None:
+        """Read the versions of the tensors the previous op wrote, now that they are bumped."""
+        for rec, entry in self._unsettled:
+            t = rec[3]()
+            if t is not None:
+                rec[1] = entry[0] = t._version
+        self._unsettled = []
+
+    def _view(self, t: torch.Tensor, base: Any, op_id: int, outputs: list[int]) -> None:
+        tid = self._next_tensor
+        self._next_tensor = tid + 1
+        rec = self._known.get(id(base)) if isinstance(base, _Tensor) else None
+        if rec is not None and rec[3]() is base:
+            # Autograd hands the view its base's version counter after the op returns.
+            view_of, group, version = rec[0], rec[2], rec[1]
+        else:
+            view_of, group = -1, tid
+            version = None if t.is_inference() else t._version
+        self._known[id(t)] = [tid, version, group, weakref.ref(t)]
+        name, _ = self._device(t.device)
+        self.tensor_rows.append(
+            (tid, op_id, len(outputs), t.shape, self._dtype(t.dtype), name, view_of, False) + _NO_STATS + ("",)
+        )
+        outputs.append(tid)
+
+    def _value(self, t: torch.Tensor, tid: int, op_id: int, index: int, view_of: int) -> None:
+        """Append the tensor row of a value that carries statistics (and its data, if saved)."""
+        device, kind = self._device(t.device)
+        stats: tuple[Any, ...] = _NO_STATS
+        has_stats = kind != _NONE
+        try:
+            if kind == _CPU:
+                stats = tensor_stats_row(t)
+            elif kind == _DEFERRED:
+                self._pending.append((len(self.tensor_rows), stats_tensor_reference(t)))
+        except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):
+            has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
+        key = self._save(t, tid) if self._save_data and has_stats else ""
+        self.tensor_rows.append(
+            (tid, op_id, index, t.shape, self._dtype(t.dtype), device, view_of, has_stats) + stats + (key,)
+        )
+
+    def _save(self, t: torch.Tensor, tid: int) -> str:
+        # Copied now: a later in-place op would change the value under us.
+        copy = t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format).resolve_conj().resolve_neg()
+        key = f"{self.chunk}/{tid}"
+        self.saved[key] = copy
+        self.saved_bytes += copy.numel() * copy.element_size()
+        return key
+
+    def _dtype(self, dtype: torch.dtype) -> str:
+        name = self._dtypes.get(dtype)
+        if name is None:
+            name = self._dtypes[dtype] = str(dtype).removeprefix("torch.")
+        return name
+
+    def _device(self, device: torch.device) -> tuple[str, int]:
+        hit = self.devices.get(device)
+        if hit is None:
+            kind = _CPU if device.type == "cpu" else (_NONE if device.type == "meta" else _DEFERRED)
+            hit = self.devices[device] = (str(device), kind)
+        return hit
+
+    def accelerator(self) -> str | None:
+        """The first accelerator device a recorded tensor lived on, if any."""
+        return next((name for name, kind in self.devices.values() if kind == _DEFERRED), None)
+
+    # -- step boundaries -----------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Called before the mode is entered for a recorded step."""
+        self.step = step
+        self.in_optimizer = False
+
+    def take(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]], dict[str, torch.Tensor], list[int]]:
+        """Hand over the buffered rows as columns (and saved tensors), and empty the buffers."""
+        self._settle()
+        self._gather_deferred_stats()
+        rows, tensor_rows, saved = self.rows, self.tensor_rows, self.saved
+        self.rows, self.tensor_rows, self.saved, self.saved_bytes = [], [], {}, 0
+        ops = _columns(rows, OPS_SCHEMA.names)
+        tensors = _columns(tensor_rows, TENSORS_SCHEMA.names)
+        steps = sorted(set(ops["step"]))
+        self._sweep()
+        return ops, tensors, saved, steps
+
+    def _gather_deferred_stats(self) -> None:
+        """Bring the statistics computed on accelerators to the host: one transfer per device."""
+        if not self._pending:
+            return
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for index, packed in self._pending:
+            by_device.setdefault(packed.device, []).append((index, packed))
+        self._pending = []
+        for items in by_device.values():
+            host = torch.stack([packed for _, packed in items]).cpu()
+            for (index, _), packed in zip(items, host):
+                row = self.tensor_rows[index]
+                self.tensor_rows[index] = row[:8] + tuple(unpack_stats(packed)) + row[15:]
+
+    def _sweep(self) -> None:
+        """Forget dead tensors and the write history of view families nobody holds any more."""
+        self._known = {k: rec for k, rec in self._known.items() if rec[3]() is not None}
+        groups = {rec[2] for rec in self._known.values()}
+        self._writes = {g: w for g, w in self._writes.items() if g in groups}
+
+
+def _columns(rows: list[tuple[Any, ...]], names: list[str]) -> dict[str, list[Any]]:
+    if not rows:
+        return {name: [] for name in names}
+    return {name: list(column) for name, column in zip(names, zip(*rows))}

@@ -1,0 +1,206 @@
+"""Module attribution and source names: which module an op ran in, and what a tensor is called.
+
+Forward ops take the module on top of a stack kept by global module forward hooks.
+
+Backward ops belong to the module whose forward created their autograd node. Each autograd node
+carries a sequence number from a thread-local counter that only grows; a node is created just
+before its op reaches the dispatcher, so while a forward op is dispatched the newest number is its
+node's (``torch.autograd._get_sequence_nr() - 1``). Capture *claims* that number for the op's
+module the first time it sees it, and the backward engine later reports the running node
+(``torch._C._current_autograd_node()``), whose number leads back to the module. Nodes that no
+dispatched op creates (custom ``autograd.Function`` nodes, made before their forward runs with
+grad off) are claimed when their module returns: its post-hook walks the outputs' ``grad_fn``
+graph and claims every unclaimed node numbered since its pre-hook. Innermost modules return
+first, so each node goes to the innermost module that created it. torch's ``ModuleTracker``
+instead follows gradient hooks on module inputs and outputs, which files ops under the wrong
+module when tensors skip modules (GPT-2's residual stream); sequence numbers do not depend on
+which tensors flow where.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch._C._autograd import _get_sequence_nr
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from tracecmp.capture.location import Locator
+
+_Named = dict[int, tuple[str, "weakref.ref[Any]"]]
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside a module's output: tensors, sequences, mappings (transformers' ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+
+
+def _lookup(table: _Named, obj: Any) -> str | None:
+    hit = table.get(id(obj))
+    if hit is not None and hit[1]() is obj:
+        return hit[0]
+    return None
+
+
+class ModuleScope:
+    """Module stack, autograd-node claims and the names of parameters, buffers and inputs."""
+
+    def __init__(self, model: torch.nn.Module | None, locator: Locator) -> None:
+        self.model = model
+        self.locator = locator
+        self.current = ""  # dotted path of the innermost running module
+        self.depth = 0
+        self.seq_info: dict[int, tuple[str, str]] = {}  # autograd sequence number -> (module, location)
+        self.claims = 0  # how many sequence numbers have been claimed so far
+        self.last_claim = -1
+        self._stack: list[tuple[str, int, int]] = []  # (path, sequence number at pre-hook, claims then)
+        self._modules: _Named = {}
+        self.params: _Named = {}
+        self.buffers: _Named = {}
+        self.inputs: _Named = {}
+        self._extra: _Named = {}  # grads and optimizer state, rebuilt lazily
+        self._extra_stamp: Any = None
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._handles: list[Any] = []
+        self._marks: list[int] = []
+        if model is not None:
+            self.add_root(model)
+
+    # -- names ---------------------------------------------------------------------------------
+    def add_root(self, root: torch.nn.Module) -> None:
+        """Name ``root``'s modules, parameters and buffers as ``root.named_*()`` does."""
+        for name, module in root.named_modules():
+            self._modules.setdefault(id(module), (name, weakref.ref(module)))
+        for name, param in root.named_parameters():
+            self.params.setdefault(id(param), (name, weakref.ref(param)))
+        for name, buf in root.named_buffers():
+            self.buffers.setdefault(id(buf), (name, weakref.ref(buf)))
+
+    def name_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Remember the root model's tensor arguments as ``input.0``, ``input.1`` ... or kwarg names."""
+        for i, value in enumerate(args):
+            self._name_value(f"input.{i}", value)
+        for key, value in kwargs.items():
+            self._name_value(key, value)
+
+    def _name_value(self, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.inputs[id(value)] = (name, weakref.ref(value))
+            return
+        for j, tensor in enumerate(_tensors_in(value)):
+            self.inputs[id(tensor)] = (f"{name}.{j}", weakref.ref(tensor))
+
+    def source(self, tensor: torch.Tensor, stamp: Any) -> tuple[str, str]:
+        """``(op, name)`` of a tensor entering the trace: a parameter, buffer, input or other tensor."""
+        name = _lookup(self.params, tensor)
+        if name is not None:
+            return "source.parameter", name
+        name = _lookup(self.buffers, tensor)
+        if name is not None:
+            return "source.buffer", name
+        name = _lookup(self.inputs, tensor)
+        if name is not None:
+            return "source.input", name
+        if self._extra_stamp != stamp:
+            self._rebuild_extra()
+            self._extra_stamp = stamp
+        return "source.tensor", _lookup(self._extra, tensor) or ""
+
+    def _rebuild_extra(self) -> None:
+        """Name gradients (``fc1.weight.grad``) and optimizer state (``fc1.weight.exp_avg``)."""
+        extra: _Named = {}
+        params = [(name, ref()) for name, ref in self.params.values()]
+        for name, param in params:
+            if param is not None and param.grad is not None:
+                extra[id(param.grad)] = (f"{name}.grad", weakref.ref(param.grad))
+        names = {id(p): n for n, p in params if p is not None}
+        for optimizer in list(self.optimizers):
+            for param, state in optimizer.state.items():
+                pname = names.get(id(param))
+                if pname is None or not isinstance(state, dict):
+                    continue
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        extra[id(value)] = (f"{pname}.{key}", weakref.ref(value))
+        self._extra = extra
+
+    def owner(self, param: Any) -> tuple[str, str]:
+        """``(module path, parameter name)`` of a parameter, for gradient accumulation in backward."""
+        name = _lookup(self.params, param) or ""
+        return name.rpartition(".")[0], name
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Start following module calls (called when a recorded step begins)."""
+        self._stack.clear()
+        self.current, self.depth = "", 0
+        self.last_claim = _get_sequence_nr() - 1  # nodes made while not recording are not ours
+        self._marks.append(self.last_claim)
+        if len(self._marks) > 2:  # keep the claims of this and the previous recorded step
+            cutoff = self._marks.pop(0)
+            self.seq_info = {s: v for s, v in self.seq_info.items() if s > cutoff}
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        if self.model is not None:
+            self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+
+    def remove(self) -> None:
+        """Stop following module calls."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.name_inputs(args, kwargs)
+
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        path = _lookup(self._modules, module)
+        if not self._stack and self.model is None:
+            # No model given: each top-level module is a root, named "" like named_modules() does.
+            if path is None:
+                self.add_root(module)
+                path = ""
+            if path == "":
+                self.name_inputs(args, {})
+        elif path is None:
+            # A module outside the model's tree: inside a known module it counts as that module,
+            # at top level it is "outside any module".
+            path = self.current
+        self._stack.append((path, _get_sequence_nr(), self.claims))
+        self.current, self.depth = path, len(self._stack)
+
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self._stack:
+            return
+        path, first, claims = self._stack.pop()
+        self.current = self._stack[-1][0] if self._stack else ""
+        self.depth = len(self._stack)
+        end = _get_sequence_nr()
+        if end - first > self.claims - claims:
+            # Some nodes made during this call were claimed by no op: walk back from the outputs.
+            self._claim_graph(output, first, end, (path, self.locator.location(1)))
+
+    def _claim_graph(self, output: Any, first: int, end: int, entry: tuple[str, str]) -> None:
+        todo = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+        seen: set[int] = set()
+        while todo:
+            node = todo.pop()
+            if node is None:
+                continue
+            seq = node._sequence_nr()
+            if seq < first or seq >= end or seq in seen:
+                continue
+            seen.add(seq)
+            if seq not in self.seq_info:
+                self.seq_info[seq] = entry
+                self.claims += 1
+            todo.extend(next_node for next_node, _ in node.next_functions)

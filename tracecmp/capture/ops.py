@@ -1,0 +1,228 @@
+"""What capture needs to know about an operator, read once from its schema and cached.
+
+An op's schema says, through its alias annotations, which arguments it writes (``Tensor(a!)``)
+and which returns are views of an argument (``Tensor(a)``) — the same information torch's own
+functionalization and ``torch.utils._python_dispatch`` rely on. :func:`op_info` turns that into
+a small record so the per-op path only does lookups.
+
+>>> info = op_info(torch.ops.aten.add_.Tensor)
+>>> info.name, info.returns, info.extra_writes
+('aten.add_.Tensor', ((1, (0, 'self')),), ())
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Return kinds.
+FRESH = 0  # a new tensor (gets statistics)
+WRITE = 1  # the argument it names, written in place (a new version, gets statistics)
+VIEW = 2  # a view of the argument it names (no statistics)
+
+# record_function ranges (the optimizer's "Optimizer.step#Adam.step") reach the dispatcher as ops.
+_SKIPPED_NAMESPACES = ("profiler.",)
+
+ArgRef = tuple[int, str]  # (position in args, name in kwargs): where a schema argument arrives
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """Per-operator facts from its schema."""
+
+    name: str  # "aten.mm.default", "npu.fused_x.default"
+    arg_names: tuple[str, ...]  # schema names of the arguments, in order
+    returns: tuple[tuple[int, ArgRef | None], ...]  # (kind, aliased argument) per schema return
+    extra_writes: tuple[ArgRef, ...]  # written arguments that no return hands back (foreach_, running stats)
+    kind: str  # "view" when every return is a view and nothing is written, else "op"
+    inplace: bool  # the op writes at least one argument
+    random: bool  # the op draws from a random generator
+    schema: bool  # False for operators without a schema (higher-order ops): outputs are walked generically
+    record: bool = True  # False for bookkeeping ops that compute nothing (profiler ranges)
+
+
+def _alias_sets(alias_info: Any) -> set[str]:
+    return set(alias_info.before_set) if alias_info is not None else set()
+
+
+def _build(func: Any) -> OpInfo:
+    name = str(func)
+    if name.startswith(_SKIPPED_NAMESPACES):
+        return OpInfo(name, (), (), (), "op", False, False, False, record=False)
+    schema = getattr(func, "_schema", None)
+    tags = getattr(func, "tags", ()) or ()
+    random = torch.Tag.nondeterministic_seeded in tags
+    if schema is None:
+        return OpInfo(name, (), (), (), "op", False, random, False)
+    arguments = list(schema.arguments)
+    # Keyword-only arguments arrive in kwargs, the others positionally (trailing defaults may be absent).
+    refs: list[ArgRef] = [(-1 if a.kwarg_only else i, a.name) for i, a in enumerate(arguments)]
+    writes = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
+    returns: list[tuple[int, ArgRef | None]] = []
+    returned_writes: set[int] = set()
+    for ret in schema.returns:
+        info = ret.alias_info
+        if info is None:
+            returns.append((FRESH, None))
+            continue
+        sets = _alias_sets(info)
+        # A list return (`Tensor(a)[]`) carries its alias set on the elements; fall back to the
+        # first argument with a matching write-ness, which is how such schemas are written.
+        candidates = [
+            i
+            for i, a in enumerate(arguments)
+            if a.alias_info is not None and bool(a.alias_info.is_write) == bool(info.is_write)
+        ]
+        matched = [i for i in candidates if sets & _alias_sets(arguments[i].alias_info)] or candidates[:1]
+        if not matched:
+            returns.append((FRESH, None))
+            continue
+        index = matched[0]
+        if info.is_write:
+            returned_writes.add(index)
+            returns.append((WRITE, refs[index]))
+        else:
+            returns.append((VIEW, refs[index]))
+    extra = tuple(refs[i] for i in writes if i not in returned_writes)
+    is_view = bool(returns) and not writes and all(kind == VIEW for kind, _ in returns)
+    return OpInfo(
+        name,
+        tuple(a.name for a in arguments),
+        tuple(returns),
+        extra,
+        "view" if is_view else "op",
+        bool(writes),
+        random,
+        True,
+    )
+
+
+_CACHE: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    """The cached :class:`OpInfo` of ``func`` (an ``OpOverload`` or any dispatched operator)."""
+    info = _CACHE.get(func)
+    if info is None:
+        info = _CACHE[func] = _build(func)
+    return info
+
+
+def arg_value(ref: ArgRef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The value of the schema argument ``ref`` in this call (None when defaulted away)."""
+    position, name = ref
+    if 0 <= position < len(args):
+        return args[position]
+    return kwargs.get(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments as JSON. Schema types are flat (Tensor, Tensor?, Tensor[], scalars, int[] ...), so a
+# two-level walk finds every tensor; anything else goes through pytree. The walk also builds a
+# hashable key with tensors as placeholders, so the JSON text of a call seen before (same op,
+# same scalars) is a dict lookup instead of a json.dumps.
+
+_T = object()  # a tensor, in a memo key
+_MEMO_LIMIT = 1 << 16
+
+
+def scan(args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    """Append every tensor argument to ``tensors`` in order; return the memo key of the non-tensor part."""
+    key: list[Any] = []
+    append = key.append
+    for value in args:
+        append(_scan_value(value, tensors))
+    if kwargs:
+        for name, value in kwargs.items():
+            append(name)
+            append(_scan_value(value, tensors))
+    return tuple(key)
+
+
+def _scan_value(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _T
+    kind = type(value)
+    if kind is float or kind is bool:
+        return (kind, value)  # 1, 1.0 and True hash alike but mean different things
+    if kind is list or kind is tuple:
+        return tuple([_scan_value(v, tensors) for v in value])
+    if kind is int or kind is str or value is None:
+        return value
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return value
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return ("<opaque>", kind)  # encoded by type name only (see _to_json)
+    return (str(spec), tuple(_scan_value(v, tensors) for v in leaves))
+
+
+def _json_float(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _to_json(value: Any, counter: list[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        counter[0] += 1
+        return {"tensor": counter[0] - 1}
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return _json_float(value)
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v, counter) for v in value]
+    if isinstance(value, complex):
+        return {"complex": [_json_float(value.real), _json_float(value.imag)]}
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(value)
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        # repr() of arbitrary objects embeds addresses, which would differ between two runs.
+        return f"<{type(value).__name__}>"
+    return [_to_json(v, counter) for v in leaves]
+
+
+class ArgsEncoder:
+    """Turns one call's arguments into JSON text, memoized on the non-tensor part of the call."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Any, ...], str] = {}
+
+    def encode(self, info: OpInfo, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        memo_key = (info.name, key)
+        try:
+            text = self._memo.get(memo_key)
+        except TypeError:  # an unhashable value (symbolic sizes): encode without the memo
+            return self._dump(info, args, kwargs)
+        if text is None:
+            text = self._dump(info, args, kwargs)
+            if len(self._memo) >= _MEMO_LIMIT:
+                self._memo.clear()
+            self._memo[memo_key] = text
+        return text
+
+    @staticmethod
+    def _dump(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        counter = [0]
+        names = info.arg_names
+        out: dict[str, Any] = {}
+        for i, value in enumerate(args):
+            out[names[i] if i < len(names) else str(i)] = _to_json(value, counter)
+        for name, value in kwargs.items():
+            out[name] = _to_json(value, counter)
+        return json.dumps(out, separators=(",", ":"), allow_nan=False)
+

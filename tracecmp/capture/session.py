@@ -1,0 +1,223 @@
+"""``TraceCompare``: the public context manager that records a run into a trace folder."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from tracecmp.capture.location import Locator
+from tracecmp.capture.mode import CaptureMode
+from tracecmp.capture.modules import ModuleScope
+from tracecmp.errors import CaptureError
+from tracecmp.trace.writer import RankWriter, write_run_manifest
+
+DATA_MODES = ("stats", "tensors")
+_PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
+
+
+def _distributed() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _model_device(model: torch.nn.Module | None) -> str | None:
+    if model is None:
+        return None
+    for tensor in (*model.parameters(), *model.buffers()):
+        return str(tensor.device)
+    return None
+
+
+class TraceCompare:
+    """Record every op of the enclosed code (forward, backward, optimizer) into a trace folder.
+
+    ``steps`` selects the recorded steps (``None``: all); in the others nothing is installed,
+    so they run at full speed. ``data="tensors"`` also saves every recorded value (safetensors);
+    ``stack=True`` keeps each op's whole user stack. Give ``model`` to get parameter, buffer and
+    input names and module paths as ``model.named_modules()`` spells them.
+
+    >>> import torch, tracecmp, tempfile
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with tracecmp.TraceCompare(tempfile.mkdtemp() + "/run", model=model) as tc:
+    ...     for _ in range(2):
+    ...         model(torch.ones(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    ...         tc.step()
+    >>> sorted(tracecmp.load(tc.path).to_frame()["phase"].unique())
+    ['backward', 'forward', 'optimizer']
+    """
+
+    _active: ClassVar[TraceCompare | None] = None
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module | None = None,
+        *,
+        steps: Iterable[int] | None = None,
+        data: str = "stats",
+        stack: bool = False,
+        max_ops: int = 200_000,
+        max_bytes: int = 1 << 30,
+    ) -> None:
+        if data not in DATA_MODES:
+            raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        selected: frozenset[int] | None = None
+        if steps is not None:
+            try:
+                selected = frozenset(int(s) for s in steps)
+            except (TypeError, ValueError) as exc:
+                raise CaptureError(f"steps must be an iterable of step numbers or None ({exc})") from None
+            if any(s < 0 for s in selected):
+                raise CaptureError("steps must not be negative")
+        if max_ops < 1 or max_bytes < 1:
+            raise CaptureError("max_ops and max_bytes must be positive")
+        self.path = Path(path)
+        self.model = model
+        self.data = data
+        self.stack = bool(stack)
+        self._steps = selected
+        self._max_ops = max_ops
+        self._max_bytes = max_bytes
+        self._step = 0
+        self._used = False
+        self._recording = False
+        self._writer: RankWriter | None = None
+        self._mode: CaptureMode | None = None
+        self._scope: ModuleScope | None = None
+        self._hooks: list[Any] = []
+
+    @property
+    def current_step(self) -> int:
+        """The step being run now (0 until the first :meth:`step`)."""
+        return self._step
+
+    def _selected(self, step: int) -> bool:
+        return self._steps is None or step in self._steps
+
+    # -- context -------------------------------------------------------------------------------
+    def __enter__(self) -> TraceCompare:
+        if TraceCompare._active is not None:
+            raise CaptureError("TraceCompare sessions cannot be nested", path=TraceCompare._active.path)
+        if self._used:
+            raise CaptureError("this TraceCompare was already used; make a new one", path=self.path)
+        self._used = True
+        rank, world_size = _distributed()
+        device = _model_device(self.model) or "cpu"
+        options = {
+            "data": self.data,
+            "steps": None if self._steps is None else sorted(self._steps),
+            "stack": self.stack,
+            "model": type(self.model).__name__ if self.model is not None else None,
+        }
+        run_info = {
+            "world_size": world_size,
+            "device": device,
+            "seed": torch.initial_seed(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+        }
+        if rank == 0:
+            try:
+                write_run_manifest(self.path, options=options, extra=run_info)
+            except OSError as exc:
+                raise CaptureError(f"cannot write the trace: {exc.strerror}", path=self.path) from exc
+        self._writer = RankWriter(self.path, rank=rank, world_size=world_size, device=device, info={"options": options})
+        locator = Locator()
+        self._scope = ModuleScope(self.model, locator)
+        self._mode = CaptureMode(
+            self._scope,
+            locator,
+            save_data=self.data == "tensors",
+            stack=self.stack,
+            max_ops=self._max_ops,
+            max_bytes=self._max_bytes,
+            on_full=self._flush,
+        )
+        TraceCompare._active = self
+        self._step = 0
+        if self._selected(0):
+            self._start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._stop()
+            self._flush()
+            assert self._writer is not None
+            self._writer.close(complete=exc_type is None)
+        finally:
+            TraceCompare._active = None
+
+    def step(self) -> None:
+        """Mark a step boundary: commit what the step recorded, then start the next step."""
+        if TraceCompare._active is not self:
+            raise CaptureError("step() called outside the TraceCompare context", path=self.path)
+        self._stop()
+        self._flush()
+        self._step += 1
+        if self._selected(self._step):
+            self._start()
+
+    # -- recording on/off ----------------------------------------------------------------------
+    def _start(self) -> None:
+        assert self._mode is not None and self._scope is not None
+        if self.model is not None:
+            self._scope.add_root(self.model)  # parameters replaced since the last step get names
+        self._scope.install()
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+            register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        self._mode.begin(self._step)
+        self._mode.__enter__()
+        self._recording = True
+
+    def _stop(self) -> None:
+        if not self._recording:
+            return
+        assert self._mode is not None and self._scope is not None
+        self._recording = False
+        self._mode.__exit__(None, None, None)
+        self._scope.remove()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        assert self._mode is not None and self._scope is not None
+        self._mode.in_optimizer = True
+        self._scope.optimizers.add(optimizer)
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        assert self._mode is not None
+        self._mode.in_optimizer = False
+
+    def _flush(self) -> None:
+        """Commit the buffered rows as one chunk (the writer renames it into place atomically)."""
+        mode, writer = self._mode, self._writer
+        assert mode is not None and writer is not None
+        if not mode.rows and not mode.tensor_rows:
+            return
+        started = time.monotonic()
+        loud = len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty()
+        if loud:
+            print(f"tracecmp: writing {len(mode.rows):,} ops of step {self._step} ...", file=sys.stderr, flush=True)
+        ops, tensors, saved, steps = mode.take()
+        if self.model is None and writer.manifest["device"] == "cpu":
+            writer.manifest["device"] = mode.accelerator() or "cpu"
+        try:
+            writer.write_chunk(ops, tensors, saved or None, steps=steps)
+        except OSError as exc:
+            raise CaptureError(f"cannot write the trace: {exc.strerror}", path=writer.dir) from exc
+        mode.chunk = len(writer.manifest["chunks"])
+        if loud:
+            print(f"tracecmp: wrote in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
