@@ -1,0 +1,314 @@
+"""Hand-made traces for tests: build a dataflow op by op, write it through the real trace writer.
+
+>>> import torch
+>>> b = TraceBuilder()
+>>> x = b.source("input.0", torch.ones(2, 3))
+>>> w = b.param("fc.weight", torch.eye(3))
+>>> y = b.op("aten.mm.default", [x, w], torch.ones(2, 3), module="fc")
+>>> z = b.op("aten.relu.default", [y], torch.ones(2, 3), module="act")
+>>> b.step()                       # the next ops belong to step 1
+>>> b.write("/tmp/tracebuild-doctest")   # doctest: +SKIP
+
+Outputs can be real tensors (statistics derived with the reference implementation, shape and
+dtype read from the tensor, whole tensors saved when ``data=True``) or described by
+``shape``/``dtype``/``stats`` alone. Two builders fed the same calls with different numbers give
+a target and a bench; :func:`twin` replays one recipe twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from tracecmp.capture.stats import STAT_FIELDS, reference_stats
+from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
+from tracecmp.trace.writer import RankWriter, write_run_manifest
+
+__all__ = ["Ref", "TraceBuilder", "stats_of", "fake_stats", "twin"]
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor value in the trace being built (what an op consumes or produces)."""
+
+    tensor_id: int
+    op_id: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def stats_of(tensor: torch.Tensor) -> dict[str, Any]:
+    """The recorded statistics of a real tensor, as a dict of the schema's stat columns.
+
+    >>> stats_of(torch.tensor([1.0, 3.0]))["mean"]
+    2.0
+    """
+    return dict(zip(STAT_FIELDS, reference_stats(tensor)))
+
+
+def fake_stats(
+    shape: Sequence[int], *, mean: float = 0.0, std: float = 1.0, nan: int = 0, inf: int = 0, checksum: int | None = None
+) -> dict[str, Any]:
+    """Plausible statistics of a Gaussian-like tensor without making one (for large fake traces).
+
+    The checksum defaults to a hash of the other numbers, so equal statistics mean equal checksums.
+
+    >>> fake_stats((10,), mean=1.0, std=0.0)["norm"]
+    3.1622776601683795
+    """
+    numel = math.prod(shape)
+    finite = max(numel - nan - inf, 0)
+    spread = 3.0 * std
+    stats = {
+        "min": mean - spread if numel else math.nan,
+        "max": mean + spread if numel else math.nan,
+        "mean": mean if finite else math.nan,
+        "norm": math.sqrt(finite * (mean * mean + std * std)),
+        "nan_count": nan,
+        "inf_count": inf,
+    }
+    if checksum is None:
+        checksum = hash(tuple(round(v, 12) if isinstance(v, float) and math.isfinite(v) else v for v in stats.values()))
+    stats["checksum"] = int(checksum) & 0x7FFFFFFFFFFFFFFF
+    return stats
+
+
+class TraceBuilder:
+    """Accumulates nodes and tensors in execution order; :meth:`write` commits them as a trace.
+
+    ``data=True`` also saves the tensors given as real outputs (like capture's ``data="tensors"``).
+    ``complete=False`` writes a trace whose capture did not finish.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        data: bool = False,
+        complete: bool = True,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.data = data
+        self.complete = complete
+        self.current_step = 0
+        self.ops: list[dict[str, Any]] = []
+        self.tensors: list[dict[str, Any]] = []
+        self.saved: dict[int, torch.Tensor] = {}
+        self._next_tensor = 0
+
+    # -- building ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Start the next step (like ``TraceCompare.step()``)."""
+        self.current_step += 1
+
+    def source(
+        self,
+        name: str,
+        value: torch.Tensor | None = None,
+        *,
+        kind: str = "input",
+        shape: Sequence[int] | None = None,
+        dtype: str | torch.dtype = "float32",
+        stats: Mapping[str, Any] | None = None,
+        module: str = "",
+        phase: str = "forward",
+        location: str = "",
+    ) -> Ref:
+        """A named source tensor: ``kind`` is input, parameter, buffer or tensor."""
+        (ref,) = self._node(
+            f"source.{kind}", [], [value] if value is not None else None, kind="source", name=name,
+            shapes=None if shape is None else [shape], dtypes=[dtype], stats=None if stats is None else [stats],
+            module=module, phase=phase, location=location,
+        )
+        return ref
+
+    def param(self, name: str, value: torch.Tensor | None = None, **kw: Any) -> Ref:
+        """A parameter source (``source.parameter``), e.g. ``b.param("fc1.weight", w)``."""
+        return self.source(name, value, kind="parameter", **kw)
+
+    def op(
+        self,
+        op: str,
+        inputs: Sequence[Ref],
+        out: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        *,
+        shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        dtype: str | torch.dtype | Sequence[str | torch.dtype] = "float32",
+        stats: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        module: str = "",
+        phase: str = "forward",
+        args: Mapping[str, Any] | None = None,
+        location: str = "",
+        random: bool = False,
+        inplace: bool = False,
+        seq_nr: int = -1,
+        stack: str = "",
+    ) -> Any:
+        """Record one op; returns its output :class:`Ref` (a tuple when it has several outputs).
+
+        ``out`` is a tensor or a list of tensors; without it give ``shape`` (one shape or a list)
+        and optionally ``dtype`` and ``stats`` (default: :func:`fake_stats` of the shape).
+        """
+        outs: list[torch.Tensor] | None
+        if out is None:
+            outs = None
+        elif isinstance(out, torch.Tensor):
+            outs = [out]
+        else:
+            outs = list(out)
+        shapes: list[Sequence[int]] | None = None
+        if shape is not None:
+            shapes = [shape] if not shape or isinstance(shape[0], int) else list(shape)  # type: ignore[list-item]
+        n = len(outs) if outs is not None else (len(shapes) if shapes is not None else 1)
+        dtypes = [dtype] * n if isinstance(dtype, (str, torch.dtype)) else list(dtype)
+        stat_list = None if stats is None else ([stats] * n if isinstance(stats, Mapping) else list(stats))
+        refs = self._node(
+            op, inputs, outs, kind="op", name="", shapes=shapes, dtypes=dtypes, stats=stat_list, module=module,
+            phase=phase, location=location, args=args, random=random, inplace=inplace, seq_nr=seq_nr, stack=stack,
+        )
+        return refs[0] if len(refs) == 1 else tuple(refs)
+
+    def view(
+        self,
+        op: str,
+        base: Ref,
+        shape: Sequence[int] | None = None,
+        *,
+        module: str = "",
+        phase: str = "forward",
+        args: Mapping[str, Any] | None = None,
+        location: str = "",
+    ) -> Ref:
+        """A view op: its output aliases ``base`` and carries no statistics."""
+        op_id = len(self.ops)
+        tid = self._tensor_id()
+        out_shape = tuple(base.shape if shape is None else shape)
+        self.ops.append(self._op_row(op_id, op, "view", "", module, phase, location, args, [base], [tid], False, False, -1, ""))
+        self.tensors.append(self._tensor_row(tid, op_id, 0, out_shape, base.dtype, base.tensor_id, None))
+        return Ref(tid, op_id, out_shape, base.dtype)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def write(self, path: str | Path, *, options: Mapping[str, Any] | None = None, chunk_ops: int | None = None) -> Path:
+        """Write the run manifest and this builder's rank folder; returns the run folder.
+
+        ``chunk_ops`` splits the nodes into several committed chunks (as a long capture does).
+        """
+        root = Path(path)
+        opts = {"data": "tensors" if self.data else "stats", **dict(options or {})}
+        write_run_manifest(root, options=opts)
+        writer = RankWriter(root, rank=self.rank, world_size=self.world_size, device=self.device)
+        size = chunk_ops or max(len(self.ops), 1)
+        by_producer: dict[int, list[dict[str, Any]]] = {}
+        for row in self.tensors:
+            by_producer.setdefault(row["op_id"], []).append(row)
+        for index, start in enumerate(range(0, max(len(self.ops), 1), size)):
+            ops = self.ops[start : start + size]
+            tensors = [t for o in ops for t in by_producer.get(o["op_id"], [])]
+            data = {}
+            for t in tensors:
+                if t["tensor_id"] in self.saved:
+                    t["data_key"] = f"{index}/t{t['tensor_id']}"
+                    data[t["data_key"]] = self.saved[t["tensor_id"]]
+            writer.write_chunk(
+                _columns(ops, OPS_SCHEMA.names), _columns(tensors, TENSORS_SCHEMA.names), data or None, steps=sorted({o["step"] for o in ops}),
+            )
+        writer.close(complete=self.complete)
+        return root
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _tensor_id(self) -> int:
+        tid = self._next_tensor
+        self._next_tensor += 1
+        return tid
+
+    def _node(
+        self, op: str, inputs: Sequence[Ref], outs: list[torch.Tensor] | None, *, kind: str, name: str,
+        shapes: list[Sequence[int]] | None, dtypes: list[Any], stats: list[Mapping[str, Any]] | None, module: str,
+        phase: str, location: str, args: Mapping[str, Any] | None = None, random: bool = False,
+        inplace: bool = False, seq_nr: int = -1, stack: str = "",
+    ) -> list[Ref]:
+        op_id = len(self.ops)
+        refs: list[Ref] = []
+        rows: list[dict[str, Any]] = []
+        n = len(outs) if outs is not None else len(shapes or [()])
+        for index in range(n):
+            tid = self._tensor_id()
+            if outs is not None:
+                tensor = outs[index]
+                out_shape, out_dtype, out_stats = tuple(tensor.shape), _dtype_name(tensor.dtype), stats_of(tensor)
+                if stats is not None:
+                    out_stats.update(stats[index])
+                if self.data:
+                    self.saved[tid] = tensor.detach().clone()
+            else:
+                out_shape = tuple(shapes[index]) if shapes else ()
+                out_dtype = _dtype_name(dtypes[min(index, len(dtypes) - 1)])
+                out_stats = fake_stats(out_shape)
+                if stats is not None:
+                    out_stats.update(stats[index])
+            rows.append(self._tensor_row(tid, op_id, index, out_shape, out_dtype, -1, out_stats))
+            refs.append(Ref(tid, op_id, out_shape, out_dtype))
+        self.ops.append(
+            self._op_row(op_id, op, kind, name, module, phase, location, args, inputs, [r.tensor_id for r in refs],
+                         inplace, random, seq_nr, stack)
+        )
+        self.tensors.extend(rows)
+        return refs
+
+    def _op_row(
+        self, op_id: int, op: str, kind: str, name: str, module: str, phase: str, location: str,
+        args: Mapping[str, Any] | None, inputs: Iterable[Ref], outputs: list[int], inplace: bool, random: bool,
+        seq_nr: int, stack: str,
+    ) -> dict[str, Any]:
+        return {
+            "op_id": op_id, "step": self.current_step, "phase": phase, "kind": kind, "op": op, "name": name,
+            "module": module, "location": location, "args": json.dumps(dict(args or {}), sort_keys=True),
+            "inputs": [r.tensor_id for r in inputs], "outputs": outputs, "inplace": inplace, "random": random,
+            "seq_nr": seq_nr, "stack": stack,
+        }
+
+    @staticmethod
+    def _tensor_row(
+        tid: int, op_id: int, index: int, shape: Sequence[int], dtype: str, view_of: int, stats: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "tensor_id": tid, "op_id": op_id, "index": index, "shape": list(shape), "dtype": dtype, "device": "cpu",
+            "view_of": view_of, "has_stats": stats is not None, "data_key": "",
+        }
+        for key in STAT_FIELDS:
+            default: Any = 0 if key in ("nan_count", "inf_count", "checksum") else math.nan
+            row[key] = default if stats is None else stats.get(key, default)
+        return row
+
+
+def _columns(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, list[Any]]:
+    return {k: [r[k] for r in rows] for k in names}
+
+
+def twin(recipe: Callable[[TraceBuilder, bool], None], target: str | Path, bench: str | Path, **kw: Any) -> None:
+    """Build and write a target and a bench from one recipe ``recipe(builder, is_target)``.
+
+    >>> def recipe(b, is_target):  # doctest: +SKIP
+    ...     x = b.source("input.0", torch.ones(3))
+    ...     b.op("aten.relu.default", [x], torch.ones(3) * (2 if is_target else 1))
+    >>> twin(recipe, "runs/t", "runs/b")  # doctest: +SKIP
+    """
+    for path, is_target in ((target, True), (bench, False)):
+        builder = TraceBuilder(**kw)
+        recipe(builder, is_target)
+        builder.write(path)

@@ -1,0 +1,291 @@
+"""``compare``: load two traces, align them, measure every paired tensor, localize the roots."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from tracecmp.compare.align import align_nodes
+from tracecmp.compare.localize import RankInput, TensorState, localize
+from tracecmp.compare.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
+from tracecmp.compare.result import NODE_COLUMNS, CompareResult
+from tracecmp.compare.tolerances import Tolerances, is_float_dtype
+from tracecmp.errors import CompareError
+from tracecmp.graph import view_bases
+from tracecmp.trace.reader import RankTrace, Trace, load
+
+_STAT_COLUMNS = ["tensor_id", "op_id", "index", "shape", "dtype", "has_stats", "min", "max", "mean", "norm",
+                 "nan_count", "inf_count", "checksum", "data_key"]
+_PROGRESS_NODES = 20_000
+
+
+class _Progress:
+    """A one-line progress bar on stderr, shown only on a terminal and for large traces."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled = enabled
+        self.total = max(total, 1)
+        self.done = 0
+        self.start = time.monotonic()
+
+    def update(self, label: str, advance: int = 0) -> None:
+        self.done += advance
+        if not self.enabled:
+            return
+        frac = min(self.done / self.total, 1.0)
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\rtracecmp compare [{bar:<30}] {frac:4.0%} {label:<28} {time.monotonic() - self.start:5.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _as_trace(value: str | Path | Trace, what: str) -> Trace:
+    if isinstance(value, Trace):
+        return value
+    if isinstance(value, (str, Path)):
+        return load(value)
+    raise CompareError(f"{what} must be a trace folder or a Trace, got {type(value).__name__}")
+
+
+def compare(
+    target: str | Path | Trace,
+    bench: str | Path | Trace,
+    *,
+    tolerances: Tolerances | Mapping[str, Any] | None = None,
+    steps: Iterable[int] | None = None,
+    ranks: Iterable[int] | None = None,
+    exact: bool = False,
+    progress: bool | None = None,
+) -> CompareResult:
+    """Compare a target run with a bench run and name the first op that went wrong.
+
+    ``exact=True`` checks bitwise determinism instead: every difference is a divergence and the roots
+    are the ops whose outputs changed while their inputs were bitwise equal. ``progress`` forces the
+    stderr progress bar on or off (default: on for large traces on a terminal).
+
+    >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
+    >>> result.first_divergence.op, result.first_divergence.module  # doctest: +SKIP
+    ('aten.gelu.default', 'blocks.1.mlp.act')
+    """
+    if tolerances is None:
+        tol = Tolerances()
+    elif isinstance(tolerances, Tolerances):
+        tol = tolerances
+    elif isinstance(tolerances, Mapping):
+        tol = Tolerances().replace(**tolerances)
+    else:
+        raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
+    t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
+    warnings: list[str] = []
+    wanted_ranks = set(ranks) if ranks is not None else None
+    common = sorted(set(t_trace.ranks) & set(b_trace.ranks))
+    if wanted_ranks is not None:
+        missing = sorted(wanted_ranks - set(common))
+        if missing:
+            warnings.append(f"rank(s) {missing} are not in both traces")
+        common = [r for r in common if r in wanted_ranks]
+    for name, trace in (("target", t_trace), ("bench", b_trace)):
+        only = sorted(set(trace.ranks) - set(b_trace.ranks if trace is t_trace else t_trace.ranks))
+        if only and wanted_ranks is None:
+            warnings.append(f"rank(s) {only} exist only in the {name} trace and were not compared")
+        if not trace.complete:
+            warnings.append(f"the {name} trace is incomplete (its capture did not finish): compared as far as it goes")
+    if not common:
+        raise CompareError(
+            f"no common rank to compare (target ranks {t_trace.ranks}, bench ranks {b_trace.ranks})", path=t_trace.path
+        )
+    wanted_steps = None if steps is None else {int(s) for s in steps}
+    total = sum(len(t_trace.rank(r).ops_table) for r in common)
+    bar = _Progress(progress if progress is not None else (sys.stderr.isatty() and total > _PROGRESS_NODES), total * 3)
+
+    rank_inputs: list[RankInput] = []
+    node_frames, tensor_frames, unpaired_frames = [], [], []
+    compared_steps: set[int] = set()
+    for r in common:
+        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar)
+        if prepared is None:
+            continue
+        rank_input, t_ops, tensors, unpaired = prepared
+        rank_inputs.append(rank_input)
+        node_frames.append(t_ops)
+        tensor_frames.append(tensors)
+        unpaired_frames.append(unpaired)
+        compared_steps.update(int(s) for s in t_ops["step"].unique())
+    if not rank_inputs:
+        bar.close()
+        raise CompareError("the traces have no step in common to compare" + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
+                           path=t_trace.path)
+    bar.update("localizing")
+    verdicts, roots = localize(rank_inputs, tol, exact=exact)
+    bar.update("done", total)
+    bar.close()
+
+    nodes = pd.concat(node_frames, ignore_index=True)
+    keys = list(zip(nodes["rank"].tolist(), nodes["op_id"].tolist()))
+    for column in ("status", "error", "introduced", "metric", "root_kind", "reason"):
+        nodes[column] = [getattr(verdicts[k], column) for k in keys]
+    nodes = nodes[list(NODE_COLUMNS)]
+    tensors = pd.concat(tensor_frames, ignore_index=True)
+    if len(tensors):
+        status = dict(zip(keys, nodes["status"].tolist()))
+        tensors.insert(len(tensors.columns), "status", [status.get(k) for k in zip(tensors["rank"], tensors["op_id"])])
+    unpaired_bench = pd.concat(unpaired_frames, ignore_index=True)
+    first = roots[0] if roots else None
+    suspects = sorted(roots, key=lambda d: -d.score)
+    return CompareResult(
+        target=t_trace, bench=b_trace, first_divergence=first, suspects=suspects, nodes=nodes, tensors=tensors,
+        unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
+        steps=sorted(compared_steps),
+    )
+
+
+def _prepare_rank(
+    t_rank: RankTrace, b_rank: RankTrace, rank: int, tol: Tolerances, wanted_steps: set[int] | None,
+    warnings: list[str], bar: _Progress,
+) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
+    t_ops, b_ops = t_rank.ops, b_rank.ops
+    t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
+    steps = t_steps & b_steps
+    if wanted_steps is not None:
+        steps &= wanted_steps
+    for name, own, other in (("target", t_steps, b_steps), ("bench", b_steps, t_steps)):
+        only = sorted(own - other)
+        if only and (wanted_steps is None or set(only) & wanted_steps):
+            warnings.append(f"rank {rank}: step(s) {only} exist only in the {name} trace")
+    if not steps:
+        return None
+    if steps != t_steps:
+        t_ops = t_ops[t_ops["step"].isin(steps)]
+    if steps != b_steps:
+        b_ops = b_ops[b_ops["step"].isin(steps)]
+    t_ops = t_ops.sort_values("op_id", kind="stable").reset_index(drop=True)
+    b_ops = b_ops.sort_values("op_id", kind="stable").reset_index(drop=True)
+    t_ten, b_ten = t_rank.tensors, b_rank.tensors
+    bar.update(f"rank {rank}: aligning")
+    pairs = align_nodes(t_ops, t_ten, b_ops, b_ten)
+    bar.update(f"rank {rank}: measuring", len(t_ops))
+
+    t_base, b_base = view_bases(t_ten), view_bases(b_ten)
+    partner = _tensor_partners(t_ops, b_ops, pairs, t_base, b_base, t_ten, b_ten)
+    measured_frame = _measure(t_rank, b_rank, partner, tol)
+    bar.update(f"rank {rank}: localizing", len(t_ops))
+
+    own_float = t_ten["dtype"].map(is_float_dtype).to_numpy(bool)
+    own_nonfinite = (t_ten["has_stats"].to_numpy(bool) & ((t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)))
+    own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
+    measured = _states(measured_frame, own)
+
+    b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_ops["op_id"].tolist(), b_ops["inputs"].tolist())}
+    b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))
+    paired_bench = set(pairs.values())
+    unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
+    unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
+    unpaired.insert(0, "rank", rank)
+    bench_ops = dict(zip(unpaired["op_id"].tolist(), zip(unpaired["op"].tolist(), unpaired["module"].tolist())))
+    nodes = list(zip(
+        t_ops["op_id"].tolist(), t_ops["step"].tolist(), t_ops["phase"].tolist(), t_ops["kind"].tolist(),
+        t_ops["op"].tolist(), t_ops["name"].tolist(), t_ops["module"].tolist(), t_ops["location"].tolist(),
+        t_ops["args"].tolist(), [list(x) for x in t_ops["inputs"].tolist()], [list(x) for x in t_ops["outputs"].tolist()],
+        t_ops["random"].tolist(), t_ops["stack"].tolist(),
+    ))
+    rank_input = RankInput(
+        rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
+        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), bench_inputs=b_inputs,
+        bench_producer=b_producer, bench_ops=bench_ops, partner=partner, first_step=min(steps),
+    )
+    frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
+    frame.insert(0, "rank", rank)
+    frame.insert(2, "bench_op_id", pd.array([pairs.get(o) for o in frame["op_id"].tolist()], dtype="Int64"))
+    measured_frame.insert(0, "rank", rank)
+    return rank_input, frame, measured_frame, unpaired
+
+
+def _tensor_partners(
+    t_ops: pd.DataFrame, b_ops: pd.DataFrame, pairs: Mapping[int, int], t_base: Mapping[int, int],
+    b_base: Mapping[int, int], t_ten: pd.DataFrame, b_ten: pd.DataFrame,
+) -> dict[int, int]:
+    """``{target tensor id: bench tensor id}`` for non-view tensors.
+
+    Outputs of paired nodes pair by position. A tensor whose producer found no partner (an extra
+    op, a fused op) takes the bench tensor that the paired consumer reads in the same argument
+    position, when the element counts match.
+    """
+    b_outputs = dict(zip(b_ops["op_id"].tolist(), b_ops["outputs"].tolist()))
+    b_inputs = dict(zip(b_ops["op_id"].tolist(), b_ops["inputs"].tolist()))
+    partner: dict[int, int] = {}
+    t_op_ids, t_outputs, t_inputs = t_ops["op_id"].tolist(), t_ops["outputs"].tolist(), t_ops["inputs"].tolist()
+    for op_id, outs in zip(t_op_ids, t_outputs):
+        b_op = pairs.get(op_id)
+        if b_op is None:
+            continue
+        for t, b in zip(outs, b_outputs.get(b_op, [])):
+            if t not in t_base and b not in b_base:
+                partner[t] = b
+    t_numel = dict(zip(t_ten["tensor_id"].tolist(), (math.prod(s) for s in t_ten["shape"].tolist())))
+    b_numel = dict(zip(b_ten["tensor_id"].tolist(), (math.prod(s) for s in b_ten["shape"].tolist())))
+    for op_id, ins in zip(t_op_ids, t_inputs):
+        b_op = pairs.get(op_id)
+        if b_op is None:
+            continue
+        for t, b in zip(ins, b_inputs.get(b_op, [])):
+            tb, bb = t_base.get(t, t), b_base.get(b, b)
+            if tb not in partner and t_numel.get(tb) == b_numel.get(bb) and t_numel.get(tb) is not None:
+                partner[tb] = bb
+    return partner
+
+
+def _measure(t_rank: RankTrace, b_rank: RankTrace, partner: Mapping[int, int], tol: Tolerances) -> pd.DataFrame:
+    """One row per target tensor with a bench partner: identity, both sides' stats, the metrics."""
+    t_ten = t_rank.tensors[_STAT_COLUMNS]
+    b_ten = b_rank.tensors[_STAT_COLUMNS].drop(columns=["op_id", "index"])
+    link = pd.DataFrame({"tensor_id": np.fromiter(partner.keys(), dtype=np.int64, count=len(partner)),
+                         "bench_tensor_id": np.fromiter(partner.values(), dtype=np.int64, count=len(partner))})
+    frame = link.merge(t_ten, on="tensor_id", how="inner")
+    frame = frame.merge(b_ten.rename(columns=lambda c: c if c == "tensor_id" else c + "_b").rename(columns={"tensor_id": "bench_tensor_id"}),
+                        on="bench_tensor_id", how="inner")
+    frame = frame.sort_values("tensor_id", kind="stable").reset_index(drop=True)
+    metrics = stat_metrics(frame, tol)
+    frame = pd.concat([frame, metrics], axis=1)
+    if len(frame) and (frame["data_key"].astype(bool) & frame["data_key_b"].astype(bool)).any():
+        frame = add_tensor_metrics(frame, t_rank.load_tensor, b_rank.load_tensor, tol)
+    else:
+        for name in TENSOR_METRICS:
+            frame[name] = np.nan if name != "seed_rule_fail" else False
+    b_producer = dict(zip(b_rank.tensors["tensor_id"].tolist(), b_rank.tensors["op_id"].tolist()))
+    frame.insert(2, "bench_op_id", [b_producer.get(b) for b in frame["bench_tensor_id"].tolist()])
+    frame = frame.rename(columns={"dtype_b": "bench_dtype", "shape_b": "bench_shape"})
+    return frame
+
+
+def _states(frame: pd.DataFrame, own: Mapping[int, tuple[bool, bool, str]]) -> dict[int, TensorState]:
+    """TensorState of every measured target tensor."""
+    states: dict[int, TensorState] = {}
+    if frame.empty:
+        return states
+    same = (frame["dtype"] == frame["bench_dtype"]).to_numpy(bool)
+    columns = [frame[c].tolist() for c in ("tensor_id", "exact", "e_ext", "e_sys", "e_rms", "amax", "rms", "numel",
+                                           "min_b", "max_b", "mean_b", "nonfinite_mismatch", "unit", "has_stats", "has_stats_b")]
+    for (tid, exact, e_ext, e_sys, e_rms, amax, rms, numel, lo, hi, mean, nfm, unit, has_t, has_b), same_dtype in zip(zip(*columns), same):
+        if not (has_t and has_b):
+            continue
+        is_float, nonfinite, _ = own.get(tid, (True, False, ""))
+        states[tid] = TensorState(
+            known=True, exact=bool(exact), e_ext=float(e_ext), e_sys=float(e_sys), e_rms=float(e_rms),
+            amax=float(amax), rms=float(rms), numel=int(numel), lo=_finite(lo), hi=_finite(hi), mean=_finite(mean),
+            nonfinite=bool(nonfinite), is_float=bool(is_float), measured=True, nonfinite_mismatch=bool(nfm),
+            unit=float(unit), same_dtype=bool(same_dtype),
+        )
+    return states
+
+
+def _finite(value: float) -> float:
+    return float(value) if value is not None and math.isfinite(value) else 0.0

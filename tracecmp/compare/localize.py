@@ -1,0 +1,511 @@
+"""Find the nodes whose own computation went wrong: roots, not the nodes that inherited their error.
+
+The target graph is walked in execution order (``op_id``). For every node the error its outputs
+show against the bench (:mod:`tracecmp.compare.metrics`, in units of the coarser dtype's rounding
+unit) is set against the error its inputs carried in, pushed through the op's propagation class
+(:mod:`tracecmp.compare.opclass`, using the bench's magnitudes: condition-like factors, not
+constants). What is left is the error the node *introduced*. A node is a root when
+
+* its inputs agree bitwise and its outputs do not, in a comparison where identical inputs otherwise
+  give identical outputs (the "bitwise regime": same device, same dtypes, deterministic), or
+* its error exceeds ``margin`` times the inherited estimate by more than ``local`` rounding units
+  (more for accumulating ops, TF32 precision for float32 matmul/conv unless the trace shows exact
+  matmuls), and more than ``ambient`` times what nodes of the same op and dtype typically introduce
+  in this comparison (so a run that is bf16 throughout reads as noise, not as a thousand roots).
+
+Non-tensor argument differences, differing sources, NaN/Inf appearing from finite inputs and
+diverging random ops are roots of their own kinds. Error reaching a node only through an input
+that is already off, through a changed index or mask, or through an input whose error is unknown
+is never blamed on it. The first root in execution order is the first divergence; all roots,
+ranked by introduced error, are the suspects.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from tracecmp.compare.opclass import OpClass, base_name, classify
+from tracecmp.compare.records import Divergence
+from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
+
+CAP = 1e6  # largest amplification any op is credited with; beyond that a node is simply not judged
+_TINY = 1e-300
+_FP32 = EPS["float32"]
+_PHASE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
+# Non-tensor arguments that legitimately differ between a target and a bench run.
+_IGNORED_ARGS = {"dtype", "device", "layout", "pin_memory", "memory_format", "non_blocking", "copy",
+                 "requires_grad", "stride", "size_hint", "generator", "out_dtype", "cudnn_enabled", "benchmark",
+                 "deterministic", "allow_tf32", "grad_input_mask"}
+_DTYPE_WORDS = {"float16", "float32", "float64", "bfloat16", "half", "float", "double", "int64", "int32", "bool",
+                "uint8", "int8", "int16", "complex64", "complex128", "cpu", "cuda", "npu", "xpu", "mps", "meta"}
+
+
+@dataclass(slots=True)
+class TensorState:
+    """What localization knows about one target tensor's error (views resolve to their base)."""
+
+    known: bool  # compared against a bench tensor (or estimated from known inputs)
+    exact: bool  # bitwise identical to its partner
+    e_ext: float = 0.0
+    e_sys: float = 0.0
+    e_rms: float = math.nan  # only with whole tensors
+    amax: float = 0.0
+    rms: float = 0.0
+    numel: int = 0
+    lo: float = 0.0  # bench min/max/mean, for inverse and normalization factors
+    hi: float = 0.0
+    mean: float = 0.0
+    nonfinite: bool = False  # the target tensor itself holds NaN/Inf
+    is_float: bool = True
+    uninit: bool = False  # uninitialized memory: never an input's error
+    measured: bool = False
+    nonfinite_mismatch: bool = False
+    unit: float = 0.0
+    same_dtype: bool = True
+    tainted: bool = False  # carries error from a root
+
+    @property
+    def level(self) -> float:
+        """Rms-relative error estimate (conservative): the largest of what the statistics show."""
+        ext_as_rms = self.e_ext * self.amax / self.rms if self.rms > 0 else self.e_ext
+        return max(ext_as_rms, self.e_sys, 0.0 if math.isnan(self.e_rms) else self.e_rms)
+
+
+@dataclass
+class NodeVerdict:
+    """Localization's findings for one target node (a row of ``CompareResult.nodes``)."""
+
+    op_id: int
+    status: str = "uncompared"
+    error: float = math.nan  # output error in rounding units
+    introduced: float = math.nan  # error beyond what the inputs explain, rounding units
+    metric: str = ""
+    root_kind: str = ""
+    reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RankInput:
+    """Everything localization needs about one rank, already aligned and measured."""
+
+    rank: int
+    nodes: list[tuple]  # (op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack)
+    pairs: Mapping[int, int]  # target op_id -> bench op_id
+    measured: Mapping[int, TensorState]  # target tensor id -> measured state (partner found, stats on both sides)
+    own: Mapping[int, tuple[bool, bool, str]]  # target tensor id -> (is_float, nonfinite, dtype) from the target alone
+    view_base: Mapping[int, int]
+    bench_args: Mapping[int, str]
+    bench_inputs: Mapping[int, list[int]]  # bench op_id -> input tensor ids
+    bench_producer: Mapping[int, int]  # bench tensor id -> producer op_id
+    bench_ops: Mapping[int, tuple[str, str]]  # bench op_id -> (op, module), for unpaired bench ops
+    partner: Mapping[int, int]  # target tensor id -> bench tensor id
+    first_step: int = 0
+
+
+def _norm_args(text: str) -> Any:
+    """Parsed non-tensor arguments with device/dtype-like entries removed, for comparison."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return text
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            if set(v) == {"tensor"}:
+                return "<tensor>"
+            return {k: clean(x) for k, x in sorted(v.items()) if k not in _IGNORED_ARGS}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        if isinstance(v, str):
+            word = v.removeprefix("torch.").split(":")[0]
+            return "<device/dtype>" if word in _DTYPE_WORDS else v
+        if isinstance(v, float):
+            return float(f"{v:.9g}") if math.isfinite(v) else str(v)
+        return v
+
+    return clean(value)
+
+
+def _arg_difference(t_args: str, b_args: str) -> str:
+    """Empty when the arguments agree, else a short description of the first difference."""
+    a, b = _norm_args(t_args), _norm_args(b_args)
+    if a == b:
+        return ""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return f"{key}={a.get(key)!r} vs {b.get(key)!r}"
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for index, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"argument {index}: {x!r} vs {y!r}"
+    return f"{t_args} vs {b_args}"
+
+
+def _inverse_factor(s: TensorState) -> float:
+    """max|x| / min|x| of the bench values (CAP when they cross zero): how 1/x amplifies relative error."""
+    if s.lo <= 0.0 <= s.hi:
+        return CAP
+    small = min(abs(s.lo), abs(s.hi))
+    return min(CAP, max(1.0, max(abs(s.lo), abs(s.hi)) / max(small, _TINY)))
+
+
+def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: TensorState) -> tuple[float, float, float]:
+    """Error (ext, sys, rms channels) the output would show if the op were exact and only inputs were off."""
+    amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
+    neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
+    ext = sys_ = env = 0.0
+    kind = cls.kind
+    contract_pair: set[int] = set()
+    kappa_contract = 1.0
+    if kind == "contract":
+        floats = sorted(ins, key=lambda p: p[1].numel, reverse=True)[:2]
+        contract_pair = {pos for pos, _ in floats}
+        if len(floats) == 2 and out.numel > 0:
+            (_, a), (_, b) = floats
+            k = math.sqrt(max(a.numel * b.numel / out.numel, 1.0))
+            kappa_contract = min(CAP, max(1.0, math.sqrt(k) * a.rms * b.rms / rms_o))
+    for pos, s in ins:
+        lvl = s.level
+        abs_err = lvl * s.rms
+        if kind in ("copy", "lipschitz") or (kind == "contract" and pos not in contract_pair):
+            lip = cls.lipschitz
+            ext += lip * abs_err / amax_o
+            sys_ += lip * s.e_sys * s.rms / rms_o
+            env += lip * abs_err / rms_o
+        elif kind == "exp":
+            lip = cls.lipschitz
+            ext += lip * abs_err
+            sys_ += lip * s.e_sys * s.rms
+            env += lip * abs_err
+        elif kind == "product":
+            kappa = _inverse_factor(s) if pos in cls.inverse_inputs else 1.0
+            if name.startswith("pow") or name == "square":
+                kappa *= 2.0
+            ext += kappa * lvl
+            sys_ += kappa * s.e_sys
+            env += kappa * lvl
+        else:
+            if kind == "contract":
+                kappa = kappa_contract
+            elif kind == "reduce":
+                k = max(s.numel / max(out.numel, 1), 1.0)
+                kappa = s.rms / (math.sqrt(k) * rms_o) if cls.mean_like else math.sqrt(k) * s.rms / rms_o
+                kappa = min(CAP, max(1.0, kappa))
+            elif kind == "normalize":
+                spread = math.sqrt(max(s.rms * s.rms - s.mean * s.mean, 0.0))
+                kappa = min(CAP, max(2.0, 2.0 * s.rms / max(spread, _TINY)))
+            else:  # other: unknown semantics, be generous both ways
+                kappa = 4.0
+                lvl = max(lvl, abs_err / amax_o, abs_err / rms_o)
+            ext += kappa * lvl
+            sys_ += kappa * s.e_sys
+            env += kappa * lvl
+    return ext, sys_ + env / math.sqrt(neff), env
+
+
+@dataclass
+class _Judged:
+    """Pass-1 numbers for one node, kept for the ambient calibration and the verdict."""
+
+    index: int
+    op_id: int
+    group: tuple[str, str]
+    cls: OpClass
+    judgeable: bool
+    inputs_exact: bool
+    outputs_exact: bool
+    e: tuple[float, float, float]
+    x: tuple[float, float, float]
+    f1: tuple[float, float, float]
+    lam: float
+    uses_tf32: bool
+    same_dtype: bool
+
+
+def localize(
+    ranks: Iterable[RankInput], tolerances: Tolerances, *, exact: bool = False
+) -> tuple[dict[tuple[int, int], NodeVerdict], list[Divergence]]:
+    """Verdicts for every target node (keyed by (rank, op_id)) and the roots, earliest first."""
+    verdicts: dict[tuple[int, int], NodeVerdict] = {}
+    roots: list[tuple[tuple, Divergence]] = []
+    for rank_input in ranks:
+        v, r = _localize_rank(rank_input, tolerances, exact)
+        verdicts.update({(rank_input.rank, k): x for k, x in v.items()})
+        roots.extend(r)
+    roots.sort(key=lambda item: item[0])
+    return verdicts, [d for _, d in roots]
+
+
+def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[dict[int, NodeVerdict], list[tuple[tuple, Divergence]]]:
+    state: dict[int, TensorState] = {}
+    verdicts: dict[int, NodeVerdict] = {}
+    judged: list[_Judged | None] = []
+    base = ri.view_base
+    first_nonexact: int | None = None
+    channels = ("max/min", "norm/mean", "rms")
+
+    def lookup(tid: int) -> TensorState | None:
+        return state.get(base.get(tid, tid))
+
+    # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
+    for index, node in enumerate(ri.nodes):
+        op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+        verdict = NodeVerdict(op_id)
+        verdicts[op_id] = verdict
+        if kind == "view":
+            judged.append(None)
+            continue
+        cls = classify(op) if kind != "source" else OpClass("factory")
+        ins_all = [(pos, lookup(t)) for pos, t in enumerate(inputs)]
+        ins = [(pos, s) for pos, s in ins_all if s is not None and not s.uninit]
+        unknown_input = any(s is None for _, s in ins_all) or any(not s.known for _, s in ins)
+        float_ins = [(pos, s) for pos, s in ins if s.is_float]
+        discrete_changed = any(not s.exact for _, s in ins if not s.is_float)
+        inputs_exact = not unknown_input and all(s.exact for _, s in ins)
+        out_states: list[TensorState] = []
+        for tid in outputs:
+            if tid in base:  # an op returning a view of an input (e.g. an in-place op's alias)
+                continue
+            if cls.kind == "uninit":
+                state[tid] = TensorState(known=True, exact=True, uninit=True)
+                continue
+            m = ri.measured.get(tid)
+            if m is None:
+                is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
+                # No partner: carry the inputs' error through (an extra copy, a fused op's piece).
+                worst = max((s for _, s in float_ins), key=lambda s: s.level, default=None)
+                est = TensorState(known=not unknown_input and worst is not None or (not ins and not inputs),
+                                  exact=inputs_exact and kind != "source", nonfinite=nonfinite, is_float=is_float)
+                if worst is not None:
+                    est.e_ext, est.e_sys, est.e_rms = worst.e_ext, worst.e_sys, worst.e_rms
+                    est.amax, est.rms, est.numel = worst.amax, worst.rms, worst.numel
+                    est.lo, est.hi, est.mean = worst.lo, worst.hi, worst.mean
+                est.known = est.known and kind != "source"
+                est.tainted = any(s.tainted for _, s in ins)
+                state[tid] = est
+                continue
+            state[tid] = m
+            out_states.append(m)
+        if not out_states:
+            judged.append(None)
+            continue
+        if first_nonexact is None and not all(s.exact for s in out_states):
+            first_nonexact = op_id
+        outputs_exact = all(s.exact for s in out_states)
+        # Sources after the first step may be parameters the optimizer already moved: their error
+        # can be inherited, so only inputs and first-step sources are judged.
+        source_inherited = kind == "source" and op != "source.input" and first_nonexact is not None and (
+            first_nonexact < op_id and step > ri.first_step
+        )
+        judgeable = not unknown_input and not discrete_changed and not source_inherited and cls.kind != "uninit"
+        if cls.kind == "select" and not inputs_exact:
+            judgeable = False
+        best_e, best_x, best_f1, best_ratio = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), -math.inf
+        lam = 4.0 if cls.accumulates else 1.0
+        uses_tf32 = False
+        for out in out_states:
+            if not out.is_float:
+                e = (0.0 if out.exact else 1.0, 0.0, math.nan)
+                x = (0.0 if inputs_exact else math.inf, 0.0, 0.0)
+                f1 = (1.0, 1.0, 1.0)
+            else:
+                unit = out.unit
+                if cls.precision_variable and tol.allow_tf32 and unit <= _FP32 and unit > 0:
+                    unit = max(unit, TF32_EPS)
+                    uses_tf32 = True
+                neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
+                f1 = (max(unit, _TINY), max(unit / math.sqrt(neff), _TINY), max(unit, _TINY))
+                e = (out.e_ext, out.e_sys, out.e_rms)
+                x = _expected(cls, base_name(op), float_ins, out) if judgeable else (math.inf, math.inf, math.inf)
+            ratio = max(((ec - xc) / fc) for ec, xc, fc in zip(e, x, f1) if not math.isnan(ec))
+            if ratio > best_ratio:
+                best_ratio, best_e, best_x, best_f1 = ratio, e, x, f1
+        error = max((ec / fc for ec, fc in zip(best_e, best_f1) if not math.isnan(ec)), default=math.nan)
+        verdict.error = float(error)
+        intro = [max(0.0, ec - xc) / fc if not math.isnan(ec) and math.isfinite(xc) else 0.0
+                 for ec, xc, fc in zip(best_e, best_x, best_f1)]
+        verdict.introduced = float(max(intro)) if judgeable else 0.0
+        dtype = ri.own.get(outputs[0], (True, False, ""))[2] if outputs else ""
+        judged.append(_Judged(index, op_id, (op, dtype), cls, judgeable, inputs_exact, outputs_exact, best_e, best_x,
+                              best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states)))
+
+    # ---- pass 2: regime and ambient calibration ---------------------------------------------
+    exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
+    differing = sum(1 for j in exact_input_nodes if not j.outputs_exact)
+    bitwise = exact_mode or differing <= max(2, 0.01 * len(exact_input_nodes))
+    exact_matmul = any(j.cls.precision_variable and j.outputs_exact for j in exact_input_nodes)
+    ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
+
+    roots: list[tuple[tuple, Divergence]] = []
+    for j in judged:
+        if j is None:
+            continue
+        node = ri.nodes[j.index]
+        op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+        verdict = verdicts[op_id]
+        bench_op = ri.pairs.get(op_id)
+        root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels)
+        verdict.metric = deciding
+        verdict.metrics = _metric_dict(j)
+        if not root_kind:
+            continue
+        verdict.root_kind = root_kind
+        verdict.reason = reason
+        divergence = Divergence(
+            op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
+            bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=root_kind, reason=reason,
+            score=float(verdict.introduced if math.isfinite(verdict.introduced) else 0.0), metrics=verdict.metrics,
+            stack=stack,
+        )
+        roots.append(((int(step), int(op_id), ri.rank), divergence))
+
+    # ---- pass 3: taint (error that comes from a root) and statuses ----------------------------
+    producer_status: dict[int, str] = {}
+    for node in ri.nodes:
+        op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+        verdict = verdicts[op_id]
+        paired = op_id in ri.pairs
+        if kind == "view":
+            src = base.get(outputs[0], inputs[0] if inputs else -1) if outputs else -1
+            verdict.status = producer_status.get(src, "uncompared") if paired else "unpaired"
+            continue
+        ins = [lookup(t) for t in inputs]
+        tainted_in = any(s is not None and s.tainted for s in ins)
+        outs = [state.get(t) for t in outputs if t not in base]
+        measured = [s for s in outs if s is not None and s.measured]
+        for s in outs:
+            if s is not None and not s.exact and (tainted_in or verdict.root_kind):
+                s.tainted = True
+        if not paired:
+            status = "unpaired"
+        elif any(s.nonfinite_mismatch for s in measured):
+            status = "nan"
+        elif not outs:
+            status = "agrees" if all(s is not None and s.exact for s in ins) or not ins else "uncompared"
+        elif len(measured) < len([s for s in outs if s is not None and not s.uninit]):
+            status = "uncompared"
+        elif all(s.exact for s in measured):
+            status = "agrees"
+        elif verdict.root_kind or any(s.tainted for s in measured):
+            status = "diverged"
+        else:
+            status = "noise"
+        verdict.status = status
+        for t in outputs:
+            producer_status[base.get(t, t)] = status
+    return verdicts, roots
+
+
+def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tuple[float, float, float]]:
+    """Typical introduced error (median, per channel, in rounding units) per (op, dtype) and per class."""
+    by_group: dict[Any, list[tuple[float, float, float]]] = defaultdict(list)
+    for j in judged:
+        if j is None or not j.judgeable or nodes[j.index][3] != "op":
+            continue
+        intro = tuple(max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(j.e, j.x, j.f1))
+        by_group[j.group].append(intro)  # type: ignore[arg-type]
+        by_group[(j.cls.kind, j.group[1])].append(intro)  # type: ignore[arg-type]
+    out: dict[Any, tuple[float, float, float]] = {}
+    for key, rows in by_group.items():
+        if len(rows) >= 5:
+            arr = np.asarray(rows, dtype=np.float64)
+            out[key] = tuple(float(v) for v in np.median(arr, axis=0))  # type: ignore[assignment]
+    return out
+
+
+def _metric_dict(j: _Judged) -> dict[str, float]:
+    names = ("ext", "sys", "rms")
+    out: dict[str, float] = {}
+    for name, e, x, f in zip(names, j.e, j.x, j.f1):
+        if math.isnan(e):
+            continue
+        out[f"rel_err_{name}"] = float(e)
+        if math.isfinite(x):
+            out[f"expected_{name}"] = float(x)
+    return out
+
+
+def _decide(
+    j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
+    ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
+) -> tuple[str, str, str]:
+    """Root kind ('' when not a root), the one-line reason, and the deciding metric's name."""
+    op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+    outs = [ri.measured.get(t) for t in outputs]
+    outs = [s for s in outs if s is not None]
+    # NaN/Inf from finite inputs: judged from the target's own statistics, whatever else is known.
+    nonfinite_out = [s for s in outs if s.nonfinite and s.nonfinite_mismatch]
+    if nonfinite_out:
+        ins = [lookup(t) for t in inputs]
+        if all(s is not None and not s.nonfinite for s in ins):
+            return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count"
+    if not j.judgeable or j.outputs_exact:
+        return "", "", channels[int(np.nanargmax([*j.e[:2], -1.0]))] if not j.outputs_exact else "checksum"
+    bench_op = ri.pairs.get(op_id)
+    if bench_op is not None and kind != "source":
+        diff = _arg_difference(args, ri.bench_args.get(bench_op, ""))
+        if diff:
+            return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
+    # Which channel is furthest beyond what the inputs explain.
+    excess = []
+    for c, (e, x, f) in enumerate(zip(j.e, j.x, j.f1)):
+        if math.isnan(e):
+            continue
+        threshold = tol.local * j.lam * f
+        amb = ambient.get(j.group) or ambient.get((j.cls.kind, j.group[1]))
+        if amb is not None:
+            threshold = max(threshold, tol.ambient * amb[c] * f)
+        excess.append(((e - tol.margin * x) / max(threshold, _TINY), c, e, x, threshold))
+    best = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0)
+    score, channel, e, x, threshold = best
+    # Identical inputs, identical dtypes, and identical inputs elsewhere give identical outputs: then
+    # any difference is this op's own doing, however small.
+    strict = exact_mode or (bitwise and j.inputs_exact and j.same_dtype and (not j.uses_tf32 or exact_matmul))
+    is_root = (j.inputs_exact and strict) or score > 1.0
+    if not is_root:
+        return "", "", channels[channel]
+    what = f"relative error {e:.2e} ({channels[channel]})"
+    if kind == "source":
+        label = op.removeprefix("source.")
+        return "source", f"{label} {name!r} differs from the bench: {what}", channels[channel]
+    if random:
+        return "random", f"random op diverges ({what}): generator state or device differ; seed both runs or disable it", channels[channel]
+    structure = _structure_note(op_id, inputs, ri)
+    if bench_op is None:
+        return "structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel]
+    if structure:
+        return "structure", f"{structure}; {what}", channels[channel]
+    if j.inputs_exact:
+        reason = f"output differs ({what}) while every input agrees bitwise"
+    else:
+        ratio = e / max(x, _TINY)
+        reason = f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})" if x > 0 else (
+            f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
+    return "computation", reason, channels[channel]
+
+
+def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:
+    """Non-empty when the paired bench op reads a value the target op does not (a bench-only op in between)."""
+    bench_op = ri.pairs.get(op_id)
+    if bench_op is None:
+        return ""
+    b_inputs = ri.bench_inputs.get(bench_op, [])
+    paired_bench = set(ri.pairs.values())
+    for pos, tid in enumerate(inputs):
+        if pos >= len(b_inputs):
+            break
+        partner = ri.partner.get(ri.view_base.get(tid, tid))
+        producer = ri.bench_producer.get(b_inputs[pos])
+        if partner is not None and partner != b_inputs[pos] and producer is not None and producer not in paired_bench:
+            bop, bmodule = ri.bench_ops.get(producer, ("?", ""))
+            return f"the bench applies {bop} ({bmodule or '<top>'}) to input {pos} and the target does not"
+    return ""

@@ -1,0 +1,200 @@
+"""Per-tensor comparison metrics: from recorded statistics always, from whole tensors when saved.
+
+Statistics give *lower bounds* of the true error, which is what makes them safe to localize with:
+
+* ``e_ext`` = max(|max_t - max_b|, |min_t - min_b|) / amax  <= max|t - b| / amax
+  (rounding is monotone, so rounding alone moves an extreme by at most one rounding unit);
+* ``e_sys`` = max(|norm_t - norm_b| / sqrt(n), |mean_t - mean_b|) / rms  <= rms(t - b) / rms
+  (triangle and Cauchy-Schwarz inequalities). Random rounding moves it only by ~u/sqrt(n), a
+  systematic error (a scale, a bias, a changed eps) by its full size, so it sees small systematic
+  faults that drown in elementwise noise.
+
+Magnitudes (amax, rms) are the larger of the two runs', so a tensor that is exactly zero in one run
+is judged relative to the other and a near-zero tensor never yields a 133031 % error. NaN/Inf are
+compared as counts; bitwise identity by checksum. Integer and bool tensors compare exactly.
+
+With whole tensors in both traces: cosine similarity, max absolute error, max relative error with
+a floor of ``rel_floor * rms`` for near-zero elements, RMSE, and the share of elements within 1/1000
+and 5/1000 relative error (the seeds' metrics); ``e_ext`` and ``e_rms`` then become exact.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from tracecmp.compare.tolerances import EPS, Tolerances, canonical_dtype
+
+_TINY = 1e-300
+STAT_METRICS = (
+    "exact", "numel", "unit", "nonfinite_mismatch", "amax", "rms", "e_ext", "e_sys", "max_diff", "min_diff",
+    "mean_diff", "norm_rel_diff", "within_tol",
+)
+TENSOR_METRICS = ("cosine", "max_abs_err", "max_rel_err", "rmse", "e_rms", "within_1e-3", "within_5e-3", "seed_rule_fail")
+
+
+def _unit(dtype_t: np.ndarray, dtype_b: np.ndarray) -> np.ndarray:
+    """Rounding unit of the coarser of the two dtypes (0 for integer/bool: exact comparison)."""
+    eps_t = np.array([EPS.get(canonical_dtype(d), 0.0) for d in dtype_t], dtype=np.float64)
+    eps_b = np.array([EPS.get(canonical_dtype(d), 0.0) for d in dtype_b], dtype=np.float64)
+    return np.maximum(eps_t, eps_b)
+
+
+def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
+    """Add the statistics-based metrics to ``pairs`` (target columns plain, bench columns ``*_b``).
+
+    ``pairs`` needs: shape, dtype, min, max, mean, norm, nan_count, inf_count, checksum, has_stats,
+    and the same with ``_b``. Returns a frame with :data:`STAT_METRICS` columns, same index.
+
+    >>> row = dict(shape=[4], dtype="float32", min=-1.0, max=1.0, mean=0.0, norm=2.0, nan_count=0,
+    ...            inf_count=0, checksum=1, has_stats=True)
+    >>> frame = pd.DataFrame([{**row, **{k + "_b": v for k, v in row.items()}}])
+    >>> bool(stat_metrics(frame, Tolerances())["exact"][0])
+    True
+    """
+    out = pd.DataFrame(index=pairs.index)
+    if pairs.empty:
+        for name in STAT_METRICS:
+            out[name] = pd.Series(dtype=float)
+        return out
+    numel = np.array([math.prod(s) if s is not None else 0 for s in pairs["shape"]], dtype=np.float64)
+    numel_b = np.array([math.prod(s) if s is not None else 0 for s in pairs["shape_b"]], dtype=np.float64)
+    unit = _unit(pairs["dtype"].to_numpy(), pairs["dtype_b"].to_numpy())
+    same_dtype = np.array([canonical_dtype(a) == canonical_dtype(b) for a, b in zip(pairs["dtype"], pairs["dtype_b"])])
+    has = pairs["has_stats"].to_numpy(bool) & pairs["has_stats_b"].to_numpy(bool)
+    exact = has & same_dtype & (numel == numel_b) & (pairs["checksum"].to_numpy() == pairs["checksum_b"].to_numpy())
+
+    def col(name: str) -> np.ndarray:
+        return pairs[name].to_numpy(np.float64)
+
+    lo_t, hi_t, mean_t, norm_t = col("min"), col("max"), col("mean"), col("norm")
+    lo_b, hi_b, mean_b, norm_b = col("min_b"), col("max_b"), col("mean_b"), col("norm_b")
+    nan_t, inf_t, nan_b, inf_b = col("nan_count"), col("inf_count"), col("nan_count_b"), col("inf_count_b")
+    nonfinite_mismatch = has & ((nan_t != nan_b) | (inf_t != inf_b))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        fin_t = np.maximum(numel - nan_t - inf_t, 1.0)
+        fin_b = np.maximum(numel_b - nan_b - inf_b, 1.0)
+        rms_t, rms_b = norm_t / np.sqrt(fin_t), norm_b / np.sqrt(fin_b)
+        amax_t = np.fmax(np.abs(lo_t), np.abs(hi_t))
+        amax_b = np.fmax(np.abs(lo_b), np.abs(hi_b))
+        # Infinite extremes say nothing about the finite values' error; the counts carry them.
+        finite_ext = np.isfinite(amax_t) & np.isfinite(amax_b)
+        amax = np.where(finite_ext, np.fmax(amax_t, amax_b), np.fmax(rms_t, rms_b))
+        rms = np.fmax(rms_t, rms_b)
+        max_diff = np.where(finite_ext, np.abs(hi_t - hi_b), np.nan)
+        min_diff = np.where(finite_ext, np.abs(lo_t - lo_b), np.nan)
+        mean_diff = np.abs(mean_t - mean_b)
+        norm_diff = np.abs(norm_t - norm_b)
+        e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, _TINY)
+        e_sys = np.fmax(norm_diff / np.sqrt(np.maximum(numel, 1.0)), mean_diff) / np.maximum(rms, _TINY)
+        norm_rel = norm_diff / np.maximum(np.fmax(norm_t, norm_b), _TINY)
+        both_zero = (amax == 0) & (rms == 0)
+    e_ext = np.where(both_zero | exact, 0.0, np.nan_to_num(e_ext, nan=0.0))
+    e_sys = np.where(both_zero | exact, 0.0, np.nan_to_num(e_sys, nan=0.0))
+    # torch.testing's criterion |t - b| <= atol + rtol * |b|, applied to what statistics show.
+    rtol = np.array([tolerances.rtol(d) if same else max(tolerances.rtol(d), tolerances.rtol(e))
+                     for d, e, same in zip(pairs["dtype"], pairs["dtype_b"], same_dtype)])
+    atol = np.array([max(tolerances.atol(d), tolerances.atol(e)) for d, e in zip(pairs["dtype"], pairs["dtype_b"])])
+    with np.errstate(invalid="ignore"):
+        within = (np.nan_to_num(np.fmax(max_diff, min_diff), nan=0.0) <= atol + rtol * np.nan_to_num(amax, nan=0.0)) & (
+            np.nan_to_num(mean_diff, nan=0.0) <= atol + rtol * np.nan_to_num(rms, nan=0.0)
+        )
+    is_int = unit == 0
+    within = np.where(is_int, exact, within) & ~nonfinite_mismatch
+    e_ext = np.where(is_int & has & ~exact, 1.0, e_ext)
+    e_sys = np.where(is_int & has & ~exact, 1.0, e_sys)
+    out["exact"] = exact
+    out["numel"] = numel.astype(np.int64)
+    out["unit"] = unit
+    out["nonfinite_mismatch"] = nonfinite_mismatch
+    out["amax"] = np.nan_to_num(amax, nan=0.0, posinf=0.0)
+    out["rms"] = np.nan_to_num(rms, nan=0.0, posinf=0.0)
+    out["e_ext"] = e_ext
+    out["e_sys"] = e_sys
+    out["max_diff"] = max_diff
+    out["min_diff"] = min_diff
+    out["mean_diff"] = mean_diff
+    out["norm_rel_diff"] = np.where(exact, 0.0, norm_rel)
+    out["within_tol"] = within & has
+    return out
+
+
+def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
+    """Elementwise metrics of two whole tensors (torch), in float64.
+
+    >>> import torch
+    >>> m = tensor_metrics(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.002]), Tolerances())
+    >>> round(m["max_rel_err"], 6), m["within_1e-3"]
+    (0.000999, 1.0)
+    """
+    import torch
+
+    if t.shape != b.shape:
+        t, b = t.reshape(-1), b.reshape(-1)
+        if t.numel() != b.numel():
+            return {}
+    if t.is_complex() or b.is_complex():
+        t, b = torch.view_as_real(t.resolve_conj()), torch.view_as_real(b.resolve_conj())
+    td, bd = t.detach().to(torch.float64).reshape(-1), b.detach().to(torch.float64).reshape(-1)
+    if td.numel() == 0:
+        return {"cosine": 1.0, "max_abs_err": 0.0, "max_rel_err": 0.0, "rmse": 0.0, "e_rms": 0.0,
+                "within_1e-3": 1.0, "within_5e-3": 1.0, "seed_rule_fail": False}
+    finite = torch.isfinite(td) & torch.isfinite(bd)
+    td, bd = td[finite], bd[finite]
+    if td.numel() == 0:
+        return {}
+    diff = (td - bd).abs()
+    rms_b = float(bd.norm()) / math.sqrt(bd.numel())
+    rms = max(rms_b, float(td.norm()) / math.sqrt(td.numel()))
+    floor = max(tolerances.rel_floor * rms, _TINY)
+    rel = diff / torch.clamp(bd.abs(), min=floor)
+    nt, nb = float(td.norm()), float(bd.norm())
+    if nt == 0 and nb == 0:
+        cosine = 1.0
+    elif nt == 0 or nb == 0:
+        cosine = 0.0
+    else:
+        cosine = float(torch.dot(td, bd)) / (nt * nb)
+    max_abs = float(diff.max())
+    rmse = float(diff.square().mean().sqrt())
+    # The seeds' rule (ptdbg/msprobe): wrong when (cos < 0.99 and max abs > 1e-3) or cos < 0.9 or max abs > 1.
+    fail = (cosine < tolerances.cosine_warn and max_abs > tolerances.max_abs_warn) or cosine < tolerances.cosine_fail or (
+        max_abs > tolerances.max_abs_fail
+    )
+    return {
+        "cosine": cosine,
+        "max_abs_err": max_abs,
+        "max_rel_err": float(rel.max()),
+        "rmse": rmse,
+        "e_rms": rmse / max(rms, _TINY) if rms > 0 else 0.0,
+        "within_1e-3": float((rel <= 1e-3).double().mean()),
+        "within_5e-3": float((rel <= 5e-3).double().mean()),
+        "seed_rule_fail": bool(fail),
+    }
+
+
+def add_tensor_metrics(
+    frame: pd.DataFrame, load_t: Callable[[int], Any], load_b: Callable[[int], Any], tolerances: Tolerances
+) -> pd.DataFrame:
+    """Fill :data:`TENSOR_METRICS` for rows whose tensors were saved in both traces (``data_key``/``data_key_b``)."""
+    saved = frame["data_key"].astype(bool) & frame["data_key_b"].astype(bool)
+    for name in TENSOR_METRICS:
+        frame[name] = np.nan if name != "seed_rule_fail" else False
+    if not saved.any():
+        return frame
+    rows = []
+    for index, tid, bid in zip(frame.index[saved], frame.loc[saved, "tensor_id"], frame.loc[saved, "bench_tensor_id"]):
+        metrics = tensor_metrics(load_t(int(tid)), load_b(int(bid)), tolerances)
+        if metrics:
+            rows.append((index, metrics))
+    for index, metrics in rows:
+        for name, value in metrics.items():
+            frame.at[index, name] = value
+    # Whole tensors give the exact max error and an rms error instead of lower bounds.
+    has = frame["max_abs_err"].notna()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        exact_ext = frame["max_abs_err"] / np.maximum(frame["amax"], _TINY)
+    frame.loc[has, "e_ext"] = np.where(frame.loc[has, "exact"], 0.0, np.fmax(frame.loc[has, "e_ext"], exact_ext[has]))
+    return frame

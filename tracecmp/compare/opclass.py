@@ -1,0 +1,210 @@
+"""How an op carries the error of its inputs to its outputs: one propagation class per op name.
+
+Localization needs, for every node, the error its outputs would show if the op itself were exact
+and only its inputs were off. That depends on what the op does with its inputs:
+
+``copy``     values moved or cast (clone, _to_copy, cat, index, pad): absolute errors carry over.
+``lipschitz`` pointwise or selecting ops with slope <= ~1 (add, relu, gelu, tanh, max, pooling,
+             embedding): absolute errors carry over, at most ``L`` times.
+``product``  multiplicative ops (mul, div, most ``*_backward`` pointwise ops): relative errors add;
+             inverses (div's denominator, rsqrt, reciprocal, log) amplify by max|x| / min|x|.
+``exp``      exp, softmax: the output's relative error is the input's absolute error.
+``contract`` matmul, conv, attention: relative error grows by the condition-like factor
+             sqrt(K) * rms(A) * rms(B) / rms(A @ B) (1 without cancellation).
+``reduce``   sums and means, losses, norms: sqrt(K) * rms(x) / rms(sum) (or its mean analogue).
+``normalize`` layer/batch/group/RMS norm: divides by the spread, amplifying by rms(x) / std(x).
+``select``   outputs chosen by comparing inputs (threshold_backward, sort, argmax, comparisons,
+             rounding): once an input differs, any output difference is inherited.
+``factory``  no data inputs (zeros, arange, rand): an output difference is the op's own.
+``uninit``   uninitialized memory (empty, new_empty): never compared, never an input's error.
+``other``    anything unknown (vendor fused ops): judged like ``reduce`` with a generous factor.
+
+``contract`` ops in float32 may legitimately run at TF32/HF32 precision (``precision_variable``).
+
+>>> classify("aten.gelu.default").kind, classify("aten.mm.default").precision_variable
+('lipschitz', True)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+KINDS = ("copy", "lipschitz", "product", "exp", "contract", "reduce", "normalize", "select", "factory", "uninit", "other")
+
+
+@dataclass(frozen=True)
+class OpClass:
+    kind: str
+    lipschitz: float = 1.0  # slope bound for copy/lipschitz/exp
+    mean_like: bool = False  # reduce: averages (output ~ input) rather than sums (output ~ K * input)
+    inverse_inputs: tuple[int, ...] = ()  # product: inputs that enter as 1/x (or log x)
+    precision_variable: bool = False  # float32 may run at TF32/HF32 (matmul, conv)
+    accumulates: bool = False  # sums many terms: implementations may differ by more than one rounding
+
+
+_COPY = {
+    "clone", "contiguous", "_to_copy", "to", "copy", "copy_", "detach", "alias", "lift_fresh", "lift_fresh_copy",
+    "_copy_from", "_copy_from_and_resize", "cat", "stack", "hstack", "vstack", "index", "index_select", "gather",
+    "take", "masked_select", "index_put", "index_put_", "_index_put_impl_", "scatter", "scatter_", "slice_scatter",
+    "select_scatter", "diagonal_scatter", "as_strided_scatter", "constant_pad_nd", "pad", "reflection_pad1d",
+    "reflection_pad2d", "replication_pad1d", "replication_pad2d", "flip", "roll", "repeat", "repeat_interleave",
+    "tile", "expand_copy", "permute_copy", "transpose_copy", "view_copy", "_unsafe_view", "reshape", "flatten",
+    "unflatten", "squeeze_copy", "unsqueeze_copy", "slice_copy", "select_copy", "split_copy", "narrow_copy",
+    "clone_", "_foreach_copy_", "embedding", "masked_scatter", "tril", "triu", "diag", "diag_embed", "col2im",
+    "im2col", "pixel_shuffle", "pixel_unshuffle", "upsample_nearest1d", "upsample_nearest2d", "_unsafe_index",
+    "zero_", "fill_", "fill", "masked_fill", "masked_fill_", "where", "_conj", "conj_physical", "resolve_conj",
+    "resolve_neg", "t_copy", "unfold_copy", "unbind_copy", "_reshape_alias_copy", "set_", "_to_dense",
+}
+_LIPSCHITZ = {
+    "add", "add_", "sub", "sub_", "rsub", "neg", "abs", "relu", "relu_", "relu6", "hardtanh", "hardtanh_",
+    "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "celu", "gelu", "gelu_", "silu", "silu_", "mish",
+    "hardswish", "hardsigmoid", "softplus", "tanh", "tanh_", "sigmoid", "sigmoid_", "sin", "cos", "atan",
+    "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip", "maximum", "minimum", "fmax",
+    "fmin", "max", "min", "amax", "amin", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+    "max_pool3d_with_indices", "adaptive_max_pool2d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "upsample_bilinear2d", "upsample_linear1d", "upsample_bicubic2d", "_upsample_bilinear2d_aa", "grid_sampler_2d",
+    "lerp", "lerp_", "addcmul_", "_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_neg",
+    "_foreach_lerp_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_maximum_", "_foreach_abs",
+    "sort", "topk", "kthvalue", "median", "cummax", "cummin", "logsigmoid", "log_sigmoid_forward", "_prelu_kernel",
+    "prelu", "native_dropout", "dropout", "feature_dropout", "alpha_dropout", "softshrink", "hardshrink",
+    "tanhshrink", "erf", "polar", "angle", "real", "imag", "view_as_real", "view_as_complex", "complex",
+    "trunc_normal_", "rrelu_with_noise",
+}
+_PRODUCT = {
+    "mul", "mul_", "div", "div_", "true_divide", "floor_divide", "square", "pow", "pow_", "sqrt", "sqrt_", "rsqrt",
+    "rsqrt_", "reciprocal", "reciprocal_", "log", "log_", "log2", "log10", "log1p", "addcmul", "addcdiv", "addcdiv_",
+    "_foreach_mul", "_foreach_mul_", "_foreach_div", "_foreach_div_", "_foreach_sqrt", "_foreach_sqrt_",
+    "_foreach_addcmul", "_foreach_addcmul_", "_foreach_addcdiv", "_foreach_addcdiv_", "_foreach_pow",
+    "_foreach_reciprocal_", "_foreach_rsqrt_", "_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_foreach_lerp",
+    "gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward", "elu_backward", "softplus_backward",
+    "hardswish_backward", "hardsigmoid_backward", "mish_backward", "log_sigmoid_backward", "_prelu_kernel_backward",
+    "native_dropout_backward", "masked_scale", "erfinv", "tan", "atan2", "xlogy", "special_xlog1py", "sgn_mul",
+    "std_mean_backward", "rsub_mul", "cosh", "sinh", "asinh", "acosh", "atanh", "asin", "acos", "logit",
+}
+# Inputs of product ops that act as 1/x (or log x): relative error there grows by max|x| / min|x|.
+_INVERSE = {"div": (1,), "div_": (1,), "true_divide": (1,), "floor_divide": (1,), "addcdiv": (2,), "addcdiv_": (2,),
+            "_foreach_div": (1,), "_foreach_div_": (1,), "_foreach_addcdiv": (2,), "_foreach_addcdiv_": (2,),
+            "rsqrt": (0,), "rsqrt_": (0,), "sqrt": (0,), "sqrt_": (0,), "reciprocal": (0,), "reciprocal_": (0,),
+            "log": (0,), "log_": (0,), "log2": (0,), "log10": (0,), "_foreach_sqrt": (0,), "_foreach_sqrt_": (0,),
+            "_foreach_reciprocal_": (0,), "_foreach_rsqrt_": (0,), "logit": (0,), "xlogy": (1,)}
+_EXP = {"exp", "exp_", "exp2", "expm1", "_softmax", "softmax", "_safe_softmax", "special_softmax", "logsumexp",
+        "_foreach_exp", "_foreach_exp_", "cosh", "sinh"}
+_LOG_SOFTMAX = {"_log_softmax", "log_softmax", "special_log_softmax"}
+_CONTRACT = {
+    "mm", "bmm", "addmm", "addmm_", "matmul", "linear", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
+    "einsum", "tensordot", "outer", "ger", "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "cudnn_convolution", "mkldnn_convolution",
+    "_slow_conv2d_forward", "slow_conv3d_forward", "thnn_conv2d", "_nnpack_spatial_convolution",
+    "convolution_backward", "_slow_conv2d_backward", "cudnn_convolution_backward", "mkldnn_convolution_backward",
+    "scaled_dot_product_attention", "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_flash_attention_backward", "_efficient_attention_backward",
+    "_int_mm", "_scaled_mm", "lstm", "gru", "rnn_tanh", "rnn_relu", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_cudnn_rnn", "_cudnn_rnn_backward", "miopen_rnn",
+    "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "linalg_vecdot", "chain_matmul", "multi_dot",
+}
+_REDUCE_SUM = {"sum", "nansum", "cumsum", "cumsum_", "prod", "cumprod", "trace", "_foreach_norm", "norm",
+               "linalg_vector_norm", "linalg_norm", "frobenius_norm", "embedding_dense_backward",
+               "_embedding_bag_backward", "_embedding_bag_dense_backward", "index_add", "index_add_",
+               "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put",
+               "index_reduce", "bincount", "histc", "sum_to_size", "_foreach_sum", "dist", "cdist", "_cdist_forward",
+               "_cdist_backward"}
+_REDUCE_MEAN = {"mean", "nanmean", "var", "std", "var_mean", "std_mean", "nll_loss", "nll_loss_forward",
+                "nll_loss2d_forward", "nll_loss_nd", "cross_entropy_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+                "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss",
+                "multilabel_margin_loss_forward", "multi_margin_loss", "hinge_embedding_loss", "cosine_similarity",
+                "cosine_embedding_loss", "margin_ranking_loss", "poisson_nll_loss", "ctc_loss", "_ctc_loss",
+                "avg_pool2d_backward", "avg_pool3d_backward", "nll_loss_backward", "nll_loss2d_backward",
+                "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "l1_loss_backward",
+                "binary_cross_entropy_backward", "_adaptive_avg_pool2d_backward", "adaptive_avg_pool3d_backward",
+                "upsample_bilinear2d_backward", "upsample_nearest2d_backward", "_log_softmax_backward_data",
+                "_softmax_backward_data", "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+                "grid_sampler_2d_backward", "kl_div_backward"}
+_NORMALIZE = {"native_layer_norm", "layer_norm", "native_batch_norm", "batch_norm", "_native_batch_norm_legit",
+              "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "cudnn_batch_norm",
+              "miopen_batch_norm", "native_group_norm", "group_norm", "instance_norm", "rms_norm", "_fused_rms_norm",
+              "native_layer_norm_backward", "native_batch_norm_backward", "native_group_norm_backward",
+              "cudnn_batch_norm_backward", "_fused_rms_norm_backward", "batch_norm_backward", "_batch_norm_with_update",
+              "_batch_norm_with_update_functional", "_batch_norm_no_update", "normalize", "renorm", "weight_norm",
+              "_weight_norm_interface", "_weight_norm_interface_backward", "local_response_norm",
+              "batch_norm_stats", "batch_norm_elemt", "batch_norm_gather_stats_with_counts", "_fused_layer_norm"}
+_SELECT = {"threshold_backward", "hardtanh_backward", "leaky_relu_backward", "relu_backward", "sign", "sgn",
+           "round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "frac", "eq", "ne", "lt", "le",
+           "gt", "ge", "eq_", "ne_", "lt_", "le_", "gt_", "ge_", "isnan", "isinf", "isfinite", "isclose", "argmax",
+           "argmin", "argsort", "nonzero", "unique", "_unique2", "unique_dim", "unique_consecutive", "bucketize",
+           "searchsorted", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
+           "bitwise_not", "bitwise_xor", "all", "any", "remainder", "fmod", "clamp_backward", "_local_scalar_dense",
+           "equal", "masked_fill_backward", "heaviside", "count_nonzero", "_assert_async", "is_nonzero", "topk_indices",
+           "max_unpool2d", "hardshrink_backward", "softshrink_backward", "rrelu_with_noise_backward",
+           "_fused_dropout", "native_dropout_mask", "le_scalar", "signbit"}
+_FACTORY = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "scalar_tensor", "tensor", "zeros_like",
+            "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "rand", "randn", "randint", "rand_like",
+            "randn_like", "randint_like", "randperm", "normal", "normal_", "uniform", "uniform_", "bernoulli",
+            "bernoulli_", "multinomial", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+            "poisson", "_fused_dropout_mask", "_philox_rand", "empty_permuted_fill", "_foreach_zero_"}
+_UNINIT = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted", "_empty_affine_quantized",
+           "resize_", "resize_as_", "_resize_output_", "empty_quantized", "_empty_per_channel_affine_quantized"}
+
+_BACKWARD = re.compile(r"_backward(_data)?$")
+
+
+def base_name(op: str) -> str:
+    """``"aten.add_.Tensor"`` -> ``"add_"``; ``"npu.fast_gelu.default"`` -> ``"fast_gelu"``.
+
+    >>> base_name("aten.native_layer_norm.default"), base_name("relu")
+    ('native_layer_norm', 'relu')
+    """
+    parts = op.split(".")
+    if len(parts) >= 3:
+        return parts[1]
+    if len(parts) == 2:
+        return parts[1] if parts[0] in ("aten", "prims", "npu", "torch_npu", "_c10d_functional", "c10d") else parts[0]
+    return op
+
+
+@lru_cache(maxsize=4096)
+def classify(op: str) -> OpClass:
+    """The propagation class of an op name (see the module docstring)."""
+    name = base_name(op)
+    if name in _UNINIT:
+        return OpClass("uninit")
+    if name in _FACTORY:
+        return OpClass("factory")
+    if name in _SELECT:
+        return OpClass("select")
+    if name in _CONTRACT:
+        return OpClass("contract", precision_variable=True, accumulates=True)
+    if name in _NORMALIZE:
+        return OpClass("normalize", accumulates=True)
+    if name in _REDUCE_MEAN:
+        return OpClass("reduce", mean_like=True, accumulates=True)
+    if name in _REDUCE_SUM:
+        return OpClass("reduce", accumulates=True)
+    if name in _EXP:
+        return OpClass("exp", lipschitz=2.0 if "softmax" in name or name == "logsumexp" else 1.0,
+                       accumulates="softmax" in name or name == "logsumexp")
+    if name in _LOG_SOFTMAX:
+        return OpClass("lipschitz", lipschitz=2.0, accumulates=True)
+    if name in _PRODUCT:
+        return OpClass("product", inverse_inputs=_INVERSE.get(name, ()))
+    if name in _LIPSCHITZ:
+        return OpClass("lipschitz", lipschitz=1.13 if name.startswith(("gelu", "silu", "mish")) else 1.0)
+    if name in _COPY:
+        return OpClass("copy")
+    if name.startswith("_foreach_"):
+        return OpClass("product")
+    if _BACKWARD.search(name):
+        return OpClass("other", accumulates=True)
+    return OpClass("other", accumulates=True)
+
+
+def is_copy(op: str) -> bool:
+    """Ops whose output holds the same values as their (first) input: what an extra op usually is."""
+    return base_name(op) in {"clone", "contiguous", "_to_copy", "to", "copy", "detach", "alias", "lift_fresh",
+                             "lift_fresh_copy", "_copy_from", "copy_", "_unsafe_view", "reshape", "flatten",
+                             "view_copy", "expand_copy", "permute_copy", "transpose_copy", "t_copy", "resolve_conj",
+                             "resolve_neg"}

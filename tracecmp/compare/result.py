@@ -1,0 +1,191 @@
+"""The outcome of a comparison: verdict, first divergence, suspects, per-node and per-tensor tables."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import pandas as pd
+
+from tracecmp.compare.records import Divergence
+from tracecmp.compare.tolerances import Tolerances
+from tracecmp.errors import TracecmpError
+from tracecmp.trace.reader import Trace
+
+NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "step", "phase", "kind", "op", "name", "module", "location", "status",
+                "error", "introduced", "metric", "root_kind", "reason")
+
+
+@dataclass
+class CompareResult:
+    """What :func:`tracecmp.compare` found.
+
+    ``nodes`` has one row per target node (see :data:`NODE_COLUMNS`; ``status`` is one of
+    :data:`tracecmp.compare.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
+    node's dtype); ``tensors`` one row per compared tensor; ``unpaired_bench`` the bench nodes that
+    found no partner.
+
+    >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
+    >>> print(result.summary())                                 # doctest: +SKIP
+    """
+
+    target: Trace
+    bench: Trace
+    first_divergence: Divergence | None
+    suspects: list[Divergence]
+    nodes: pd.DataFrame
+    tensors: pd.DataFrame
+    unpaired_bench: pd.DataFrame
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    warnings: list[str] = field(default_factory=list)
+    exact: bool = False
+    ranks: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def agrees(self) -> bool:
+        """True only if every node on both sides was paired and compared and nothing diverged."""
+        if self.first_divergence is not None or self.warnings_block_agreement:
+            return False
+        counted = self.nodes[self.nodes["kind"] != "view"]
+        return bool(len(counted)) and bool(counted["status"].isin(["agrees", "noise"]).all()) and self.unpaired_bench.empty
+
+    @property
+    def warnings_block_agreement(self) -> bool:
+        return not (self.target.complete and self.bench.complete)
+
+    def counts(self) -> dict[str, int]:
+        """Node counts behind the verdict (views left out)."""
+        counted = self.nodes[self.nodes["kind"] != "view"]
+        status = counted["status"].value_counts()
+        return {
+            "target nodes": len(counted),
+            "paired": int(counted["bench_op_id"].notna().sum()),
+            "unpaired target": int(status.get("unpaired", 0)),
+            "unpaired bench": int(len(self.unpaired_bench[self.unpaired_bench["kind"] != "view"])) if len(self.unpaired_bench) else 0,
+            **{name: int(status.get(name, 0)) for name in ("agrees", "noise", "uncompared", "diverged", "nan")},
+            "roots": len(self.suspects),
+        }
+
+    def graph(self, rank: int = 0, step: int | None = None) -> nx.DiGraph:
+        """The target's dataflow graph (see :func:`tracecmp.graph.build_graph`) with this comparison's
+        per-node columns (status, error, introduced, metric, bench_op_id, root_kind) as node attributes."""
+        from tracecmp.graph import build_graph
+
+        g = build_graph(self.target.rank(rank), step=step, rank=rank)
+        rows = self.nodes[self.nodes["rank"] == rank]
+        if step is not None:
+            rows = rows[rows["step"] == step]
+        columns = ("bench_op_id", "status", "error", "introduced", "metric", "root_kind", "reason")
+        for record in rows[["op_id", *columns]].to_dict("records"):
+            op_id = int(record.pop("op_id"))
+            if op_id in g:
+                g.nodes[op_id].update({k: (None if _missing(v) else v) for k, v in record.items()})
+        return g
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per compared tensor: where it comes from, both dtypes, the metrics, the node's status."""
+        return self.tensors.copy()
+
+    def summary(self, *, top: int = 10) -> str:
+        """Terminal text: verdict, first divergence, top suspects, counts, completeness warnings."""
+        lines = [self.verdict()]
+        d = self.first_divergence
+        if d is not None:
+            lines += ["", "First divergence:", f"  op        {d.op}", f"  module    {d.module or '<top>'}",
+                      f"  phase     {d.phase}, step {d.step}" + (f", rank {d.rank}" if d.rank else ""),
+                      f"  location  {d.location or '?'}", f"  kind      {d.kind}", f"  reason    {d.reason}"]
+            if d.metrics:
+                lines.append("  metrics   " + ", ".join(f"{k}={_fmt(v)}" for k, v in d.metrics.items()))
+        if self.suspects:
+            lines += ["", f"Suspects ({len(self.suspects)} root{'s' if len(self.suspects) != 1 else ''}, by introduced error):"]
+            ranked = sorted(self.suspects, key=lambda s: -s.score)[:top]
+            width = max(len(s.op) for s in ranked)
+            for i, s in enumerate(ranked, 1):
+                lines.append(f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
+                             f"{s.kind:<11} score {_fmt(s.score)}")
+        counts = self.counts()
+        lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items())]
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """One line: DIVERGED / AGREE / INCOMPLETE with the essentials."""
+        d = self.first_divergence
+        mode = "bitwise " if self.exact else ""
+        if d is not None:
+            where = f"{d.op} in {d.module or '<top>'} ({d.phase}, step {d.step}{', rank ' + str(d.rank) if d.rank else ''})"
+            return f"DIVERGED: {mode}first divergence at {where}" + (f" — {d.location}" if d.location else "")
+        if self.agrees:
+            return f"AGREE: {'every tensor is bitwise identical' if self.exact else 'no op diverges beyond rounding noise'}"
+        c = self.counts()
+        gaps = []
+        if c["unpaired target"] or c["unpaired bench"]:
+            gaps.append(f"{c['unpaired target']} target / {c['unpaired bench']} bench nodes unpaired")
+        if c["uncompared"]:
+            gaps.append(f"{c['uncompared']} nodes uncompared")
+        if self.warnings_block_agreement:
+            gaps.append("a trace is incomplete")
+        return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
+
+    def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
+        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv (and compare.xlsx); returns the paths."""
+        out = Path(out_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
+        tables = {"nodes": self.nodes, "tensors": self.tensors, "suspects": self.suspects_frame(),
+                  "unpaired_bench": self.unpaired_bench}
+        paths = []
+        for name, frame in tables.items():
+            path = out / f"{name}.csv"
+            frame.to_csv(path, index=False)
+            paths.append(path)
+        if xlsx:
+            paths.append(self._write_xlsx(out / "compare.xlsx", tables))
+        return paths
+
+    @staticmethod
+    def _write_xlsx(path: Path, tables: dict[str, pd.DataFrame]) -> Path:
+        try:
+            import openpyxl  # noqa: F401  (pandas' engine; imported here so it stays optional)
+        except ImportError as exc:
+            raise TracecmpError("XLSX output needs openpyxl: pip install tracecmp[xlsx]", path=path) from exc
+        with pd.ExcelWriter(path, engine="openpyxl") as writer:
+            for name, frame in tables.items():
+                frame.head(1_000_000).to_excel(writer, sheet_name=name[:31], index=False)
+        return path
+
+    def suspects_frame(self) -> pd.DataFrame:
+        """The suspects as a table, first divergence first, then by score."""
+        columns = ["rank", "op_id", "bench_op_id", "step", "phase", "op", "module", "location", "kind", "score", "reason"]
+        rows = [{c: getattr(s, c) for c in columns} for s in self.suspects]
+        return pd.DataFrame(rows, columns=columns)
+
+    def render(self, path: str | Path, depth: int = 2) -> Path:
+        """Draw the suspicious subgraph to ``path`` (.svg / .png / .dot by suffix)."""
+        from tracecmp.render import render_subgraph
+
+        return render_subgraph(self, path, depth=depth)
+
+    def __repr__(self) -> str:
+        return f"<CompareResult {self.verdict()}>"
+
+
+def _missing(value: Any) -> bool:
+    try:
+        return value is None or bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.3g}"
+    return str(value)
