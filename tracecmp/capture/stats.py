@@ -20,15 +20,26 @@ arithmetic whatever the tensor's dtype:
 
 Complex tensors are summarised through ``torch.view_as_real``.
 
-The fused C++ pass in ``csrc/`` computes the same numbers; :func:`tensor_stats` uses it when it
-is built and ``TRACECMP_FORCE_REFERENCE=1`` is not set.
+The fused C++ pass in ``csrc/`` (module ``tracecmp._cstats``) computes the same numbers on CPU
+tensors: min, max, counts and checksum exactly, mean and norm to within rounding (its sums are
+pairwise in float64 and independent of layout, thread count and CPU). :func:`tensor_stats` and
+:func:`tensor_stats_row` use it when it is built and ``TRACECMP_FORCE_REFERENCE=1`` is not set.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+import os
+from typing import Any, Callable, NamedTuple
 
 import torch
+
+try:
+    from tracecmp import _cstats
+except ImportError as exc:  # not built (no compiler at install time): the reference serves
+    _cstats = None
+    _NATIVE_ERROR: str | None = f"tracecmp._cstats is not importable: {exc}"
+else:
+    _NATIVE_ERROR = None
 
 STAT_FIELDS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "checksum")
 
@@ -55,7 +66,8 @@ def checksum_reference(t: torch.Tensor) -> torch.Tensor:
     >>> int(checksum_reference(torch.zeros(3)))
     0
     """
-    flat = t.detach().contiguous().reshape(-1)
+    # Conjugate/negative views must be materialised: their raw bits are not their values.
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     width = flat.element_size()
@@ -75,12 +87,12 @@ def stats_tensor_reference(t: torch.Tensor) -> torch.Tensor:
     Layout: min, max, mean, norm, nan_count, inf_count, checksum (the checksum's int64 bits
     reinterpreted as float64 so that one tensor carries everything; see :func:`unpack_stats`).
     """
-    x = t.detach()
+    x = t.detach().resolve_conj().resolve_neg()
     if x.is_complex():
         x = torch.view_as_real(x)
     x = x.reshape(-1)
     device = x.device
-    checksum = checksum_reference(x if not t.is_complex() else t).view(torch.float64).reshape(1)
+    checksum = checksum_reference(x).view(torch.float64).reshape(1)
     if x.dtype.is_floating_point:
         xd = x.to(torch.float64)
         nan_mask = torch.isnan(xd)
@@ -128,3 +140,99 @@ def reference_stats(t: torch.Tensor) -> TensorStats:
     1
     """
     return unpack_stats(stats_tensor_reference(t).cpu())
+
+
+# Codes shared with csrc/stats_kernel.hpp (enum DType).
+_NATIVE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.uint8: 4,
+    torch.int8: 5,
+    torch.int16: 6,
+    torch.int32: 7,
+    torch.int64: 8,
+    torch.bool: 9,
+}
+_NativeFn = Callable[[int, Any, Any, int, int, int], tuple]
+_native_stats: _NativeFn | None = None  # None: use the reference
+# Below this many elements the kernel ignores the thread count, so the lookup is skipped.
+_PARALLEL_MIN: int = _cstats.PARALLEL_MIN if _cstats is not None else 0
+
+
+def native_available() -> bool:
+    """Whether the fused C++ kernel was built and imports.
+
+    >>> isinstance(native_available(), bool)
+    True
+    """
+    return _cstats is not None
+
+
+def native_error() -> str | None:
+    """Why the C++ kernel is unavailable (None when it is available).
+
+    >>> native_error() is None or "tracecmp._cstats" in native_error()
+    True
+    """
+    return _NATIVE_ERROR
+
+
+def set_force_reference(flag: bool) -> None:
+    """Make :func:`tensor_stats`/:func:`tensor_stats_row` use the pure-torch reference (or not).
+
+    The initial value is ``TRACECMP_FORCE_REFERENCE=1`` in the environment at import.
+
+    >>> set_force_reference(True); tensor_stats(torch.ones(2)).mean
+    1.0
+    >>> set_force_reference(False)
+    """
+    global _native_stats
+    _native_stats = None if flag or _cstats is None else _cstats.stats
+
+
+set_force_reference(os.environ.get("TRACECMP_FORCE_REFERENCE", "") == "1")
+
+
+def tensor_stats_row(t: torch.Tensor) -> tuple[Any, ...]:
+    """The seven statistics of ``t`` as a plain tuple, as cheaply as possible.
+
+    Order: min, max, mean, norm, nan_count, inf_count, checksum. CPU tensors of the kernel's
+    dtypes go straight to the fused C++ pass (no copy, any strides); everything else (devices,
+    complex, conjugate/negative views, other dtypes) takes the reference, which may raise for
+    dtypes it does not cover.
+
+    >>> tensor_stats_row(torch.tensor([[1.0, float("inf")], [3.0, -1.0]]))[:6]
+    (-1.0, inf, 1.0, 3.3166247903554, 0, 1)
+    """
+    native = _native_stats
+    code = _NATIVE_CODES.get(t.dtype)
+    if native is not None and code is not None and t.is_cpu and not t.is_neg():
+        n = t.numel()
+        try:
+            return native(
+                t.data_ptr(), t.shape, t.stride(), code, n, torch.get_num_threads() if n >= _PARALLEL_MIN else 1
+            )
+        except (RuntimeError, ValueError):
+            pass  # no storage (sparse, fake or functional tensors): the reference decides
+    return _row_slow(t, native)
+
+
+def _row_slow(t: torch.Tensor, native: _NativeFn | None) -> tuple[Any, ...]:
+    if native is not None and t.is_cpu and t.layout is torch.strided:
+        if t.is_complex():
+            # view_as_real keeps the element order (re, im per element), as the definition says.
+            return tensor_stats_row(torch.view_as_real(t.resolve_conj().resolve_neg()))
+        if t.is_neg():
+            return tensor_stats_row(t.resolve_neg())
+    return tuple(reference_stats(t))
+
+
+def tensor_stats(t: torch.Tensor) -> TensorStats:
+    """Statistics of ``t``: the fused C++ pass for CPU tensors when available, else the reference.
+
+    >>> tensor_stats(torch.tensor([1.0, float("nan"), 3.0]))
+    TensorStats(min=1.0, max=3.0, mean=2.0, norm=3.1622776601683795, nan_count=1, inf_count=0, checksum=...)
+    """
+    return TensorStats(*tensor_stats_row(t))

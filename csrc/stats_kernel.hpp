@@ -1,0 +1,479 @@
+// The fused statistics pass: pure C++17, no Python and no torch (see cstats.cpp for why).
+//
+// One read of the tensor yields min, max, the sum and the sum of squares of the finite elements,
+// the NaN and Inf counts and the bitwise checksum, exactly as defined in
+// tracecmp/capture/stats.py.
+//
+// Layout of the work, and why:
+// * Elements are taken in blocks of kBlock in logical (row-major) order. A strided tensor is
+//   gathered block by block into a small buffer, so one kernel serves every layout and the
+//   numbers never depend on the layout.
+// * Inside a block every statistic is kept in kLanes independent lanes (lane = logical index mod
+//   kLanes). The lane loops have no cross-lane dependency and no branch, so gcc -O3 turns them
+//   into SIMD code without -ffast-math; kLanes is fixed, so the summation order (hence every
+//   bit of the result) is the same on every CPU, ISA clone and thread count.
+// * Sums are in double: per-lane within a block (at most kBlock / kLanes terms), then block sums
+//   are combined by streaming pairwise summation, so the error grows with log(blocks) and a
+//   100M-element fp32 tensor keeps ~1e-15 relative accuracy.
+// * NaN/Inf are rare, so the first pass over a block sums unmasked values; a non-finite block
+//   sum proves the block holds a NaN/Inf (for fp64, or an overflow) and only then the block is
+//   summed again with masking and counting. For finite blocks both passes give the same bits.
+// * The checksum sum_i u_i * (2i + 1) mod 2^64 needs no per-element multiply: each lane keeps a
+//   running sum P of u and a running sum Q of P, and sum_c c * u_c = C * P - Q. Integer sums wrap
+//   associatively, so the checksum is exact for any split.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace tracecmp {
+
+// 8 lanes: 6 accumulators of 8 lanes fit the 16 AVX2 registers (16 lanes spilled).
+constexpr int64_t kLanes = 8;
+// 256 chunks of kLanes: keeps 32-bit P/Q lanes of 8- and 16-bit types from overflowing
+// (Q <= 65535 * 256 * 257 / 2 < 2^32) and a gathered block of fp64 (16 KiB) inside L1.
+constexpr int64_t kBlock = 2048;
+constexpr int kMaxDims = 64;
+
+#if defined(__GNUC__)
+#define TC_INLINE inline __attribute__((always_inline))
+#else
+#define TC_INLINE inline
+#endif
+
+// Dtype codes shared with tracecmp/capture/stats.py (_NATIVE_CODES).
+enum DType : int {
+  kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kU8 = 4, kI8 = 5, kI16 = 6, kI32 = 7, kI64 = 8,
+  kBool = 9, kNumDTypes = 10
+};
+
+template <class To, class From>
+TC_INLINE To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// GCC/Clang generic vectors of G elements: plain C++ arithmetic the compiler maps to the
+// target's SIMD (SSE2, AVX2, AVX-512, NEON) without intrinsics. G is chosen per ISA so that a
+// Vec<double, G> fills one register: larger generic vectors are split into scalars by gcc, and
+// plain lane arrays left to the auto-vectorizer stayed in memory between iterations (both were
+// measured 3-10x slower). The kLanes logical lanes are kLanes / G such vectors.
+template <class E, int G>
+struct VecOf {
+  typedef E type __attribute__((vector_size(sizeof(E) * G)));
+};
+template <class E, int G>
+using Vec = typename VecOf<E, G>::type;
+
+// Element-wise vector conversion: gcc 12 lowers __builtin_convertvector's widening casts to
+// 128-bit halves; this loop becomes the single instruction (vcvtps2pd, vpmovzxdq, ...).
+template <class To, class From>
+TC_INLINE To convert(From x) {
+  To r;
+  for (int i = 0; i < static_cast<int>(sizeof(To) / sizeof(r[0])); ++i) r[i] = x[i];
+  return r;
+}
+
+template <class V, class E>
+TC_INLINE V load(const E* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// Per dtype: Raw = the stored bits (read as unsigned, which is also u_i of the checksum),
+// Val = the type min/max are taken in, Lane = the type of the checksum's P/Q lanes; value()
+// exists for one element and for a vector and both give the same (exact) values.
+// kExactSquare: the square of every value is exact in double, so q + d * d may be fused.
+struct F32 {
+  using Raw = uint32_t; using Val = float; using Lane = uint64_t;
+  static constexpr bool kFloat = true, kExactSquare = true;
+  static TC_INLINE Val value(Raw r) { return bit_cast<float>(r); }
+  template <int G>
+  static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) { return bit_cast<Vec<Val, G>>(r); }
+  static TC_INLINE bool is_nan(Raw r) { return (r & 0x7fffffffu) > 0x7f800000u; }
+  static TC_INLINE bool is_inf(Raw r) { return (r & 0x7fffffffu) == 0x7f800000u; }
+};
+
+struct F64 {
+  using Raw = uint64_t; using Val = double; using Lane = uint64_t;
+  static constexpr bool kFloat = true, kExactSquare = false;
+  static TC_INLINE Val value(Raw r) { return bit_cast<double>(r); }
+  template <int G>
+  static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) { return bit_cast<Vec<Val, G>>(r); }
+  static TC_INLINE bool is_nan(Raw r) {
+    return (r & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
+  }
+  static TC_INLINE bool is_inf(Raw r) {
+    return (r & 0x7fffffffffffffffull) == 0x7ff0000000000000ull;
+  }
+};
+
+struct BF16 {
+  using Raw = uint16_t; using Val = float; using Lane = uint32_t;
+  static constexpr bool kFloat = true, kExactSquare = true;
+  static TC_INLINE Val value(Raw r) { return bit_cast<float>(static_cast<uint32_t>(r) << 16); }
+  template <int G>
+  static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
+    return bit_cast<Vec<Val, G>>(convert<Vec<uint32_t, G>>(r) << 16);
+  }
+  static TC_INLINE bool is_nan(Raw r) { return (r & 0x7fffu) > 0x7f80u; }
+  static TC_INLINE bool is_inf(Raw r) { return (r & 0x7fffu) == 0x7f80u; }
+};
+
+// Exact int32 -> float conversion of one value or a vector of them (F16 subnormals).
+template <class F, class I>
+TC_INLINE F to_float(I x) {
+  if constexpr (std::is_arithmetic_v<I>) {
+    return static_cast<F>(x);
+  } else {
+    return convert<F>(x);
+  }
+}
+
+struct F16 {
+  using Raw = uint16_t; using Val = float; using Lane = uint32_t;
+  static constexpr bool kFloat = true, kExactSquare = true;
+  // Half bits (zero-extended to 32) -> float bits. Integer-only for normals/Inf/NaN and an
+  // exact int->float scale for subnormals, so it is branch-free and unaffected by
+  // flush-denormal CPU modes. U is uint32_t or a vector of them, I and F the matching int32
+  // and float types.
+  template <class U, class I, class F>
+  static TC_INLINE U float_bits(U h) {
+    const U sign = (h & 0x8000u) << 16;
+    const U em = h & 0x7fffu;
+    const U normal = (em << 13) + ((127u - 15u) << 23);
+    const U special = (em << 13) | 0x7f800000u;
+    const U sub = bit_cast<U>(to_float<F>(bit_cast<I>(em)) * 0x1p-24f);
+    const U bits = em < 0x400u ? sub : normal;
+    return (em >= 0x7c00u ? special : bits) | sign;
+  }
+  static TC_INLINE Val value(Raw r) { return bit_cast<float>(float_bits<uint32_t, int32_t, float>(r)); }
+  template <int G>
+  static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
+    return bit_cast<Vec<Val, G>>(float_bits<Vec<uint32_t, G>, Vec<int32_t, G>, Vec<float, G>>(
+        convert<Vec<uint32_t, G>>(r)));
+  }
+  static TC_INLINE bool is_nan(Raw r) { return (r & 0x7fffu) > 0x7c00u; }
+  static TC_INLINE bool is_inf(Raw r) { return (r & 0x7fffu) == 0x7c00u; }
+};
+
+template <class RawT, class SignedT, class ValT, class LaneT>
+struct IntBase {
+  using Raw = RawT; using Val = ValT; using Lane = LaneT;
+  static constexpr bool kFloat = false, kExactSquare = sizeof(RawT) <= 2;
+  static TC_INLINE Val value(Raw r) { return static_cast<SignedT>(r); }
+  template <int G>
+  static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
+    if constexpr (std::is_same_v<SignedT, Val>) {
+      return bit_cast<Vec<Val, G>>(r);
+    } else {
+      return convert<Vec<Val, G>>(bit_cast<Vec<SignedT, G>>(r));
+    }
+  }
+  static TC_INLINE bool is_nan(Raw) { return false; }
+  static TC_INLINE bool is_inf(Raw) { return false; }
+};
+struct U8 : IntBase<uint8_t, uint8_t, int32_t, uint32_t> {};
+struct I8 : IntBase<uint8_t, int8_t, int32_t, uint32_t> {};
+struct I16 : IntBase<uint16_t, int16_t, int32_t, uint32_t> {};
+struct I32 : IntBase<uint32_t, int32_t, int32_t, uint64_t> {};
+struct I64 : IntBase<uint64_t, int64_t, int64_t, uint64_t> {};
+struct Bool : IntBase<uint8_t, uint8_t, int32_t, uint32_t> {
+  // torch reads any non-zero byte as true.
+  static TC_INLINE Val value(Raw r) { return r != 0; }
+  template <int G>
+  static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
+    return convert<Vec<Val, G>>(r) != 0 ? Vec<Val, G>{} + 1 : Vec<Val, G>{};
+  }
+};
+
+// Stops the compiler from fusing the multiply into the following add (FMA). The build allows
+// contraction (-ffp-contract=fast) because for kExactSquare types fma(d, d, q) == q + d * d
+// bit for bit; for the others it would make results depend on the CPU's ISA.
+template <class V>
+TC_INLINE void no_contract(V& x) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+v"(x));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(x));
+#else
+  __asm__("" : "+m"(x));
+#endif
+}
+
+template <class T, class V>
+TC_INLINE V add_square(V acc, V d) {
+  V sq = d * d;
+  if constexpr (!T::kExactSquare) no_contract(sq);
+  return acc + sq;
+}
+
+// The k-th H-sized piece of vector v (compiles to a register extract).
+template <class H, class V>
+TC_INLINE H piece(V v, int k) {
+  H h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + k * sizeof(H), sizeof(H));
+  return h;
+}
+
+// Streaming pairwise summation of (sum, sum of squares) pairs: a binary counter of partial
+// sums, so pushing the same sequence always gives the same bits, whoever pushes it.
+struct Pairwise {
+  double s[64], q[64];
+  int top = 0;
+  uint64_t count = 0;
+
+  void push(double bs, double bq) {
+    for (uint64_t n = count++; n & 1; n >>= 1) {
+      --top;
+      bs = s[top] + bs;
+      bq = q[top] + bq;
+    }
+    s[top] = bs;
+    q[top] = bq;
+    ++top;
+  }
+  void total(double* sum, double* sumsq) const {
+    double a = 0.0, b = 0.0;
+    for (int i = top - 1; i >= 0; --i) {
+      a = s[i] + a;
+      b = q[i] + b;
+    }
+    *sum = a;
+    *sumsq = b;
+  }
+};
+
+// Everything but the moments, for a run of blocks; combining two is exact and associative.
+template <class T>
+struct Partial {
+  using Val = typename T::Val;
+  Val lo = std::numeric_limits<Val>::has_infinity ? std::numeric_limits<Val>::infinity()
+                                                  : std::numeric_limits<Val>::max();
+  Val hi = std::numeric_limits<Val>::has_infinity ? -std::numeric_limits<Val>::infinity()
+                                                  : std::numeric_limits<Val>::lowest();
+  int64_t nan = 0, inf = 0;
+  uint64_t checksum = 0;
+
+  void merge(const Partial& o) {
+    lo = o.lo < lo ? o.lo : lo;
+    hi = o.hi > hi ? o.hi : hi;
+    nan += o.nan;
+    inf += o.inf;
+    checksum += o.checksum;
+  }
+};
+
+template <class V, int64_t N>
+TC_INLINE V tree_sum(const V* v) {
+  V t[N];
+  for (int64_t i = 0; i < N; ++i) t[i] = v[i];
+  for (int64_t w = N / 2; w >= 1; w /= 2)
+    for (int64_t i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
+  return t[0];
+}
+
+// Second look at a block whose unmasked sum was not finite: count NaN/Inf and sum the finite
+// elements. Lane assignment and order match the fast pass, so finite elements add up the same.
+template <class T>
+TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, double* bs,
+                              double* bq, int64_t* nan, int64_t* inf) {
+  double s[kLanes], q[kLanes];
+  int64_t cn[kLanes], ci[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) s[l] = q[l] = 0.0, cn[l] = ci[l] = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t l = k % kLanes;
+    const typename T::Raw r = p[k];
+    const bool is_nan = T::is_nan(r), is_inf = T::is_inf(r);
+    const double d = (is_nan || is_inf) ? 0.0 : static_cast<double>(T::value(r));
+    cn[l] += is_nan;
+    ci[l] += is_inf;
+    s[l] += d;
+    q[l] = add_square<T>(q[l], d);
+  }
+  *bs = tree_sum<double, kLanes>(s);
+  *bq = tree_sum<double, kLanes>(q);
+  for (int64_t l = 0; l < kLanes; ++l) *nan += cn[l], *inf += ci[l];
+}
+
+// Lanes per vector of W bytes for element type E (at most kLanes).
+template <class E, int W>
+constexpr int kWidth = static_cast<int>(sizeof(E)) * kLanes <= W ? kLanes : W / sizeof(E);
+
+// One block of n <= kBlock contiguous elements whose first logical index is `start`, with
+// vectors of W bytes. Each statistic uses full-width vectors of its own type (8 floats but 4
+// doubles for AVX2), so every instruction does a register's worth of work.
+template <class T, int W>
+TC_INLINE void block(const typename T::Raw* __restrict p, int64_t n, uint64_t start,
+                     Partial<T>& part, Pairwise& pw) {
+  using Raw = typename T::Raw;
+  using Val = typename T::Val;
+  using Lane = typename T::Lane;
+  constexpr int GV = kWidth<Val, W>, GD = kWidth<double, W>, GP = kWidth<Lane, W>;
+  using VV = Vec<Val, GV>;
+  using VD = Vec<double, GD>;
+  using VP = Vec<Lane, GP>;
+  VV vlo[kLanes / GV], vhi[kLanes / GV];
+  VD vs[kLanes / GD], vq[kLanes / GD];
+  VP vP[kLanes / GP], vQ[kLanes / GP];
+#pragma GCC unroll 8
+  for (int g = 0; g < kLanes / GV; ++g) {
+    vlo[g] = VV{} + part.lo;
+    vhi[g] = VV{} + part.hi;
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < kLanes / GD; ++g) vs[g] = vq[g] = VD{};
+#pragma GCC unroll 8
+  for (int g = 0; g < kLanes / GP; ++g) vP[g] = vQ[g] = VP{};
+  const int64_t chunks = n / kLanes;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Raw* __restrict r = p + c * kLanes;
+    VV v[kLanes / GV];
+#pragma GCC unroll 8
+    for (int g = 0; g < kLanes / GV; ++g) {
+      v[g] = T::template value<GV>(load<Vec<Raw, GV>>(r + g * GV));
+      // a < b ? a : b skips a NaN a (the comparison is false), as the definition asks.
+      vlo[g] = v[g] < vlo[g] ? v[g] : vlo[g];
+      vhi[g] = v[g] > vhi[g] ? v[g] : vhi[g];
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < kLanes / GD; ++g) {
+      // Same-width types convert straight from memory (cvtps2pd m128 is one instruction);
+      // narrower ones reuse the converted values above.
+      constexpr int kPieces = GV / GD;
+      VD d;
+      if constexpr (sizeof(Raw) == sizeof(Val)) {
+        d = convert<VD>(T::template value<GD>(load<Vec<Raw, GD>>(r + g * GD)));
+      } else {
+        d = convert<VD>(piece<Vec<Val, GD>>(v[g / kPieces], g % kPieces));
+      }
+      vs[g] += d;
+      vq[g] = add_square<T>(vq[g], d);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < kLanes / GP; ++g) {
+      vP[g] += convert<VP>(load<Vec<Raw, GP>>(r + g * GP));
+      vQ[g] += vP[g];
+    }
+  }
+  Val lo[kLanes], hi[kLanes];
+  double s[kLanes], q[kLanes];
+  Lane P[kLanes], Q[kLanes];
+  std::memcpy(lo, vlo, sizeof lo);
+  std::memcpy(hi, vhi, sizeof hi);
+  std::memcpy(s, vs, sizeof s);
+  std::memcpy(q, vq, sizeof q);
+  std::memcpy(P, vP, sizeof P);
+  std::memcpy(Q, vQ, sizeof Q);
+  uint64_t checksum = 0;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const uint64_t a = P[l];
+    const uint64_t w = static_cast<uint64_t>(chunks) * a - static_cast<uint64_t>(Q[l]);
+    checksum += (2 * (start + l) + 1) * a + 2 * kLanes * w;
+  }
+  // The tail (only in the tensor's last block) goes to the lanes its index would use.
+  for (int64_t k = chunks * kLanes; k < n; ++k) {
+    const int64_t l = k - chunks * kLanes;
+    const Val v = T::value(p[k]);
+    lo[l] = v < lo[l] ? v : lo[l];
+    hi[l] = v > hi[l] ? v : hi[l];
+    const double d = static_cast<double>(v);
+    s[l] += d;
+    q[l] = add_square<T>(q[l], d);
+    checksum += static_cast<uint64_t>(p[k]) * (2 * (start + k) + 1);
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    part.lo = lo[l] < part.lo ? lo[l] : part.lo;
+    part.hi = hi[l] > part.hi ? hi[l] : part.hi;
+  }
+  part.checksum += checksum;
+  double bs = tree_sum<double, kLanes>(s);
+  double bq = tree_sum<double, kLanes>(q);
+  if (T::kFloat && !std::isfinite(bs)) masked_moments<T>(p, n, &bs, &bq, &part.nan, &part.inf);
+  pw.push(bs, bq);
+}
+
+// Logical-order reader of a strided tensor (element strides, dims already coalesced).
+struct Cursor {
+  int nd = 0;
+  int64_t size[kMaxDims], stride[kMaxDims], idx[kMaxDims];
+  int64_t offset = 0;
+
+  void seek(int64_t linear) {
+    offset = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+      idx[d] = linear % size[d];
+      linear /= size[d];
+      offset += idx[d] * stride[d];
+    }
+  }
+  // Copy the next `count` elements in logical order into buf.
+  template <class Raw>
+  void fill(const Raw* base, Raw* __restrict buf, int64_t count) {
+    const int in = nd - 1;
+    const int64_t st = stride[in];
+    while (count > 0) {
+      const int64_t run = std::min(count, size[in] - idx[in]);
+      const Raw* src = base + offset;
+      if (st == 1) {
+        std::memcpy(buf, src, run * sizeof(Raw));
+      } else {
+        for (int64_t k = 0; k < run; ++k) buf[k] = src[k * st];
+      }
+      buf += run;
+      count -= run;
+      offset += run * st;
+      idx[in] += run;
+      if (idx[in] < size[in]) continue;
+      offset -= size[in] * st;
+      idx[in] = 0;
+      for (int d = in - 1; d >= 0; --d) {
+        offset += stride[d];
+        if (++idx[d] < size[d]) break;
+        offset -= size[d] * stride[d];
+        idx[d] = 0;
+      }
+    }
+  }
+};
+
+// Blocks [b0, b1) of a tensor of `numel` elements; contiguous when cur == nullptr.
+// With sums == nullptr block moments go to pw, otherwise to sums[2b], sums[2b+1].
+template <class T, int W>
+TC_INLINE void run_blocks(const void* data, const Cursor* cur, int64_t numel, int64_t b0,
+                          int64_t b1, Partial<T>& part, Pairwise& pw, double* sums) {
+  using Raw = typename T::Raw;
+  const Raw* base = static_cast<const Raw*>(data);
+  Raw buf[kBlock];  // gather buffer for strided tensors (uninitialised: costs nothing)
+  Cursor c;
+  if (cur) {
+    c = *cur;
+    c.seek(b0 * kBlock);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * kBlock;
+    const int64_t n = std::min(kBlock, numel - start);
+    const Raw* p = base + start;
+    if (cur) {
+      c.fill(base, buf, n);
+      p = buf;
+    }
+    if (sums) {
+      Pairwise one;
+      block<T, W>(p, n, static_cast<uint64_t>(start), part, one);
+      sums[2 * b] = one.s[0];
+      sums[2 * b + 1] = one.q[0];
+    } else {
+      block<T, W>(p, n, static_cast<uint64_t>(start), part, pw);
+    }
+  }
+}
+
+}  // namespace tracecmp
