@@ -1,0 +1,65 @@
+"""``tracecmp compare TARGET BENCH [-o OUT]``: name the first op where two runs stop agreeing.
+
+Exit codes follow ``diff``: 0 no divergence, 1 divergence found (with ``--strict`` also when
+something could not be paired or compared), 2 bad input or usage.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tracecmp.errors import TracecmpError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="find the first op where a target run diverges from a bench run",
+        description="Compare two traces (target first, bench second). Exit 0 when no op diverges, "
+        "1 when one does, 2 on bad input.",
+    )
+    parser.add_argument("target", help="trace folder of the run under suspicion (NPU, bf16, new kernel, ...)")
+    parser.add_argument("bench", help="trace folder of the reference run")
+    parser.add_argument("-o", "--out", metavar="OUT", help="folder for the tables (CSV) and the HTML report")
+    parser.add_argument("--exact", action="store_true", help="bitwise determinism check: any difference is a divergence")
+    parser.add_argument("--steps", type=_int_list, metavar="S,S", help="compare only these steps")
+    parser.add_argument("--ranks", type=_int_list, metavar="R,R", help="compare only these ranks")
+    parser.add_argument("--tol", metavar="SPEC", default="",
+                        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,allow_tf32=0"')
+    parser.add_argument("--xlsx", action="store_true", help="also write compare.xlsx (needs openpyxl)")
+    parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")
+    parser.add_argument("--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared")
+    parser.add_argument("--top", type=int, default=10, metavar="N", help="suspects shown in the summary (default 10)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar on stderr (default: on a terminal, for large traces)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tracecmp.compare import Tolerances, compare
+
+    tolerances = Tolerances.parse(args.tol) if args.tol else None
+    result = compare(args.target, args.bench, tolerances=tolerances, steps=args.steps, ranks=args.ranks,
+                     exact=args.exact, progress=args.progress)
+    print(result.summary(top=args.top))
+    if args.out:
+        paths = result.write_tables(args.out, xlsx=args.xlsx)
+        if not args.no_report:
+            try:
+                from tracecmp.render import write_report
+
+                paths.append(write_report(result, args.out))
+            except TracecmpError as exc:
+                print(f"warning: report not written: {exc}", file=sys.stderr)
+        print(f"\nwrote {', '.join(str(p) for p in paths)}")
+    if result.first_divergence is not None:
+        return 1
+    return 1 if args.strict and not result.agrees else 0
