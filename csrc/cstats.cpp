@@ -23,9 +23,9 @@ namespace tracecmp {
 namespace {
 
 // Below this many elements one thread is faster than starting others.
-constexpr int64_t kParallelMin = int64_t{1} << 18;
+constexpr int64_t kParallelMin = int64_t{1} << 19;
 // Each extra thread should get at least this much work.
-constexpr int64_t kPerThreadMin = int64_t{1} << 17;
+constexpr int64_t kPerThreadMin = int64_t{1} << 18;
 // Two or three threads saturate a memory channel; more only add start-up cost.
 constexpr int kMaxThreads = 16;
 // Releasing the GIL costs more than it gives for small tensors.
