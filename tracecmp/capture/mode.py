@@ -2,7 +2,10 @@
 
 Per op it appends one row (a tuple in ``OPS_SCHEMA`` column order) and one row per produced
 tensor value (``TENSORS_SCHEMA`` order); tuples are transposed into columns once per chunk, which
-keeps the per-op path at one ``append`` per row. Rows hold ids, strings and numbers, never tensors.
+keeps the per-op path at one ``append`` per row. Rows hold ids, strings and numbers, never tensors,
+and only tuples (no lists, no ``torch.Size``): the garbage collector untracks such tuples, so a
+full buffer does not make its full collections (~0.2 s each with torch and transformers loaded)
+fire more often.
 
 Tensor identity. Every tensor *value* gets an id: a fresh output, a view, and each in-place write
 (a new version of the same tensor). A weak map from the tensor object to ``[id, _version, group]``
@@ -32,17 +35,8 @@ from torch.utils._pytree import tree_flatten
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.ops import FRESH, VIEW, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
-from tracecmp.capture.stats import stats_tensor_reference, unpack_stats
+from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
-
-try:
-    from tracecmp.capture.stats import tensor_stats_row
-except ImportError:  # the fused kernel's entry point is not there yet: same numbers, slower
-    from tracecmp.capture.stats import reference_stats
-
-    def tensor_stats_row(t: torch.Tensor) -> tuple[Any, ...]:
-        return tuple(reference_stats(t))
-
 
 _NO_STATS = (None,) * 7
 _SEQ_NONE = 1 << 63  # engine nodes such as AccumulateGrad carry UINT64_MAX, not a sequence number
@@ -148,8 +142,8 @@ class CaptureMode(TorchDispatchMode):
                 module,
                 location,
                 self._args.encode(info, key, args, kwargs),
-                inputs,
-                outputs,
+                tuple(inputs),
+                tuple(outputs),
                 info.inplace,
                 info.random,
                 seq,
@@ -193,7 +187,7 @@ class CaptureMode(TorchDispatchMode):
                 written = [w for v, w in writes if v > rec[1]]
                 self.rows.append(
                     (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}",
-                     [rec[0], *written], [tid], False, False, -1, stack)
+                     (rec[0], *written), (tid,), False, False, -1, stack)
                 )  # fmt: skip
                 self._value(t, tid, op_id, 0, written[-1])
                 rec[0], rec[1] = tid, version
@@ -204,7 +198,7 @@ class CaptureMode(TorchDispatchMode):
             group = tid
         source, name = self.scope.source(t, (self.step, phase))
         self.rows.append(
-            (op_id, self.step, phase, "source", source, name, module, location, "{}", [], [tid], False, False, -1, stack)
+            (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,), False, False, -1, stack)
         )
         self._value(t, tid, op_id, 0, -1)
         self._known[id(t)] = [tid, version, group, weakref.ref(t)]
@@ -312,7 +306,7 @@ class CaptureMode(TorchDispatchMode):
         self._known[id(t)] = [tid, version, group, weakref.ref(t)]
         name, _ = self._device(t.device)
         self.tensor_rows.append(
-            (tid, op_id, len(outputs), t.shape, self._dtype(t.dtype), name, view_of, False) + _NO_STATS + ("",)
+            (tid, op_id, len(outputs), tuple(t.shape), self._dtype(t.dtype), name, view_of, False) + _NO_STATS + ("",)
         )
         outputs.append(tid)
 
@@ -330,7 +324,7 @@ class CaptureMode(TorchDispatchMode):
             has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
         key = self._save(t, tid) if self._save_data and has_stats else ""
         self.tensor_rows.append(
-            (tid, op_id, index, t.shape, self._dtype(t.dtype), device, view_of, has_stats) + stats + (key,)
+            (tid, op_id, index, tuple(t.shape), self._dtype(t.dtype), device, view_of, has_stats) + stats + (key,)
         )
 
     def _save(self, t: torch.Tensor, tid: int) -> str:

@@ -1,0 +1,43 @@
+"""Shared test set-up: the repository on sys.path, torch seeded per test, a captured-trace fixture."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.models import example_batch, make_model, make_optimizer, train_step  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch() -> None:
+    """Every test starts from the same random state, whatever ran before it."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def capture(tmp_path: Path) -> Callable[..., Path]:
+    """Trace ``steps`` training steps of a model from :mod:`tests.models`; returns the trace folder.
+
+    >>> path = capture("mlp", steps=2)  # doctest: +SKIP
+    """
+    from tracecmp import TraceCompare
+
+    def run(name: str = "mlp", *, steps: int = 2, optimizer: str = "adam", **options: object) -> Path:
+        model = make_model(name)
+        opt = make_optimizer(model, optimizer)
+        batch = example_batch(name)
+        path = tmp_path / f"{name}-trace"
+        with TraceCompare(path, model=model, **options) as tc:
+            for _ in range(steps):
+                train_step(model, opt, batch)
+                tc.step()
+        return path
+
+    return run
