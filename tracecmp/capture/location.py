@@ -19,6 +19,8 @@ import tracecmp
 _INTERNAL_ROOTS = tuple(
     os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, tracecmp) if module.__file__
 )
+# The built-in demo's model lives inside the package but is the "user program" of `tracecmp demo`.
+_USER_FILES = frozenset({os.path.join(os.path.dirname(os.path.abspath(tracecmp.__file__)), "demo.py")})
 _STACK_LIMIT = 64
 
 
@@ -31,7 +33,8 @@ class Locator:
     def _classify(self, code: CodeType) -> str | bool:
         filename = code.co_filename
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
-        verdict: str | bool = True if path.startswith(_INTERNAL_ROOTS) else os.path.basename(filename)
+        internal = path.startswith(_INTERNAL_ROOTS) and path not in _USER_FILES
+        verdict: str | bool = True if internal else os.path.basename(filename)
         self._code[code] = verdict
         return verdict
 
