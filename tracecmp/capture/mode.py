@@ -215,11 +215,11 @@ class CaptureMode(TorchDispatchMode):
         values = (out,) if len(returns) == 1 else (out if returns else ())
         for (kind, ref), value in zip(returns, values):
             if isinstance(value, _Tensor):
-                self._output(kind, ref, value, None, args, kwargs, op_id, outputs)
+                self._output(info, kind, ref, value, None, args, kwargs, op_id, outputs)
             elif isinstance(value, (list, tuple)):
                 for i, item in enumerate(value):
                     if isinstance(item, _Tensor):
-                        self._output(kind, ref, item, i, args, kwargs, op_id, outputs)
+                        self._output(info, kind, ref, item, i, args, kwargs, op_id, outputs)
         for ref in info.extra_writes:
             value = arg_value(ref, args, kwargs)
             if isinstance(value, _Tensor):
@@ -232,6 +232,7 @@ class CaptureMode(TorchDispatchMode):
 
     def _output(
         self,
+        info: OpInfo,
         kind: int,
         ref: Any,
         t: torch.Tensor,
@@ -242,7 +243,7 @@ class CaptureMode(TorchDispatchMode):
         outputs: list[int],
     ) -> None:
         if kind == FRESH:
-            self._fresh(t, op_id, outputs)
+            self._fresh(t, op_id, outputs, not info.uninitialized)
         elif kind == WRITE:
             self._written(t, op_id, outputs)
         else:
@@ -251,12 +252,15 @@ class CaptureMode(TorchDispatchMode):
                 base = base[item] if item is not None and item < len(base) else None
             self._view(t, base, op_id, outputs)
 
-    def _fresh(self, t: torch.Tensor, op_id: int, outputs: list[int]) -> None:
+    def _fresh(self, t: torch.Tensor, op_id: int, outputs: list[int], stats: bool = True) -> None:
         tid = self._next_tensor
         self._next_tensor = tid + 1
         version = None if _is_inference_mode_enabled() and t.is_inference() else t._version
         self._known[id(t)] = [tid, version, tid, weakref.ref(t)]
-        self._value(t, tid, op_id, len(outputs), -1)
+        if stats:
+            self._value(t, tid, op_id, len(outputs), -1)
+        else:
+            self._bare(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
     def _written(self, t: torch.Tensor, op_id: int, outputs: list[int]) -> None:
@@ -304,11 +308,15 @@ class CaptureMode(TorchDispatchMode):
             view_of, group = -1, tid
             version = None if t.is_inference() else t._version
         self._known[id(t)] = [tid, version, group, weakref.ref(t)]
-        name, _ = self._device(t.device)
-        self.tensor_rows.append(
-            (tid, op_id, len(outputs), tuple(t.shape), self._dtype(t.dtype), name, view_of, False) + _NO_STATS + ("",)
-        )
+        self._bare(t, tid, op_id, len(outputs), view_of)
         outputs.append(tid)
+
+    def _bare(self, t: torch.Tensor, tid: int, op_id: int, index: int, view_of: int) -> None:
+        """Append the tensor row of a value without statistics (a view, uninitialized memory)."""
+        device, _ = self._device(t.device)
+        self.tensor_rows.append(
+            (tid, op_id, index, tuple(t.shape), self._dtype(t.dtype), device, view_of, False) + _NO_STATS + ("",)
+        )
 
     def _value(self, t: torch.Tensor, tid: int, op_id: int, index: int, view_of: int) -> None:
         """Append the tensor row of a value that carries statistics (and its data, if saved)."""

@@ -25,6 +25,8 @@ VIEW = 2  # a view of the argument it names (no statistics)
 
 # record_function ranges (the optimizer's "Optimizer.step#Adam.step") reach the dispatcher as ops.
 _SKIPPED_NAMESPACES = ("profiler.",)
+# Allocators whose results hold whatever was in memory: their statistics would differ run to run.
+_UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 
 ArgRef = tuple[int, str]  # (position in args, name in kwargs): where a schema argument arrives
 
@@ -42,6 +44,7 @@ class OpInfo:
     random: bool  # the op draws from a random generator
     schema: bool  # False for operators without a schema (higher-order ops): outputs are walked generically
     record: bool = True  # False for bookkeeping ops that compute nothing (profiler ranges)
+    uninitialized: bool = False  # outputs are uninitialized memory (empty*): no statistics, no data
 
 
 def _alias_sets(alias_info: Any) -> set[str]:
@@ -97,6 +100,7 @@ def _build(func: Any) -> OpInfo:
         bool(writes),
         random,
         True,
+        uninitialized=schema.name.startswith(_UNINITIALIZED),
     )
 
 
