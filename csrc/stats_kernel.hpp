@@ -9,18 +9,19 @@
 //   gathered block by block into a small buffer, so one kernel serves every layout and the
 //   numbers never depend on the layout.
 // * Inside a block every statistic is kept in kLanes independent lanes (lane = logical index mod
-//   kLanes). The lane loops have no cross-lane dependency and no branch, so gcc -O3 turns them
-//   into SIMD code without -ffast-math; kLanes is fixed, so the summation order (hence every
-//   bit of the result) is the same on every CPU, ISA clone and thread count.
-// * Sums are in double: per-lane within a block (at most kBlock / kLanes terms), then block sums
-//   are combined by streaming pairwise summation, so the error grows with log(blocks) and a
+//   kLanes), written with GCC/Clang generic vectors: branch-free, no intrinsics, no -ffast-math,
+//   compiled for SSE2/NEON and, on x86-64, also for AVX2 (picked at run time). kLanes is fixed
+//   and the compiler may not reassociate, so the summation order (hence every bit of the result)
+//   is the same on every CPU, ISA and thread count.
+// * Sums are in double: per lane within a block (kBlock / kLanes terms), then block sums are
+//   combined by streaming pairwise summation, so the error grows with log(blocks) and a
 //   100M-element fp32 tensor keeps ~1e-15 relative accuracy.
 // * NaN/Inf are rare, so the first pass over a block sums unmasked values; a non-finite block
-//   sum proves the block holds a NaN/Inf (for fp64, or an overflow) and only then the block is
+//   sum proves the block holds a NaN/Inf (or, for fp64, overflowed) and only then the block is
 //   summed again with masking and counting. For finite blocks both passes give the same bits.
 // * The checksum sum_i u_i * (2i + 1) mod 2^64 needs no per-element multiply: each lane keeps a
-//   running sum P of u and a running sum Q of P, and sum_c c * u_c = C * P - Q. Integer sums wrap
-//   associatively, so the checksum is exact for any split.
+//   running sum P of u and a running sum Q of P, and sum_c c * u_c = C * P - Q over C chunks.
+//   Integer sums wrap associatively, so the checksum is exact for any split.
 #pragma once
 
 #include <algorithm>
@@ -32,7 +33,7 @@
 
 namespace tracecmp {
 
-// 8 lanes: 6 accumulators of 8 lanes fit the 16 AVX2 registers (16 lanes spilled).
+// 8 lanes: the accumulators then fit the 16 AVX2 registers (16 lanes spilled to memory).
 constexpr int64_t kLanes = 8;
 // 256 chunks of kLanes: keeps 32-bit P/Q lanes of 8- and 16-bit types from overflowing
 // (Q <= 65535 * 256 * 257 / 2 < 2^32) and a gathered block of fp64 (16 KiB) inside L1.
@@ -307,6 +308,66 @@ TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, do
 template <class E, int W>
 constexpr int kWidth = static_cast<int>(sizeof(E)) * kLanes <= W ? kLanes : W / sizeof(E);
 
+// Per-lane running sums for the checksum: P[l] sums u over the chunks so far, Q[l] sums P.
+// General case: each u zero-extended into its own T::Lane.
+template <class T, int W, bool kPairs = sizeof(typename T::Raw) == 4>
+struct ChecksumLanes {
+  using Raw = typename T::Raw;
+  using Lane = typename T::Lane;
+  static constexpr int G = kWidth<Lane, W>;
+  Vec<Lane, G> P[kLanes / G] = {}, Q[kLanes / G] = {};
+
+  TC_INLINE void add(const Raw* __restrict r) {
+#pragma GCC unroll 8
+    for (int g = 0; g < kLanes / G; ++g) {
+      P[g] += convert<Vec<Lane, G>>(load<Vec<Raw, G>>(r + g * G));
+      Q[g] += P[g];
+    }
+  }
+  TC_INLINE void lanes(uint64_t* p, uint64_t* q) const {
+    Lane a[kLanes], b[kLanes];
+    std::memcpy(a, P, sizeof a);
+    std::memcpy(b, Q, sizeof b);
+    for (int l = 0; l < kLanes; ++l) p[l] = a[l], q[l] = b[l];
+  }
+};
+
+// 32-bit u: two per 64-bit word, no widening. S sums whole words and O their high halves;
+// the low halves' sum is S - (O << 32) mod 2^64. One shift replaces two zero-extensions.
+template <class T, int W>
+struct ChecksumLanes<T, W, true> {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "element 2j is the low half");
+  using Raw = typename T::Raw;
+  static constexpr int kWords = kLanes / 2;
+  static constexpr int G = W / 8 < kWords ? W / 8 : kWords;
+  using V = Vec<uint64_t, G>;
+  V S[kWords / G] = {}, O[kWords / G] = {}, QS[kWords / G] = {}, QO[kWords / G] = {};
+
+  TC_INLINE void add(const Raw* __restrict r) {
+#pragma GCC unroll 8
+    for (int g = 0; g < kWords / G; ++g) {
+      const V x = load<V>(r + 2 * g * G);
+      S[g] += x;
+      O[g] += x >> 32;
+      QS[g] += S[g];
+      QO[g] += O[g];
+    }
+  }
+  TC_INLINE void lanes(uint64_t* p, uint64_t* q) const {
+    uint64_t s[kWords], o[kWords], qs[kWords], qo[kWords];
+    std::memcpy(s, S, sizeof s);
+    std::memcpy(o, O, sizeof o);
+    std::memcpy(qs, QS, sizeof qs);
+    std::memcpy(qo, QO, sizeof qo);
+    for (int j = 0; j < kWords; ++j) {
+      p[2 * j] = s[j] - (o[j] << 32);
+      p[2 * j + 1] = o[j];
+      q[2 * j] = qs[j] - (qo[j] << 32);
+      q[2 * j + 1] = qo[j];
+    }
+  }
+};
+
 // One block of n <= kBlock contiguous elements whose first logical index is `start`, with
 // vectors of W bytes. Each statistic uses full-width vectors of its own type (8 floats but 4
 // doubles for AVX2), so every instruction does a register's worth of work.
@@ -315,14 +376,12 @@ TC_INLINE void block(const typename T::Raw* __restrict p, int64_t n, uint64_t st
                      Partial<T>& part, Pairwise& pw) {
   using Raw = typename T::Raw;
   using Val = typename T::Val;
-  using Lane = typename T::Lane;
-  constexpr int GV = kWidth<Val, W>, GD = kWidth<double, W>, GP = kWidth<Lane, W>;
+  constexpr int GV = kWidth<Val, W>, GD = kWidth<double, W>;
   using VV = Vec<Val, GV>;
   using VD = Vec<double, GD>;
-  using VP = Vec<Lane, GP>;
   VV vlo[kLanes / GV], vhi[kLanes / GV];
   VD vs[kLanes / GD], vq[kLanes / GD];
-  VP vP[kLanes / GP], vQ[kLanes / GP];
+  ChecksumLanes<T, W> sums;
 #pragma GCC unroll 8
   for (int g = 0; g < kLanes / GV; ++g) {
     vlo[g] = VV{} + part.lo;
@@ -330,8 +389,6 @@ TC_INLINE void block(const typename T::Raw* __restrict p, int64_t n, uint64_t st
   }
 #pragma GCC unroll 8
   for (int g = 0; g < kLanes / GD; ++g) vs[g] = vq[g] = VD{};
-#pragma GCC unroll 8
-  for (int g = 0; g < kLanes / GP; ++g) vP[g] = vQ[g] = VP{};
   const int64_t chunks = n / kLanes;
   for (int64_t c = 0; c < chunks; ++c) {
     const Raw* __restrict r = p + c * kLanes;
@@ -357,25 +414,20 @@ TC_INLINE void block(const typename T::Raw* __restrict p, int64_t n, uint64_t st
       vs[g] += d;
       vq[g] = add_square<T>(vq[g], d);
     }
-#pragma GCC unroll 8
-    for (int g = 0; g < kLanes / GP; ++g) {
-      vP[g] += convert<VP>(load<Vec<Raw, GP>>(r + g * GP));
-      vQ[g] += vP[g];
-    }
+    sums.add(r);
   }
   Val lo[kLanes], hi[kLanes];
   double s[kLanes], q[kLanes];
-  Lane P[kLanes], Q[kLanes];
+  uint64_t P[kLanes], Q[kLanes];
   std::memcpy(lo, vlo, sizeof lo);
   std::memcpy(hi, vhi, sizeof hi);
   std::memcpy(s, vs, sizeof s);
   std::memcpy(q, vq, sizeof q);
-  std::memcpy(P, vP, sizeof P);
-  std::memcpy(Q, vQ, sizeof Q);
+  sums.lanes(P, Q);
   uint64_t checksum = 0;
   for (int64_t l = 0; l < kLanes; ++l) {
     const uint64_t a = P[l];
-    const uint64_t w = static_cast<uint64_t>(chunks) * a - static_cast<uint64_t>(Q[l]);
+    const uint64_t w = static_cast<uint64_t>(chunks) * a - Q[l];
     checksum += (2 * (start + l) + 1) * a + 2 * kLanes * w;
   }
   // The tail (only in the tensor's last block) goes to the lanes its index would use.
