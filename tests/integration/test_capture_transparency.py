@@ -1,0 +1,53 @@
+"""Tracing never changes the traced program's results: bitwise equal with and without it."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tracecmp
+from tests.models import example_batch, loss_of, make_model, make_optimizer
+
+
+def _run(name: str, trace_to: Path | None, data: str = "stats") -> dict[str, Any]:
+    """Two training steps from a fixed seed; every loss, gradient, parameter and optimizer state."""
+    torch.manual_seed(1234)  # dropout draws from the global generator
+    model, batch = make_model(name), example_batch(name)
+    opt = make_optimizer(model, "adam")
+    seen: dict[str, Any] = {}
+    session = tracecmp.TraceCompare(trace_to, model=model, data=data) if trace_to else contextlib.nullcontext()
+    with session as tc:
+        for step in range(2):
+            loss = loss_of(model, batch)
+            loss.backward()
+            seen[f"loss{step}"] = loss.detach().clone()
+            for pname, param in model.named_parameters():
+                seen[f"grad{step}.{pname}"] = param.grad.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if tc is not None:
+                tc.step()
+    for pname, param in model.named_parameters():
+        seen[f"param.{pname}"] = param.detach().clone()
+    for pname, buf in model.named_buffers():
+        seen[f"buffer.{pname}"] = buf.clone()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in opt.state.items():
+        for key, value in state.items():
+            seen[f"state.{names[id(param)]}.{key}"] = value.clone()
+    seen["rng"] = torch.get_rng_state()
+    return seen
+
+
+@pytest.mark.parametrize("name,data", [("mlp", "stats"), ("mlp", "tensors"), ("gpt2", "stats"), ("convnet", "stats")])
+def test_results_are_bitwise_equal(tmp_path: Path, name: str, data: str) -> None:
+    plain = _run(name, None)
+    traced = _run(name, tmp_path / "t", data)
+    assert plain.keys() == traced.keys()
+    assert any(k.startswith("state.") for k in plain)
+    different = [k for k in plain if not torch.equal(plain[k], traced[k])]
+    assert different == []
+    assert tracecmp.load(tmp_path / "t").complete
