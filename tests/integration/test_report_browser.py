@@ -72,11 +72,11 @@ def _console_lines(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.unit.test_render import transformer
+    from tests.unit.test_render import diverged_result
     from tracecmp.render import write_report
 
-    builder, root = transformer()
-    return write_report(builder.result(root), tmp_path_factory.mktemp("report"))
+    folder = tmp_path_factory.mktemp("report")
+    return write_report(diverged_result(folder / "runs"), folder / "out")
 
 
 def test_report_opens_without_errors_and_sorts(report: Path, tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_report_opens_without_errors_and_sorts(report: Path, tmp_path: Path) -> 
     assert ascending == sorted(ascending) and len(ascending) > 1
     assert [float(v) for v in seen["descending"]] == sorted(ascending, reverse=True)
     assert seen["byName"] == sorted(seen["byName"], key=str.lower)
-    assert seen["verdict"].startswith("Diverged")
+    assert seen["verdict"].startswith("DIVERGED")
     assert len(seen["figures"]) == 2 and all(w > 100 and h > 100 for w, h in seen["figures"])
 
 

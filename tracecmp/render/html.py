@@ -49,6 +49,7 @@ table.sortable th{cursor:pointer;user-select:none}
 table.sortable th::after{content:" \\2195";color:#afb8c1}
 table.sortable th[data-dir=asc]::after{content:" \\25B2";color:#1f2328}
 table.sortable th[data-dir=desc]::after{content:" \\25BC";color:#1f2328}
+tr.first td{background:#fff1f0;font-weight:600}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 td code,dd code{font-size:12px}
 .bar{display:inline-block;height:9px;background:#e36209;border-radius:2px;vertical-align:middle;margin-right:6px}
@@ -98,45 +99,11 @@ def _sort_value(value: Any) -> str:
 
 
 def verdict(result: Any) -> tuple[str, str]:
-    """(css class, sentence): "diverged", "agree" or "incomplete" (could not compare)."""
-    d = result.first_divergence
-    if d is not None:
-        where = f"{short_op(d.op)} in {d.module or '<top>'} ({d.phase}, step {d.step}"
-        where += f", rank {d.rank})" if d.rank else ")"
-        return "diverged", f"Diverged — the first divergence is {where}" + (f" at {d.location}" if d.location else "")
-    if result.agrees:
-        return "agree", "Agree — no op's output diverges beyond rounding noise"
-    return "incomplete", "Could not compare everything — no divergence found among what was compared, which is not agreement"
-
-
-def _incomplete_notes(result: Any) -> list[str]:
-    notes = []
-    for name in ("target", "bench"):
-        trace = getattr(result, name, None)
-        if trace is not None and not getattr(trace, "complete", True):
-            notes.append(
-                f"The {name} trace is incomplete (its run stopped before the capture closed): "
-                "only what was recorded could be compared."
-            )
-    return notes
-
-
-def status_counts(result: Any) -> dict[str, int]:
-    """Node counts behind the verdict: paired, unpaired (each side), and one per status."""
-    nodes = result.nodes
-    counted = nodes[nodes["kind"] != "view"] if "kind" in nodes.columns else nodes
-    status = counted["status"].astype(str) if "status" in counted.columns else pd.Series(dtype=str)
-    paired = int(counted["bench_op_id"].notna().sum()) if "bench_op_id" in counted.columns else 0
-    unpaired_bench = result.unpaired_bench
-    counts = {
-        "target nodes": len(counted),
-        "paired": paired,
-        "unpaired target": int((status == "unpaired").sum()),
-        "unpaired bench": len(unpaired_bench) if unpaired_bench is not None else 0,
-    }
-    for name in ("agrees", "noise", "diverged", "nan", "uncompared"):
-        counts[name] = int((status == name).sum())
-    return counts
+    """(css class, line): the result's own verdict line, classed diverged / agree / incomplete."""
+    line = result.verdict()
+    if result.first_divergence is not None:
+        return "diverged", line
+    return ("agree" if result.agrees else "incomplete"), line
 
 
 def module_rollup(nodes: pd.DataFrame, limit: int = 40) -> pd.DataFrame:
@@ -191,7 +158,7 @@ def _first_divergence_html(result: Any) -> str:
     stack = (
         f"<pre>{escape(d.stack)}</pre>"
         if d.stack
-        else '<p class="note">No stack recorded (capture with stacks on to see the full call stack).</p>'
+        else '<p class="note">No stack recorded (capture with <code>TraceCompare(..., stack=True)</code> to keep it).</p>'
     )
     return f'<dl class="first">{body}</dl><h3>Stack</h3>{stack}'
 
@@ -205,10 +172,12 @@ def _suspects_html(result: Any) -> str:
         '<th data-type="num">#</th><th>op</th><th>module</th><th>phase</th><th data-type="num">step</th>'
         '<th>kind</th><th data-type="num">error introduced</th><th>why</th><th>source line</th></tr></thead><tbody>'
     )
+    first = result.first_divergence
     rows = []
     for index, d in enumerate(suspects, 1):
+        css = ' class="first"' if first is not None and (d.rank, d.op_id) == (first.rank, first.op_id) else ""
         rows.append(
-            f'<tr><td class="num" data-sort="{index}">{index}</td>'
+            f'<tr{css}><td class="num" data-sort="{index}">{index}</td>'
             f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
             f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
             f'<td class="num" data-sort="{d.step}">{d.step}</td><td>{escape(d.kind)}</td>'
@@ -249,7 +218,8 @@ def _modules_html(result: Any) -> str:
 
 
 def _counts_html(counts: dict[str, int]) -> str:
-    css = {"diverged": "bad", "nan": "nan", "unpaired target": "bad" if counts["unpaired target"] else ""}
+    css = {"diverged": "bad", "roots": "bad", "nan": "nan"}
+    css.update({k: "bad" for k in ("unpaired target", "unpaired bench", "uncompared") if counts.get(k)})
     return (
         '<div class="counts">'
         + "".join(
@@ -305,7 +275,7 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     css_class, sentence = verdict(result)
     focus = find_focus(result)
     chart_root = result.first_divergence.op_id if result.first_divergence is not None else None
-    warnings_html = "".join(f'<div class="warn">{escape(note)}</div>' for note in _incomplete_notes(result))
+    warnings_html = "".join(f'<div class="warn">Warning: {escape(note)}</div>' for note in result.warnings)
     from tracecmp import __version__
 
     page = f"""<!DOCTYPE html>
@@ -318,7 +288,7 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
 <div class="runs">{_run_line(result)}</div>
 <div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
 {warnings_html}
-{_counts_html(status_counts(result))}
+{_counts_html(result.counts())}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
 <h2 id="subgraph">Suspicious subgraph</h2>

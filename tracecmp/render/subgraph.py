@@ -173,11 +173,16 @@ class _NodeInfo:
     def output(self, op_id: int) -> tuple[str, str]:
         """Shape and dtype of the node's first output, from the trace, else from an out-edge."""
         if op_id in self.outputs:
-            return self.outputs[op_id]
+            return self.outputs[op_id][:2]
         if op_id in self.graph:
             for _, _, data in self.graph.out_edges(op_id, data=True):
                 return format_shape(data.get("shape")), str(data.get("dtype", ""))
         return "", ""
+
+    def nonfinite(self, op_id: int) -> str:
+        """"3 Inf, 1 NaN" for the node's first output as recorded, "" when finite or unknown."""
+        _, _, nan, inf = self.outputs.get(op_id, ("", "", 0, 0))
+        return ", ".join(f"{count} {name}" for count, name in ((inf, "Inf"), (nan, "NaN")) if count)
 
 
 def _missing(value: Any) -> bool:
@@ -192,16 +197,18 @@ def _missing(value: Any) -> bool:
         return False
 
 
-def _first_outputs(result: Any, rank: int) -> dict[int, tuple[str, str]]:
-    """op_id -> (shape text, dtype) of output 0, read from the target trace when it is there."""
+def _first_outputs(result: Any, rank: int) -> dict[int, tuple[str, str, int, int]]:
+    """op_id -> (shape text, dtype, NaN count, Inf count) of output 0, from the target trace."""
     try:
         tensors = result.target.rank(rank).tensors
     except (AttributeError, TracecmpError):
         return {}
     first = tensors[tensors["index"] == 0]
+    nan = first["nan_count"] if "nan_count" in first.columns else pd.Series(0, index=first.index)
+    inf = first["inf_count"] if "inf_count" in first.columns else pd.Series(0, index=first.index)
     return {
-        int(op_id): (format_shape(shape), str(dtype))
-        for op_id, shape, dtype in zip(first["op_id"], first["shape"], first["dtype"])
+        int(op_id): (format_shape(shape), str(dtype), int(n), int(i))
+        for op_id, shape, dtype, n, i in zip(first["op_id"], first["shape"], first["dtype"], nan.fillna(0), inf.fillna(0))
     }
 
 
@@ -355,19 +362,35 @@ def _node_label(info: _NodeInfo, node: int, tag: str | None, font: str) -> str:
     return "<" + "<BR/>".join(rows) + ">"
 
 
+# The deciding metric, as localization names it, in words (see tracecmp.compare.metrics).
+METRIC_WORDS = {
+    "ext": "by max/min",
+    "sys": "by mean/norm",
+    "rms": "by rms",
+    "args": "arguments differ",
+    "nan_count": "NaN/Inf count",
+}
+
+
 def _metric_text(info: _NodeInfo, node: int) -> str:
-    """The deciding number: output error in rounding units, plus the named metric when given."""
+    """The deciding number: output error in rounding units (u), what the node added, which metric decided."""
     status = info.status(node)
     if status == "unpaired":
         return "no bench counterpart"
     error = info.error(node)
-    text = f"err {format_number(error)} ulp" if not math.isnan(error) else status.replace("uncompared", "not compared")
+    if status == "nan" and info.nonfinite(node):
+        return info.nonfinite(node) + (" (first)" if info.get(node, "root_kind") == "nan" else "")
+    if math.isnan(error):
+        return "not compared" if status == "uncompared" else status
+    if error == 0 and status == "agrees":
+        return "bitwise equal"
+    text = f"err {format_number(error)} u"
     introduced = info.get(node, "introduced")
-    if status in ("diverged", "nan") and not _missing(introduced) and float(introduced) > 0:
-        text += f" (+{format_number(introduced)})"
-    metric = info.get(node, "metric")
-    if not _missing(metric) and str(metric) not in ("", "error"):
-        text += f" · {metric if isinstance(metric, str) else format_number(metric)}"
+    if status in ("diverged", "nan") and not _missing(introduced) and 0 < float(introduced) < error:
+        text += f", +{format_number(introduced)} own"
+    metric = METRIC_WORDS.get(str(info.get(node, "metric", "")))
+    if metric and status in ("diverged", "nan"):
+        text += f" · {metric}"
     return text
 
 
@@ -430,7 +453,8 @@ def _legend(focus: Focus) -> str:
     rows.append(
         '<TR><TD ALIGN="LEFT"><TABLE BORDER="0" CELLSPACING="2" CELLPADDING="3"><TR>'
         + key
-        + '<TD><FONT POINT-SIZE="9">  edges: tensor shapes (views folded in)</FONT></TD></TR></TABLE></TD></TR>'
+        + '<TD><FONT POINT-SIZE="9">  err: output error in rounding units (u) of its dtype; '
+        "own: what the op added itself; edges: tensor shapes (views folded in)</FONT></TD></TR></TABLE></TD></TR>"
     )
     return '<<TABLE BORDER="0" CELLSPACING="0" CELLPADDING="2">' + "".join(rows) + "</TABLE>>"
 
