@@ -323,7 +323,9 @@ class SiteMode(TorchDispatchMode):
         site = Site(name, phase, k)
         module = self.modules.expected(phase)
         arg_fault = self.plan.arg_fault
+        original = None
         if arg_fault is not None and site == arg_fault.site:
+            original = (args, kwargs)
             args, kwargs, self.obs.arg_before = set_argument(func, args, kwargs, arg_fault.name, arg_fault.value)
         self.shared.pending, self.shared.site = func, site
         try:
@@ -336,6 +338,14 @@ class SiteMode(TorchDispatchMode):
             self.obs.site_reached = True
             self.obs.site_module = module
             self.obs.site_checksums = _checksums(out)
+        if original is not None:
+            # Did the changed argument change anything? (Argument-fault ops are functional, so
+            # running the original call again, outside every mode, has no side effect.)
+            with _disable_current_modes():  # nothing of this may reach capture
+                reference = func(*original[0], **original[1])
+                self.obs.effective = not all(
+                    bitwise_equal(a, b) for a, b in zip(_float_outputs(out), _float_outputs(reference))
+                )
         insertion = self.plan.insertion
         if insertion is not None and site == insertion.site and isinstance(out, torch.Tensor):
             out = _insert(out, insertion.how)

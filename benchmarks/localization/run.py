@@ -24,10 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
-from benchmarks.localization.cases import VARIANTS, Case, plan_all, quick
-from benchmarks.localization.faults import Injector, Observation, Plan
+from benchmarks.localization.cases import VARIANTS, WEIGHT_PERTURBATION, Case, plan_all, quick
+from benchmarks.localization.faults import Injector, Observation, Plan, bitwise_equal
 from benchmarks.localization.models import FAMILIES, build
 
 MODEL_SEED = 1234
@@ -91,6 +93,10 @@ class Result:
 
 
 def _num(v: Any) -> Any:
+    if hasattr(v, "tolist"):  # shapes arrive as numpy arrays
+        v = v.tolist()
+    if isinstance(v, (list, tuple, str)):
+        return str(v) if not isinstance(v, str) else v
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -105,11 +111,14 @@ def record_run(family: str, plan: Plan, path: Path, weight: str = "", weight_see
     workload = build(family, MODEL_SEED)
     if weight:
         param = dict(workload.model.named_parameters())[weight]
+        before = param.detach().clone()
         gen = torch.Generator().manual_seed(weight_seed)
         with torch.no_grad():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-            param.copy_((param.double() * (1.0 + 1e-3 * noise)).to(param.dtype))
-    optimizer = workload.make_optimizer(workload.model)
+            param.copy_((param.double() * (1.0 + WEIGHT_PERTURBATION * noise)).to(param.dtype))
+        if bitwise_equal(before, param.detach()):
+            raise HarnessError(f"perturbing {weight} changed no bit")
+    optimizer = workload.make_optimizer()
     injector = Injector(workload.model, plan)
     with injector.outer():
         with tracecmp.TraceCompare(str(path), model=workload.model) as tc:
@@ -124,7 +133,7 @@ def find_truth(case: Case, obs: Observation, trace_path: Path) -> tuple[Record, 
     import tracecmp
 
     rank = tracecmp.load(str(trace_path)).rank(0)
-    ops, tensors = rank.ops, rank.tensors
+    ops = rank.ops
     notes: list[str] = []
     if case.kind == "weight":
         rows = ops[(ops["kind"] == "source") & (ops["name"] == case.weight)]
@@ -139,12 +148,18 @@ def find_truth(case: Case, obs: Observation, trace_path: Path) -> tuple[Record, 
     assert site is not None
     if not obs.site_reached:
         raise HarnessError(f"the run never called {site}")
+    if case.target.arg_fault is not None and not obs.effective:
+        raise HarnessError(f"setting {case.target.arg_fault.name}={case.target.arg_fault.value!r} changed no output bit of {site}")
     if case.target.output_fault is not None:
         if not obs.fault_applied:
             raise HarnessError(f"{site} never reached the outer fault mode (capture bypassed the mode stack?)")
         if not obs.effective:
             raise HarnessError(f"the {case.kind} fault changed no bit of {site}'s output")
-    producers = tensors.loc[tensors["checksum"].isin(obs.site_checksums), "op_id"]
+    # From Arrow, not pandas: the DataFrame holds checksums as float64 (nulls on views), which
+    # drops their low bits.
+    table = rank.tensors_table
+    hit = pc.is_in(table["checksum"], value_set=pa.array(obs.site_checksums, type=pa.int64()))
+    producers = table.filter(pc.fill_null(hit, False))["op_id"].to_pylist()
     rows = ops[ops["op_id"].isin(producers) & (ops["op"] == site.op)].sort_values("op_id")
     if rows.empty:
         raise HarnessError(f"no row of {site.op} in the target trace holds the faulty output (checksum)")
@@ -168,16 +183,23 @@ def _matches(d: Record, truth: Record) -> bool:
 
 
 def _truth_rows(result: Any, op_id: int) -> list[dict[str, Any]]:
-    """Compare's per-tensor rows for the true op, so a miss shows what tracecmp measured there."""
-    try:
-        frame = result.to_frame()
-    except Exception as exc:  # report, do not mask the case result
-        return [{"to_frame failed": repr(exc)}]
-    for column in ("op_id", "target_op_id"):
-        if column in frame.columns:
-            rows = frame[frame[column] == op_id]
-            return [{k: _num(v) for k, v in r.items()} for r in rows.to_dict("records")]
-    return [{"to_frame": f"no op_id column among {list(frame.columns)}"}]
+    """Compare's verdict on the true op (its node row, then its tensors' metrics), so a miss shows
+    what tracecmp measured where the fault really was."""
+    rows: list[dict[str, Any]] = []
+    for frame in (result.nodes, result.to_frame()):
+        if "op_id" not in frame.columns:
+            rows.append({"missing": f"no op_id column among {list(frame.columns)}"})
+            continue
+        for record in frame[(frame["op_id"] == op_id) & (frame.get("rank", 0) == 0)].to_dict("records"):
+            rows.append({k: _num(v) for k, v in record.items() if k not in _ROW_NOISE and not _blank(v)})
+    return rows
+
+
+_ROW_NOISE = {"rank", "op_id", "step", "location", "name", "module", "op", "phase", "kind"}
+
+
+def _blank(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and v == "") or (isinstance(v, float) and math.isnan(v))
 
 
 def score(case: Case, result: Any, truth: Record | None, out: Result) -> None:
