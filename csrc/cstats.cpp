@@ -13,6 +13,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <system_error>
 #include <thread>
@@ -51,7 +52,9 @@ __attribute__((target("arch=x86-64-v3"))) void run_avx2(const void* data, const 
   run_blocks<T, 32>(data, cur, numel, b0, b1, part, pw, sums);
 }
 
-const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("x86-64-v3") != 0);
+// TRACECMP_CSTATS_PORTABLE=1 forces the baseline copy (tests compare the two bit for bit).
+const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("x86-64-v3") != 0) &&
+                      std::getenv("TRACECMP_CSTATS_PORTABLE") == nullptr;
 
 template <class T>
 void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,

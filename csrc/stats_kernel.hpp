@@ -40,11 +40,8 @@ constexpr int64_t kLanes = 8;
 constexpr int64_t kBlock = 2048;
 constexpr int kMaxDims = 64;
 
-#if defined(__GNUC__)
+// Needs GCC or Clang (generic vectors); setup.py makes the build optional for other compilers.
 #define TC_INLINE inline __attribute__((always_inline))
-#else
-#define TC_INLINE inline
-#endif
 
 // Dtype codes shared with tracecmp/capture/stats.py (_NATIVE_CODES).
 enum DType : int {
@@ -61,10 +58,10 @@ TC_INLINE To bit_cast(From from) {
 }
 
 // GCC/Clang generic vectors of G elements: plain C++ arithmetic the compiler maps to the
-// target's SIMD (SSE2, AVX2, AVX-512, NEON) without intrinsics. G is chosen per ISA so that a
-// Vec<double, G> fills one register: larger generic vectors are split into scalars by gcc, and
-// plain lane arrays left to the auto-vectorizer stayed in memory between iterations (both were
-// measured 3-10x slower). The kLanes logical lanes are kLanes / G such vectors.
+// target's SIMD (SSE2, AVX2, NEON) without intrinsics. Every vector is sized to one register of
+// the ISA being compiled for (kWidth below), so kLanes logical lanes are kLanes / G vectors:
+// wider generic vectors are split into scalars by gcc, and plain lane arrays left to the
+// auto-vectorizer stayed in memory between iterations (both measured 3-10x slower).
 template <class E, int G>
 struct VecOf {
   typedef E type __attribute__((vector_size(sizeof(E) * G)));

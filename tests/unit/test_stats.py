@@ -264,6 +264,35 @@ def test_20m_fp32_mean_and_norm_are_accurate() -> None:
     assert abs(norm - exact_norm) <= 1e-13 * exact_norm
 
 
+_ISA_SCRIPT = """
+import math, sys, torch
+from tracecmp.capture.stats import tensor_stats_row
+g = torch.Generator().manual_seed(7)
+base = torch.randn(3 * 2048 + 77, generator=g, dtype=torch.float64) * 1e3
+base[100] = math.nan
+base[5000] = -math.inf
+rows = []
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+              torch.int16, torch.int32, torch.int64, torch.bool):
+    t = base.to(dtype)
+    for view in (t, t[::3], t[: 6000].reshape(60, 100).t()):
+        rows.append(tensor_stats_row(view))
+print(repr(rows))
+"""
+
+
+@needs_native
+def test_every_isa_copy_gives_identical_bits() -> None:
+    def run(extra: dict[str, str]) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "TRACECMP_CSTATS_PORTABLE"}
+        env.update(extra)
+        out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
+        return out.stdout
+
+    # On x86-64 with AVX2 the default run takes the AVX2 copy; the variable forces the baseline.
+    assert run({}) == run({"TRACECMP_CSTATS_PORTABLE": "1"})
+
+
 # ---------------------------------------------------------------- routing and the Python entry points
 
 
