@@ -225,3 +225,29 @@ def test_body_exception_marks_incomplete_and_reraises(tmp_path: Path) -> None:
     with tracecmp.TraceCompare(tmp_path / "u"):
         torch.ones(1) + 1
     assert tracecmp.load(tmp_path / "u").complete
+
+
+def test_accelerator_statistics_are_gathered_at_flush(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device, statistics stay there (no sync per op) until the chunk is written: same numbers."""
+    from tracecmp.capture import mode
+
+    def run(path: Path) -> pd.DataFrame:
+        with tracecmp.TraceCompare(path) as tc:
+            x = torch.tensor([1.0, float("nan"), -2.0, float("inf")])
+            (x * 2).sum()
+            tc.step()
+            torch.arange(5) + 1
+            torch.ones(2, 2, dtype=torch.float16).t() * 3
+        return tracecmp.load(path).rank(0).tensors
+
+    on_cpu = run(tmp_path / "cpu")
+    real = mode.CaptureMode._device
+
+    def as_accelerator(self: mode.CaptureMode, device: torch.device) -> tuple[str, int]:
+        name, kind = real(self, device)
+        return name, mode._DEFERRED if kind == mode._CPU else kind
+
+    monkeypatch.setattr(mode.CaptureMode, "_device", as_accelerator)
+    deferred = run(tmp_path / "deferred")
+    assert deferred["has_stats"].sum() == 7
+    pd.testing.assert_frame_equal(on_cpu, deferred)
