@@ -95,8 +95,6 @@ struct F32 {
   static TC_INLINE Val value(Raw r) { return bit_cast<float>(r); }
   template <int G>
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) { return bit_cast<Vec<Val, G>>(r); }
-  static TC_INLINE bool is_nan(Raw r) { return (r & 0x7fffffffu) > 0x7f800000u; }
-  static TC_INLINE bool is_inf(Raw r) { return (r & 0x7fffffffu) == 0x7f800000u; }
 };
 
 struct F64 {
@@ -105,12 +103,6 @@ struct F64 {
   static TC_INLINE Val value(Raw r) { return bit_cast<double>(r); }
   template <int G>
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) { return bit_cast<Vec<Val, G>>(r); }
-  static TC_INLINE bool is_nan(Raw r) {
-    return (r & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
-  }
-  static TC_INLINE bool is_inf(Raw r) {
-    return (r & 0x7fffffffffffffffull) == 0x7ff0000000000000ull;
-  }
 };
 
 struct BF16 {
@@ -121,8 +113,6 @@ struct BF16 {
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
     return bit_cast<Vec<Val, G>>(convert<Vec<uint32_t, G>>(r) << 16);
   }
-  static TC_INLINE bool is_nan(Raw r) { return (r & 0x7fffu) > 0x7f80u; }
-  static TC_INLINE bool is_inf(Raw r) { return (r & 0x7fffu) == 0x7f80u; }
 };
 
 // Exact int32 -> float conversion of one value or a vector of them (F16 subnormals).
@@ -158,8 +148,6 @@ struct F16 {
     return bit_cast<Vec<Val, G>>(float_bits<Vec<uint32_t, G>, Vec<int32_t, G>, Vec<float, G>>(
         convert<Vec<uint32_t, G>>(r)));
   }
-  static TC_INLINE bool is_nan(Raw r) { return (r & 0x7fffu) > 0x7c00u; }
-  static TC_INLINE bool is_inf(Raw r) { return (r & 0x7fffu) == 0x7c00u; }
 };
 
 template <class RawT, class SignedT, class ValT, class LaneT>
@@ -175,8 +163,6 @@ struct IntBase {
       return convert<Vec<Val, G>>(bit_cast<Vec<SignedT, G>>(r));
     }
   }
-  static TC_INLINE bool is_nan(Raw) { return false; }
-  static TC_INLINE bool is_inf(Raw) { return false; }
 };
 struct U8 : IntBase<uint8_t, uint8_t, int32_t, uint32_t> {};
 struct I8 : IntBase<uint8_t, int8_t, int32_t, uint32_t> {};
@@ -278,29 +264,6 @@ TC_INLINE V tree_sum(const V* v) {
   return t[0];
 }
 
-// Second look at a block whose unmasked sum was not finite: count NaN/Inf and sum the finite
-// elements. Lane assignment and order match the fast pass, so finite elements add up the same.
-template <class T>
-TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, double* bs,
-                              double* bq, int64_t* nan, int64_t* inf) {
-  double s[kLanes], q[kLanes];
-  int64_t cn[kLanes], ci[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) s[l] = q[l] = 0.0, cn[l] = ci[l] = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t l = k % kLanes;
-    const typename T::Raw r = p[k];
-    const bool is_nan = T::is_nan(r), is_inf = T::is_inf(r);
-    const double d = (is_nan || is_inf) ? 0.0 : static_cast<double>(T::value(r));
-    cn[l] += is_nan;
-    ci[l] += is_inf;
-    s[l] += d;
-    q[l] = add_square<T>(q[l], d);
-  }
-  *bs = tree_sum<double, kLanes>(s);
-  *bq = tree_sum<double, kLanes>(q);
-  for (int64_t l = 0; l < kLanes; ++l) *nan += cn[l], *inf += ci[l];
-}
-
 // Lanes per vector of W bytes for element type E (at most kLanes).
 template <class E, int W>
 constexpr int kWidth = static_cast<int>(sizeof(E)) * kLanes <= W ? kLanes : W / sizeof(E);
@@ -364,6 +327,54 @@ struct ChecksumLanes<T, W, true> {
     }
   }
 };
+
+// Second look at a block whose unmasked sum was not finite: count NaN/Inf and sum the finite
+// elements. Lanes and order match the fast pass, so finite elements add up to the same bits.
+// The tests run on the double value (d - d is 0 exactly when d is finite), so every dtype
+// shares them.
+template <class T, int W>
+TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, double* bs,
+                              double* bq, int64_t* nan, int64_t* inf) {
+  using Raw = typename T::Raw;
+  constexpr int GD = kWidth<double, W>;
+  using VD = Vec<double, GD>;
+  using VI = Vec<int64_t, GD>;
+  VD vs[kLanes / GD] = {}, vq[kLanes / GD] = {};
+  VI vn[kLanes / GD] = {}, vi[kLanes / GD] = {};
+  const int64_t chunks = n / kLanes;
+  for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 8
+    for (int g = 0; g < kLanes / GD; ++g) {
+      const VD d = convert<VD>(T::template value<GD>(load<Vec<Raw, GD>>(p + c * kLanes + g * GD)));
+      const VI is_nan = d != d;
+      const VI finite = d - d == VD{};
+      vn[g] -= is_nan;              // masks are -1 where true
+      vi[g] -= ~(finite | is_nan);
+      const VD x = finite ? d : VD{};
+      vs[g] += x;
+      vq[g] = add_square<T>(vq[g], x);
+    }
+  }
+  double s[kLanes], q[kLanes];
+  int64_t cn[kLanes], ci[kLanes];
+  std::memcpy(s, vs, sizeof s);
+  std::memcpy(q, vq, sizeof q);
+  std::memcpy(cn, vn, sizeof cn);
+  std::memcpy(ci, vi, sizeof ci);
+  for (int64_t k = chunks * kLanes; k < n; ++k) {
+    const int64_t l = k - chunks * kLanes;
+    const double d = static_cast<double>(T::value(p[k]));
+    const bool is_nan = d != d, finite = d - d == 0.0;
+    cn[l] += is_nan;
+    ci[l] += !finite && !is_nan;
+    const double x = finite ? d : 0.0;
+    s[l] += x;
+    q[l] = add_square<T>(q[l], x);
+  }
+  *bs = tree_sum<double, kLanes>(s);
+  *bq = tree_sum<double, kLanes>(q);
+  for (int64_t l = 0; l < kLanes; ++l) *nan += cn[l], *inf += ci[l];
+}
 
 // One block of n <= kBlock contiguous elements whose first logical index is `start`, with
 // vectors of W bytes. Each statistic uses full-width vectors of its own type (8 floats but 4
@@ -445,7 +456,7 @@ TC_INLINE void block(const typename T::Raw* __restrict p, int64_t n, uint64_t st
   part.checksum += checksum;
   double bs = tree_sum<double, kLanes>(s);
   double bq = tree_sum<double, kLanes>(q);
-  if (T::kFloat && !std::isfinite(bs)) masked_moments<T>(p, n, &bs, &bq, &part.nan, &part.inf);
+  if (T::kFloat && !std::isfinite(bs)) masked_moments<T, W>(p, n, &bs, &bq, &part.nan, &part.inf);
   pw.push(bs, bq);
 }
 
