@@ -28,13 +28,13 @@ namespace {
 constexpr int64_t kParallelMin = int64_t{1} << 19;
 // Each extra thread should get at least this much work.
 constexpr int64_t kPerThreadMin = int64_t{1} << 18;
-// Two or three threads saturate a memory channel; more only add start-up cost.
+// Memory bandwidth saturates long before this; more threads would only add start-up cost.
 constexpr int kMaxThreads = 16;
 // Releasing the GIL costs more than it gives for small tensors.
 constexpr int64_t kReleaseGilMin = int64_t{1} << 15;
 
-// Vector width per ISA. x86-64 builds carry an AVX2 (x86-64-v3) copy of the kernel picked at
-// run time, so a portable binary still runs at full speed. (An AVX-512 copy measured no faster
+// Vector width per ISA. x86-64 builds carry an AVX2+FMA copy of the kernel picked at run time,
+// so a portable binary still runs at full speed. (An AVX-512 copy measured no faster
 // on Zen 4, and slower for 16-bit types.) All copies do the same arithmetic lane for lane, so
 // their results are identical.
 template <class T>
@@ -45,16 +45,19 @@ void run_portable(const void* data, const Cursor* cur, int64_t numel, int64_t b0
 
 #if defined(__x86_64__) && defined(__GNUC__)
 template <class T>
-__attribute__((target("arch=x86-64-v3"))) void run_avx2(const void* data, const Cursor* cur,
-                                                         int64_t numel, int64_t b0, int64_t b1,
-                                                         Partial<T>& part, Pairwise& pw,
-                                                         double* sums) {
+__attribute__((target("avx2,fma"))) void run_avx2(const void* data, const Cursor* cur,
+                                                  int64_t numel, int64_t b0, int64_t b1,
+                                                  Partial<T>& part, Pairwise& pw, double* sums) {
   run_blocks<T, 32>(data, cur, numel, b0, b1, part, pw, sums);
 }
 
-// TRACECMP_CSTATS_PORTABLE=1 forces the baseline copy (tests compare the two bit for bit).
-const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("x86-64-v3") != 0) &&
-                      std::getenv("TRACECMP_CSTATS_PORTABLE") == nullptr;
+bool use_avx2() {
+  __builtin_cpu_init();
+  // TRACECMP_CSTATS_PORTABLE=1 forces the baseline copy (tests compare the two bit for bit).
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         std::getenv("TRACECMP_CSTATS_PORTABLE") == nullptr;
+}
+const bool kHasAvx2 = use_avx2();
 
 template <class T>
 void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,
