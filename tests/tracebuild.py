@@ -11,8 +11,18 @@
 
 Outputs can be real tensors (statistics derived with the reference implementation, shape and
 dtype read from the tensor, whole tensors saved when ``data=True``) or described by
-``shape``/``dtype``/``stats`` alone. Two builders fed the same calls with different numbers give
-a target and a bench; :func:`twin` replays one recipe twice.
+``shape``/``dtype``/``stats`` alone. :meth:`TraceBuilder.call` runs a real aten op on the values
+of its arguments and records it the way capture would (op name, schema-named arguments, views).
+Two builders fed the same calls with different numbers give a target and a bench; :func:`twin`
+replays one recipe twice.
+
+>>> b = TraceBuilder()
+>>> x = b.source("input.0", torch.randn(4, 8))
+>>> w = b.param("fc.weight", torch.randn(16, 8))
+>>> y = b.call(torch.ops.aten.mm.default, x, b.call(torch.ops.aten.t.default, w, module="fc"), module="fc")
+>>> g = b.call(torch.ops.aten.gelu.default, y, approximate="tanh", module="act")
+>>> b.value(g).shape
+torch.Size([4, 16])
 """
 from __future__ import annotations
 
@@ -106,6 +116,7 @@ class TraceBuilder:
         self.ops: list[dict[str, Any]] = []
         self.tensors: list[dict[str, Any]] = []
         self.saved: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}  # real values of tensors given as tensors (for call())
         self._next_tensor = 0
 
     # -- building ------------------------------------------------------------------------------
@@ -200,6 +211,55 @@ class TraceBuilder:
         self.tensors.append(self._tensor_row(tid, op_id, 0, out_shape, base.dtype, base.tensor_id, None))
         return Ref(tid, op_id, out_shape, base.dtype)
 
+    def value(self, ref: Ref) -> torch.Tensor:
+        """The real tensor behind ``ref`` (only for tensors recorded from real values)."""
+        return self.values[ref.tensor_id]
+
+    def call(
+        self,
+        op: Any,
+        *args: Any,
+        module: str = "",
+        phase: str = "forward",
+        location: str = "",
+        random: bool = False,
+        fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the aten overload ``op`` on the real values behind the :class:`Ref` arguments and record it.
+
+        Non-tensor arguments are recorded as capture records them (JSON keyed by schema argument
+        name). View ops become view nodes. ``fault`` rewrites the first output before it is
+        recorded (to inject a wrong result). Returns a :class:`Ref`, or a tuple for several outputs.
+        """
+        def unwrap(v: Any) -> Any:
+            if isinstance(v, Ref):
+                return self.values[v.tensor_id]
+            if isinstance(v, (list, tuple)):
+                return type(v)(unwrap(x) for x in v)
+            return v
+
+        refs = [a for a in _flatten(args) + _flatten(list(kwargs.values())) if isinstance(a, Ref)]
+        result = op(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
+        outs = list(result) if isinstance(result, (tuple, list)) else [result]
+        outs = [o for o in outs if isinstance(o, torch.Tensor)]
+        if fault is not None:
+            outs[0] = fault(outs[0])
+        recorded_args = _schema_args(op, args, kwargs)
+        name = str(op)
+        if getattr(op, "is_view", False) and len(outs) == 1 and refs:
+            ref = self.view(name, refs[0], tuple(outs[0].shape), module=module, phase=phase, args=recorded_args,
+                            location=location)
+            self.values[ref.tensor_id] = outs[0]
+            return ref
+        mutable = bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
+        out_refs = self.op(name, refs, [o.detach().clone() for o in outs], module=module, phase=phase,
+                           args=recorded_args, location=location, random=random, inplace=mutable)
+        ref_list = [out_refs] if isinstance(out_refs, Ref) else list(out_refs)
+        for ref, tensor in zip(ref_list, outs):
+            self.values[ref.tensor_id] = tensor.detach().clone()
+        return out_refs
+
     # -- writing -------------------------------------------------------------------------------
 
     def write(self, path: str | Path, *, options: Mapping[str, Any] | None = None, chunk_ops: int | None = None) -> Path:
@@ -255,6 +315,7 @@ class TraceBuilder:
                     out_stats.update(stats[index])
                 if self.data:
                     self.saved[tid] = tensor.detach().clone()
+                self.values[tid] = tensor.detach()
             else:
                 out_shape = tuple(shapes[index]) if shapes else ()
                 out_dtype = _dtype_name(dtypes[min(index, len(dtypes) - 1)])
@@ -294,6 +355,38 @@ class TraceBuilder:
             default: Any = 0 if key in ("nan_count", "inf_count", "checksum") else math.nan
             row[key] = default if stats is None else stats.get(key, default)
         return row
+
+
+def _flatten(values: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        out.extend(_flatten(v) if isinstance(v, (list, tuple)) else [v])
+    return out
+
+
+def _schema_args(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Arguments as capture records them: schema name -> value, tensors as {"tensor": i}."""
+    counter = [0]
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, (Ref, torch.Tensor)):
+            counter[0] += 1
+            return {"tensor": counter[0] - 1}
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+            return str(v).removeprefix("torch.")
+        if isinstance(v, torch.device):
+            return str(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        return v
+
+    schema = getattr(op, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    out = {names[i] if i < len(names) else str(i): enc(v) for i, v in enumerate(args)}
+    out.update({k: enc(v) for k, v in kwargs.items()})
+    return out
 
 
 def _columns(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, list[Any]]:

@@ -77,14 +77,16 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         fin_t = np.maximum(numel - nan_t - inf_t, 1.0)
         fin_b = np.maximum(numel_b - nan_b - inf_b, 1.0)
         rms_t, rms_b = norm_t / np.sqrt(fin_t), norm_b / np.sqrt(fin_b)
-        amax_t = np.fmax(np.abs(lo_t), np.abs(hi_t))
-        amax_b = np.fmax(np.abs(lo_b), np.abs(hi_b))
-        # Infinite extremes say nothing about the finite values' error; the counts carry them.
-        finite_ext = np.isfinite(amax_t) & np.isfinite(amax_b)
-        amax = np.where(finite_ext, np.fmax(amax_t, amax_b), np.fmax(rms_t, rms_b))
+        # Infinite extremes say nothing about the finite values' error (the counts carry them):
+        # an extreme is compared only where both runs' are finite, and magnitudes use finite ones.
+        def finite_abs(v: np.ndarray) -> np.ndarray:
+            return np.where(np.isfinite(v), np.abs(v), np.nan)
+
+        amax = np.fmax(np.fmax(finite_abs(lo_t), finite_abs(hi_t)), np.fmax(finite_abs(lo_b), finite_abs(hi_b)))
         rms = np.fmax(rms_t, rms_b)
-        max_diff = np.where(finite_ext, np.abs(hi_t - hi_b), np.nan)
-        min_diff = np.where(finite_ext, np.abs(lo_t - lo_b), np.nan)
+        amax = np.where(np.isnan(amax), rms, np.fmax(amax, rms))
+        max_diff = np.where(np.isfinite(hi_t) & np.isfinite(hi_b), np.abs(hi_t - hi_b), np.where(hi_t == hi_b, 0.0, np.nan))
+        min_diff = np.where(np.isfinite(lo_t) & np.isfinite(lo_b), np.abs(lo_t - lo_b), np.where(lo_t == lo_b, 0.0, np.nan))
         mean_diff = np.abs(mean_t - mean_b)
         norm_diff = np.abs(norm_t - norm_b)
         e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, _TINY)

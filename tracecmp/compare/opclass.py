@@ -41,6 +41,7 @@ class OpClass:
     inverse_inputs: tuple[int, ...] = ()  # product: inputs that enter as 1/x (or log x)
     precision_variable: bool = False  # float32 may run at TF32/HF32 (matmul, conv)
     accumulates: bool = False  # sums many terms: implementations may differ by more than one rounding
+    operands: tuple[int, ...] = ()  # contract: the argument positions multiplied together (else the two largest)
 
 
 _COPY = {
@@ -177,7 +178,8 @@ def classify(op: str) -> OpClass:
     if name in _SELECT:
         return OpClass("select")
     if name in _CONTRACT:
-        return OpClass("contract", precision_variable=True, accumulates=True)
+        operands = (1, 2) if name in ("addmm", "addmm_", "baddbmm", "addbmm", "addmv") else ()
+        return OpClass("contract", precision_variable=True, accumulates=True, operands=operands)
     if name in _NORMALIZE:
         return OpClass("normalize", accumulates=True)
     if name in _REDUCE_MEAN:

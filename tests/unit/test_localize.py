@@ -1,0 +1,319 @@
+"""Localization on hand-recorded runs: roots, not the nodes that inherit their error.
+
+Each run is a small training step (linear, layer norm, gelu, linear, loss; its backward by hand;
+an SGD update) recorded op by op with real aten calls through ``tests.tracebuild``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import tracecmp
+from tests.tracebuild import TraceBuilder
+from tracecmp.compare.records import STATUSES
+from tracecmp.errors import CompareError
+
+A = torch.ops.aten
+
+
+def _round_tf32(x: torch.Tensor) -> torch.Tensor:
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+
+
+def record(
+    path: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    faults: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    gelu: str = "none",
+    eps: float = 1e-5,
+    weight_delta: float = 0.0,
+    extra_clone: bool = False,
+    extra_scale: float | None = None,
+    tf32: bool = False,
+    dropout_seed: int | None = None,
+    complete: bool = True,
+) -> Path:
+    """Record one training step of a 2-layer MLP with layer norm; ``faults`` maps a site to an output rewrite."""
+    faults = faults or {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g)
+    w1 = torch.randn(128, 64, generator=g) / 8
+    b1 = torch.randn(128, generator=g) / 10
+    lw, lb = 1 + torch.randn(128, generator=g) / 10, torch.randn(128, generator=g) / 10
+    w2 = torch.randn(16, 128, generator=g) / 11
+    if weight_delta:
+        w2 = w2 + weight_delta * torch.randn(16, 128, generator=torch.Generator().manual_seed(9)) * w2.abs().mean()
+    b = TraceBuilder(complete=complete)
+
+    def mm_in(t: torch.Tensor) -> torch.Tensor:
+        return _round_tf32(t) if tf32 else t
+
+    def call(site: str, op: Any, *args: Any, **kw: Any) -> Any:
+        return b.call(op, *args, fault=faults.get(site), **kw)
+
+    X = b.source("input.0", x.to(dtype), module="")
+    W1 = b.param("fc1.weight", w1.to(dtype), module="fc1")
+    B1 = b.param("fc1.bias", b1.to(dtype), module="fc1")
+    W1t = b.call(A.t.default, W1, module="fc1")
+    # A device running matmuls at TF32 rounds their inputs.
+    tf32_fc1 = (lambda _: A.addmm.default(b.value(B1), mm_in(b.value(X)), mm_in(b.value(W1t)))) if tf32 else None
+    H = b.call(A.addmm.default, B1, X, W1t, module="fc1", fault=faults.get("fc1", tf32_fc1))
+    LW, LB = b.param("ln.weight", lw.to(dtype), module="ln"), b.param("ln.bias", lb.to(dtype), module="ln")
+    N, mean, rstd = call("ln", A.native_layer_norm.default, H, [128], LW, LB, eps, module="ln")
+    if extra_clone:
+        N = b.call(A.clone.default, N, module="ln")
+    if extra_scale is not None:
+        N = b.call(A.mul.Tensor, N, extra_scale, module="ln")
+    G = call("gelu", A.gelu.default, N, approximate=gelu, module="act")
+    if dropout_seed is not None:
+        torch.manual_seed(dropout_seed)
+        G, mask = b.call(A.native_dropout.default, G, 0.1, True, module="drop", random=True)
+    W2 = b.param("fc2.weight", w2.to(dtype), module="fc2")
+    W2t = b.call(A.t.default, W2, module="fc2")
+    tf32_fc2 = (lambda _: A.mm.default(mm_in(b.value(G)), mm_in(b.value(W2t)))) if tf32 else None
+    O = b.call(A.mm.default, G, W2t, module="fc2", fault=faults.get("fc2", tf32_fc2))
+    SQ = call("square", A.mul.Tensor, O, O)
+    LOSS = call("loss", A.mean.default, SQ)
+    # backward, by hand
+    GO = call("grad_out", A.mul.Tensor, O, 2.0 / (32 * 16), phase="backward", module="")
+    GW2 = call("grad_w2", A.mm.default, b.call(A.t.default, GO, phase="backward", module="fc2"), G, phase="backward", module="fc2")
+    GG = call("grad_g", A.mm.default, GO, W2, phase="backward", module="fc2")
+    GN = call("gelu_backward", A.gelu_backward.default, GG, N, approximate=gelu, phase="backward", module="act")
+    GH, GLW, GLB = call("ln_backward", A.native_layer_norm_backward.default, GN, H, [128], mean, rstd, LW, LB,
+                        [True, True, True], phase="backward", module="ln")
+    GW1 = call("grad_w1", A.mm.default, b.call(A.t.default, GH, phase="backward", module="fc1"), X, phase="backward", module="fc1")
+    GB1 = call("grad_b1", A.sum.dim_IntList, GH, [0], phase="backward", module="fc1")
+    # optimizer: SGD
+    for param, grad, site in ((W1, GW1, "sgd_w1"), (B1, GB1, "sgd_b1"), (W2, GW2, "sgd_w2")):
+        call(site, A.add.Tensor, param, grad, alpha=-0.1, phase="optimizer", module="")
+    return b.write(path)
+
+
+def pair(tmp_path: Path, **target: Any) -> tracecmp.CompareResult:
+    bench = record(tmp_path / "bench")
+    return tracecmp.compare(record(tmp_path / "target", **target), bench)
+
+
+def scale(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t * factor
+
+
+def noise(rel: float, seed: int = 5) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t * (1 + rel * torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_identical_runs_agree(tmp_path):
+    result = pair(tmp_path)
+    assert result.first_divergence is None and result.suspects == []
+    assert result.agrees
+    assert set(result.nodes["status"]) == {"agrees"}
+    assert result.verdict().startswith("AGREE")
+
+
+@pytest.mark.parametrize("site,op,phase", [
+    ("gelu", "aten.gelu.default", "forward"),
+    ("ln", "aten.native_layer_norm.default", "forward"),
+    ("fc2", "aten.mm.default", "forward"),
+    ("gelu_backward", "aten.gelu_backward.default", "backward"),
+    ("grad_w1", "aten.mm.default", "backward"),
+    ("sgd_b1", "aten.add.Tensor", "optimizer"),
+])
+@pytest.mark.parametrize("fault", [scale(1 + 1e-6), noise(1e-3), scale(1.1)], ids=["scale1e-6", "noise1e-3", "scale0.1"])
+def test_a_faulty_op_is_the_first_divergence(tmp_path, site, op, phase, fault):
+    result = pair(tmp_path, faults={site: fault})
+    d = result.first_divergence
+    assert d is not None and (d.op, d.phase, d.kind) == (op, phase, "computation")
+    assert d.bench_op_id == d.op_id
+    assert "agrees bitwise" in d.reason
+
+
+def test_error_inherited_downstream_is_not_blamed(tmp_path):
+    result = pair(tmp_path, faults={"ln": scale(1.01)})
+    assert [s.op for s in result.suspects] == ["aten.native_layer_norm.default"]
+    nodes = result.nodes.set_index("op_id")
+    root = result.first_divergence.op_id
+    downstream = nodes[(nodes.index > root) & (nodes["kind"] == "op")]
+    assert (downstream["status"].isin(["diverged", "agrees"])).all()
+    assert (downstream["root_kind"] == "").all()
+    assert (downstream.loc[downstream["status"] == "diverged", "introduced"] < downstream["error"].max()).all()
+
+
+def test_argument_difference_is_a_root_of_its_own_kind(tmp_path):
+    result = pair(tmp_path, gelu="tanh")
+    d = result.first_divergence
+    assert (d.op, d.kind) == ("aten.gelu.default", "argument")
+    assert "approximate" in d.reason and "tanh" in d.reason
+
+
+def test_layer_norm_eps_difference(tmp_path):
+    result = pair(tmp_path, eps=1e-3)
+    d = result.first_divergence
+    assert (d.op, d.kind) == ("aten.native_layer_norm.default", "argument")
+    assert "eps" in d.reason
+
+
+def test_weight_difference_is_a_source_root(tmp_path):
+    result = pair(tmp_path, weight_delta=1e-3)
+    d = result.first_divergence
+    assert (d.op, d.kind) == ("source.parameter", "source")
+    assert "fc2.weight" in d.reason
+    assert d.module == "fc2"
+
+
+def test_nan_appearing_from_finite_inputs(tmp_path):
+    def put_nan(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[3, 5] = math.nan
+        return t
+
+    result = pair(tmp_path, faults={"gelu": put_nan})
+    d = result.first_divergence
+    assert (d.op, d.kind) == ("aten.gelu.default", "nan")
+    assert [s.kind for s in result.suspects] == ["nan"]  # NaN flowing on is inherited
+    assert "nan" in set(result.nodes["status"])
+
+
+def test_uniform_bf16_noise_is_noise_not_roots(tmp_path):
+    result = pair(tmp_path, dtype=torch.bfloat16)
+    assert result.first_divergence is None, result.summary()
+    counts = result.counts()
+    assert counts["noise"] > counts["agrees"] and counts["diverged"] == 0
+    assert result.agrees  # everything paired and compared; noise is not divergence
+
+
+def test_a_real_fault_still_shows_under_bf16_noise(tmp_path):
+    result = pair(tmp_path, dtype=torch.bfloat16, faults={"gelu": scale(1.1)})
+    d = result.first_divergence
+    assert d is not None and d.op == "aten.gelu.default"
+    assert len(result.suspects) <= 3
+
+
+def test_tf32_matmuls_read_as_noise(tmp_path):
+    result = pair(tmp_path, tf32=True)
+    assert result.first_divergence is None, result.summary()
+
+
+def test_random_op_divergence_says_so(tmp_path):
+    bench = record(tmp_path / "bench", dropout_seed=1)
+    result = tracecmp.compare(record(tmp_path / "target", dropout_seed=2), bench)
+    d = result.first_divergence
+    assert (d.op, d.kind) == ("aten.native_dropout.default", "random")
+    assert "random" in d.reason
+
+
+def test_extra_exact_op_is_unpaired_not_a_divergence(tmp_path):
+    result = pair(tmp_path, extra_clone=True)
+    assert result.first_divergence is None
+    clone = result.nodes[result.nodes["op"] == "aten.clone.default"].iloc[0]
+    assert clone["status"] == "unpaired"
+    assert not result.agrees  # an unpaired node is never agreement
+    assert result.verdict().startswith("INCOMPLETE")
+    assert set(result.nodes.loc[result.nodes["op"] != "aten.clone.default", "status"]) == {"agrees"}
+
+
+def test_extra_value_changing_op_is_a_structure_root(tmp_path):
+    result = pair(tmp_path, extra_scale=2.0)
+    d = result.first_divergence
+    assert (d.op, d.kind) == ("aten.mul.Tensor", "structure")
+    assert d.bench_op_id is None
+
+
+def test_op_missing_from_the_target_is_named(tmp_path):
+    bench = record(tmp_path / "bench", extra_scale=2.0)
+    result = tracecmp.compare(record(tmp_path / "target"), bench)
+    d = result.first_divergence
+    assert d.kind == "structure" and d.op == "aten.gelu.default"
+    assert "aten.mul.Tensor" in d.reason
+    assert len(result.unpaired_bench) == 1
+
+
+def test_exact_mode_names_the_first_bitwise_change(tmp_path):
+    def one_ulp(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[0] = torch.nextafter(t.view(-1)[0], torch.tensor(math.inf))
+        return t
+
+    bench = record(tmp_path / "bench")
+    target = record(tmp_path / "target", faults={"gelu_backward": one_ulp})
+    result = tracecmp.compare(target, bench, exact=True)
+    d = result.first_divergence
+    assert (d.op, d.phase) == ("aten.gelu_backward.default", "backward")
+    assert result.verdict().startswith("DIVERGED: bitwise")
+    assert "noise" not in set(result.nodes["status"])
+
+
+def test_first_divergence_is_earliest_in_execution_order(tmp_path):
+    result = pair(tmp_path, faults={"grad_w1": scale(2.0), "gelu": scale(1.01)})
+    assert result.first_divergence.op == "aten.gelu.default"
+    assert {s.op for s in result.suspects} >= {"aten.gelu.default"}
+    assert result.suspects == sorted(result.suspects, key=lambda s: -s.score)
+
+
+def test_incomplete_trace_is_flagged_never_agreement(tmp_path):
+    bench = record(tmp_path / "bench")
+    result = tracecmp.compare(record(tmp_path / "target", complete=False), bench)
+    assert result.first_divergence is None
+    assert not result.agrees
+    assert any("incomplete" in w for w in result.warnings)
+    assert "incomplete" in result.summary()
+
+
+def test_no_common_step_raises(tmp_path):
+    b1 = TraceBuilder()
+    b1.source("input.0", torch.ones(2))
+    b2 = TraceBuilder()
+    b2.step()
+    b2.source("input.0", torch.ones(2))
+    with pytest.raises(CompareError, match="no step in common"):
+        tracecmp.compare(b1.write(tmp_path / "a"), b2.write(tmp_path / "b"))
+    with pytest.raises(CompareError, match="no common rank"):
+        tracecmp.compare(tmp_path / "a", tmp_path / "a", ranks=[3])
+
+
+def test_result_tables_and_statuses(tmp_path):
+    result = pair(tmp_path, faults={"gelu": scale(1.01)})
+    assert set(result.nodes["status"]) <= set(STATUSES)
+    frame = result.to_frame()
+    assert {"tensor_id", "bench_tensor_id", "e_ext", "e_sys", "exact", "status", "cosine"} <= set(frame.columns)
+    assert len(frame) == len(frame["tensor_id"].unique())
+    paths = result.write_tables(tmp_path / "out", xlsx=True)
+    assert {p.name for p in paths} == {"nodes.csv", "tensors.csv", "suspects.csv", "unpaired_bench.csv", "compare.xlsx"}
+    text = result.summary()
+    assert text.splitlines()[0].startswith("DIVERGED") and "aten.gelu.default" in text
+
+
+def test_whole_tensors_give_elementwise_metrics(tmp_path):
+    def run(path: Path, factor: float) -> Path:
+        b = TraceBuilder(data=True)
+        x = b.source("input.0", torch.linspace(-2, 2, 50))
+        y = b.call(A.gelu.default, x, fault=lambda t: t * factor)
+        b.call(A.sum.default, y)
+        return b.write(path)
+
+    result = tracecmp.compare(run(tmp_path / "t", 1.01), run(tmp_path / "b", 1.0))
+    row = result.to_frame().set_index("op_id").loc[1]
+    assert row["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
+    assert 0.999 < row["cosine"] <= 1.0
+    assert result.first_divergence.op == "aten.gelu.default"
+
+
+def test_explicit_default_arguments_are_not_a_difference(tmp_path):
+    def run(path: Path, explicit: bool) -> Path:
+        b = TraceBuilder()
+        x = b.source("input.0", torch.ones(3))
+        y = b.source("input.1", torch.ones(3))
+        if explicit:
+            z = b.call(A.add.Tensor, x, y, alpha=1)
+        else:
+            z = b.call(A.add.Tensor, x, y)
+        b.call(A.gelu.default, z, approximate="none" if explicit else "none")
+        return b.write(path)
+
+    result = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False))
+    assert result.agrees and result.first_divergence is None
