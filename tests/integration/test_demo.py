@@ -24,10 +24,10 @@ def test_demo_command_finds_the_fp16_overflow(tmp_path: Path) -> None:
     fault = FAULTS["fp16-matmul"]
     assert fault.module == "head" and fault.op == "aten.mm.default"
     lines = done.stdout.splitlines()
-    first = next(line for line in lines if line.startswith("First divergence: "))
-    assert first.startswith("First divergence: aten.mm.default in head [backward, step 0] at demo.py:")
-    assert "NaN/Inf" in first
-    assert "Found it: the emulated fault is in head (aten.mm.default)." in lines
+    verdict = next(line for line in lines if line.startswith(("DIVERGED", "AGREE", "INCOMPLETE")))
+    assert verdict.startswith("DIVERGED: first divergence at aten.mm.default in head (backward, step 0) — demo.py:")
+    assert any(line.strip().startswith("reason") and "NaN/Inf" in line for line in lines)
+    assert "Found it: the first divergence is in head (aten.mm.default), where the emulated fault is." in lines
     bench, target = (next(line for line in lines if line.strip().startswith(f"{name} ")) for name in ("bench", "target"))
     assert "nan" not in bench and target.rstrip().endswith("nan")  # the target's second step trains on Inf gradients
     assert any(line.startswith("Report: ") and str(out / "report.html") in line for line in lines)

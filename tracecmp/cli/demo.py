@@ -31,21 +31,20 @@ def run(args: argparse.Namespace) -> int:
     from tracecmp.demo import FAULTS, run_demo
 
     fault = FAULTS[args.fault]
-    print(f"tracecmp demo: target emulates {fault.description}")
+    print(f"tracecmp demo: bench runs in fp32 on the CPU; the target emulates {fault.description}")
     start = time.perf_counter()
     outcome = run_demo(args.out, fault=args.fault, steps=args.steps, seed=args.seed)
-    result = outcome.result
     for name, losses in (("bench ", outcome.bench_losses), ("target", outcome.target_losses)):
         print(f"  {name} losses: {', '.join(f'{v:.6f}' for v in losses)}")
-    print(result.summary())
-    d = result.first_divergence
-    if d is None:
-        print(f"No divergence found: the emulated fault in {fault.module} went undetected.")
+    print()
+    print(outcome.result.summary())
+    print()
+    d = outcome.result.first_divergence
+    if outcome.found:
+        print(f"Found it: the first divergence is in {fault.module} ({fault.op}), where the emulated fault is.")
+    elif d is None:
+        print(f"Missed it: no divergence found, but the emulated fault is in {fault.module} ({fault.op}).")
     else:
-        print(f"First divergence: {d}")
-        if outcome.found:
-            print(f"Found it: the emulated fault is in {fault.module} ({fault.op}).")
-        else:
-            print(f"Localized to {d.module or '<top>'}, but the emulated fault is in {fault.module} ({fault.op}).")
-    print(f"Report: {outcome.report}  ({time.perf_counter() - start:.1f} s)")
+        print(f"Missed it: localized to {d.module or '<top>'}, but the emulated fault is in {fault.module} ({fault.op}).")
+    print(f"Report: {outcome.report}  (traces and CSV tables beside it; {time.perf_counter() - start:.1f} s)")
     return 0

@@ -48,7 +48,8 @@ def error_chart(nodes: pd.DataFrame, root: int | None = None, rank: int = 0, wid
     frame = frame.sort_values("op_id").reset_index(drop=True)
     left, right, top, bottom = 64, 18, 34, 44
     plot_w, plot_h = width - left - right, height - top - bottom
-    band = 16  # the "NaN" band above and the "= 0" band below the log axis
+    band = 18  # the "NaN" band above and the "= 0" band below the log axis
+    pad = 8  # between a band and the first decade, so their labels never touch
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
         f'width="{width}" height="{height}" font-family="Helvetica,Arial,sans-serif" font-size="11" '
@@ -78,7 +79,7 @@ def error_chart(nodes: pd.DataFrame, root: int | None = None, rank: int = 0, wid
     hi = math.ceil(math.log10(positive.max())) if len(positive) else 1
     if hi - lo < 2:
         lo, hi = lo - 1, hi + 1
-    axis_top, axis_bottom = top + band, top + plot_h - band
+    axis_top, axis_bottom = top + band + pad, top + plot_h - band - pad
     n = len(points)
 
     def x_of(x: float) -> float:
@@ -106,7 +107,7 @@ def error_chart(nodes: pd.DataFrame, root: int | None = None, rank: int = 0, wid
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>')
     for y, text in ((top + band / 2, "NaN/Inf"), (top + plot_h - band / 2, "= 0")):
         out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#555">{text}</text>')
-    for y in (axis_top, axis_bottom):
+    for y in (top + band, top + plot_h - band):
         out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y}" y2="{y}" stroke="#ccc" stroke-dasharray="2,3"/>')
     for exponent in range(lo, hi + 1):
         y = y_of(10.0**exponent, False)

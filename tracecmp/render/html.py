@@ -107,16 +107,18 @@ def verdict(result: Any) -> tuple[str, str]:
 
 
 def module_rollup(nodes: pd.DataFrame, limit: int = 40) -> pd.DataFrame:
-    """Per module: ops, diverged ops, the largest error it introduced, its largest output error.
+    """Per module: ops, diverged ops, the largest error one of its ops introduced (and which op, where),
+    its largest output error, its first diverged op.
 
     Sorted by error introduced, so the module that created the problem comes before the ones
     that only carried it.
 
     >>> module_rollup(result.nodes).head()  # doctest: +SKIP
     """
+    columns = ["module", "ops", "diverged", "max_introduced", "introduced_by", "max_error", "first_diverged"]
     frame = nodes[nodes["kind"] != "view"] if "kind" in nodes.columns else nodes
     if frame.empty:
-        return pd.DataFrame(columns=["module", "ops", "diverged", "max_introduced", "max_error", "first_diverged"])
+        return pd.DataFrame(columns=columns)
     frame = frame.assign(
         module=frame["module"].fillna("").astype(str),
         _bad=frame["status"].isin(["diverged", "nan"]),
@@ -124,17 +126,24 @@ def module_rollup(nodes: pd.DataFrame, limit: int = 40) -> pd.DataFrame:
         _error=pd.to_numeric(frame["error"], errors="coerce"),
     )
     first_bad = frame[frame["_bad"]].sort_values("op_id").groupby("module")["op"].first().map(short_op)
+    ranked = frame[frame["_introduced"] > 0].sort_values(["_introduced", "op_id"], ascending=[False, True])
+    worst = ranked.groupby("module").head(1).set_index("module")
+    by = {
+        module: f"{short_op(str(row['op']))} · {row.get('phase', '')} · step {row.get('step', '')}"
+        for module, row in worst.iterrows()
+    }
     table = frame.groupby("module").agg(
         ops=("op_id", "size"),
         diverged=("_bad", "sum"),
         max_introduced=("_introduced", "max"),
         max_error=("_error", "max"),
     )
+    table["introduced_by"] = [by.get(module, "") for module in table.index]
     table["first_diverged"] = first_bad.reindex(table.index).fillna("")
     table = table.reset_index().sort_values(
         ["max_introduced", "diverged", "max_error"], ascending=False, na_position="last"
     )
-    return table.head(limit).reset_index(drop=True)
+    return table[columns].head(limit).reset_index(drop=True)
 
 
 def _first_divergence_html(result: Any) -> str:
@@ -192,6 +201,7 @@ def _modules_html(result: Any) -> str:
     if table.empty:
         return '<p class="note">No modules.</p>'
     top = table["max_introduced"].max()
+    first = result.first_divergence
     rows = []
     for row in table.itertuples():
         introduced = _num(row.max_introduced)
@@ -199,18 +209,19 @@ def _modules_html(result: Any) -> str:
         if top > 0 and introduced > 0:
             # Log scale over eight decades below the largest: errors span orders of magnitude.
             width = max(2.0, 120 * (1 + math.log10(introduced / top) / 8))
+        css = ' class="first"' if first is not None and row.module == first.module else ""
         rows.append(
-            f"<tr><td><code>{escape(row.module or '<top>')}</code></td>"
+            f"<tr{css}><td><code>{escape(row.module or '<top>')}</code></td>"
             f'<td class="num" data-sort="{row.ops}">{row.ops}</td>'
             f'<td class="num" data-sort="{row.diverged}">{row.diverged}</td>'
             f'<td class="num" data-sort="{_sort_value(introduced)}"><span class="bar" style="width:{width:.0f}px"></span>'
-            f"{format_number(introduced)}</td>"
+            f"{format_number(introduced)}</td><td>{escape(row.introduced_by)}</td>"
             f'<td class="num" data-sort="{_sort_value(row.max_error)}">{format_number(row.max_error)}</td>'
             f"<td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
     return (
         '<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
-        '<th data-type="num">diverged ops</th><th data-type="num">max error introduced</th>'
+        '<th data-type="num">diverged ops</th><th data-type="num">max error introduced</th><th>by</th>'
         '<th data-type="num">max output error</th><th>first diverged op</th></tr></thead><tbody>'
         + "".join(rows)
         + "</tbody></table>"
@@ -303,7 +314,8 @@ Shaded stretches are backward and optimizer ops; hover a point for its op.</p>
 <p class="note">Ranked root causes (click a header to sort).</p>
 {_suspects_html(result)}
 <h2 id="modules">Modules</h2>
-<p class="note">Per module: the largest error its ops introduced themselves, and how many of its ops diverged.</p>
+<p class="note">Per module: the largest error one of its ops introduced itself (and which op), how many of its ops
+diverged; the module of the first divergence is highlighted. Click a header to sort.</p>
 {_modules_html(result)}
 <footer>tracecmp {escape(__version__)} · {escape(time.strftime("%Y-%m-%d %H:%M:%S"))}</footer>
 </main>
