@@ -49,6 +49,20 @@ _Tensor = torch.Tensor
 _CPU, _DEFERRED, _NONE = 0, 1, 2
 
 
+class _Rec(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a recorded tensor carrying what capture knows of it.
+
+    One object per live tensor (not a list plus a weakref), dropped from the map by its callback
+    when the tensor dies, so the map never fills with dead entries for the collector to scan.
+    """
+
+    __slots__ = ("tid", "version", "group", "key")
+    tid: int  # id of the tensor's current value
+    version: int | None  # its ``_version`` when recorded; None for inference tensors (no counter)
+    group: int  # view family: views share their base's version counter
+    key: int  # id() of the tensor, its key in the map
+
+
 class CaptureMode(TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
 
@@ -81,7 +95,7 @@ class CaptureMode(TorchDispatchMode):
         self._on_full = on_full
         self._next_op = 0
         self._next_tensor = 0
-        self._known: dict[int, list[Any]] = {}  # id(tensor) -> [tensor id, _version or None, group, weakref]
+        self._known: dict[int, _Rec] = {}  # id(tensor) -> what we know of that tensor
         self._writes: dict[int, list[list[Any]]] = {}  # group -> [[version after, tensor id]]
         self._unsettled: list[tuple[list[Any], list[Any]]] = []  # writes whose version is not bumped yet
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
@@ -123,8 +137,8 @@ class CaptureMode(TorchDispatchMode):
         inputs: list[int] = []
         for t in tensors:
             rec = known.get(id(t))
-            if rec is not None and rec[3]() is t and (rec[1] is None or rec[1] == t._version):
-                inputs.append(rec[0])
+            if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
+                inputs.append(rec.tid)
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack))
         out = func(*args, **kwargs)
@@ -171,28 +185,28 @@ class CaptureMode(TorchDispatchMode):
         return hit[0], hit[1] or self._locator.location(2), seq
 
     def _enter(
-        self, t: torch.Tensor, rec: list[Any] | None, phase: str, module: str, location: str, stack: str
+        self, t: torch.Tensor, rec: _Rec | None, phase: str, module: str, location: str, stack: str
     ) -> int:
         """Id of an input the map does not vouch for: a refreshed alias or a new source node."""
-        if rec is not None and rec[3]() is not t:
-            rec = None  # a dead tensor's entry; its id() was reused
+        if rec is not None and rec() is not t:
+            rec = None  # a dead tensor's entry whose id() was reused before its callback ran
         op_id = self._next_op
         self._next_op = op_id + 1
         tid = self._next_tensor
         self._next_tensor = tid + 1
         if rec is not None:
             version = t._version
-            writes = self._writes.get(rec[2])
+            writes = self._writes.get(rec.group)
             if writes and writes[-1][0] == version:
-                written = [w for v, w in writes if v > rec[1]]
+                written = [w for v, w in writes if v > rec.version]
                 self.rows.append(
                     (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}",
-                     (rec[0], *written), (tid,), False, False, -1, stack)
+                     (rec.tid, *written), (tid,), False, False, -1, stack)
                 )  # fmt: skip
                 self._value(t, tid, op_id, 0, written[-1])
-                rec[0], rec[1] = tid, version
+                rec.tid, rec.version = tid, version
                 return tid
-            group = rec[2]  # written behind our back: a source, still in its view family
+            group = rec.group  # written behind our back: a source, still in its view family
         else:
             version = None if t.is_inference() else t._version
             group = tid
@@ -201,7 +215,7 @@ class CaptureMode(TorchDispatchMode):
             (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,), False, False, -1, stack)
         )
         self._value(t, tid, op_id, 0, -1)
-        self._known[id(t)] = [tid, version, group, weakref.ref(t)]
+        self._remember(t, tid, version, group)
         return tid
 
     def _outputs(self, info: OpInfo, op_id: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[int]:
@@ -256,7 +270,7 @@ class CaptureMode(TorchDispatchMode):
         tid = self._next_tensor
         self._next_tensor = tid + 1
         version = None if _is_inference_mode_enabled() and t.is_inference() else t._version
-        self._known[id(t)] = [tid, version, tid, weakref.ref(t)]
+        self._remember(t, tid, version, tid)
         if stats:
             self._value(t, tid, op_id, len(outputs), -1)
         else:
@@ -267,18 +281,15 @@ class CaptureMode(TorchDispatchMode):
         tid = self._next_tensor
         self._next_tensor = tid + 1
         rec = self._known.get(id(t))
-        if rec is not None and rec[3]() is t:
-            version = None if rec[1] is None else t._version
-            rec[0], rec[1] = tid, version
-            group = rec[2]
+        if rec is not None and rec() is t:
+            rec.tid = tid
         else:  # only when the written tensor was not an input (an op hiding its writes)
-            version = None if t.is_inference() else t._version
-            group = tid
-            self._known[id(t)] = [tid, version, group, weakref.ref(t)]
-        if version is not None:
+            rec = self._remember(t, tid, None if t.is_inference() else t._version, tid)
+        if rec.version is not None:
             # Autograd bumps the version counter only after the op returns: settled at the next op.
-            entry = [version, tid]
-            self._unsettled.append((self._known[id(t)], entry))
+            entry = [rec.version, tid]
+            self._unsettled.append((rec, entry))
+            group = rec.group
             history = self._writes.get(group)
             if history is None:
                 self._writes[group] = [entry]
@@ -289,25 +300,35 @@ class CaptureMode(TorchDispatchMode):
         self._value(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
+    def _remember(self, t: torch.Tensor, tid: int, version: int | None, group: int) -> _Rec:
+        rec = _Rec(t, self._forget)
+        rec.tid, rec.version, rec.group, rec.key = tid, version, group, id(t)
+        self._known[rec.key] = rec
+        return rec
+
+    def _forget(self, rec: _Rec) -> None:
+        if self._known.get(rec.key) is rec:
+            del self._known[rec.key]
+
     def _settle(self) -> None:
         """Read the versions of the tensors the previous op wrote, now that they are bumped."""
         for rec, entry in self._unsettled:
-            t = rec[3]()
+            t = rec()
             if t is not None:
-                rec[1] = entry[0] = t._version
+                rec.version = entry[0] = t._version
         self._unsettled = []
 
     def _view(self, t: torch.Tensor, base: Any, op_id: int, outputs: list[int]) -> None:
         tid = self._next_tensor
         self._next_tensor = tid + 1
         rec = self._known.get(id(base)) if isinstance(base, _Tensor) else None
-        if rec is not None and rec[3]() is base:
+        if rec is not None and rec() is base:
             # Autograd hands the view its base's version counter after the op returns.
-            view_of, group, version = rec[0], rec[2], rec[1]
+            view_of, group, version = rec.tid, rec.group, rec.version
         else:
             view_of, group = -1, tid
             version = None if t.is_inference() else t._version
-        self._known[id(t)] = [tid, version, group, weakref.ref(t)]
+        self._remember(t, tid, version, group)
         self._bare(t, tid, op_id, len(outputs), view_of)
         outputs.append(tid)
 
@@ -393,9 +414,8 @@ class CaptureMode(TorchDispatchMode):
                 self.tensor_rows[index] = row[:8] + tuple(unpack_stats(packed)) + row[15:]
 
     def _sweep(self) -> None:
-        """Forget dead tensors and the write history of view families nobody holds any more."""
-        self._known = {k: rec for k, rec in self._known.items() if rec[3]() is not None}
-        groups = {rec[2] for rec in self._known.values()}
+        """Forget the write history of view families nobody holds any more."""
+        groups = {rec.group for rec in list(self._known.values())}
         self._writes = {g: w for g, w in self._writes.items() if g in groups}
 
 

@@ -1,6 +1,7 @@
 """``TraceCompare``: the public context manager that records a run into a trace folder."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -211,13 +212,20 @@ class TraceCompare:
         loud = len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty()
         if loud:
             print(f"tracecmp: writing {len(mode.rows):,} ops of step {self._step} ...", file=sys.stderr, flush=True)
-        ops, tensors, saved, steps = mode.take()
-        if self.model is None and writer.manifest["device"] == "cpu":
-            writer.manifest["device"] = mode.accelerator() or "cpu"
+        # Turning columns into tables allocates many containers, which would set off the cyclic
+        # collector's full passes (~0.3 s each with torch loaded); reference counting frees them.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
+            ops, tensors, saved, steps = mode.take()
+            if self.model is None and writer.manifest["device"] == "cpu":
+                writer.manifest["device"] = mode.accelerator() or "cpu"
             writer.write_chunk(ops, tensors, saved or None, steps=steps)
         except OSError as exc:
             raise CaptureError(f"cannot write the trace: {exc.strerror}", path=writer.dir) from exc
+        finally:
+            if collecting:
+                gc.enable()
         mode.chunk = len(writer.manifest["chunks"])
         if loud:
             print(f"tracecmp: wrote in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
