@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 import pytest
 import torch
 
@@ -140,6 +141,10 @@ def test_step_selection_records_only_chosen_steps(tmp_path: Path) -> None:
     # Weights changed in the unrecorded step 2 re-enter step 3 as named sources with new statistics.
     sources = ops[(ops["op"] == "source.parameter") & (ops["step"] == 3)]
     assert set(sources["name"]) == {n for n, _ in model.named_parameters()}
+    # So does the optimizer state, named after its parameter.
+    state = ops[(ops["op"] == "source.tensor") & (ops["step"] == 3)]
+    assert {"fc1.weight.exp_avg", "fc1.weight.exp_avg_sq", "fc3.bias.step"} <= set(state["name"])
+    assert set(state["phase"]) == {"optimizer"}
 
 
 def test_no_model_given_names_the_top_module_root(tmp_path: Path) -> None:
@@ -225,3 +230,41 @@ def test_no_grad_ops_are_forward_without_seq_nr(tmp_path: Path) -> None:
     ops = tracecmp.load(tmp_path / "t").to_frame()
     assert set(ops["phase"]) == {"forward"} and (ops["seq_nr"] == -1).all()
     assert {"fc1", "fc2", "fc3"} <= set(ops["module"])
+
+
+def test_custom_autograd_function_backward_belongs_to_its_module(tmp_path: Path) -> None:
+    """A Python autograd.Function's node is made before its forward runs (with grad off), so no op
+    claims it; the module's post-hook finds it in the output graph."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return grad * 2 * x
+
+    class Inner(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Square.apply(x) + 1
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.fc(x)) * 3
+
+    model = Outer()
+    with tracecmp.TraceCompare(tmp_path / "t", model=model):
+        model(torch.randn(2, 4)).sum().backward()
+    ops = tracecmp.load(tmp_path / "t").to_frame()
+    backward = ops[ops["phase"] == "backward"]
+    square_grad = backward[(backward["op"] == "aten.mul.Tensor") & (backward["module"] == "inner")]
+    assert len(square_grad) == 2  # grad * 2, then * x
+    assert set(backward[backward["op"] == "aten.mm.default"]["module"]) == {"fc"}
