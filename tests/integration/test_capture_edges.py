@@ -251,3 +251,20 @@ def test_accelerator_statistics_are_gathered_at_flush(tmp_path: Path, monkeypatc
     deferred = run(tmp_path / "deferred")
     assert deferred["has_stats"].sum() == 7
     pd.testing.assert_frame_equal(on_cpu, deferred)
+
+
+def test_write_through_alias_after_an_unrecorded_write_is_a_source(tmp_path: Path) -> None:
+    """The recorded write through a view does not explain a write the trace never saw."""
+    x = torch.zeros(4)
+    with tracecmp.TraceCompare(tmp_path / "t", steps=[0, 2]) as tc:
+        view = x[:2]
+        x.sum()
+        tc.step()
+        x.add_(1)  # step 1 is not recorded
+        tc.step()
+        view.mul_(2)  # recorded, but x also changed behind our back
+        x.sum()
+    ops, tensors = _trace(tmp_path / "t")
+    step2 = ops[ops["step"] == 2]
+    assert list(step2["op"]) == ["source.tensor", "aten.mul_.Tensor", "source.tensor", "aten.sum.default"]
+    assert tensors.loc[step2.iloc[2]["outputs"][0], "max"] == 2.0  # x = [2, 2, 1, 1]

@@ -15,8 +15,8 @@ hashing and costs ~1.1 us per lookup here against ~0.1 us, and an op looks up ev
 An input whose ``_version`` moved since it was recorded was written by something the trace did
 not see, *unless* the write went through another alias: views share their base's version
 counter, so every tensor carries the *group* (its view family) and each recorded write notes the
-group's new version. When an input's group was last written by a recorded op at exactly its
-current version, capture emits an ``alias.update`` node (kind ``view``) whose inputs are the
+group's new version. When the recorded writes to an input's group account for every step its
+version counter moved since capture last saw it, capture emits an ``alias.update`` node (kind ``view``) whose inputs are the
 tensor's previous value and the written values since, and whose output is the tensor's new
 value, with statistics. Otherwise the input is a *source* node named after what it is
 (parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
@@ -197,8 +197,10 @@ class CaptureMode(TorchDispatchMode):
         if rec is not None:
             version = t._version
             writes = self._writes.get(rec.group)
-            if writes and writes[-1][0] == version:
-                written = [w for v, w in writes if v > rec.version]
+            written = [w for v, w in writes if v > rec.version] if writes and writes[-1][0] == version else []
+            # Each write bumps the shared counter by one: as many recorded writes as the counter
+            # moved means nothing unrecorded wrote in between.
+            if written and len(written) == version - rec.version:
                 self.rows.append(
                     (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}",
                      (rec.tid, *written), (tid,), False, False, -1, stack)
