@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
-from tracecmp.capture.ops import FRESH, VIEW, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
+from tracecmp.capture.ops import FRESH, ONE_FRESH, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
 
@@ -228,6 +228,9 @@ class CaptureMode(TorchDispatchMode):
                     self._fresh(value, op_id, outputs)
             return outputs
         returns = info.returns
+        if returns is ONE_FRESH and isinstance(out, _Tensor):  # most ops: one new tensor
+            self._fresh(out, op_id, outputs, not info.uninitialized)
+            return outputs
         values = (out,) if len(returns) == 1 else (out if returns else ())
         for (kind, ref), value in zip(returns, values):
             if isinstance(value, _Tensor):
@@ -343,7 +346,7 @@ class CaptureMode(TorchDispatchMode):
 
     def _value(self, t: torch.Tensor, tid: int, op_id: int, index: int, view_of: int) -> None:
         """Append the tensor row of a value that carries statistics (and its data, if saved)."""
-        device, kind = self._device(t.device)
+        device, kind = self.devices.get(t.device) or self._device(t.device)
         stats: tuple[Any, ...] = _NO_STATS
         has_stats = kind != _NONE
         try:
@@ -355,7 +358,8 @@ class CaptureMode(TorchDispatchMode):
             has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
         key = self._save(t, tid) if self._save_data and has_stats else ""
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(t.shape), self._dtype(t.dtype), device, view_of, has_stats) + stats + (key,)
+            (tid, op_id, index, tuple(t.shape), self._dtypes.get(t.dtype) or self._dtype(t.dtype), device, view_of,
+             has_stats) + stats + (key,)  # fmt: skip
         )
 
     def _save(self, t: torch.Tensor, tid: int) -> str:

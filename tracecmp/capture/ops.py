@@ -29,6 +29,7 @@ _SKIPPED_NAMESPACES = ("profiler.",)
 _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 
 ArgRef = tuple[int, str]  # (position in args, name in kwargs): where a schema argument arrives
+ONE_FRESH: tuple[tuple[int, ArgRef | None], ...] = ((FRESH, None),)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _build(func: Any) -> OpInfo:
     return OpInfo(
         name,
         tuple(a.name for a in arguments),
-        tuple(returns),
+        ONE_FRESH if returns == list(ONE_FRESH) else tuple(returns),  # shared: the per-op path tests `is`
         extra,
         "view" if is_view else "op",
         bool(writes),
@@ -138,7 +139,11 @@ def scan(args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tens
     key: list[Any] = []
     append = key.append
     for value in args:
-        append(_scan_value(value, tensors))
+        if isinstance(value, torch.Tensor):  # the common case, without a call
+            tensors.append(value)
+            append(_T)
+        else:
+            append(_scan_value(value, tensors))
     if kwargs:
         for name, value in kwargs.items():
             append(name)
