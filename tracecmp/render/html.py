@@ -41,6 +41,7 @@ dl.first dt{color:#57606a}dl.first dd{margin:0}
 pre{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:10px;overflow:auto;font-size:12px;max-height:360px}
 .figure{border:1px solid #d0d7de;border-radius:6px;padding:8px;overflow:auto;background:#fff}
 .figure svg{max-width:100%;height:auto}
+.figure.graph svg{max-width:none}
 .note{color:#57606a;font-size:13px}
 table{border-collapse:collapse;width:100%;font-size:13px}
 th,td{border-bottom:1px solid #e5e8eb;padding:4px 8px;text-align:left;vertical-align:top}
@@ -276,7 +277,8 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
         raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
     picture = render_subgraph(result, out / SUBGRAPH_NAME, depth=depth, max_nodes=max_nodes)
     if picture.suffix == ".svg":
-        subgraph = f'<div class="figure">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+        # At its natural size (scrolling when wide): shrunk to fit, a big graph's labels become unreadable.
+        subgraph = f'<div class="figure graph">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
     else:
         subgraph = (
             '<p class="note">graphviz <code>dot</code> is not installed, so the subgraph is shown as DOT text '
