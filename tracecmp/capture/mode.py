@@ -8,18 +8,21 @@ full buffer does not make its full collections (~0.2 s each with torch and trans
 fire more often.
 
 Tensor identity. Every tensor *value* gets an id: a fresh output, a view, and each in-place write
-(a new version of the same tensor). A weak map from the tensor object to ``[id, _version, group]``
-says which value an input is. The map is keyed by ``id(tensor)`` and checked with a weak
-reference: ``torch.utils.weak.WeakTensorKeyDictionary`` does the same thing with Python-level
-hashing and costs ~1.1 us per lookup here against ~0.1 us, and an op looks up every input.
+(a new version of the same tensor). A weak map from the tensor object to its current id, its
+``_version`` and its view family says which value an input is. It is keyed by ``id(tensor)`` and
+checked through a weak reference: ``torch.utils.weak.WeakTensorKeyDictionary`` does the same with
+Python-level hashing and costs ~1.1 us per lookup here against ~0.1 us, and every input is
+looked up. Autograd bumps version counters (and hands a view its base's counter) only after the
+op returns, so written tensors' versions are read at the next op.
+
 An input whose ``_version`` moved since it was recorded was written by something the trace did
 not see, *unless* the write went through another alias: views share their base's version
-counter, so every tensor carries the *group* (its view family) and each recorded write notes the
+counter, so every tensor carries its *group* (view family) and each recorded write notes the
 group's new version. When the recorded writes to an input's group account for every step its
-version counter moved since capture last saw it, capture emits an ``alias.update`` node (kind ``view``) whose inputs are the
-tensor's previous value and the written values since, and whose output is the tensor's new
-value, with statistics. Otherwise the input is a *source* node named after what it is
-(parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
+counter moved since capture last saw it, capture emits an ``alias.update`` node (kind ``view``)
+whose inputs are the tensor's previous value and the values written since, and whose output is
+its new value, with statistics. Otherwise the input becomes a *source* node named after what it
+is (parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unp
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
 
 _NO_STATS = (None,) * 7
+_NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
 _SEQ_NONE = 1 << 63  # engine nodes such as AccumulateGrad carry UINT64_MAX, not a sequence number
 _WRITE_HISTORY = 16  # recorded writes remembered per view family
 _is_grad_enabled = torch.is_grad_enabled
@@ -97,7 +101,7 @@ class CaptureMode(TorchDispatchMode):
         self._next_tensor = 0
         self._known: dict[int, _Rec] = {}  # id(tensor) -> what we know of that tensor
         self._writes: dict[int, list[list[Any]]] = {}  # group -> [[version after, tensor id]]
-        self._unsettled: list[tuple[list[Any], list[Any]]] = []  # writes whose version is not bumped yet
+        self._unsettled: list[tuple[_Rec, list[Any]]] = []  # writes whose version is not bumped yet
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
@@ -201,10 +205,12 @@ class CaptureMode(TorchDispatchMode):
             # Each write bumps the shared counter by one: as many recorded writes as the counter
             # moved means nothing unrecorded wrote in between.
             if written and len(written) == version - rec.version:
+                inputs = (rec.tid, *written)
                 self.rows.append(
-                    (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}",
-                     (rec.tid, *written), (tid,), False, False, -1, stack)
-                )  # fmt: skip
+                    (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", inputs, (tid,))
+                    + _NOT_AN_OP
+                    + (stack,)
+                )
                 self._value(t, tid, op_id, 0, written[-1])
                 rec.tid, rec.version = tid, version
                 return tid
@@ -214,7 +220,7 @@ class CaptureMode(TorchDispatchMode):
             group = tid
         source, name = self.scope.source(t, (self.step, phase))
         self.rows.append(
-            (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,), False, False, -1, stack)
+            (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,)) + _NOT_AN_OP + (stack,)
         )
         self._value(t, tid, op_id, 0, -1)
         self._remember(t, tid, version, group)
@@ -357,9 +363,9 @@ class CaptureMode(TorchDispatchMode):
         except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):
             has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
         key = self._save(t, tid) if self._save_data and has_stats else ""
+        dtype = self._dtypes.get(t.dtype) or self._dtype(t.dtype)
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(t.shape), self._dtypes.get(t.dtype) or self._dtype(t.dtype), device, view_of,
-             has_stats) + stats + (key,)  # fmt: skip
+            (tid, op_id, index, tuple(t.shape), dtype, device, view_of, has_stats) + stats + (key,)
         )
 
     def _save(self, t: torch.Tensor, tid: int) -> str:
