@@ -7,6 +7,7 @@ several kinds of op in both phases without anyone picking sites by hand.
 """
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections import defaultdict
@@ -25,6 +26,7 @@ from benchmarks.localization.faults import (
     OutputFault,
     Plan,
     Site,
+    relative_change,
 )
 from benchmarks.localization.models import FAMILIES, build
 
@@ -88,6 +90,7 @@ class Case:
     structure: str = ""  # "extra:<how>@<site>" or "missing:<how>@<site>"
     expect_divergence: bool = True
     counted: bool = True  # negatives under tf32 noise are reported apart from false alarms
+    background: float = 0.0  # tf32 variant: relative error the background alone puts on the site's output
 
     @property
     def category(self) -> str:
@@ -107,6 +110,7 @@ class Profile:
     model: str
     calls: list[CallRecord]
     parameters: list[str] = field(default_factory=list)
+    background: dict[Site, float] = field(default_factory=dict)  # tf32 run vs clean run, per call
 
 
 def profile(family: str, seed: int) -> Profile:
@@ -115,11 +119,17 @@ def profile(family: str, seed: int) -> Profile:
     # A relative perturbation of an all-zero parameter (GPT-2's biases at init) changes nothing.
     params = [n for n, p in workload.model.named_parameters()
               if p.requires_grad and p.dtype.is_floating_point and bool(p.detach().ne(0).any())]
-    optimizer = workload.make_optimizer()
-    injector = Injector(workload.model, Plan(), profile=True)
+    injector = Injector(workload.model, Plan(), profile=True, keep_outputs=True)
     with injector.outer(), injector.inner():
-        workload.train_step(optimizer)
-    return Profile(family, injector.calls or [], params)
+        workload.train_step(workload.make_optimizer())
+    noisy = build(family, seed)
+    tf32 = Injector(noisy.model, Plan(tf32=True), keep_outputs=True)
+    with tf32.outer(), tf32.inner():
+        noisy.train_step(noisy.make_optimizer())
+    clean, rounded = injector.outputs or {}, tf32.outputs or {}
+    background = {site: relative_change(clean[site], rounded[site])
+                  for site in clean.keys() & rounded.keys() if clean[site].shape == rounded[site].shape}
+    return Profile(family, injector.calls or [], params, background)
 
 
 def _output_site_ok(c: CallRecord) -> bool:
@@ -231,9 +241,13 @@ def plan_model(prof: Profile, seed: int, model_index: int) -> list[Case]:
                 else:
                     bench = Plan(insertion=missing)
                     structure = f"missing:{missing.how}@{missing.site}"
-            elif variant == "tf32":
+            background = 0.0
+            if variant == "tf32":
                 target = Plan(plan.output_fault, plan.arg_fault, plan.insertion, tf32=True)
-            cases.append(Case(f"{m}/{label}/{variant}", m, kind, variant, phase, mag, target, bench, weight, structure))
+                site = (plan.output_fault or plan.arg_fault).site if not weight else None  # type: ignore[union-attr]
+                background = prof.background.get(site, math.nan) if site is not None else 0.0
+            cases.append(Case(f"{m}/{label}/{variant}", m, kind, variant, phase, mag, target, bench, weight, structure,
+                              background=background))
 
     cases.append(Case(f"{m}/identical", m, "identical", "-", "", 0.0, Plan(), Plan(), expect_divergence=False))
     if extra is not None and missing is not None:

@@ -83,6 +83,21 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
 
 
+def relative_change(clean: torch.Tensor, other: torch.Tensor) -> float:
+    """``||other - clean|| / ||clean||`` in float64; inf when ``other`` has a NaN/Inf ``clean`` lacks.
+
+    >>> relative_change(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5]))
+    0.1
+    """
+    a, b = clean.detach().double(), other.detach().double()
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return math.inf
+    finite = torch.isfinite(a)
+    diff = float((b[finite] - a[finite]).norm())
+    scale = float(a[finite].norm())
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def corrupt_(t: torch.Tensor, kind: str, magnitude: float, seed: int) -> None:
     """Apply one output fault to ``t`` in place (float tensors only).
 
@@ -187,6 +202,7 @@ class Observation:
     arg_before: Any = None
     inserted: bool = False
     tf32_calls: int = 0
+    fault_size: float | None = None  # ||faulty - clean|| / ||clean|| of the site's output
 
 
 def _float_outputs(out: Any) -> list[torch.Tensor]:
@@ -306,10 +322,11 @@ class SiteMode(TorchDispatchMode):
     """The inner mode: names every program call, applies argument faults and insertions."""
 
     def __init__(self, plan: Plan, shared: _Shared, obs: Observation, phases: _Phases, modules: _Modules,
-                 profile: list[CallRecord] | None) -> None:
+                 profile: list[CallRecord] | None, outputs: dict[Site, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.plan, self.shared, self.obs = plan, shared, obs
         self.phases, self.modules, self.profile = phases, modules, profile
+        self.outputs = outputs
         self.counts: Counter[tuple[str, str]] = Counter()
         watch = [f.site for f in (plan.output_fault, plan.arg_fault) if f is not None]
         self.watch = set(watch)
@@ -346,12 +363,18 @@ class SiteMode(TorchDispatchMode):
                 self.obs.effective = not all(
                     bitwise_equal(a, b) for a, b in zip(_float_outputs(out), _float_outputs(reference))
                 )
+                self.obs.fault_size = relative_change(_float_outputs(reference)[0], _float_outputs(out)[0])
         insertion = self.plan.insertion
         if insertion is not None and site == insertion.site and isinstance(out, torch.Tensor):
             out = _insert(out, insertion.how)
             self.obs.inserted = True
         if self.profile is not None:
             self.profile.append(_call_record(len(self.profile), site, module, func, args, kwargs, out))
+        if self.outputs is not None:
+            floats = [t for t in _float_outputs(out) if t.numel() > 0]
+            if floats:
+                with _disable_current_modes():
+                    self.outputs[site] = floats[0].detach().clone()
         return out
 
 
@@ -430,6 +453,7 @@ class FaultMode(TorchDispatchMode):
                 corrupt_(target, fault.kind, fault.magnitude, fault.seed)
                 self.obs.fault_applied = True
                 self.obs.effective = not bitwise_equal(before, target)
+                self.obs.fault_size = relative_change(before, target)
         return out
 
 
@@ -444,10 +468,12 @@ class Injector:
     (True, True)
     """
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, profile: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, plan: Plan, profile: bool = False, keep_outputs: bool = False) -> None:
         self.plan = plan
         self.obs = Observation()
         self.calls: list[CallRecord] | None = [] if profile else None
+        # Each call's first floating output (a copy), to measure the tf32 background per site.
+        self.outputs: dict[Site, torch.Tensor] | None = {} if keep_outputs else None
         self._shared = _Shared()
         self._phases = _Phases()
         self._modules = _Modules(model)
@@ -462,7 +488,7 @@ class Injector:
         self._phases.install()
         self._modules.install()
         try:
-            with SiteMode(self.plan, self._shared, self.obs, self._phases, self._modules, self.calls):
+            with SiteMode(self.plan, self._shared, self.obs, self._phases, self._modules, self.calls, self.outputs):
                 yield
         finally:
             self._modules.remove()

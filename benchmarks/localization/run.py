@@ -87,9 +87,12 @@ class Result:
     top3: bool = False
     rank: int | None = None  # 1-based position of the truth among the ranked suspects
     outcome: str = ""  # hit | missed | early | late | same-node-other-attrs | false-alarm | clean | error
-    truth_rows: list[dict[str, Any]] = field(default_factory=list)  # compare's rows for the true op
+    truth_detail: dict[str, Any] = field(default_factory=dict)  # compare's verdict on the true op
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    fault_size: float | None = None  # relative change the fault made to the site's output
+    background: float = 0.0  # relative error the tf32 background alone leaves on that output
+    ratio: float | None = None  # fault_size / background: below 1 the fault hides in the noise
 
 
 def _num(v: Any) -> Any:
@@ -182,20 +185,40 @@ def _matches(d: Record, truth: Record) -> bool:
     return (d.op, d.phase, d.module) == (truth.op, truth.phase, truth.module)
 
 
-def _truth_rows(result: Any, op_id: int) -> list[dict[str, Any]]:
-    """Compare's verdict on the true op (its node row, then its tensors' metrics), so a miss shows
-    what tracecmp measured where the fault really was."""
-    rows: list[dict[str, Any]] = []
-    for frame in (result.nodes, result.to_frame()):
-        if "op_id" not in frame.columns:
-            rows.append({"missing": f"no op_id column among {list(frame.columns)}"})
-            continue
-        for record in frame[(frame["op_id"] == op_id) & (frame.get("rank", 0) == 0)].to_dict("records"):
-            rows.append({k: _num(v) for k, v in record.items() if k not in _ROW_NOISE and not _blank(v)})
-    return rows
+_NODE_FIELDS = ("bench_op_id", "status", "error", "introduced", "metric", "root_kind", "reason")
+_TENSOR_FIELDS = ("index", "shape", "dtype", "exact", "e_ext", "e_sys", "norm_rel_diff", "max_diff", "min_diff",
+                  "mean_diff", "within_tol", "nonfinite_mismatch", "status")
 
 
-_ROW_NOISE = {"rank", "op_id", "step", "location", "name", "module", "op", "phase", "kind"}
+def truth_detail(result: Any, op_id: int) -> dict[str, Any]:
+    """What compare measured at the true op: its node verdict, its output tensors' metrics, and how
+    many of its inputs compare bitwise equal (a root whose inputs all agree bitwise is unambiguous
+    when target and bench run on the same device)."""
+    detail: dict[str, Any] = {}
+    nodes = result.nodes[(result.nodes["rank"] == 0) & (result.nodes["op_id"] == op_id)]
+    if len(nodes):
+        detail["node"] = {k: _num(v) for k, v in nodes.iloc[0].items() if k in _NODE_FIELDS and not _blank(v)}
+    frame = result.to_frame()
+    frame = frame[frame["rank"] == 0] if "rank" in frame.columns else frame
+    outputs = frame[frame["op_id"] == op_id]
+    detail["outputs"] = [{k: _num(v) for k, v in r.items() if k in _TENSOR_FIELDS and not _blank(v)}
+                         for r in outputs.to_dict("records")]
+    rank = result.target.rank(0)
+    ops = rank.ops
+    row = ops[ops["op_id"] == op_id]
+    if len(row):
+        # Views carry no statistics: judge an input by the tensor it views.
+        view_of = dict(zip(rank.tensors["tensor_id"].tolist(), rank.tensors["view_of"].tolist()))
+        inputs = []
+        for t in row.iloc[0]["inputs"]:
+            t = int(t)
+            while view_of.get(t, -1) not in (-1, None) and not _blank(view_of.get(t)):
+                t = int(view_of[t])
+            inputs.append(t)
+        measured = frame[frame["tensor_id"].isin(inputs)]
+        exact = int(measured["exact"].astype(bool).sum()) if "exact" in measured.columns else 0
+        detail["inputs"] = f"{exact}/{len(inputs)} bitwise equal, {len(inputs) - len(measured)} not measured"
+    return detail
 
 
 def _blank(v: Any) -> bool:
@@ -230,7 +253,13 @@ def score(case: Case, result: Any, truth: Record | None, out: Result) -> None:
     else:
         out.outcome = "early" if out.found.op_id < truth.op_id else "late"
     if not out.top1:
-        out.truth_rows = _truth_rows(result, truth.op_id)
+        out.truth_detail = truth_detail(result, truth.op_id)
+
+
+def _ratio(size: float, background: float) -> float:
+    if math.isnan(background):
+        return math.nan
+    return size / background if background > 0 else math.inf
 
 
 class _Timeout(Exception):
@@ -246,7 +275,7 @@ def run_case(case: Case, bench_path: Path, work: Path, keep: bool, timeout_s: in
     import tracecmp
 
     out = Result(case.id, case.model, case.kind, case.variant, case.phase, case.magnitude, case.category,
-                 case.structure, case.expect_divergence, case.counted)
+                 case.structure, case.expect_divergence, case.counted, background=case.background)
     target = work / "targets" / case.id.replace("/", "__").replace(":", "_")
     shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -255,6 +284,9 @@ def run_case(case: Case, bench_path: Path, work: Path, keep: bool, timeout_s: in
     signal.alarm(timeout_s)
     try:
         obs = record_run(case.model, case.target, target, case.weight, weight_seed=zlib.crc32(f"{case.model}/{case.weight}".encode()))
+        out.fault_size = WEIGHT_PERTURBATION if case.weight else obs.fault_size
+        if out.fault_size is not None:
+            out.ratio = _ratio(out.fault_size, case.background)
         truth = None
         if case.expect_divergence:
             truth, out.warnings = find_truth(case, obs, target)
@@ -325,29 +357,43 @@ def _scored(results: list[Result]) -> list[Result]:
     return [r for r in results if r.expect_divergence and r.status != "harness"]
 
 
+def _ratio_bucket(r: Result) -> str:
+    if r.ratio is None or math.isnan(r.ratio):
+        return "unknown"
+    for bound, name in ((1, "a: < 1x"), (10, "b: 1-10x"), (100, "c: 10-100x")):
+        if r.ratio < bound:
+            return name
+    return "d: >= 100x"
+
+
 def tables(results: list[Result], seconds: float, command: str) -> str:
     """The Markdown report: totals, per-group tables, negatives, failures."""
     pos = _scored(results)
     neg = [r for r in results if not r.expect_divergence]
-    lines: list[str] = []
     n = len(pos)
-    top1 = sum(r.top1 for r in pos)
-    top3 = sum(r.top3 for r in pos)
-    exact = sum(r.exact for r in pos)
     alarms = [r for r in neg if r.counted and r.outcome != "clean"]
-    clean_ref = [r for r in pos if r.variant == "plain" and r.structure == ""]
-    lines += [
+    plain = [r for r in pos if r.variant == "plain"]
+    tf32 = [r for r in pos if r.variant == "tf32"]
+    visible = [r for r in tf32 if r.ratio is not None and r.ratio >= 10]
+    lines = [
         f"Command: `{command}`",
         "",
         f"- cases: {len(results)} ({n} faults scored, {len(neg)} negatives, "
         f"{sum(r.status == 'harness' for r in results)} not set up, {sum(r.status == 'error' for r in results)} tracecmp errors); "
         f"runtime {seconds:.0f} s",
-        f"- **top-1: {_pct(top1, n)}** (goal >= 95%); exact node: {_pct(exact, n)}; **top-3: {_pct(top3, n)}**",
+        f"- **top-1: {_pct(sum(r.top1 for r in pos), n)}** (goal >= 95%); exact node: {_pct(sum(r.exact for r in pos), n)}; "
+        f"**top-3: {_pct(sum(r.top3 for r in pos), n)}**",
         f"- top-1 with identical structure and no background noise (variant plain): "
-        f"{_pct(sum(r.top1 for r in clean_ref), len(clean_ref))} (goal 100%)",
+        f"{_pct(sum(r.top1 for r in plain), len(plain))} (goal 100%)",
+        f"- top-1 under tf32 background where the fault is >= 10x the background at its site: "
+        f"{_pct(sum(r.top1 for r in visible), len(visible))} (all tf32 cases: {_pct(sum(r.top1 for r in tf32), len(tf32))})",
         f"- **false alarms: {len(alarms)} of {sum(r.counted for r in neg)} negatives** (goal 0); "
         f"tf32 background alone flagged: {sum(1 for r in neg if not r.counted and r.outcome != 'clean')} of "
         f"{sum(not r.counted for r in neg)} (reported apart: a device that runs matmuls in tf32 is noise, not a fault)",
+        "",
+        "Outcomes: *missed* = no divergence reported; *early* = an op before the true one was named "
+        "(a false alarm inside a faulty run); *late* = a later op was named (the error was followed "
+        "downstream past its source).",
         "",
     ]
     lines += _group_table("By variant", pos, lambda r: r.variant)
@@ -356,10 +402,12 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
     lines += _group_table("By magnitude (scale and noise)", [r for r in pos if r.kind in ("scale", "noise")],
                           lambda r: f"{r.kind} {r.magnitude:.0e}")
     lines += _group_table("By op category", pos, lambda r: r.category)
+    lines += _group_table("tf32 variant by fault size / background error at the site", tf32, _ratio_bucket)
     lines += _cross_table(pos)
     lines += ["### Negatives", "", "| case | outcome | reported |", "|---|---|---|"]
     for r in neg:
-        lines.append(f"| {r.id} | {r.outcome or r.status} | {r.found.where() if r.found else r.error.splitlines()[0] if r.error else ''} |")
+        reported = r.found.where() if r.found else (r.error.splitlines()[0] if r.error else "")
+        lines.append(f"| {r.id} | {r.outcome or r.status} | {reported} |")
     lines.append("")
     fails = [r for r in results if (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")]
     lines += ["### Failures", ""]
@@ -398,6 +446,10 @@ def _cross_table(rows: list[Result]) -> list[str]:
     return out + [""]
 
 
+def _g(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
 def _failure(r: Result) -> str:
     head = f"- `{r.id}`"
     if r.structure:
@@ -408,16 +460,23 @@ def _failure(r: Result) -> str:
         assert r.found is not None
         return f"{head}: false alarm: {r.found.where()} kind={r.found.kind} reason={r.found.reason!r} metrics={r.found.metrics}"
     assert r.truth is not None
-    found = (f"{r.found.where()} kind={r.found.kind} score={r.found.score:.3g} reason={r.found.reason!r}"
+    found = (f"{r.found.where()} (kind {r.found.kind}, score {r.found.score:.3g}: {r.found.reason})"
              if r.found else "no divergence")
-    text = f"{head}: {r.outcome}; expected {r.truth.where()}; found {found}; truth rank {r.rank or '-'}"
-    true_suspect = next((s for s in r.ranked if s.op_id == r.truth.op_id), None)
-    if true_suspect is not None:
-        text += f"; tracecmp on the true op: score={true_suspect.score:.3g} metrics={true_suspect.metrics}"
-    if r.truth_rows:
-        text += f"; compare rows for the true op: {r.truth_rows[:2]}"
+    text = f"{head}: **{r.outcome}**; expected {r.truth.where()}; found {found}; truth rank {r.rank or '-'}"
+    if r.fault_size is not None:
+        text += f"; fault size {r.fault_size:.2g}"
+        if r.variant == "tf32":
+            text += f", background {r.background:.2g} (ratio {r.ratio:.2g})" if r.ratio is not None else ""
+    d = r.truth_detail
+    if d:
+        node = d.get("node", {})
+        text += "\n  - true op in compare: " + ", ".join(f"{k}={_g(v)}" for k, v in node.items())
+        for o in d.get("outputs", [])[:2]:
+            text += "\n  - output " + ", ".join(f"{k}={_g(v)}" for k, v in o.items())
+        if "inputs" in d:
+            text += f"\n  - inputs: {d['inputs']}"
     if r.warnings:
-        text += f"; harness notes: {r.warnings}"
+        text += f"\n  - harness notes: {'; '.join(r.warnings)}"
     return text
 
 
