@@ -236,6 +236,7 @@ def test_selection_prefers_near_nodes(wide: CompareResult) -> None:
     sel = select(wide, depth=2, max_nodes=20)
     assert sel.shown[0] == wide.first_divergence.op_id
     assert len(sel.shown) + len(sel.more) <= 20
+    assert (len(select(wide, max_nodes=1).shown), select(wide, max_nodes=1).more) == (1, [])
     ops = wide.nodes.set_index("op_id")["op"]
     # Direct producers and consumers come before anything two hops away.
     distances = [0 if n == sel.shown[0] else 2 if ops[n] in ("aten.relu.default", "aten.sum.default") else 1 for n in sel.shown]

@@ -325,6 +325,8 @@ def select(result: Any, depth: int = 2, max_nodes: int = 60) -> Selection:
             groups[(anchor, direction)].append(hidden)
         if count + len(groups) <= max_nodes:
             break
+    else:  # max_nodes leaves no room for a summary next to the root: the root alone
+        groups.clear()
     shown = ordered[:count]
     edges = [
         (producer, consumer, label)
