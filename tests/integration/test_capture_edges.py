@@ -268,3 +268,15 @@ def test_write_through_alias_after_an_unrecorded_write_is_a_source(tmp_path: Pat
     step2 = ops[ops["step"] == 2]
     assert list(step2["op"]) == ["source.tensor", "aten.mul_.Tensor", "source.tensor", "aten.sum.default"]
     assert tensors.loc[step2.iloc[2]["outputs"][0], "max"] == 2.0  # x = [2, 2, 1, 1]
+
+
+def test_chunk_boundary_inside_an_inplace_op_keeps_versions(tmp_path: Path) -> None:
+    """A chunk committed right after an in-place op (before autograd bumps the version) loses nothing."""
+    with tracecmp.TraceCompare(tmp_path / "t", max_ops=2):
+        x = torch.zeros(3)  # op 0
+        x.add_(1)  # op 1: the buffer is full right after it
+        x.mul_(2)
+        x.sum()
+    ops, _ = _trace(tmp_path / "t")
+    assert list(ops["op"]) == ["aten.zeros.default", "aten.add_.Tensor", "aten.mul_.Tensor", "aten.sum.default"]
+    assert [list(i) for i in ops["inputs"]] == [[], [0], [1], [2]]

@@ -111,7 +111,7 @@ class CaptureMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         if self._unsettled:
-            self._settle()
+            self.settle()
         info = op_info(func)
         if not info.record:
             return func(*args, **kwargs)
@@ -321,8 +321,8 @@ class CaptureMode(TorchDispatchMode):
         if self._known.get(rec.key) is rec:
             del self._known[rec.key]
 
-    def _settle(self) -> None:
-        """Read the versions of the tensors the previous op wrote, now that they are bumped."""
+    def settle(self) -> None:
+        """Read the versions of the tensors the last op wrote, once it has returned (bumped them)."""
         for rec, entry in self._unsettled:
             t = rec()
             if t is not None:
@@ -401,7 +401,6 @@ class CaptureMode(TorchDispatchMode):
 
     def take(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]], dict[str, torch.Tensor], list[int]]:
         """Hand over the buffered rows as columns (and saved tensors), and empty the buffers."""
-        self._settle()
         self._gather_deferred_stats()
         rows, tensor_rows, saved = self.rows, self.tensor_rows, self.saved
         self.rows, self.tensor_rows, self.saved, self.saved_bytes = [], [], {}, 0

@@ -146,7 +146,11 @@ class TraceCompare:
         TraceCompare._active = self
         self._step = 0
         if self._selected(0):
-            self._start()
+            try:
+                self._start()
+            except BaseException:
+                TraceCompare._active = None
+                raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -188,6 +192,7 @@ class TraceCompare:
         assert self._mode is not None and self._scope is not None
         self._recording = False
         self._mode.__exit__(None, None, None)
+        self._mode.settle()
         self._scope.remove()
         for handle in self._hooks:
             handle.remove()
