@@ -179,7 +179,7 @@ class CaptureMode(TorchDispatchMode):
         if seq >= _SEQ_NONE:
             # Gradient accumulation into a parameter: it belongs to the parameter's module.
             variable = getattr(node, "variable", None)
-            module = scope.owner(variable)[0] if variable is not None else ""
+            module = scope.owner(variable) if variable is not None else ""
             return module, self._locator.location(2), -1
         if scope.depth:  # a forward recomputed inside backward (activation checkpointing)
             return scope.current, self._locator.location(2), seq

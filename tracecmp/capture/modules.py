@@ -131,10 +131,9 @@ class ModuleScope:
                         extra[id(value)] = (f"{pname}.{key}", weakref.ref(value))
         self._extra = extra
 
-    def owner(self, param: Any) -> tuple[str, str]:
-        """``(module path, parameter name)`` of a parameter, for gradient accumulation in backward."""
-        name = _lookup(self.params, param) or ""
-        return name.rpartition(".")[0], name
+    def owner(self, param: Any) -> str:
+        """Path of the module holding ``param`` ("" if unknown), for gradient accumulation in backward."""
+        return (_lookup(self.params, param) or "").rpartition(".")[0]
 
     # -- hooks ---------------------------------------------------------------------------------
     def install(self) -> None:

@@ -161,6 +161,7 @@ class TraceCompare:
             self._writer.close(complete=exc_type is None)
         finally:
             TraceCompare._active = None
+            self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
 
     def step(self) -> None:
         """Mark a step boundary: commit what the step recorded, then start the next step."""
