@@ -167,15 +167,19 @@ def _prepare_rank(
         t_ops = t_ops[t_ops["step"].isin(steps)]
     if steps != b_steps:
         b_ops = b_ops[b_ops["step"].isin(steps)]
-    t_ops = t_ops.sort_values("op_id", kind="stable").reset_index(drop=True)
-    b_ops = b_ops.sort_values("op_id", kind="stable").reset_index(drop=True)
+    t_ops = t_ops.sort_values("op_id", kind="stable")
+    b_ops = b_ops.sort_values("op_id", kind="stable")
+    # Row positions in the Arrow tables, to read the id lists from Arrow's buffers (much faster).
+    t_lists = _id_lists(t_rank, t_ops.index.to_numpy())
+    b_lists = _id_lists(b_rank, b_ops.index.to_numpy())
+    t_ops, b_ops = t_ops.reset_index(drop=True), b_ops.reset_index(drop=True)
     t_ten, b_ten = t_rank.tensors, b_rank.tensors
     bar.update(f"rank {rank}: aligning")
     pairs = align_nodes(t_ops, t_ten, b_ops, b_ten)
     bar.update(f"rank {rank}: measuring", len(t_ops))
 
     t_base, b_base = view_bases(t_ten), view_bases(b_ten)
-    partner = _tensor_partners(t_ops, b_ops, pairs, t_base, b_base, t_ten, b_ten)
+    partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, t_ten, b_ten)
     measured_frame = _measure(t_rank, b_rank, partner, tol)
     bar.update(f"rank {rank}: localizing", len(t_ops))
 
@@ -184,7 +188,7 @@ def _prepare_rank(
     own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
     measured = _states(measured_frame, own)
 
-    b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_ops["op_id"].tolist(), b_ops["inputs"].tolist())}
+    b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
     b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))
     paired_bench = set(pairs.values())
     unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
@@ -194,7 +198,7 @@ def _prepare_rank(
     nodes = list(zip(
         t_ops["op_id"].tolist(), t_ops["step"].tolist(), t_ops["phase"].tolist(), t_ops["kind"].tolist(),
         t_ops["op"].tolist(), t_ops["name"].tolist(), t_ops["module"].tolist(), t_ops["location"].tolist(),
-        t_ops["args"].tolist(), [list(x) for x in t_ops["inputs"].tolist()], [list(x) for x in t_ops["outputs"].tolist()],
+        t_ops["args"].tolist(), t_lists[1], t_lists[2],
         t_ops["random"].tolist(), t_ops["stack"].tolist(),
     ))
     rank_input = RankInput(
@@ -209,9 +213,25 @@ def _prepare_rank(
     return rank_input, frame, measured_frame, unpaired
 
 
+def _id_lists(rank: RankTrace, rows: np.ndarray) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """op ids, input ids and output ids of the table rows ``rows``, as plain Python lists."""
+    table = rank.ops_table
+    whole = len(rows) == table.num_rows and bool((rows == np.arange(len(rows))).all())
+    columns = []
+    for name in ("inputs", "outputs"):
+        column = table.column(name).combine_chunks()
+        offsets_np = column.offsets.to_numpy()
+        offsets = (offsets_np - offsets_np[0]).tolist()
+        values = column.flatten().to_numpy().tolist()
+        lists = [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+        columns.append(lists if whole else [lists[i] for i in rows.tolist()])
+    op_ids = table.column("op_id").to_numpy()
+    return (op_ids.tolist() if whole else op_ids[rows].tolist()), columns[0], columns[1]
+
+
 def _tensor_partners(
-    t_ops: pd.DataFrame, b_ops: pd.DataFrame, pairs: Mapping[int, int], t_base: Mapping[int, int],
-    b_base: Mapping[int, int], t_ten: pd.DataFrame, b_ten: pd.DataFrame,
+    t_lists: tuple[list[int], list[list[int]], list[list[int]]], b_lists: tuple[list[int], list[list[int]], list[list[int]]],
+    pairs: Mapping[int, int], t_base: Mapping[int, int], b_base: Mapping[int, int], t_ten: pd.DataFrame, b_ten: pd.DataFrame,
 ) -> dict[int, int]:
     """``{target tensor id: bench tensor id}`` for non-view tensors.
 
@@ -219,10 +239,10 @@ def _tensor_partners(
     op, a fused op) takes the bench tensor that the paired consumer reads in the same argument
     position, when the element counts match.
     """
-    b_outputs = dict(zip(b_ops["op_id"].tolist(), b_ops["outputs"].tolist()))
-    b_inputs = dict(zip(b_ops["op_id"].tolist(), b_ops["inputs"].tolist()))
+    b_outputs = dict(zip(b_lists[0], b_lists[2]))
+    b_inputs = dict(zip(b_lists[0], b_lists[1]))
     partner: dict[int, int] = {}
-    t_op_ids, t_outputs, t_inputs = t_ops["op_id"].tolist(), t_ops["outputs"].tolist(), t_ops["inputs"].tolist()
+    t_op_ids, t_inputs, t_outputs = t_lists
     for op_id, outs in zip(t_op_ids, t_outputs):
         b_op = pairs.get(op_id)
         if b_op is None:
@@ -230,17 +250,27 @@ def _tensor_partners(
         for t, b in zip(outs, b_outputs.get(b_op, [])):
             if t not in t_base and b not in b_base:
                 partner[t] = b
-    t_numel = dict(zip(t_ten["tensor_id"].tolist(), (math.prod(s) for s in t_ten["shape"].tolist())))
-    b_numel = dict(zip(b_ten["tensor_id"].tolist(), (math.prod(s) for s in b_ten["shape"].tolist())))
+    candidates: dict[int, int] = {}
     for op_id, ins in zip(t_op_ids, t_inputs):
         b_op = pairs.get(op_id)
         if b_op is None:
             continue
         for t, b in zip(ins, b_inputs.get(b_op, [])):
-            tb, bb = t_base.get(t, t), b_base.get(b, b)
-            if tb not in partner and t_numel.get(tb) == b_numel.get(bb) and t_numel.get(tb) is not None:
+            tb = t_base.get(t, t)
+            if tb not in partner and tb not in candidates:
+                candidates[tb] = b_base.get(b, b)
+    if candidates:
+        t_numel = _numels(t_ten, candidates.keys())
+        b_numel = _numels(b_ten, candidates.values())
+        for tb, bb in candidates.items():
+            if tb in t_numel and t_numel[tb] == b_numel.get(bb):
                 partner[tb] = bb
     return partner
+
+
+def _numels(tensors: pd.DataFrame, ids: Iterable[int]) -> dict[int, int]:
+    rows = tensors[tensors["tensor_id"].isin(list(ids))]
+    return {int(t): math.prod(s) for t, s in zip(rows["tensor_id"].tolist(), rows["shape"].tolist())}
 
 
 def _measure(t_rank: RankTrace, b_rank: RankTrace, partner: Mapping[int, int], tol: Tolerances) -> pd.DataFrame:

@@ -445,9 +445,9 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
         bench_op = ri.pairs.get(op_id)
         root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels)
         verdict.metric = deciding
-        verdict.metrics = _metric_dict(j)
         if not root_kind:
             continue
+        verdict.metrics = _metric_dict(j)
         verdict.root_kind = root_kind
         verdict.reason = reason
         divergence = Divergence(
@@ -557,7 +557,7 @@ def _decide(
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)
         if diff:
             return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
-    deciding = channels[int(np.nanargmax([j.e[0], j.e[1], -1.0]))]
+    deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
     if not j.judgeable:
         return "", "", deciding
     # Which channel is furthest beyond what the inputs explain.

@@ -35,11 +35,10 @@ STAT_METRICS = (
 TENSOR_METRICS = ("cosine", "max_abs_err", "max_rel_err", "rmse", "e_rms", "within_1e-3", "within_5e-3", "seed_rule_fail")
 
 
-def _unit(dtype_t: np.ndarray, dtype_b: np.ndarray) -> np.ndarray:
-    """Rounding unit of the coarser of the two dtypes (0 for integer/bool: exact comparison)."""
-    eps_t = np.array([EPS.get(canonical_dtype(d), 0.0) for d in dtype_t], dtype=np.float64)
-    eps_b = np.array([EPS.get(canonical_dtype(d), 0.0) for d in dtype_b], dtype=np.float64)
-    return np.maximum(eps_t, eps_b)
+def _eps(dtypes: pd.Series) -> np.ndarray:
+    """Rounding unit per row (0 for integer/bool: exact comparison), one lookup per distinct dtype."""
+    table = {d: EPS.get(canonical_dtype(d), 0.0) for d in dtypes.unique()}
+    return dtypes.map(table).to_numpy(np.float64)
 
 
 def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
@@ -61,8 +60,10 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         return out
     numel = np.array([math.prod(s) if s is not None else 0 for s in pairs["shape"]], dtype=np.float64)
     numel_b = np.array([math.prod(s) if s is not None else 0 for s in pairs["shape_b"]], dtype=np.float64)
-    unit = _unit(pairs["dtype"].to_numpy(), pairs["dtype_b"].to_numpy())
-    same_dtype = np.array([canonical_dtype(a) == canonical_dtype(b) for a, b in zip(pairs["dtype"], pairs["dtype_b"])])
+    eps_t, eps_b = _eps(pairs["dtype"]), _eps(pairs["dtype_b"])
+    unit = np.maximum(eps_t, eps_b)  # the coarser dtype's unit
+    canon = {d: canonical_dtype(d) for d in pd.concat([pairs["dtype"], pairs["dtype_b"]]).unique()}
+    same_dtype = (pairs["dtype"].map(canon) == pairs["dtype_b"].map(canon)).to_numpy(bool)
     has = pairs["has_stats"].to_numpy(bool) & pairs["has_stats_b"].to_numpy(bool)
     exact = has & same_dtype & (numel == numel_b) & (pairs["checksum"].to_numpy() == pairs["checksum_b"].to_numpy())
 
@@ -96,9 +97,10 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     e_ext = np.where(both_zero | exact, 0.0, np.nan_to_num(e_ext, nan=0.0))
     e_sys = np.where(both_zero | exact, 0.0, np.nan_to_num(e_sys, nan=0.0))
     # torch.testing's criterion |t - b| <= atol + rtol * |b|, applied to what statistics show.
-    rtol = np.array([tolerances.rtol(d) if same else max(tolerances.rtol(d), tolerances.rtol(e))
-                     for d, e, same in zip(pairs["dtype"], pairs["dtype_b"], same_dtype)])
-    atol = np.array([max(tolerances.atol(d), tolerances.atol(e)) for d, e in zip(pairs["dtype"], pairs["dtype_b"])])
+    rtol_of = {d: tolerances.rtol(d) for d in canon}
+    atol_of = {d: tolerances.atol(d) for d in canon}
+    rtol = np.maximum(pairs["dtype"].map(rtol_of).to_numpy(np.float64), pairs["dtype_b"].map(rtol_of).to_numpy(np.float64))
+    atol = np.maximum(pairs["dtype"].map(atol_of).to_numpy(np.float64), pairs["dtype_b"].map(atol_of).to_numpy(np.float64))
     with np.errstate(invalid="ignore"):
         within = (np.nan_to_num(np.fmax(max_diff, min_diff), nan=0.0) <= atol + rtol * np.nan_to_num(amax, nan=0.0)) & (
             np.nan_to_num(mean_diff, nan=0.0) <= atol + rtol * np.nan_to_num(rms, nan=0.0)
