@@ -8,19 +8,25 @@ internal is decided once per code object and cached, so the walk is a handful of
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import CodeType, FrameType
 
-import torch
 
-import tracecmp
+def _package_root(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        return None
+    return os.path.dirname(os.path.abspath(spec.origin)) + os.sep
 
+
+# torch itself, the device plugins that patch torch's Python API (torch_npu), and tracecmp.
 _INTERNAL_ROOTS = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, tracecmp) if module.__file__
+    root for root in (_package_root(name) for name in ("torch", "torch_npu", "tracecmp")) if root is not None
 )
 # The built-in demo's model lives inside the package but is the "user program" of `tracecmp demo`.
-_USER_FILES = frozenset({os.path.join(os.path.dirname(os.path.abspath(tracecmp.__file__)), "demo.py")})
+_USER_FILES = frozenset({os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo.py")})
 _STACK_LIMIT = 64
 
 
