@@ -1,0 +1,132 @@
+"""The first op that turns finite inputs into NaN/Inf: found offline, in forward and in backward."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tracecmp
+from tracecmp.overflow import find_overflows, first_overflow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ThreeGelus(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.act1, self.act2, self.act3 = (torch.nn.GELU() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act1(self.fc1(x))
+        x = self.act2(self.fc2(x))
+        return self.act3(self.fc3(x))
+
+
+class InfInto(TorchDispatchMode):
+    """Writes +Inf into element 0 of the ``nth`` output of ``op`` (entered outside the capture)."""
+
+    def __init__(self, op: Any, nth: int) -> None:
+        super().__init__()
+        self.op, self.nth, self.seen = op, nth, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is self.op:
+            self.seen += 1
+            if self.seen == self.nth:
+                out = out.clone()
+                out.view(-1)[0] = float("inf")
+        return out
+
+
+def _capture(path: Path, fault: TorchDispatchMode | None, *, half_matmul: bool = False) -> Path:
+    torch.manual_seed(0)
+    model = ThreeGelus()
+    x = torch.randn(4, 8)
+    with fault if fault is not None else _Nothing():
+        with tracecmp.TraceCompare(path, model=model) as tc:
+            model(x).sum().backward()
+            tc.step()
+    return path
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_inf_in_third_gelu_forward_is_the_first_overflow(tmp_path: Path) -> None:
+    path = _capture(tmp_path / "t", InfInto(torch.ops.aten.gelu.default, 3))
+    first = first_overflow(path)
+    assert first is not None
+    assert (first.op, first.module, first.phase, first.step) == ("aten.gelu.default", "act3", "forward", 0)
+    assert all(r.finite for r in first.inputs) and not all(r.finite for r in first.outputs)
+    assert first.location.startswith("test_overflow.py:")
+    assert "Inf" in first.reason
+
+
+def test_inf_in_third_gelu_backward_is_the_first_overflow(tmp_path: Path) -> None:
+    # Backward runs the GELUs in reverse: the third gelu_backward belongs to act1.
+    path = _capture(tmp_path / "t", InfInto(torch.ops.aten.gelu_backward.default, 3))
+    found = find_overflows(path)
+    assert found, "no overflow found"
+    first = found[0]
+    assert (first.op, first.module, first.phase) == ("aten.gelu_backward.default", "act1", "backward")
+    assert all(f.op_id >= first.op_id for f in found)
+
+
+def test_clean_run_has_no_overflow(tmp_path: Path) -> None:
+    assert first_overflow(_capture(tmp_path / "t", None)) is None
+
+
+class HalfLinear(torch.nn.Module):
+    """A linear layer whose matmul runs in fp16, as NPU matrix units do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((16, 16), 30.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.half() @ self.weight.half()).float()
+
+
+def test_fp16_matmul_with_large_activations_overflows_and_is_located(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), HalfLinear())
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+        model[0].bias.fill_(200.0)
+    x = torch.rand(2, 16)
+    with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
+        model(x).sum().backward()
+        tc.step()
+    first = first_overflow(tmp_path / "t")
+    assert first is not None
+    assert first.op == "aten.mm.default" and first.module == "2" and first.phase == "forward"
+    assert any("float16" in note for note in first.notes)
+    assert {r.dtype for r in first.outputs} == {"float16"}
+    peak = max(max(abs(r.min), abs(r.max)) for r in first.inputs)
+    assert peak * 30 * 16 > 65504  # activations times weights pass fp16's range
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tracecmp", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_overflow_cli_exit_codes(tmp_path: Path) -> None:
+    bad = _capture(tmp_path / "bad", InfInto(torch.ops.aten.gelu.default, 2))
+    clean = _capture(tmp_path / "clean", None)
+    found = _cli("overflow", str(bad))
+    assert found.returncode == 1, found.stderr
+    assert "first overflow: aten.gelu.default" in found.stdout and "act2" in found.stdout
+    assert _cli("overflow", str(clean)).returncode == 0
+    missing = _cli("overflow", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2
+    assert missing.stderr.count("\n") == 1 and "nowhere" in missing.stderr
