@@ -196,7 +196,7 @@ def plan_model(prof: Profile, seed: int, model_index: int) -> list[Case]:
     m = prof.model
     calls = prof.calls
     output_kinds = [("scale", mag) for mag in MAGNITUDES] + [("noise", mag) for mag in MAGNITUDES]
-    output_kinds += [("bf16", 0.0), ("fp16", 0.0), ("nan", 0.0), ("inf", 0.0)]
+    output_kinds += [("bf16", 0.0), ("fp16", 0.0), ("nan", 0.0), ("inf", 0.0), ("ulp", 0.0)]
 
     faults: list[tuple[str, str, float, Plan, str]] = []  # kind, phase, magnitude, plan, weight
     for phase in ("forward", "backward"):

@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-OUTPUT_FAULTS = ("scale", "noise", "bf16", "fp16", "nan", "inf")
+OUTPUT_FAULTS = ("scale", "noise", "bf16", "fp16", "nan", "inf", "ulp")
 MAGNITUDES = (1e-6, 1e-4, 1e-2, 1e-1)
 INSERTIONS = ("clone", "mul1", "alias_mul1")
 
@@ -115,10 +115,15 @@ def corrupt_(t: torch.Tensor, kind: str, magnitude: float, seed: int) -> None:
         elif kind in ("bf16", "fp16"):
             low = torch.bfloat16 if kind == "bf16" else torch.float16
             t.copy_(t.to(low).to(t.dtype))
-        elif kind in ("nan", "inf"):
+        elif kind in ("nan", "inf", "ulp"):
+            # One element: NaN, Inf, or the next representable value (the smallest possible fault,
+            # which only a bitwise comparison can see).
             flat_index = random.Random(seed).randrange(t.numel())
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), t.shape))
-            t[index] = math.nan if kind == "nan" else math.inf
+            if kind == "ulp":
+                t[index] = torch.nextafter(t[index], torch.tensor(math.inf, dtype=t.dtype))
+            else:
+                t[index] = math.nan if kind == "nan" else math.inf
         else:
             raise ValueError(f"unknown output fault {kind!r}")
 

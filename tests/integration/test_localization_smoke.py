@@ -5,6 +5,7 @@ cases end to end in seconds and asserts that tracecmp names the injected op.
 """
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def test_round_tf32_matches_bit_reference_including_ties_and_specials() -> None:
     assert y[-4:].tolist() == [float("inf"), 1.0, 1.001953125, -1.0]
 
 
-@pytest.mark.parametrize("kind,magnitude", [("scale", 1e-6), ("noise", 1e-4), ("bf16", 0), ("fp16", 0), ("nan", 0), ("inf", 0)])
+@pytest.mark.parametrize("kind,magnitude", [("scale", 1e-6), ("noise", 1e-4), ("bf16", 0), ("fp16", 0), ("nan", 0), ("inf", 0), ("ulp", 0)])
 def test_every_output_fault_changes_bits_and_is_reproducible(kind: str, magnitude: float) -> None:
     base = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
     a, b = base.clone(), base.clone()
@@ -62,6 +63,9 @@ def test_every_output_fault_changes_bits_and_is_reproducible(kind: str, magnitud
     if kind in ("nan", "inf"):
         bad = torch.isnan(a) if kind == "nan" else torch.isinf(a)
         assert int(bad.sum()) == 1 and torch.equal(a[~bad], base[~bad])
+    if kind == "ulp":
+        changed = a != base
+        assert int(changed.sum()) == 1 and a[changed] == torch.nextafter(base[changed], torch.tensor(math.inf))
 
 
 class _Recorder(TorchDispatchMode):
