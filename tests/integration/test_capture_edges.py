@@ -280,3 +280,24 @@ def test_chunk_boundary_inside_an_inplace_op_keeps_versions(tmp_path: Path) -> N
     ops, _ = _trace(tmp_path / "t")
     assert list(ops["op"]) == ["aten.zeros.default", "aten.add_.Tensor", "aten.mul_.Tensor", "aten.sum.default"]
     assert [list(i) for i in ops["inputs"]] == [[], [0], [1], [2]]
+
+
+def test_op_returning_its_input_without_alias_annotation_is_a_write(tmp_path: Path) -> None:
+    """c10d collectives and some vendor kernels write a tensor and return it, schema unannotated."""
+    lib = torch.library.Library("tracecmp_edge", "FRAGMENT")
+    lib.define("sneaky_double(Tensor x) -> Tensor")
+
+    def sneaky_double(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x
+
+    lib.impl("sneaky_double", sneaky_double, "CPU")
+    with tracecmp.TraceCompare(tmp_path / "t"):
+        x = torch.ones(3)
+        y = torch.ops.tracecmp_edge.sneaky_double(x)
+        y.sum()
+    ops, tensors = _trace(tmp_path / "t")
+    sneaky = _row(ops, "tracecmp_edge.sneaky_double.default")
+    assert sneaky["inplace"] and sneaky["outputs"][0] != sneaky["inputs"][0]
+    assert list(_row(ops, "aten.sum.default")["inputs"]) == list(sneaky["outputs"])
+    assert tensors.loc[sneaky["outputs"][0], "max"] == 2.0

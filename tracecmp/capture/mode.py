@@ -67,6 +67,13 @@ class _Rec(weakref.ref):  # type: ignore[type-arg]
     key: int  # id() of the tensor, its key in the map
 
 
+def _among(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    for other in tensors:
+        if other is t:
+            return True
+    return False
+
+
 class CaptureMode(TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
 
@@ -148,7 +155,7 @@ class CaptureMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         op_id = self._next_op
         self._next_op = op_id + 1
-        outputs = self._outputs(info, op_id, args, kwargs, out)
+        outputs, inplace = self._outputs(info, op_id, args, kwargs, out, tensors)
         self.rows.append(
             (
                 op_id,
@@ -162,7 +169,7 @@ class CaptureMode(TorchDispatchMode):
                 self._args.encode(info, key, args, kwargs),
                 tuple(inputs),
                 tuple(outputs),
-                info.inplace,
+                inplace,
                 info.random,
                 seq,
                 stack,
@@ -226,25 +233,39 @@ class CaptureMode(TorchDispatchMode):
         self._remember(t, tid, version, group)
         return tid
 
-    def _outputs(self, info: OpInfo, op_id: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[int]:
+    def _outputs(
+        self,
+        info: OpInfo,
+        op_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        inputs: list[torch.Tensor],
+    ) -> tuple[list[int], bool]:
+        """Record the op's outputs; returns their ids and whether the op wrote an input."""
         outputs: list[int] = []
-        if not info.schema:
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, _Tensor):
-                    self._fresh(value, op_id, outputs)
-            return outputs
-        returns = info.returns
-        if returns is ONE_FRESH and isinstance(out, _Tensor):  # most ops: one new tensor
-            self._fresh(out, op_id, outputs, not info.uninitialized)
-            return outputs
-        values = (out,) if len(returns) == 1 else (out if returns else ())
+        if info.returns is ONE_FRESH and isinstance(out, _Tensor) and not _among(out, inputs):
+            self._fresh(out, op_id, outputs, not info.uninitialized)  # most ops: one new tensor
+            return outputs, info.inplace
+        if info.schema:
+            returns = info.returns
+            values = (out,) if len(returns) == 1 else (out if returns else ())
+        else:
+            values = tree_flatten(out)[0]
+            returns = ((FRESH, None),) * len(values)
+        inplace = info.inplace
         for (kind, ref), value in zip(returns, values):
-            if isinstance(value, _Tensor):
-                self._output(info, kind, ref, value, None, args, kwargs, op_id, outputs)
-            elif isinstance(value, (list, tuple)):
-                for i, item in enumerate(value):
-                    if isinstance(item, _Tensor):
-                        self._output(info, kind, ref, item, i, args, kwargs, op_id, outputs)
+            items = [value] if isinstance(value, _Tensor) else (value if isinstance(value, (list, tuple)) else ())
+            for i, item in enumerate(items):
+                if not isinstance(item, _Tensor):
+                    continue
+                if kind == FRESH and _among(item, inputs):
+                    # Returned its own input without saying so in its schema (c10d collectives,
+                    # some vendor kernels): an in-place write.
+                    self._written(item, op_id, outputs)
+                    inplace = True
+                else:
+                    self._output(info, kind, ref, item, i if item is not value else None, args, kwargs, op_id, outputs)
         for ref in info.extra_writes:
             value = arg_value(ref, args, kwargs)
             if isinstance(value, _Tensor):
@@ -253,7 +274,7 @@ class CaptureMode(TorchDispatchMode):
                 for item in value:
                     if isinstance(item, _Tensor):
                         self._written(item, op_id, outputs)
-        return outputs
+        return outputs, inplace
 
     def _output(
         self,
