@@ -13,6 +13,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <system_error>
@@ -30,6 +31,8 @@ constexpr int64_t kParallelMin = int64_t{1} << 19;
 constexpr int64_t kPerThreadMin = int64_t{1} << 18;
 // Memory bandwidth saturates long before this; more threads would only add start-up cost.
 constexpr int kMaxThreads = 16;
+// Blocks a thread takes at a time (64K elements, ~10 us of work).
+constexpr int64_t kGrab = 32;
 // Releasing the GIL costs more than it gives for small tensors.
 constexpr int64_t kReleaseGilMin = int64_t{1} << 15;
 
@@ -92,14 +95,21 @@ Result compute(const void* data, const Cursor* cur, int64_t numel, int threads) 
   } else {
     // Threads write per-block moments; pushing them here in block order reproduces the
     // single-thread summation bit for bit.
+    // Blocks are handed out in runs of kGrab from a shared counter, so a thread that starts
+    // late (~20 us) or is descheduled does less; which thread did a block changes no bit.
     std::unique_ptr<double[]> sums(new double[2 * nblocks]);
     std::vector<Partial<T>> parts(threads);
+    std::atomic<int64_t> next{0};
     auto work = [&](int t) {
       // Accumulate on this thread's stack: neighbouring parts[] share a cache line.
       Partial<T> local;
       Pairwise unused;
-      run_range<T>(data, cur, numel, nblocks * t / threads, nblocks * (t + 1) / threads, local,
-                   unused, sums.get());
+      for (;;) {
+        const int64_t b0 = next.fetch_add(kGrab, std::memory_order_relaxed);
+        if (b0 >= nblocks) break;
+        run_range<T>(data, cur, numel, b0, std::min(b0 + kGrab, nblocks), local, unused,
+                     sums.get());
+      }
       parts[t] = local;
     };
     std::vector<std::thread> pool;
