@@ -81,14 +81,14 @@ def test_out_variants_foreach_and_multi_outputs(tmp_path: Path) -> None:
 
 def test_odd_tensors_get_rows(tmp_path: Path) -> None:
     with tracecmp.TraceCompare(tmp_path / "t"):
-        c = torch.ones(3, dtype=torch.complex64) * 2j
-        e = torch.zeros(0, 4) + 1
-        s = torch.tensor(3.0) * 2  # 0-dim
-        nc = torch.arange(12.0).reshape(3, 4).t() * 1  # non-contiguous input
-        b = torch.ones(3) > 0
-        i = torch.arange(5) * 2
-        f = torch.ones(2, dtype=torch.bfloat16) / 3
-        n = torch.tensor([1.0, float("nan"), float("inf")]) + 0
+        torch.ones(3, dtype=torch.complex64) * 2j
+        torch.zeros(0, 4) + 1
+        torch.tensor(3.0) * 2  # 0-dim
+        torch.arange(12.0).reshape(3, 4).t() * 1  # non-contiguous input
+        torch.ones(3) > 0
+        torch.arange(5) * 2
+        torch.ones(2, dtype=torch.bfloat16) / 3
+        torch.tensor([1.0, float("nan"), float("inf")]) + 0
     ops, tensors = _trace(tmp_path / "t")
     stats = tensors[tensors["has_stats"]]
     by_dtype = dict(zip(stats["dtype"], stats.index))

@@ -178,16 +178,21 @@ def test_custom_torch_library_ops_are_recorded(tmp_path: Path) -> None:
     def bump_(x: torch.Tensor) -> None:
         x.add_(1.0)
 
+    class Scaler(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.tracecmp_test.scale(x, 0.5)
+
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc = torch.nn.Linear(4, 4)
+            self.scaler = Scaler()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.tracecmp_test.scale(self.fc(x), 0.5)
+            return self.scaler(self.fc(x))
 
     model = Scaled()
-    with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
+    with tracecmp.TraceCompare(tmp_path / "t", model=model):
         y = model(torch.randn(2, 4))
         y.sum().backward()
         buf = torch.zeros(3)
@@ -196,7 +201,7 @@ def test_custom_torch_library_ops_are_recorded(tmp_path: Path) -> None:
     ops = tracecmp.load(tmp_path / "t").to_frame()
     scaled = ops[ops["op"] == "tracecmp_test.scale.default"]
     assert set(scaled["phase"]) == {"forward", "backward"}
-    assert set(scaled["module"]) == {""}
+    assert set(scaled["module"]) == {"scaler"}
     assert '"factor":0.5' in scaled.iloc[0]["args"]
     bump = ops[ops["op"] == "tracecmp_test.bump_.default"].iloc[0]
     assert bump["inplace"] and len(bump["outputs"]) == 1
