@@ -254,7 +254,8 @@ def test_custom_autograd_function_backward_belongs_to_its_module(tmp_path: Path)
 
     class Inner(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return Square.apply(x) + 1
+            y = Square.apply(x)
+            return y + y.argmax(dim=-1, keepdim=True)  # argmax makes no node of its own
 
     class Outer(torch.nn.Module):
         def __init__(self) -> None:
@@ -273,3 +274,4 @@ def test_custom_autograd_function_backward_belongs_to_its_module(tmp_path: Path)
     square_grad = backward[(backward["op"] == "aten.mul.Tensor") & (backward["module"] == "inner")]
     assert len(square_grad) == 2  # grad * 2, then * x
     assert set(backward[backward["op"] == "aten.mm.default"]["module"]) == {"fc"}
+    assert (ops[ops["op"] == "aten.argmax.default"]["seq_nr"] == -1).all()

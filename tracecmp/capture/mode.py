@@ -134,11 +134,11 @@ class CaptureMode(TorchDispatchMode):
         else:
             phase = "backward"
             module, location, seq = self._backward_context(node)
-        if tensors and _is_grad_enabled() and (node is None or scope.depth):
+        forward = node is None or scope.depth  # on the thread whose sequence numbers we follow
+        if forward and tensors and _is_grad_enabled():
             newest = _get_sequence_nr() - 1
-            if newest > scope.last_claim and any(t.requires_grad for t in tensors):
-                # This op's autograd node was just made: remember where it came from (modules.py).
-                scope.last_claim = newest
+            if newest >= scope.claim_floor and any(t.requires_grad for t in tensors):
+                # A node was made since the previous op returned: this op's (modules.py).
                 scope.seq_info[newest] = (module, location)
                 scope.claims += 1
                 if node is None:
@@ -153,6 +153,8 @@ class CaptureMode(TorchDispatchMode):
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack))
         out = func(*args, **kwargs)
+        if forward:
+            scope.claim_floor = _get_sequence_nr()
         op_id = self._next_op
         self._next_op = op_id + 1
         outputs, inplace = self._outputs(info, op_id, args, kwargs, out, tensors)

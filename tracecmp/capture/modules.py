@@ -5,8 +5,9 @@ Forward ops take the module on top of a stack kept by global module forward hook
 Backward ops belong to the module whose forward created their autograd node. Each autograd node
 carries a sequence number from a thread-local counter that only grows; a node is created just
 before its op reaches the dispatcher, so while a forward op is dispatched the newest number is its
-node's (``torch.autograd._get_sequence_nr() - 1``). Capture *claims* that number for the op's
-module the first time it sees it, and the backward engine later reports the running node
+node's (``torch.autograd._get_sequence_nr() - 1``). When that number is new since the previous op
+returned, capture *claims* it for the op's module (an op that makes no node, such as ``argmax``,
+finds no new number), and the backward engine later reports the running node
 (``torch._C._current_autograd_node()``), whose number leads back to the module. Nodes that no
 dispatched op creates (custom ``autograd.Function`` nodes, made before their forward runs with
 grad off) are claimed when their module returns: its post-hook walks the outputs' ``grad_fn``
@@ -59,7 +60,7 @@ class ModuleScope:
         self.depth = 0
         self.seq_info: dict[int, tuple[str, str]] = {}  # autograd sequence number -> (module, location)
         self.claims = 0  # how many sequence numbers have been claimed so far
-        self.last_claim = -1
+        self.claim_floor = 0  # sequence numbers below it were made before the last op returned
         self._stack: list[tuple[str, int, int]] = []  # (path, sequence number at pre-hook, claims then)
         self._modules: _Named = {}
         self.params: _Named = {}
@@ -140,11 +141,11 @@ class ModuleScope:
         """Start following module calls (called when a recorded step begins)."""
         self._stack.clear()
         self.current, self.depth = "", 0
-        self.last_claim = _get_sequence_nr() - 1  # nodes made while not recording are not ours
-        self._marks.append(self.last_claim)
+        self.claim_floor = _get_sequence_nr()  # nodes made while not recording are not ours
+        self._marks.append(self.claim_floor)
         if len(self._marks) > 2:  # keep the claims of this and the previous recorded step
             cutoff = self._marks.pop(0)
-            self.seq_info = {s: v for s, v in self.seq_info.items() if s > cutoff}
+            self.seq_info = {s: v for s, v in self.seq_info.items() if s >= cutoff}
         self._handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post, always_call=True),
