@@ -140,6 +140,7 @@ class ModuleScope:
     def install(self) -> None:
         """Start following module calls (called when a recorded step begins)."""
         self._stack.clear()
+        self.inputs.clear()  # a step's inputs are named when its forward starts
         self.current, self.depth = "", 0
         self.claim_floor = _get_sequence_nr()  # nodes made while not recording are not ours
         self._marks.append(self.claim_floor)
