@@ -150,11 +150,31 @@ def test_corrupted_bytes(good: Path) -> None:
 def test_table_with_wrong_columns(good: Path) -> None:
     chunk = good / "rank0" / "ops-00000.parquet"
     pq.write_table(pa.table({"op_id": [0], "what": ["else"]}), chunk)
-    path, manifest = _rank_manifest(good)
+    record_path = good / "rank0" / "chunk-00000.json"
+    record = json.loads(record_path.read_text())
     data = chunk.read_bytes()
-    manifest["chunks"][0]["ops"].update(bytes=len(data), crc32=zlib.crc32(data))
-    path.write_text(json.dumps(manifest))
+    record["ops"].update(bytes=len(data), crc32=zlib.crc32(data))
+    record_path.write_text(json.dumps(record))
     _expect(TraceFormatError, chunk, "lacks columns", good)
+
+
+def test_a_missing_chunk_record_is_a_gap_not_a_shorter_trace(tmp_path: Path) -> None:
+    root = tmp_path / "gap"
+    write_run_manifest(root, options={})
+    writer = RankWriter(root)
+    for _ in range(3):
+        writer.write_chunk(_ops([[], [0]], [[0], [1]]), _tensors([0, 1], [0, 1]), steps=[0])
+    writer.close(complete=True)
+    (root / "rank0" / "chunk-00001.json").unlink()
+    _expect(TraceFormatError, root / "rank0" / "chunk-00002.json", "chunk-00001.json is missing", root)
+
+
+def test_chunk_record_row_counts_must_match_its_tables(good: Path) -> None:
+    record_path = good / "rank0" / "chunk-00000.json"
+    record = json.loads(record_path.read_text())
+    record["rows"]["ops"] += 1
+    record_path.write_text(json.dumps(record))
+    _expect(TraceFormatError, record_path, "other row counts", good)
 
 
 def test_ids_referencing_missing_tensors(tmp_path: Path) -> None:

@@ -232,6 +232,6 @@ class TraceCompare:
         finally:
             if collecting:
                 gc.enable()
-        mode.chunk = len(writer.manifest["chunks"])
+        mode.chunk = writer.chunks
         if loud:
             print(f"tracecmp: wrote in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from tracecmp.trace.schema import (
     RANK_MANIFEST,
     RUN_MANIFEST,
     TENSORS_SCHEMA,
+    chunk_record_name,
 )
 
 
@@ -57,15 +58,15 @@ def _crc32(path: Path) -> int:
 
 def _check_file(folder: Path, entry: Any, what: str) -> Path:
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"] or ".." in entry["file"]:
-        raise TraceFormatError(f"manifest lists a malformed {what} chunk entry", path=folder / RANK_MANIFEST)
+        raise TraceFormatError(f"a chunk record lists a malformed {what} file entry", path=folder)
     path = folder / entry["file"]
     if not path.is_file():
-        raise TraceFormatError(f"{what} chunk listed in the manifest is missing", path=path)
+        raise TraceFormatError(f"{what} chunk listed in its chunk record is missing", path=path)
     size = path.stat().st_size
     if size != entry.get("bytes"):
-        raise TraceFormatError(f"truncated or altered: {size} bytes, manifest says {entry.get('bytes')}", path=path)
+        raise TraceFormatError(f"truncated or altered: {size} bytes, its chunk record says {entry.get('bytes')}", path=path)
     if _crc32(path) != entry.get("crc32"):
-        raise TraceFormatError("corrupted: CRC-32 does not match the manifest", path=path)
+        raise TraceFormatError("corrupted: CRC-32 does not match its chunk record", path=path)
     return path
 
 
@@ -132,23 +133,47 @@ class RankTrace:
             raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=path) from exc
 
 
+def _chunk_records(folder: Path) -> list[dict[str, Any]]:
+    """The commit records ``chunk-<K>.json`` of a rank, in order, with no gap."""
+    records = []
+    for index, path in enumerate(sorted(folder.glob("chunk-*.json"))):
+        if path.name != chunk_record_name(index):
+            raise TraceFormatError(f"chunk records are not numbered 0..N-1 ({chunk_record_name(index)} is missing)", path=path)
+        record = _read_manifest(path)
+        if record.get("index") != index:
+            raise TraceFormatError(f"chunk record says index {record.get('index')!r}, expected {index}", path=path)
+        rows = record.get("rows")
+        if not isinstance(rows, dict) or not all(isinstance(rows.get(k), int) for k in ("ops", "tensors")):
+            raise TraceFormatError("chunk record has no row counts", path=path)
+        records.append(record)
+    return records
+
+
 def load_rank(folder: Path) -> RankTrace:
-    """Read and validate ``RUN/rank<R>``."""
+    """Read and validate ``RUN/rank<R>``.
+
+    The returned manifest also lists what the chunk records say: ``chunks``, ``ops``, ``tensors``
+    (row counts) and ``steps`` (the recorded step numbers).
+    """
     manifest = _read_manifest(folder / RANK_MANIFEST)
-    chunks = manifest.get("chunks")
-    if not isinstance(chunks, list):
-        raise TraceFormatError("rank manifest has no chunk list", path=folder / RANK_MANIFEST)
+    chunks = _chunk_records(folder)
     ops_parts, tensor_parts, data_files = [], [], {}
     for index, chunk in enumerate(chunks):
-        if not isinstance(chunk, dict):
-            raise TraceFormatError("manifest lists a malformed chunk", path=folder / RANK_MANIFEST)
-        ops_parts.append(_read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA))
-        tensor_parts.append(_read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA))
+        ops_table = _read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA)
+        tensors_table = _read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA)
+        if (ops_table.num_rows, tensors_table.num_rows) != (chunk["rows"]["ops"], chunk["rows"]["tensors"]):
+            raise TraceFormatError("chunk tables hold other row counts than its record", path=folder / chunk_record_name(index))
+        ops_parts.append(ops_table)
+        tensor_parts.append(tensors_table)
         if "data" in chunk:
             data_files[index] = _check_file(folder, chunk["data"], "data")
     ops = pa.concat_tables(ops_parts) if ops_parts else OPS_SCHEMA.empty_table()
     tensors = pa.concat_tables(tensor_parts) if tensor_parts else TENSORS_SCHEMA.empty_table()
     _check_references(folder, ops, tensors)
+    manifest["chunks"] = chunks
+    manifest["ops"] = ops.num_rows
+    manifest["tensors"] = tensors.num_rows
+    manifest["steps"] = sorted({int(s) for chunk in chunks for s in chunk.get("steps", [])})
     rank = manifest.get("rank", 0)
     return RankTrace(int(rank) if isinstance(rank, int) else 0, folder, manifest, ops, tensors, data_files)
 

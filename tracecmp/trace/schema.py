@@ -3,14 +3,15 @@
 A trace is one folder per run::
 
     RUN/manifest.json              run identity: format name and version, versions, options
-    RUN/rank<R>/manifest.json      per rank: device, complete-or-not, the committed chunks
+    RUN/rank<R>/manifest.json      per rank: device, world size, complete-or-not
+    RUN/rank<R>/chunk-<K>.json     the commit record of chunk K: its files' sizes and CRC-32s
     RUN/rank<R>/ops-<K>.parquet    one row per recorded node (op, view or source tensor)
     RUN/rank<R>/tensors-<K>.parquet  one row per tensor value (a version: in-place ops make new ones)
     RUN/rank<R>/data-<K>.safetensors whole tensors, only with ``data="tensors"``
 
-Chunks are written to temporary names, fsynced and renamed, then the rank manifest (also renamed
-into place) lists them with their size and CRC-32; a reader trusts only listed chunks whose bytes
-match. A run killed mid-step therefore leaves every earlier chunk readable and ``complete: false``.
+A chunk's files are written to temporary names and renamed, then its commit record (also renamed
+into place) lists them with their size and CRC-32; a reader trusts only recorded chunks whose bytes
+match, numbered 0, 1, 2, ... without a gap. A run killed mid-step therefore leaves every earlier chunk readable and ``complete: false``.
 Nothing is ever pickled: manifests are JSON, tables Parquet, tensors safetensors.
 
 Ids: ``op_id`` and ``tensor_id`` are unique within a rank and increase in execution order.
@@ -77,5 +78,10 @@ TENSORS_SCHEMA = pa.schema(
         ("data_key", pa.string()),  # key in the chunk's safetensors file, "" if not saved
     ]
 )
+
+def chunk_record_name(index: int) -> str:
+    """File name of chunk ``index``'s commit record."""
+    return f"chunk-{index:05d}.json"
+
 
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "checksum")

@@ -20,6 +20,7 @@ from tracecmp.trace.schema import (
     RANK_MANIFEST,
     RUN_MANIFEST,
     TENSORS_SCHEMA,
+    chunk_record_name,
 )
 
 
@@ -48,7 +49,7 @@ def _atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = False) -> None
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any], *, fsync: bool = False) -> None:
     """Write ``payload`` as JSON to ``path`` so that readers see the old or the new file, never half."""
-    _atomic_write_bytes(path, json.dumps(payload, indent=1, sort_keys=True, default=str).encode(), fsync=fsync)
+    _atomic_write_bytes(path, json.dumps(payload, indent=1, default=str).encode(), fsync=fsync)
 
 
 def _crc32_file(path: Path) -> int:
@@ -110,8 +111,9 @@ class RankWriter:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TracecmpError(f"cannot create the trace folder: {exc.strerror}", path=self.dir) from exc
-        for stale in list(self.dir.glob("ops-*")) + list(self.dir.glob("tensors-*")) + list(self.dir.glob("data-*")):
-            stale.unlink()
+        for pattern in ("chunk-*", "ops-*", "tensors-*", "data-*"):
+            for stale in self.dir.glob(pattern):
+                stale.unlink()
         self.manifest: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -119,12 +121,9 @@ class RankWriter:
             "world_size": world_size,
             "device": device,
             "complete": False,
-            "chunks": [],
-            "ops": 0,
-            "tensors": 0,
-            "steps": [],
             "info": dict(info or {}),
         }
+        self.chunks = 0
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -147,29 +146,35 @@ class RankWriter:
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] = (),
     ) -> None:
-        """Commit one chunk: column lists for ops and tensors, and optionally whole tensors."""
-        index = len(self.manifest["chunks"])
+        """Commit one chunk: column lists for ops and tensors, and optionally whole tensors.
+
+        The chunk's record ``chunk-<K>.json`` (its files' sizes and CRC-32s, row counts, steps) is
+        renamed into place last: it is the commit. Each chunk costs the same whatever came before,
+        so a run of thousands of recorded steps never rewrites a growing manifest.
+        """
+        index = self.chunks
         ops_table = pa.Table.from_pydict({k: ops[k] for k in OPS_SCHEMA.names}, schema=OPS_SCHEMA)
         tensors_table = pa.Table.from_pydict({k: tensors[k] for k in TENSORS_SCHEMA.names}, schema=TENSORS_SCHEMA)
         entry: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "index": index,
             "ops": self._commit_file(f"ops-{index:05d}.parquet", lambda p: pq.write_table(ops_table, p, compression="zstd")),
             "tensors": self._commit_file(
                 f"tensors-{index:05d}.parquet", lambda p: pq.write_table(tensors_table, p, compression="zstd")
             ),
             "rows": {"ops": ops_table.num_rows, "tensors": tensors_table.num_rows},
+            "steps": sorted({int(s) for s in steps}),
         }
         if data:
             from safetensors.torch import save_file
 
             cpu = {key: t.detach().to("cpu").contiguous() for key, t in data.items()}
             entry["data"] = self._commit_file(f"data-{index:05d}.safetensors", lambda p: save_file(cpu, str(p)))
-        self.manifest["chunks"].append(entry)
-        self.manifest["ops"] += ops_table.num_rows
-        self.manifest["tensors"] += tensors_table.num_rows
-        self.manifest["steps"] = sorted(set(self.manifest["steps"]).union(int(s) for s in steps))
-        self._write_manifest()
+        write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
         if self.fsync:
             _fsync_dir(self.dir)
+        self.chunks = index + 1
 
     def update_info(self, **info: Any) -> None:
         """Merge ``info`` into the rank manifest (e.g. the first overflow found)."""
