@@ -191,8 +191,9 @@ def choose_sites(calls: list[CallRecord], phase: str, n: int, rng: random.Random
     return sites
 
 
-def plan_model(prof: Profile, seed: int, model_index: int) -> list[Case]:
-    """Every case for one model, in a stable order."""
+def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int = 2) -> list[Case]:
+    """Every case for one model, in a stable order: each output fault at ``sites_per_fault`` sites
+    per phase (all different while the model has enough distinct calls)."""
     m = prof.model
     calls = prof.calls
     output_kinds = [("scale", mag) for mag in MAGNITUDES] + [("noise", mag) for mag in MAGNITUDES]
@@ -200,11 +201,12 @@ def plan_model(prof: Profile, seed: int, model_index: int) -> list[Case]:
 
     faults: list[tuple[str, str, float, Plan, str]] = []  # kind, phase, magnitude, plan, weight
     for phase in ("forward", "backward"):
-        sites = choose_sites(calls, phase, len(output_kinds), _rng(seed, m, phase))
-        for i, (kind, mag) in enumerate(output_kinds):
-            if sites:
-                site = sites[i % len(sites)]
-                fault = OutputFault(kind, site, mag, seed=zlib.crc32(f"{seed}/{m}/{site}/{kind}".encode()))
+        sites = choose_sites(calls, phase, len(output_kinds) * sites_per_fault, _rng(seed, m, phase))
+        for i in range(len(output_kinds) * sites_per_fault if sites else 0):
+            kind, mag = output_kinds[i % len(output_kinds)]
+            site = sites[i % len(sites)]
+            fault = OutputFault(kind, site, mag, seed=zlib.crc32(f"{seed}/{m}/{site}/{kind}".encode()))
+            if (kind, site) not in {(f[3].output_fault.kind, f[3].output_fault.site) for f in faults if f[3].output_fault}:
                 faults.append((kind, phase, mag, Plan(output_fault=fault), ""))
     opt_sites = choose_sites(calls, "optimizer", 1, _rng(seed, m, "optimizer"))
     for site in opt_sites:
@@ -273,19 +275,20 @@ def _label(kind: str, mag: float, plan: Plan, weight: str) -> str:
     return f"{kind}{size}@{site.op}#{site.k}:{site.phase}"
 
 
-def plan_all(families: tuple[str, ...] = FAMILIES, seed: int = 0, model_seed: int = 1234) -> list[Case]:
+def plan_all(families: tuple[str, ...] = FAMILIES, seed: int = 0, model_seed: int = 1234,
+             sites_per_fault: int = 2) -> list[Case]:
     """Every case for ``families`` (profiling each model once)."""
     cases: list[Case] = []
-    for i, family in enumerate(families):
-        cases += plan_model(profile(family, model_seed), seed, FAMILIES.index(family) if family in FAMILIES else i)
+    for family in families:
+        cases += plan_model(profile(family, model_seed), seed, FAMILIES.index(family), sites_per_fault)
     return cases
 
 
-def quick(cases: list[Case], stride: int = 5) -> list[Case]:
+def quick(cases: list[Case], stride: int = 7) -> list[Case]:
     """A deterministic subset: every negative, and every ``stride``-th fault case of each model.
 
-    Each fault appears once per variant in a row, so a stride of 5 walks across the three
-    variants, the fault kinds and both phases.
+    Each fault appears once per variant in a row and structure alternates between extra and
+    missing ops, so a stride coprime with 6 walks across variants, kinds and both phases.
     """
     out: list[Case] = []
     seen: dict[str, int] = defaultdict(int)
