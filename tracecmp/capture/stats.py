@@ -93,28 +93,32 @@ def stats_tensor_reference(t: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1)
     device = x.device
     checksum = checksum_reference(x).view(torch.float64).reshape(1)
+    # Every step below is a fixed-shape kernel: no boolean-mask indexing (its size needs the host)
+    # and no Python branch on a value, so on an accelerator nothing waits for the device.
+    xd = x.to(torch.float64)
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    numel = xd.numel()
     if x.dtype.is_floating_point:
-        xd = x.to(torch.float64)
         nan_mask = torch.isnan(xd)
         inf_mask = torch.isinf(xd)
         finite = ~(nan_mask | inf_mask)
         nan_count = nan_mask.sum()
         inf_count = inf_mask.sum()
-        not_nan = xd[~nan_mask]
         finite_vals = torch.where(finite, xd, torch.zeros((), dtype=torch.float64, device=device))
         n_finite = finite.sum()
+        if numel:
+            lo = torch.where(nan_mask, math.inf, xd).amin()
+            hi = torch.where(nan_mask, -math.inf, xd).amax()
+            all_nan = nan_count == numel
+            lo, hi = torch.where(all_nan, nan, lo), torch.where(all_nan, nan, hi)
+        else:
+            lo = hi = nan
     else:
-        xd = x.to(torch.float64)
         nan_count = torch.zeros((), dtype=torch.int64, device=device)
         inf_count = nan_count
-        not_nan = xd
         finite_vals = xd
-        n_finite = torch.tensor(xd.numel(), dtype=torch.int64, device=device)
-    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
-    if not_nan.numel():
-        lo, hi = torch.aminmax(not_nan)
-    else:
-        lo = hi = nan
+        n_finite = torch.full((), numel, dtype=torch.int64, device=device)
+        lo, hi = torch.aminmax(xd) if numel else (nan, nan)
     total = finite_vals.sum()
     mean = torch.where(n_finite > 0, total / n_finite.clamp(min=1), nan)
     norm = torch.sqrt((finite_vals * finite_vals).sum())
