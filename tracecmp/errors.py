@@ -5,6 +5,7 @@ The CLI turns any :class:`TracecmpError` into one line on stderr and exit code 2
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class TracecmpError(Exception):
@@ -43,4 +44,26 @@ class CompareError(TracecmpError):
 
 
 class OverflowDetected(TracecmpError):
-    """Raised by ``TraceCompare(overflow="raise")`` at the first op producing NaN/Inf from finite inputs."""
+    """Raised by ``TraceCompare(overflow="raise")`` at the first op producing NaN/Inf from finite inputs.
+
+    ``overflow`` is the :class:`tracecmp.overflow.Overflow` record (op, module, phase, step,
+    location, input and output ranges, notes); its main fields are also attributes here. ``path``
+    is the trace folder, committed up to and including that op and marked incomplete.
+
+    >>> from tracecmp.overflow import Overflow
+    >>> e = OverflowDetected(Overflow("aten.mm.default", "fc", "forward", 0, "t.py:3", 4, 0), path="runs/t")
+    >>> e.op, e.module
+    ('aten.mm.default', 'fc')
+    """
+
+    def __init__(self, overflow: Any, *, path: str | Path | None = None) -> None:
+        self.overflow = overflow
+        self.op: str = overflow.op
+        self.module: str = overflow.module
+        self.phase: str = overflow.phase
+        self.step: int = overflow.step
+        self.location: str = overflow.location
+        self.inputs = overflow.inputs
+        self.outputs = overflow.outputs
+        self.notes: tuple[str, ...] = overflow.notes
+        super().__init__(f"overflow: {overflow}", path=path)

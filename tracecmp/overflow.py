@@ -6,12 +6,15 @@ the first such op, not the thousands that merely carry its NaN onward, is the on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from tracecmp.errors import TraceFormatError
 from tracecmp.trace import Trace, load
+from tracecmp.trace.reader import RankTrace
 
 # Largest finite value per dtype: an input range beyond it tells why an op overflowed.
 DTYPE_MAX = {
@@ -97,24 +100,88 @@ def overflow_notes(op: str, inputs: list[TensorRange], outputs: list[TensorRange
     return tuple(notes)
 
 
-def _ranges(tensor_rows: pd.DataFrame, ids: list[int]) -> list[TensorRange]:
+def _float(value: float | str) -> float | str:
+    """A float for JSON: non-finite values as the strings "inf", "-inf", "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def to_dict(overflow: Overflow) -> dict[str, Any]:
+    """``overflow`` as plain JSON-safe data (what ``TraceCompare(overflow=...)`` stores in the rank manifest).
+
+    >>> to_dict(Overflow("aten.mm.default", "fc", "forward", 0, "t.py:3", 4, 0))["op"]
+    'aten.mm.default'
+    """
+    data = asdict(overflow)
+    for key in ("inputs", "outputs"):
+        data[key] = [{k: _float(v) if k in ("min", "max") else v for k, v in r.items()} for r in data[key]]
+    data["reason"] = overflow.reason
+    return data
+
+
+def from_dict(data: dict[str, Any]) -> Overflow:
+    """The :class:`Overflow` that :func:`to_dict` wrote.
+
+    >>> o = Overflow("aten.mm.default", "fc", "forward", 0, "t.py:3", 4, 0)
+    >>> from_dict(to_dict(o)) == o
+    True
+    """
+    def ranges(items: list[dict[str, Any]]) -> tuple[TensorRange, ...]:
+        return tuple(
+            TensorRange(int(r["tensor_id"]), str(r["dtype"]), tuple(int(s) for s in r["shape"]), float(r["min"]),
+                        float(r["max"]), int(r["nan_count"]), int(r["inf_count"]))
+            for r in items
+        )
+
+    return Overflow(
+        op=str(data["op"]), module=str(data["module"]), phase=str(data["phase"]), step=int(data["step"]),
+        location=str(data["location"]), op_id=int(data["op_id"]), rank=int(data["rank"]),
+        inputs=ranges(data.get("inputs", [])), outputs=ranges(data.get("outputs", [])),
+        stack=str(data.get("stack", "")), notes=tuple(str(n) for n in data.get("notes", [])),
+    )
+
+
+def _ranges(tensors: pd.DataFrame, ids: list[int]) -> list[TensorRange]:
+    """Recorded ranges of ``ids``; a view (no statistics of its own) shows its base's."""
     result = []
     for tid in ids:
-        if tid not in tensor_rows.index:
+        if tid not in tensors.index:
             continue
-        row = tensor_rows.loc[tid]
+        row = tensors.loc[tid]
+        stats = row
+        while not stats["has_stats"] and stats["view_of"] >= 0 and stats["view_of"] in tensors.index:
+            stats = tensors.loc[stats["view_of"]]
         result.append(
             TensorRange(
                 int(tid),
                 str(row["dtype"]),
                 tuple(int(s) for s in row["shape"]),
-                float(row["min"]),
-                float(row["max"]),
-                int(row["nan_count"]),
-                int(row["inf_count"]),
+                float(stats["min"]),
+                float(stats["max"]),
+                int(stats["nan_count"]) if stats["has_stats"] else 0,
+                int(stats["inf_count"]) if stats["has_stats"] else 0,
             )
         )
     return result
+
+
+def _overflow(row: Any, rank: int, tensors: pd.DataFrame) -> Overflow:
+    in_ranges = _ranges(tensors, list(row.inputs))
+    out_ranges = _ranges(tensors, list(row.outputs))
+    return Overflow(
+        op=row.op,
+        module=row.module,
+        phase=row.phase,
+        step=int(row.step),
+        location=row.location,
+        op_id=int(row.op_id),
+        rank=rank,
+        inputs=tuple(in_ranges),
+        outputs=tuple(out_ranges),
+        stack=row.stack,
+        notes=overflow_notes(row.op, in_ranges, out_ranges),
+    )
 
 
 def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> list[Overflow]:
@@ -149,26 +216,45 @@ def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> li
             inputs = list(row.inputs)
             if any(bad_array.get(t, False) for t in inputs):
                 continue
-            in_ranges = _ranges(tensors, inputs)
-            out_ranges = _ranges(tensors, outputs)
-            found.append(
-                Overflow(
-                    op=row.op,
-                    module=row.module,
-                    phase=row.phase,
-                    step=int(row.step),
-                    location=row.location,
-                    op_id=int(row.op_id),
-                    rank=rank,
-                    inputs=tuple(in_ranges),
-                    outputs=tuple(out_ranges),
-                    stack=row.stack,
-                    notes=overflow_notes(row.op, in_ranges, out_ranges),
-                )
-            )
+            found.append(_overflow(row, rank, tensors))
             if limit is not None and len(found) >= limit:
                 return found
     found.sort(key=lambda o: (o.step, o.op_id))
+    return found
+
+
+def overflow_at(rank_trace: RankTrace, op_id: int) -> Overflow:
+    """The :class:`Overflow` record of op ``op_id`` of one rank (the op capture's watch found).
+
+    >>> overflow_at(tracecmp.load("runs/target").rank(0), 17).op  # doctest: +SKIP
+    'aten.mm.default'
+    """
+    ops = rank_trace.ops
+    rows = ops[ops["op_id"] == op_id]
+    if rows.empty:
+        raise TraceFormatError(f"the trace holds no op {op_id}", path=rank_trace.path)
+    tensors = rank_trace.tensors.set_index("tensor_id")
+    return _overflow(next(rows.itertuples(index=False)), rank_trace.rank, tensors)
+
+
+def recorded_overflows(trace: Trace | str | Path) -> list[Overflow]:
+    """The first overflow per rank as recorded during capture (``TraceCompare(overflow=...)``).
+
+    Empty when the capture did not watch, or watched and saw none.
+
+    >>> recorded_overflows("runs/target")  # doctest: +SKIP
+    [Overflow(op='aten.mm.default', ...)]
+    """
+    if not isinstance(trace, Trace):
+        trace = load(trace)
+    found = []
+    for rank in trace.ranks:
+        data = trace.rank(rank).manifest.get("info", {}).get("first_overflow")
+        if data:
+            try:
+                found.append(from_dict(data))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TraceFormatError(f"unreadable first_overflow record ({exc})", path=trace.rank(rank).path) from exc
     return found
 
 
@@ -181,4 +267,15 @@ def first_overflow(trace: Trace | str | Path) -> Overflow | None:
     return found[0] if found else None
 
 
-__all__ = ["DTYPE_MAX", "Overflow", "TensorRange", "find_overflows", "first_overflow", "overflow_notes"]
+__all__ = [
+    "DTYPE_MAX",
+    "Overflow",
+    "TensorRange",
+    "find_overflows",
+    "first_overflow",
+    "from_dict",
+    "overflow_at",
+    "overflow_notes",
+    "recorded_overflows",
+    "to_dict",
+]

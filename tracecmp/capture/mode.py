@@ -37,8 +37,10 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
-from tracecmp.capture.ops import FRESH, ONE_FRESH, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
+from tracecmp.capture.ops import FRESH, ONE_FRESH, SCRATCH, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
+from tracecmp.capture.rng import host_rng_call, without_dropout
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
+from tracecmp.capture.watch import OverflowWatch
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
 
 _NO_STATS = (None,) * 7
@@ -87,6 +89,10 @@ class CaptureMode(TorchDispatchMode):
         max_ops: int,
         max_bytes: int,
         on_full: Callable[[], None],
+        host_rng: bool = False,
+        no_dropout: bool = False,
+        watch: OverflowWatch | None = None,
+        on_overflow: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.scope = scope
@@ -104,6 +110,16 @@ class CaptureMode(TorchDispatchMode):
         self._max_ops = max_ops
         self._max_bytes = max_bytes
         self._on_full = on_full
+        # The per-op path pays for the options below only when they are on: one test of a flag
+        # before the call, and the end-of-op check it already makes (a limit of 0 rows sends
+        # every op to _after_op when overflow="raise" must look at each one).
+        self._plain = not (host_rng or no_dropout)
+        self._host_rng = host_rng
+        self._no_dropout = no_dropout
+        self.watch = watch
+        self._on_overflow = on_overflow
+        self._row_limit = 0 if on_overflow is not None else max_ops
+        self._on_limit = self._after_op if on_overflow is not None else on_full
         self._next_op = 0
         self._next_tensor = 0
         self._known: dict[int, _Rec] = {}  # id(tensor) -> what we know of that tensor
@@ -122,6 +138,9 @@ class CaptureMode(TorchDispatchMode):
         info = op_info(func)
         if not info.record:
             return func(*args, **kwargs)
+        call = func
+        if not self._plain and info.rewritable:
+            call, args, kwargs = self._rewrite(info, func, args, kwargs)
         tensors: list[torch.Tensor] = []
         key = scan(args, kwargs, tensors)
         scope = self.scope
@@ -152,7 +171,7 @@ class CaptureMode(TorchDispatchMode):
                 inputs.append(rec.tid)
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack))
-        out = func(*args, **kwargs)
+        out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
         op_id = self._next_op
@@ -177,9 +196,33 @@ class CaptureMode(TorchDispatchMode):
                 stack,
             )
         )
+        if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
+            self._on_limit()
+        return out
+
+    def _rewrite(
+        self, info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """What ``rng="host"`` and ``dropout=0.0`` call instead of ``func(*args, **kwargs)``.
+
+        The rewritten arguments are also what the trace records (a ``p`` of 0.0, say), so a
+        comparison with a run that kept its dropout names the difference.
+        """
+        if self._no_dropout and info.dropout:
+            args, kwargs = without_dropout(info, args, kwargs)
+        if self._host_rng and info.host_rng:
+            return host_rng_call(func, info), args, kwargs
+        return func, args, kwargs
+
+    def _after_op(self) -> None:
+        """End of every op under ``overflow="raise"``: judge it now, then the usual limits."""
+        assert self.watch is not None and self._on_overflow is not None
+        if self._pending:
+            self._gather_deferred_stats()  # accelerators: one host sync per op, the price of raising at once
+        if self.watch.scan(self.rows, self.tensor_rows) is not None:
+            self._on_overflow()
         if len(self.rows) >= self._max_ops or self.saved_bytes >= self._max_bytes:
             self._on_full()
-        return out
 
     def _backward_context(self, node: Any) -> tuple[str, str, int]:
         """(module, location, seq_nr) of an op run by the autograd engine for ``node``."""
@@ -292,6 +335,8 @@ class CaptureMode(TorchDispatchMode):
     ) -> None:
         if kind == FRESH:
             self._fresh(t, op_id, outputs, not info.uninitialized)
+        elif kind == SCRATCH:
+            self._fresh(t, op_id, outputs, False)
         elif kind == WRITE:
             self._written(t, op_id, outputs)
         else:
@@ -425,6 +470,8 @@ class CaptureMode(TorchDispatchMode):
     def take(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]], dict[str, torch.Tensor], list[int]]:
         """Hand over the buffered rows as columns (and saved tensors), and empty the buffers."""
         self._gather_deferred_stats()
+        if self.watch is not None:
+            self.watch.scan(self.rows, self.tensor_rows)
         rows, tensor_rows, saved = self.rows, self.tensor_rows, self.saved
         self.rows, self.tensor_rows, self.saved, self.saved_bytes = [], [], {}, 0
         ops = _columns(rows, OPS_SCHEMA.names)
@@ -449,8 +496,11 @@ class CaptureMode(TorchDispatchMode):
 
     def _sweep(self) -> None:
         """Forget the write history of view families nobody holds any more."""
-        groups = {rec.group for rec in list(self._known.values())}
+        recs = list(self._known.values())
+        groups = {rec.group for rec in recs}
         self._writes = {g: w for g, w in self._writes.items() if g in groups}
+        if self.watch is not None:
+            self.watch.restart({rec.tid for rec in recs})
 
 
 def _columns(rows: list[tuple[Any, ...]], names: list[str]) -> dict[str, list[Any]]:

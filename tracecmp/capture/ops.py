@@ -22,11 +22,15 @@ import torch
 FRESH = 0  # a new tensor (gets statistics)
 WRITE = 1  # the argument it names, written in place (a new version, gets statistics)
 VIEW = 2  # a view of the argument it names (no statistics)
+SCRATCH = 3  # a new tensor holding kernel scratch space, partly uninitialized (no statistics)
 
 # record_function ranges (the optimizer's "Optimizer.step#Adam.step") reach the dispatcher as ops.
 _SKIPPED_NAMESPACES = ("profiler.",)
 # Allocators whose results hold whatever was in memory: their statistics would differ run to run.
 _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
+# Returns that are a kernel's workspace for its backward: their bytes differ between identical
+# runs, so statistics of them would make every determinism check fail.
+_SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::miopen_rnn": 3}
 
 ArgRef = tuple[int, str]  # (position in args, name in kwargs): where a schema argument arrives
 ONE_FRESH: tuple[tuple[int, ArgRef | None], ...] = ((FRESH, None),)
@@ -46,10 +50,43 @@ class OpInfo:
     schema: bool  # False for operators without a schema (higher-order ops): outputs are walked generically
     record: bool = True  # False for bookkeeping ops that compute nothing (profiler ranges)
     uninitialized: bool = False  # outputs are uninitialized memory (empty*): no statistics, no data
+    host_rng: bool = False  # random and the CPU can run it: ``rng="host"`` draws it there (rng.py)
+    writes: tuple[ArgRef, ...] = ()  # every argument the op writes
+    dropout: tuple[tuple[ArgRef, float], ...] = ()  # ``dropout=0.0``: the arguments to set, and to what
+    rewritable: bool = False  # host_rng or dropout: the only ops the session's rewrites look at
 
 
 def _alias_sets(alias_info: Any) -> set[str]:
     return set(alias_info.before_set) if alias_info is not None else set()
+
+
+def _has_cpu_kernel(func: Any) -> bool:
+    """Whether the CPU can run ``func`` (its own CPU kernel or a composite one)."""
+    try:
+        return torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), "CPU")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Float arguments that make an op drop values, and the value that turns the dropping off.
+_DROPOUT_ARGS = {"dropout_p": 0.0, "dropout": 0.0, "keep_prob": 1.0}
+
+
+def _dropout_rewrites(base: str, arguments: list[Any], refs: list[ArgRef]) -> tuple[tuple[ArgRef, float], ...]:
+    """The arguments ``dropout=0.0`` sets: drop probabilities to 0, keep probabilities and the
+    backward's rescaling to 1 (autograd computes the backward's scale from the original ``p``)."""
+    rewrites = []
+    for arg, ref in zip(arguments, refs):
+        if str(arg.type).rstrip("?") != "float":
+            continue
+        value = _DROPOUT_ARGS.get(arg.name)
+        if value is None and "dropout" in base and arg.name == "p":
+            value = 1.0 if base == "_fused_dropout" else 0.0  # _fused_dropout's p is the keep probability
+        elif value is None and arg.name == "scale" and (base.endswith("dropout_backward") or base == "_masked_scale"):
+            value = 1.0
+        if value is not None:
+            rewrites.append((ref, value))
+    return tuple(rewrites)
 
 
 def _build(func: Any) -> OpInfo:
@@ -62,15 +99,18 @@ def _build(func: Any) -> OpInfo:
     if schema is None:
         return OpInfo(name, (), (), (), "op", False, random, False)
     arguments = list(schema.arguments)
+    # Not every sampling op carries the tag (vendor ops): one that takes a Generator draws from it.
+    random = random or any(str(a.type).rstrip("?") == "Generator" for a in arguments)
     # Keyword-only arguments arrive in kwargs, the others positionally (trailing defaults may be absent).
     refs: list[ArgRef] = [(-1 if a.kwarg_only else i, a.name) for i, a in enumerate(arguments)]
     writes = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
     returns: list[tuple[int, ArgRef | None]] = []
     returned_writes: set[int] = set()
-    for ret in schema.returns:
+    scratch = _SCRATCH_RETURNS.get(schema.name)
+    for position, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is None:
-            returns.append((FRESH, None))
+            returns.append((SCRATCH if position == scratch else FRESH, None))
             continue
         sets = _alias_sets(info)
         # A list return (`Tensor(a)[]`) carries its alias set on the elements; fall back to the
@@ -92,6 +132,8 @@ def _build(func: Any) -> OpInfo:
             returns.append((VIEW, refs[index]))
     extra = tuple(refs[i] for i in writes if i not in returned_writes)
     is_view = bool(returns) and not writes and all(kind == VIEW for kind, _ in returns)
+    host_rng = random and _has_cpu_kernel(func)
+    dropout = _dropout_rewrites(schema.name.split("::")[-1], arguments, refs)
     return OpInfo(
         name,
         tuple(a.name for a in arguments),
@@ -102,6 +144,10 @@ def _build(func: Any) -> OpInfo:
         random,
         True,
         uninitialized=schema.name.startswith(_UNINITIALIZED),
+        host_rng=host_rng,
+        writes=tuple(refs[i] for i in writes),
+        dropout=dropout,
+        rewritable=host_rng or bool(dropout),
     )
 
 

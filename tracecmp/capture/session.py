@@ -14,10 +14,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope
-from tracecmp.errors import CaptureError
+from tracecmp.capture.rng import DropoutOff
+from tracecmp.capture.watch import OverflowWatch
+from tracecmp.errors import CaptureError, OverflowDetected
+from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
+from tracecmp.seeding import last_seed_settings
+from tracecmp.trace.reader import load_rank
 from tracecmp.trace.writer import RankWriter, write_run_manifest
 
 DATA_MODES = ("stats", "tensors")
+RNG_MODES = ("device", "host")
+OVERFLOW_MODES = (None, "record", "raise")
 _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
 
 
@@ -44,6 +51,23 @@ class TraceCompare:
     ``stack=True`` keeps each op's whole user stack. Give ``model`` to get parameter, buffer and
     input names and module paths as ``model.named_modules()`` spells them.
 
+    Options that change what the traced program computes, for debugging (off by default):
+
+    * ``rng="host"``: random ops issued on an accelerator draw from the CPU generator and move
+      their result to the device, so runs on different devices draw the same numbers (with the
+      same seed, see :func:`tracecmp.seed_all`). CPU runs are unchanged. Costs a device-to-host
+      copy of each random op's tensors.
+    * ``dropout=0.0``: every dropout acts with ``p=0`` (see :mod:`tracecmp.capture.rng`).
+    * ``overflow="record"``: the first op whose inputs are finite and whose outputs hold NaN/Inf
+      is noted in the rank manifest (``info.first_overflow``; read it back with
+      :func:`tracecmp.overflow.recorded_overflows`), from the statistics capture computes anyway.
+      ``overflow="raise"``: the run stops there with :class:`~tracecmp.OverflowDetected`, after the
+      trace so far is committed and marked incomplete. On accelerators raising at once costs one
+      host synchronisation per op (statistics are otherwise gathered once per step).
+
+    The run manifest records the options, what the last :func:`tracecmp.seed_all` set, and the
+    determinism switches in force.
+
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -67,9 +91,18 @@ class TraceCompare:
         stack: bool = False,
         max_ops: int = 200_000,
         max_bytes: int = 1 << 30,
+        rng: str = "device",
+        dropout: float | None = None,
+        overflow: str | None = None,
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
+        if rng not in RNG_MODES:
+            raise CaptureError(f"rng must be one of {RNG_MODES}, not {rng!r}")
+        if dropout is not None and (isinstance(dropout, bool) or dropout != 0.0):
+            raise CaptureError(f"dropout must be None (leave dropout alone) or 0.0 (turn it off), not {dropout!r}")
+        if overflow not in OVERFLOW_MODES:
+            raise CaptureError(f"overflow must be one of {OVERFLOW_MODES}, not {overflow!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         selected: frozenset[int] | None = None
@@ -86,6 +119,9 @@ class TraceCompare:
         self.model = model
         self.data = data
         self.stack = bool(stack)
+        self.rng = rng
+        self.dropout = None if dropout is None else 0.0
+        self.overflow = overflow
         self._steps = selected
         self._max_ops = max_ops
         self._max_bytes = max_bytes
@@ -96,6 +132,8 @@ class TraceCompare:
         self._mode: CaptureMode | None = None
         self._scope: ModuleScope | None = None
         self._hooks: list[Any] = []
+        self._dropout_off: DropoutOff | None = None
+        self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
 
     @property
     def current_step(self) -> int:
@@ -119,12 +157,17 @@ class TraceCompare:
             "steps": None if self._steps is None else sorted(self._steps),
             "stack": self.stack,
             "model": type(self.model).__name__ if self.model is not None else None,
+            "rng": self.rng,
+            "dropout": self.dropout,
+            "overflow": self.overflow,
         }
         run_info = {
             "world_size": world_size,
             "device": device,
             "seed": torch.initial_seed(),
             "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "seed_all": last_seed_settings() or None,
+            "determinism": _determinism_flags(),
         }
         if rank == 0:
             try:
@@ -142,6 +185,10 @@ class TraceCompare:
             max_ops=self._max_ops,
             max_bytes=self._max_bytes,
             on_full=self._flush,
+            host_rng=self.rng == "host",
+            no_dropout=self.dropout is not None,
+            watch=OverflowWatch() if self.overflow else None,
+            on_overflow=self._raise_overflow if self.overflow == "raise" else None,
         )
         TraceCompare._active = self
         self._step = 0
@@ -158,7 +205,7 @@ class TraceCompare:
             self._stop()
             self._flush()
             assert self._writer is not None
-            self._writer.close(complete=exc_type is None)
+            self._writer.close(complete=exc_type is None and not self._overflowed)
         finally:
             TraceCompare._active = None
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
@@ -185,6 +232,9 @@ class TraceCompare:
         ]
         self._mode.begin(self._step)
         self._mode.__enter__()
+        if self.dropout is not None:
+            self._dropout_off = DropoutOff()
+            self._dropout_off.__enter__()
         self._recording = True
 
     def _stop(self) -> None:
@@ -192,6 +242,9 @@ class TraceCompare:
             return
         assert self._mode is not None and self._scope is not None
         self._recording = False
+        if self._dropout_off is not None:
+            self._dropout_off.__exit__(None, None, None)
+            self._dropout_off = None
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
@@ -235,3 +288,30 @@ class TraceCompare:
         mode.chunk = writer.chunks
         if loud:
             print(f"tracecmp: wrote in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        watch = mode.watch
+        if watch is not None and watch.found is not None and "first_overflow" not in writer.manifest["info"]:
+            writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
+
+    def _overflow_record(self, op_id: int) -> Overflow:
+        """The overflow at ``op_id``, described from the committed chunks as ``tracecmp overflow`` would."""
+        assert self._writer is not None
+        return overflow_at(load_rank(self._writer.dir), op_id)
+
+    def _raise_overflow(self) -> None:
+        """``overflow="raise"``: commit the trace so far, note the overflow, stop the run."""
+        assert self._mode is not None and self._mode.watch is not None and self._mode.watch.found is not None
+        self._flush()
+        self._overflowed = True
+        assert self._writer is not None
+        raise OverflowDetected(from_dict(self._writer.manifest["info"]["first_overflow"]), path=self.path)
+
+
+def _determinism_flags() -> dict[str, Any]:
+    """The switches that decide whether two runs can be bitwise identical, as they are now."""
+    return {
+        "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }

@@ -585,7 +585,10 @@ def _decide(
         label = op.removeprefix("source.")
         return "source", f"{label} {name!r} differs from the bench: {what}", channels[channel]
     if random:
-        return "random", f"random op diverges ({what}): generator state or device differ; seed both runs or disable it", channels[channel]
+        agree = " while its inputs agree" if j.inputs_exact else ""
+        return "random", (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
+                          "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
+                          'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'), channels[channel]
     structure = _structure_note(op_id, inputs, ri)
     if bench_op is None:
         return "structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel]
