@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tracecmp
-from tracecmp.overflow import find_overflows, first_overflow
+from tracecmp.overflow import find_overflows, first_overflow, recorded_overflows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,3 +131,101 @@ def test_overflow_cli_exit_codes(tmp_path: Path) -> None:
     missing = _cli("overflow", str(tmp_path / "nowhere"))
     assert missing.returncode == 2
     assert missing.stderr.count("\n") == 1 and "nowhere" in missing.stderr
+
+
+# ---- while capturing: overflow="record" notes the first overflow, overflow="raise" stops there ----
+
+
+def _capture_watching(path: Path, fault: TorchDispatchMode, overflow: str) -> tracecmp.OverflowDetected | None:
+    torch.manual_seed(0)
+    model = ThreeGelus()
+    x = torch.randn(4, 8)
+    try:
+        with fault:
+            with tracecmp.TraceCompare(path, model=model, overflow=overflow) as tc:
+                model(x).sum().backward()
+                tc.step()
+    except tracecmp.OverflowDetected as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize(
+    "op, module, phase",
+    [(torch.ops.aten.gelu.default, "act3", "forward"), (torch.ops.aten.gelu_backward.default, "act1", "backward")],
+)
+def test_record_notes_the_first_overflow_in_the_manifest(tmp_path: Path, op: Any, module: str, phase: str) -> None:
+    assert _capture_watching(tmp_path / "t", InfInto(op, 3), "record") is None
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete  # recording changes nothing in the run
+    recorded = recorded_overflows(trace)
+    assert len(recorded) == 1
+    first = recorded[0]
+    assert (first.op, first.module, first.phase, first.step) == (str(op), module, phase, 0)
+    assert first == first_overflow(trace)  # the same facts the offline finder reads from the trace
+    data = trace.rank(0).manifest["info"]["first_overflow"]
+    assert data["outputs"][0]["max"] == "inf" and "Inf" in data["reason"]
+
+
+def test_record_on_a_clean_run_notes_nothing(tmp_path: Path) -> None:
+    assert _capture_watching(tmp_path / "t", _Nothing(), "record") is None
+    trace = tracecmp.load(tmp_path / "t")
+    assert recorded_overflows(trace) == [] and "first_overflow" not in trace.rank(0).manifest["info"]
+
+
+@pytest.mark.parametrize(
+    "op, module, phase",
+    [(torch.ops.aten.gelu.default, "act3", "forward"), (torch.ops.aten.gelu_backward.default, "act1", "backward")],
+)
+def test_raise_stops_at_the_first_overflow_after_committing_the_trace(
+    tmp_path: Path, op: Any, module: str, phase: str
+) -> None:
+    exc = _capture_watching(tmp_path / "t", InfInto(op, 3), "raise")
+    assert exc is not None, "no OverflowDetected raised"
+    assert (exc.op, exc.module, exc.phase, exc.step) == (str(op), module, phase, 0)
+    assert exc.location.startswith("test_overflow.py:")
+    assert exc.inputs and all(r.finite for r in exc.inputs)
+    assert any(not r.finite for r in exc.outputs)
+    assert exc.path == str(tmp_path / "t") and str(op) in str(exc)
+    # On disk: readable, incomplete, ending with the overflowing op, which the offline finder agrees on.
+    trace = tracecmp.load(tmp_path / "t")
+    assert not trace.complete
+    ops = trace.to_frame()
+    assert ops["op_id"].max() == exc.overflow.op_id and ops.iloc[-1]["op"] == str(op)
+    assert first_overflow(trace) == exc.overflow == recorded_overflows(trace)[0]
+
+
+def test_raise_caught_inside_the_session_leaves_the_trace_incomplete(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ThreeGelus()
+    with InfInto(torch.ops.aten.gelu.default, 2):
+        with tracecmp.TraceCompare(tmp_path / "t", model=model, overflow="raise") as tc:
+            with pytest.raises(tracecmp.OverflowDetected):
+                model(torch.randn(4, 8))
+            model(torch.randn(4, 8))  # the program went on, but not as written
+            tc.step()
+    assert not tracecmp.load(tmp_path / "t").complete
+
+
+def test_raise_locates_the_fp16_matmul_that_overflows(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), HalfLinear())
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+        model[0].bias.fill_(200.0)
+    with pytest.raises(tracecmp.OverflowDetected) as caught:
+        with tracecmp.TraceCompare(tmp_path / "t", model=model, overflow="raise") as tc:
+            model(torch.rand(2, 16)).sum().backward()
+            tc.step()
+    exc = caught.value
+    assert (exc.op, exc.module, exc.phase) == ("aten.mm.default", "2", "forward")
+    assert {r.dtype for r in exc.inputs} == {"float16"} and {r.dtype for r in exc.outputs} == {"float16"}
+    assert any("float16" in note and "65504" in note for note in exc.notes)
+    assert max(max(abs(r.min), abs(r.max)) for r in exc.inputs) * 30 * 16 > 65504
+    assert first_overflow(tmp_path / "t") == exc.overflow
+
+
+def test_overflow_cli_says_why_a_raised_trace_is_incomplete(tmp_path: Path) -> None:
+    _capture_watching(tmp_path / "t", InfInto(torch.ops.aten.gelu.default, 2), "raise")
+    found = _cli("overflow", str(tmp_path / "t"))
+    assert found.returncode == 1, found.stderr
+    assert 'overflow="raise"' in found.stdout and "first overflow: aten.gelu.default" in found.stdout

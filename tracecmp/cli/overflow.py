@@ -17,13 +17,16 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracecmp.overflow import find_overflows
+    from tracecmp.overflow import find_overflows, recorded_overflows
     from tracecmp.trace import load
 
     trace = load(args.trace)
     found = find_overflows(trace, limit=None if args.all else 1)
     if not trace.complete:
-        print(f"warning: {args.trace} is incomplete (the traced run did not finish); checked what it holds")
+        why = "the traced run did not finish"
+        if trace.options.get("overflow") == "raise" and recorded_overflows(trace):
+            why = 'capture stopped the run at its first overflow, overflow="raise"'
+        print(f"warning: {args.trace} is incomplete ({why}); checked what it holds")
     if not found:
         print("no overflow: every op with finite inputs produced finite outputs")
         return 0
