@@ -26,6 +26,8 @@ from benchmarks.localization.faults import (
     OutputFault,
     Plan,
     Site,
+    bitwise_equal,
+    corrupt_,
     relative_change,
 )
 from benchmarks.localization.models import FAMILIES, build
@@ -111,6 +113,7 @@ class Profile:
     calls: list[CallRecord]
     parameters: list[str] = field(default_factory=list)
     background: dict[Site, float] = field(default_factory=dict)  # tf32 run vs clean run, per call
+    outputs: dict[Site, torch.Tensor] = field(default_factory=dict)  # clean first floating outputs
 
 
 def profile(family: str, seed: int) -> Profile:
@@ -129,7 +132,7 @@ def profile(family: str, seed: int) -> Profile:
     clean, rounded = injector.outputs or {}, tf32.outputs or {}
     background = {site: relative_change(clean[site], rounded[site])
                   for site in clean.keys() & rounded.keys() if clean[site].shape == rounded[site].shape}
-    return Profile(family, injector.calls or [], params, background)
+    return Profile(family, injector.calls or [], params, background, clean)
 
 
 def _output_site_ok(c: CallRecord) -> bool:
@@ -191,7 +194,17 @@ def choose_sites(calls: list[CallRecord], phase: str, n: int, rng: random.Random
     return sites
 
 
-def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int = 2) -> list[Case]:
+def _changes_nothing(prof: Profile, fault: OutputFault) -> bool:
+    """True when ``fault`` leaves the clean output's bits as they are (fp16 rounding of -0.25)."""
+    clean = prof.outputs.get(fault.site)
+    if clean is None:
+        return False
+    faulty = clean.clone()
+    corrupt_(faulty, fault.kind, fault.magnitude, fault.seed)
+    return bitwise_equal(clean, faulty)
+
+
+def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int = 4) -> list[Case]:
     """Every case for one model, in a stable order: each output fault at ``sites_per_fault`` sites
     per phase (all different while the model has enough distinct calls)."""
     m = prof.model
@@ -206,6 +219,8 @@ def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int 
             kind, mag = output_kinds[i % len(output_kinds)]
             site = sites[i % len(sites)]
             fault = OutputFault(kind, site, mag, seed=zlib.crc32(f"{seed}/{m}/{site}/{kind}".encode()))
+            if _changes_nothing(prof, fault):
+                continue
             if (kind, site) not in {(f[3].output_fault.kind, f[3].output_fault.site) for f in faults if f[3].output_fault}:
                 faults.append((kind, phase, mag, Plan(output_fault=fault), ""))
     opt_sites = choose_sites(calls, "optimizer", 1, _rng(seed, m, "optimizer"))
@@ -276,7 +291,7 @@ def _label(kind: str, mag: float, plan: Plan, weight: str) -> str:
 
 
 def plan_all(families: tuple[str, ...] = FAMILIES, seed: int = 0, model_seed: int = 1234,
-             sites_per_fault: int = 2) -> list[Case]:
+             sites_per_fault: int = 4) -> list[Case]:
     """Every case for ``families`` (profiling each model once)."""
     cases: list[Case] = []
     for family in families:

@@ -181,7 +181,6 @@ class Plan:
 class CallRecord:
     """One program call as the profiling pass saw it (no tensors kept)."""
 
-    index: int
     site: Site
     module: str  # our own expectation of the module path
     is_view: bool
@@ -374,7 +373,7 @@ class SiteMode(TorchDispatchMode):
             out = _insert(out, insertion.how)
             self.obs.inserted = True
         if self.profile is not None:
-            self.profile.append(_call_record(len(self.profile), site, module, func, args, kwargs, out))
+            self.profile.append(_call_record(site, module, func, args, kwargs, out))
         if self.outputs is not None:
             floats = [t for t in _float_outputs(out) if t.numel() > 0]
             if floats:
@@ -402,7 +401,7 @@ def _checksums(out: Any) -> list[int]:
         return [int(checksum_reference(t)) for t in _float_outputs(out)]
 
 
-def _call_record(index: int, site: Site, module: str, func: Any, args: tuple, kwargs: dict, out: Any) -> CallRecord:
+def _call_record(site: Site, module: str, func: Any, args: tuple, kwargs: dict, out: Any) -> CallRecord:
     flat_in, _ = tree_flatten((args, kwargs))
     floats = [t for t in _float_outputs(out) if t.numel() > 0]
     in_storages = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
@@ -413,7 +412,6 @@ def _call_record(index: int, site: Site, module: str, func: Any, args: tuple, kw
             finite = first[torch.isfinite(first)]
             varies = finite.numel() > 1 and bool(finite.min() != finite.max())
     return CallRecord(
-        index=index,
         site=site,
         module=module,
         is_view=func.is_view,

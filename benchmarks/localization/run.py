@@ -342,7 +342,7 @@ def _pool_map(fn: Any, items: list[Any], jobs: int) -> Iterable[Any]:
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, maxtasksperchild=40) as pool:
+    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker) as pool:
         yield from pool.imap_unordered(fn, items)
 
 
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
     parser.add_argument("--case", action="append", default=[], help="run only cases whose id contains this (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault-site rule")
-    parser.add_argument("--sites", type=int, default=2, help="sites per output fault, magnitude and phase")
+    parser.add_argument("--sites", type=int, default=4, help="sites per output fault, magnitude and phase")
     parser.add_argument("--list", action="store_true", help="list the planned cases and exit")
     parser.add_argument("--json", type=Path, help="write every case result here")
     parser.add_argument("--markdown", type=Path, help="write the report here as well")
