@@ -49,8 +49,20 @@ def build(name: str) -> tuple[Any, Any, Callable[[], Any]]:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(ROOT))
-    from tests.models import TransformerBlock
+    class Block(torch.nn.Module):
+        """Pre-norm attention + GELU MLP, the shape of a GPT layer."""
+
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(dim)
+            self.attn = torch.nn.MultiheadAttention(dim, heads, batch_first=True)
+            self.ln2 = torch.nn.LayerNorm(dim)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
 
     torch.manual_seed(0)
     if name == "mlp":
@@ -60,11 +72,11 @@ def build(name: str) -> tuple[Any, Any, Callable[[], Any]]:
         x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
         loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
     elif name == "block64":
-        model = TransformerBlock(dim=64, heads=4)
+        model = Block(64, 4)
         x = torch.randn(4, 32, 64)
         loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
     elif name == "transformer512":
-        model = torch.nn.Sequential(*[TransformerBlock(dim=512, heads=8) for _ in range(4)])
+        model = torch.nn.Sequential(*[Block(512, 8) for _ in range(4)])
         x = torch.randn(4, 128, 512)
         loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
     elif name == "resnet50":
@@ -170,7 +182,7 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
         traced = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            log = torchlens.trace(model, x, save="none")
+            log = torchlens.trace(model, x, save=None)
             traced.append(time.perf_counter() - t0)
         ops = len(getattr(log, "layer_list", []) or [])
         return {"median_s": statistics.median(traced), "plain_fwd_s": statistics.median(plain), "ops": ops, "bytes": 0}
