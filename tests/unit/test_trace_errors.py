@@ -201,3 +201,15 @@ def test_cli_inspect_bad_trace_exits_2_with_one_line(good: Path) -> None:
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(chunk) in lines[0] and "truncated" in lines[0]
+
+
+def test_checksums_keep_all_64_bits_next_to_rows_without_statistics(tmp_path: Path) -> None:
+    """A nullable integer column would turn float64 in pandas and lose the checksum's low bits."""
+    tensors = _tensors([0, 1], [0, 1])
+    tensors["checksum"] = [None, (1 << 62) + 1]
+    tensors["nan_count"] = [None, 0]
+    tensors["has_stats"] = [False, True]
+    trace = tracecmp.load(_write(tmp_path / "t", _ops([[], [0]], [[0], [1]]), tensors))
+    frame = trace.rank(0).tensors
+    assert frame["checksum"].dtype == "int64" and frame["nan_count"].dtype == "int64"
+    assert frame["checksum"].tolist() == [0, (1 << 62) + 1]

@@ -110,8 +110,13 @@ class RankTrace:
 
     @cached_property
     def tensors(self) -> pd.DataFrame:
-        """One row per tensor value, indexed by nothing (``tensor_id`` is a column)."""
-        return self.tensors_table.to_pandas()
+        """One row per tensor value, indexed by nothing (``tensor_id`` is a column).
+
+        Rows without statistics (``has_stats`` false: views, uninitialised memory) read NaN in the
+        float statistics and 0 in ``nan_count``, ``inf_count`` and ``checksum``: an integer column
+        with nulls would become float64 in pandas and keep only 53 of the checksum's 64 bits.
+        """
+        return _fill_integer_nulls(self.tensors_table).to_pandas()
 
     def load_tensor(self, tensor_id: int) -> Any:
         """The saved tensor ``tensor_id`` (only with ``data="tensors"``), read through safetensors."""
@@ -147,6 +152,16 @@ def _chunk_records(folder: Path) -> list[dict[str, Any]]:
             raise TraceFormatError("chunk record has no row counts", path=path)
         records.append(record)
     return records
+
+
+def _fill_integer_nulls(table: pa.Table) -> pa.Table:
+    import pyarrow.compute as pc
+
+    for name in ("nan_count", "inf_count", "checksum"):
+        column = table.column(name)
+        if column.null_count:
+            table = table.set_column(table.schema.get_field_index(name), name, pc.fill_null(column, 0))
+    return table
 
 
 def load_rank(folder: Path) -> RankTrace:
