@@ -26,11 +26,17 @@ def view_bases(tensors: pd.DataFrame) -> dict[int, int]:
     """``{view tensor id: id of the non-view tensor it ultimately aliases}`` (chains followed).
 
     A view whose base is not in the table maps to that base id anyway (its error is unknown).
+    Tensors with statistics of their own are never resolved, whatever their ``view_of``.
 
     >>> view_bases(pd.DataFrame({"tensor_id": [1, 2, 3], "view_of": [-1, 1, 2]}))
     {2: 1, 3: 1}
     """
-    views = tensors.loc[tensors["view_of"].to_numpy() >= 0, ["tensor_id", "view_of"]]
+    mask = tensors["view_of"].to_numpy() >= 0
+    if "has_stats" in tensors.columns:
+        # A value with statistics of its own (capture's ``alias.update`` of a tensor written
+        # through a view) shows its own numbers, not its base's.
+        mask &= ~tensors["has_stats"].to_numpy(bool)
+    views = tensors.loc[mask, ["tensor_id", "view_of"]]
     parent = dict(zip(views["tensor_id"].tolist(), views["view_of"].tolist()))
     resolved: dict[int, int] = {}
     for tid in parent:

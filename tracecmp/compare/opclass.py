@@ -42,6 +42,16 @@ class OpClass:
     precision_variable: bool = False  # float32 may run at TF32/HF32 (matmul, conv)
     accumulates: bool = False  # sums many terms: implementations may differ by more than one rounding
     operands: tuple[int, ...] = ()  # contract: the argument positions multiplied together (else the two largest)
+    # Per-input exceptions: (position, how) with how one of "ignore" (shape only, values unused),
+    # "exp" (enters through exp: its absolute error is the output's relative error), "selector"
+    # (only decides which elements pass: a changed sign flips a few elements).
+    inputs: tuple[tuple[int, str], ...] = ()
+
+    def input_rule(self, position: int) -> str:
+        for pos, how in self.inputs:
+            if pos == position:
+                return how
+        return ""
 
 
 _COPY = {
@@ -56,6 +66,8 @@ _COPY = {
     "im2col", "pixel_shuffle", "pixel_unshuffle", "upsample_nearest1d", "upsample_nearest2d", "_unsafe_index",
     "zero_", "fill_", "fill", "masked_fill", "masked_fill_", "where", "_conj", "conj_physical", "resolve_conj",
     "resolve_neg", "t_copy", "unfold_copy", "unbind_copy", "_reshape_alias_copy", "set_", "_to_dense",
+    "select_backward", "slice_backward", "index_select_backward", "diagonal_backward", "unfold_backward",
+    "as_strided_backward", "permute_backward", "transpose_backward", "expand_backward", "narrow_backward",
 }
 _LIPSCHITZ = {
     "add", "add_", "sub", "sub_", "rsub", "neg", "abs", "relu", "relu_", "relu6", "hardtanh", "hardtanh_",
@@ -119,12 +131,33 @@ _REDUCE_MEAN = {"mean", "nanmean", "var", "std", "var_mean", "std_mean", "nll_lo
                 "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss",
                 "multilabel_margin_loss_forward", "multi_margin_loss", "hinge_embedding_loss", "cosine_similarity",
                 "cosine_embedding_loss", "margin_ranking_loss", "poisson_nll_loss", "ctc_loss", "_ctc_loss",
-                "avg_pool2d_backward", "avg_pool3d_backward", "nll_loss_backward", "nll_loss2d_backward",
                 "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "l1_loss_backward",
-                "binary_cross_entropy_backward", "_adaptive_avg_pool2d_backward", "adaptive_avg_pool3d_backward",
-                "upsample_bilinear2d_backward", "upsample_nearest2d_backward", "_log_softmax_backward_data",
-                "_softmax_backward_data", "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
-                "grid_sampler_2d_backward", "kl_div_backward"}
+                "binary_cross_entropy_backward", "grid_sampler_2d_backward", "kl_div_backward"}
+# Backward ops whose output is the incoming gradient times a function of saved values, with the
+# exceptions of the inputs that enter differently.
+_GRAD_PRODUCT: dict[str, tuple[tuple[int, str], ...]] = {
+    "nll_loss_backward": ((1, "ignore"),),  # d loss / d log-probs depends on the target, not the values
+    "nll_loss2d_backward": ((1, "ignore"),),
+    "_log_softmax_backward_data": ((1, "exp"),),  # grad - exp(out) * sum(grad)
+    "_softmax_backward_data": (),
+    "avg_pool2d_backward": ((1, "ignore"),),
+    "avg_pool3d_backward": ((1, "ignore"),),
+    "_adaptive_avg_pool2d_backward": ((1, "ignore"),),
+    "adaptive_avg_pool3d_backward": ((1, "ignore"),),
+    "upsample_bilinear2d_backward": (),
+    "upsample_nearest2d_backward": (),
+}
+# Backward ops that route the gradient to where a saved input was positive / selected.
+_GRAD_SELECT: dict[str, tuple[tuple[int, str], ...]] = {
+    "threshold_backward": ((1, "selector"),),
+    "leaky_relu_backward": ((1, "selector"),),
+    "hardtanh_backward": ((1, "selector"),),
+    "relu_backward": ((1, "selector"),),
+    "hardshrink_backward": ((1, "selector"),),
+    "softshrink_backward": ((1, "selector"),),
+    "max_pool2d_with_indices_backward": ((1, "ignore"),),
+    "max_pool3d_with_indices_backward": ((1, "ignore"),),
+}
 _NORMALIZE = {"native_layer_norm", "layer_norm", "native_batch_norm", "batch_norm", "_native_batch_norm_legit",
               "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "cudnn_batch_norm",
               "miopen_batch_norm", "native_group_norm", "group_norm", "instance_norm", "rms_norm", "_fused_rms_norm",
@@ -133,14 +166,14 @@ _NORMALIZE = {"native_layer_norm", "layer_norm", "native_batch_norm", "batch_nor
               "_batch_norm_with_update_functional", "_batch_norm_no_update", "normalize", "renorm", "weight_norm",
               "_weight_norm_interface", "_weight_norm_interface_backward", "local_response_norm",
               "batch_norm_stats", "batch_norm_elemt", "batch_norm_gather_stats_with_counts", "_fused_layer_norm"}
-_SELECT = {"threshold_backward", "hardtanh_backward", "leaky_relu_backward", "relu_backward", "sign", "sgn",
+_SELECT = {"sign", "sgn",
            "round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "frac", "eq", "ne", "lt", "le",
            "gt", "ge", "eq_", "ne_", "lt_", "le_", "gt_", "ge_", "isnan", "isinf", "isfinite", "isclose", "argmax",
            "argmin", "argsort", "nonzero", "unique", "_unique2", "unique_dim", "unique_consecutive", "bucketize",
            "searchsorted", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
            "bitwise_not", "bitwise_xor", "all", "any", "remainder", "fmod", "clamp_backward", "_local_scalar_dense",
            "equal", "masked_fill_backward", "heaviside", "count_nonzero", "_assert_async", "is_nonzero", "topk_indices",
-           "max_unpool2d", "hardshrink_backward", "softshrink_backward", "rrelu_with_noise_backward",
+           "max_unpool2d", "rrelu_with_noise_backward",
            "_fused_dropout", "native_dropout_mask", "le_scalar", "signbit"}
 _FACTORY = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "scalar_tensor", "tensor", "zeros_like",
             "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "rand", "randn", "randint", "rand_like",
@@ -175,6 +208,10 @@ def classify(op: str) -> OpClass:
         return OpClass("uninit")
     if name in _FACTORY:
         return OpClass("factory")
+    if name in _GRAD_SELECT:
+        return OpClass("product", inputs=_GRAD_SELECT[name])
+    if name in _GRAD_PRODUCT:
+        return OpClass("product", lipschitz=2.0, inputs=_GRAD_PRODUCT[name], accumulates=True)
     if name in _SELECT:
         return OpClass("select")
     if name in _CONTRACT:
