@@ -129,12 +129,15 @@ def test_cpu_tensors_are_left_alone_without_forcing() -> None:
     assert rng.host_call(aten.bernoulli_.float, info, (t, 0.5), {}) is t
 
 
-def _trace(path: Path, name: str = "transformer", seed: int = 3, steps: int = 2, **options: Any) -> Path:
+def _trace(
+    path: Path, name: str = "transformer", seed: int = 3, steps: int = 2, steps_recorded: list[int] | None = None,
+    **options: Any,
+) -> Path:
     model = make_model(name)
     opt = make_optimizer(model)
     batch = example_batch(name)
     tracecmp.seed_all(seed)
-    with tracecmp.TraceCompare(path, model=model, **options) as tc:
+    with tracecmp.TraceCompare(path, model=model, steps=steps_recorded, **options) as tc:
         for _ in range(steps):
             train_step(model, opt, batch)
             tc.step()
@@ -252,3 +255,34 @@ def test_bad_options_are_capture_errors(tmp_path: Path) -> None:
     for options in ({"rng": "gpu"}, {"dropout": 0.1}, {"dropout": True}, {"overflow": "warn"}):
         with pytest.raises(tracecmp.CaptureError):
             tracecmp.TraceCompare(tmp_path / "t", **options)
+
+
+def test_dropout_off_holds_in_steps_that_are_not_recorded(tmp_path: Path) -> None:
+    # Step 0 is not recorded: its dropout must be off too, or step 1 starts from other weights.
+    _trace(tmp_path / "all", dropout=0.0)
+    _trace(tmp_path / "second", dropout=0.0, steps_recorded=[1])
+    assert tracecmp.load(tmp_path / "second").rank(0).manifest["steps"] == [1]
+    compared = tracecmp.compare(tmp_path / "second", tmp_path / "all", exact=True, steps=[1])
+    assert compared.first_divergence is None
+    # Had step 0 kept its dropout, the parameters entering step 1 would already differ.
+    model = make_model("transformer")
+    opt = make_optimizer(model)
+    batch = example_batch("transformer")
+    tracecmp.seed_all(3)
+    train_step(model, opt, batch)
+    with tracecmp.TraceCompare(tmp_path / "late", model=model, steps=[1], dropout=0.0) as tc:
+        tc.step()
+        train_step(model, opt, batch)
+        tc.step()
+    first = tracecmp.compare(tmp_path / "late", tmp_path / "all", exact=True, steps=[1]).first_divergence
+    assert first is not None and first.kind == "source"
+
+
+def test_host_rng_holds_in_steps_that_are_not_recorded(tmp_path: Path, force_host: list[str]) -> None:
+    with tracecmp.TraceCompare(tmp_path / "t", steps=[1], rng="host") as tc:
+        torch.randn(3)
+        tc.step()
+        torch.rand(3)
+        tc.step()
+    assert force_host == ["aten.randn.default", "aten.rand.default"]
+    assert tracecmp.load(tmp_path / "t").to_frame()["op"].tolist() == ["aten.rand.default"]

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.ops import FRESH, ONE_FRESH, SCRATCH, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
-from tracecmp.capture.rng import host_rng_call, without_dropout
+from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
@@ -140,7 +140,9 @@ class CaptureMode(TorchDispatchMode):
             return func(*args, **kwargs)
         call = func
         if not self._plain and info.rewritable:
-            call, args, kwargs = self._rewrite(info, func, args, kwargs)
+            # The rewritten arguments are what the trace records (a ``p`` of 0.0, say), so a
+            # comparison with a run that kept its dropout names the difference.
+            call, args, kwargs = rewrite(info, func, args, kwargs, self._host_rng, self._no_dropout)
         tensors: list[torch.Tensor] = []
         key = scan(args, kwargs, tensors)
         scope = self.scope
@@ -199,20 +201,6 @@ class CaptureMode(TorchDispatchMode):
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
-
-    def _rewrite(
-        self, info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-        """What ``rng="host"`` and ``dropout=0.0`` call instead of ``func(*args, **kwargs)``.
-
-        The rewritten arguments are also what the trace records (a ``p`` of 0.0, say), so a
-        comparison with a run that kept its dropout names the difference.
-        """
-        if self._no_dropout and info.dropout:
-            args, kwargs = without_dropout(info, args, kwargs)
-        if self._host_rng and info.host_rng:
-            return host_rng_call(func, info), args, kwargs
-        return func, args, kwargs
 
     def _after_op(self) -> None:
         """End of every op under ``overflow="raise"``: judge it now, then the usual limits."""

@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from tracecmp.capture.ops import OpInfo, arg_value
+from tracecmp.capture.ops import OpInfo, arg_value, op_info
 
 _CPU = torch.device("cpu")
 # Tests set this to treat CPU tensors as if they lived on an accelerator, so that the host path
@@ -60,7 +61,6 @@ def host_call(func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, 
     original tensor (which the op then returns, as its schema says); fresh results are moved to
     the device. On CPU tensors the op runs as is.
 
-    >>> from tracecmp.capture.ops import op_info
     >>> t = torch.empty(3)
     >>> host_call(torch.ops.aten.uniform_.default, op_info(torch.ops.aten.uniform_.default), (t,), {}) is t
     True
@@ -104,15 +104,44 @@ def host_call(func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, 
     return tree_map(to_device, out)
 
 
-def host_rng_call(func: Any, info: OpInfo) -> Callable[..., Any]:
-    """``func`` as ``rng="host"`` calls it."""
-    return lambda *args, **kwargs: host_call(func, info, args, kwargs)
+def rewrite(
+    info: OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host_rng: bool, no_dropout: bool
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """What ``rng="host"`` (``host_rng``) and ``dropout=0.0`` (``no_dropout``) call instead of
+    ``func(*args, **kwargs)``: the callable and its arguments.
+
+    >>> op = torch.ops.aten.native_dropout.default
+    >>> call, args, _ = rewrite(op_info(op), op, (torch.ones(2), 0.5, True), {}, False, True)
+    >>> call is op, args[1]
+    (True, 0.0)
+    """
+    if no_dropout and info.dropout:
+        args, kwargs = without_dropout(info, args, kwargs)
+    if host_rng and info.host_rng:
+        return (lambda *a, **k: host_call(func, info, a, k)), args, kwargs
+    return func, args, kwargs
+
+
+class Rewrites(TorchDispatchMode):
+    """``rng="host"`` and ``dropout=0.0`` in the steps that are not recorded, so that a recorded
+    step starts from the same history on every device (the capture mode does both when recording)."""
+
+    def __init__(self, host_rng: bool, no_dropout: bool) -> None:
+        super().__init__()
+        self.host_rng = host_rng
+        self.no_dropout = no_dropout
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        info = op_info(func)
+        if info.rewritable:
+            func, args, kwargs = rewrite(info, func, args, kwargs, self.host_rng, self.no_dropout)
+        return func(*args, **kwargs)
 
 
 def without_dropout(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args``/``kwargs`` with the op's drop probabilities set to 0 (see ``OpInfo.dropout``).
 
-    >>> from tracecmp.capture.ops import op_info
     >>> info = op_info(torch.ops.aten.native_dropout.default)
     >>> without_dropout(info, (torch.ones(2), 0.5, True), {})[0][1:]
     (0.0, True)

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope
-from tracecmp.capture.rng import DropoutOff
+from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.errors import CaptureError, OverflowDetected
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
@@ -65,8 +65,9 @@ class TraceCompare:
       trace so far is committed and marked incomplete. On accelerators raising at once costs one
       host synchronisation per op (statistics are otherwise gathered once per step).
 
-    The run manifest records the options, what the last :func:`tracecmp.seed_all` set, and the
-    determinism switches in force.
+    ``rng`` and ``dropout`` hold for every step of the session, recorded or not, so that a
+    recorded step starts from the same history in both runs. The run manifest records the
+    options, what the last :func:`tracecmp.seed_all` set, and the determinism switches in force.
 
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
@@ -132,7 +133,8 @@ class TraceCompare:
         self._mode: CaptureMode | None = None
         self._scope: ModuleScope | None = None
         self._hooks: list[Any] = []
-        self._dropout_off: DropoutOff | None = None
+        self._dropout_off: DropoutOff | None = None  # the whole session, recorded steps or not
+        self._unrecorded: Rewrites | None = None  # rng/dropout rewrites in steps that are not recorded
         self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
 
     @property
@@ -192,17 +194,21 @@ class TraceCompare:
         )
         TraceCompare._active = self
         self._step = 0
-        if self._selected(0):
-            try:
-                self._start()
-            except BaseException:
-                TraceCompare._active = None
-                raise
+        try:
+            if self.dropout is not None:
+                self._dropout_off = DropoutOff()
+                self._dropout_off.__enter__()
+            self._begin_step()
+        except BaseException:
+            self._leave_dropout_off()
+            TraceCompare._active = None
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self._stop()
+            self._leave_dropout_off()
             self._flush()
             assert self._writer is not None
             self._writer.close(complete=exc_type is None and not self._overflowed)
@@ -217,10 +223,22 @@ class TraceCompare:
         self._stop()
         self._flush()
         self._step += 1
-        if self._selected(self._step):
-            self._start()
+        self._begin_step()
 
     # -- recording on/off ----------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        if self._selected(self._step):
+            self._start()
+        elif self.rng == "host" or self.dropout is not None:
+            # Unrecorded steps run at full speed except for what keeps the runs comparable.
+            self._unrecorded = Rewrites(self.rng == "host", self.dropout is not None)
+            self._unrecorded.__enter__()
+
+    def _leave_dropout_off(self) -> None:
+        if self._dropout_off is not None:
+            self._dropout_off.__exit__(None, None, None)
+            self._dropout_off = None
+
     def _start(self) -> None:
         assert self._mode is not None and self._scope is not None
         if self.model is not None:
@@ -232,19 +250,16 @@ class TraceCompare:
         ]
         self._mode.begin(self._step)
         self._mode.__enter__()
-        if self.dropout is not None:
-            self._dropout_off = DropoutOff()
-            self._dropout_off.__enter__()
         self._recording = True
 
     def _stop(self) -> None:
+        if self._unrecorded is not None:
+            self._unrecorded.__exit__(None, None, None)
+            self._unrecorded = None
         if not self._recording:
             return
         assert self._mode is not None and self._scope is not None
         self._recording = False
-        if self._dropout_off is not None:
-            self._dropout_off.__exit__(None, None, None)
-            self._dropout_off = None
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
