@@ -121,6 +121,22 @@ def test_random_ops_are_found_from_the_schema() -> None:
     assert not op_info(aten._scaled_dot_product_flash_attention.default).host_rng
 
 
+def test_factories_for_a_device_draw_on_the_host_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``meta`` standing in for an accelerator: the device argument becomes the CPU for the
+    draw (the CPU generator advances exactly as for a CPU call) and the result moves to the device."""
+    monkeypatch.setattr(rng, "_NOT_ACCELERATORS", ("cpu",))
+    meta = torch.device("meta")
+    for op, args in ((aten.randn.default, ([2, 3],)), (aten.randperm.default, (7,)), (aten.randint.low, (0, 5, [4]))):
+        torch.manual_seed(5)
+        op(*args, device=torch.device("cpu"))
+        after_cpu_draw = torch.get_rng_state()
+        torch.manual_seed(5)
+        out = rng.host_call(op, op_info(op), args, {"device": meta})
+        assert out.device == meta and out.shape == op(*args, device=meta).shape
+        assert torch.equal(torch.get_rng_state(), after_cpu_draw), op
+    assert rng._accelerator((), {"device": torch.device("cuda", 1)}) == torch.device("cuda", 1)
+
+
 def test_cpu_tensors_are_left_alone_without_forcing() -> None:
     info = op_info(aten.bernoulli_.float)
     t = torch.empty(3)

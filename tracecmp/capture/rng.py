@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 from tracecmp.capture.ops import OpInfo, arg_value, op_info
 
 _CPU = torch.device("cpu")
+_NOT_ACCELERATORS = ("cpu", "meta")  # meta tensors hold no numbers to draw
 # Tests set this to treat CPU tensors as if they lived on an accelerator, so that the host path
 # (copy to the host, draw, copy back) runs and can be checked bitwise on a machine without one.
 _FORCE_HOST_FOR_TESTS = False
@@ -46,7 +47,7 @@ def _accelerator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device 
                     return None  # the caller chose a device generator: honour it
                 continue
             device = item.device if isinstance(item, torch.Tensor) else item if isinstance(item, torch.device) else None
-            if found is None and device is not None and device.type not in ("cpu", "meta"):
+            if found is None and device is not None and device.type not in _NOT_ACCELERATORS:
                 found = device
     if found is None and _FORCE_HOST_FOR_TESTS:
         return _CPU
