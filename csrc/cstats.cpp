@@ -245,7 +245,7 @@ PyMethodDef methods[] = {
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "tracecmp._cstats",
                       "Fused C++ statistics pass over CPU tensor memory (no torch headers).", -1,
-                      methods};
+                      methods, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 }  // namespace tracecmp
