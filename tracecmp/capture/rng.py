@@ -14,7 +14,8 @@ torch's Python functions that take a drop probability (``F.dropout`` and its var
 the RNN functions) are called with it set to 0 through a torch-function mode, and dispatched ops
 with a drop-probability argument (``native_dropout``, fused attention, cuDNN RNN; see
 ``ops._dropout_rewrites``) get it rewritten in the capture mode, with the backward's rescaling
-set to 1 to match.
+set to 1 to match. Both options hold for the whole session: in steps that are not recorded a
+light dispatch mode (:class:`Rewrites`) applies them.
 """
 from __future__ import annotations
 
