@@ -82,6 +82,13 @@ class TensorState:
             self.c_ext, self.c_sys, self.c_rms = self.e_ext, self.e_sys, self.e_rms
 
     @property
+    def mix_level(self) -> float:
+        """Rms-relative error estimate for ops that mix many elements: the error at the extremes,
+        converted half-way (geometric mean) between "proportional to magnitude" and "uniform"."""
+        ext_as_rms = self.c_ext * math.sqrt(self.amax / self.rms) if self.rms > 0 else self.c_ext
+        return max(ext_as_rms, self.c_sys, 0.0 if math.isnan(self.c_rms) else self.c_rms)
+
+    @property
     def level(self) -> float:
         """Rms-relative error estimate (conservative): the largest of what the statistics show."""
         ext_as_rms = self.c_ext * self.amax / self.rms if self.rms > 0 else self.c_ext
@@ -229,7 +236,11 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
             continue
         lvl = s.level
         abs_err = lvl * s.rms
-        if rule == "selector":
+        if rule == "add":
+            ext += s.c_ext * s.amax / amax_o
+            sys_ += s.c_sys * s.rms / rms_o
+            env += abs_err / rms_o
+        elif rule == "selector":
             # Only elements whose sign the error flips change (a fraction ~ the relative error).
             ext += 1.0 if not s.exact else 0.0
             sys_ += 4.0 * lvl
@@ -259,9 +270,10 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
             lip = 1.0 if cls.mean_like else math.sqrt(k)
             kappa = s.rms / (math.sqrt(k) * rms_o) if cls.mean_like else math.sqrt(k) * s.rms / rms_o
             kappa = min(CAP, max(1.0, kappa))
-            ext += max(kappa * lvl, lip * abs_err / amax_o)
+            mix = s.mix_level
+            ext += max(kappa * mix, lip * abs_err / amax_o)
             sys_ += max(kappa * s.c_sys, lip * s.c_sys * s.rms / rms_o)
-            env += max(kappa * lvl, lip * abs_err / rms_o)
+            env += max(kappa * mix, lip * abs_err / rms_o)
         else:
             if kind == "contract":
                 kappa = kappa_contract
@@ -270,10 +282,10 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
                 kappa = min(CAP, max(2.0, 2.0 * s.rms / max(spread, _TINY)))
             else:  # other: unknown semantics, be generous both ways
                 kappa = 4.0
-                lvl = max(lvl, abs_err / amax_o, abs_err / rms_o)
-            ext += kappa * lvl
+            mix = max(lvl, abs_err / amax_o, abs_err / rms_o) if kind == "other" else s.mix_level
+            ext += kappa * mix
             sys_ += kappa * s.c_sys
-            env += kappa * lvl
+            env += kappa * mix
     return ext, sys_ + env / math.sqrt(neff), env
 
 
@@ -435,7 +447,7 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
                 f1 = (1.0, 1.0, 1.0)
             else:
                 unit = out.unit
-                if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32:
+                if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_ins):
                     # TF32 rounding, not accumulation order, then sets the local error.
                     unit, lam, uses_tf32 = TF32_EPS, 0.5, True
                 neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0

@@ -44,7 +44,8 @@ class OpClass:
     operands: tuple[int, ...] = ()  # contract: the argument positions multiplied together (else the two largest)
     # Per-input exceptions: (position, how) with how one of "ignore" (shape only, values unused),
     # "exp" (enters through exp: its absolute error is the output's relative error), "selector"
-    # (only decides which elements pass: a changed sign flips a few elements).
+    # (only decides which elements pass: a changed sign flips a few elements), "add" (added to
+    # the product of the others: its absolute error carries over).
     inputs: tuple[tuple[int, str], ...] = ()
 
     def input_rule(self, position: int) -> str:
@@ -78,7 +79,7 @@ _LIPSCHITZ = {
     "max_pool3d_with_indices", "adaptive_max_pool2d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "adaptive_avg_pool3d",
     "upsample_bilinear2d", "upsample_linear1d", "upsample_bicubic2d", "_upsample_bilinear2d_aa", "grid_sampler_2d",
-    "lerp", "lerp_", "addcmul_", "_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_neg",
+    "lerp", "lerp_", "_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_neg",
     "_foreach_lerp_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_maximum_", "_foreach_abs",
     "sort", "topk", "kthvalue", "median", "cummax", "cummin", "logsigmoid", "log_sigmoid_forward", "_prelu_kernel",
     "prelu", "native_dropout", "dropout", "feature_dropout", "alpha_dropout", "softshrink", "hardshrink",
@@ -86,7 +87,7 @@ _LIPSCHITZ = {
     "trunc_normal_", "rrelu_with_noise",
 }
 _PRODUCT = {
-    "mul", "mul_", "div", "div_", "true_divide", "floor_divide", "square", "pow", "pow_", "sqrt", "sqrt_", "rsqrt",
+    "mul", "mul_", "div", "div_", "true_divide", "addcmul_", "floor_divide", "square", "pow", "pow_", "sqrt", "sqrt_", "rsqrt",
     "rsqrt_", "reciprocal", "reciprocal_", "log", "log_", "log2", "log10", "log1p", "addcmul", "addcdiv", "addcdiv_",
     "_foreach_mul", "_foreach_mul_", "_foreach_div", "_foreach_div_", "_foreach_sqrt", "_foreach_sqrt_",
     "_foreach_addcmul", "_foreach_addcmul_", "_foreach_addcdiv", "_foreach_addcdiv_", "_foreach_pow",
@@ -229,7 +230,8 @@ def classify(op: str) -> OpClass:
     if name in _LOG_SOFTMAX:
         return OpClass("lipschitz", lipschitz=2.0, accumulates=True)
     if name in _PRODUCT:
-        return OpClass("product", inverse_inputs=_INVERSE.get(name, ()))
+        added = ((0, "add"),) if name.startswith(("addcmul", "addcdiv", "_foreach_addcmul", "_foreach_addcdiv")) else ()
+        return OpClass("product", inverse_inputs=_INVERSE.get(name, ()), inputs=added)
     if name in _LIPSCHITZ:
         return OpClass("lipschitz", lipschitz=1.13 if name.startswith(("gelu", "silu", "mish")) else 1.0)
     if name in _COPY:
