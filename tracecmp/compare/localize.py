@@ -315,17 +315,45 @@ def _contracts_nonzero(cls: OpClass, ins: list[tuple[int, TensorState]]) -> bool
 
 
 # Tuning constants (set on the fault-injection benchmark's kept traces, see benchmarks/localization).
+def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorState) -> float:
+    """How much the op's own rounding (one unit per partial sum) is amplified relative to its output:
+    the condition factor of a sum or product whose terms cancel (1 when nothing cancels)."""
+    rms_o = max(out.rms, _TINY)
+    if cls.kind == "contract":
+        operands = _operands(cls, ins)
+        if len(operands) == 2 and out.numel > 0:
+            (_, a), (_, b) = operands
+            k = math.sqrt(max(a.numel * b.numel / out.numel, 1.0))
+            return min(CAP, max(1.0, math.sqrt(k) * a.rms * b.rms / rms_o))
+    elif cls.kind == "reduce" and ins:
+        s = max((s for _, s in ins), key=lambda s: s.numel)
+        k = max(s.numel / max(out.numel, 1), 1.0)
+        kappa = s.rms / (math.sqrt(k) * rms_o) if cls.mean_like else math.sqrt(k) * s.rms / rms_o
+        return min(CAP, max(1.0, kappa))
+    elif cls.kind == "normalize" and ins:
+        s = max((s for _, s in ins), key=lambda s: s.numel)
+        spread = math.sqrt(max(s.rms * s.rms - s.mean * s.mean, 0.0))
+        return min(CAP, max(1.0, s.rms / max(spread, _TINY)))
+    return 1.0
+
+
 _CARRY = 2.0  # a measurement is trusted to be at most this many times below the inputs' prediction
+_CARRY_SYS = 4.0  # the same for norm/mean differences
 _M_MIN = 2.0  # with calibration: the smallest margin over the predicted error ...
 _M_RATIO = 3.0  # ... else this many times the typical observed/predicted ratio of the op in this run
 
 
 def _carry(out: TensorState, x: tuple[float, float, float]) -> None:
-    """Raise the error an output passes on towards the predicted one, by at most ``_CARRY`` times."""
+    """Raise the error an output passes on towards the predicted one, by at most ``_CARRY`` times.
+
+    A channel that measured exactly nothing on a tensor that is not bitwise equal is blind there
+    (saturated extremes such as softmax's 0 and 1, a mean fixed by construction): the prediction
+    stands in for it.
+    """
     if out.exact:
         return
-    out.c_ext = max(out.e_ext, min(x[0], _CARRY * out.e_ext))
-    out.c_sys = max(out.e_sys, min(x[1], _CARRY * out.e_sys))
+    out.c_ext = out.e_ext and max(out.e_ext, min(x[0], _CARRY * out.e_ext)) or x[0]
+    out.c_sys = out.e_sys and max(out.e_sys, min(x[1], _CARRY_SYS * out.e_sys)) or x[1]
     if not math.isnan(out.e_rms):
         out.c_rms = max(out.e_rms, min(x[2], _CARRY * out.e_rms))
 
@@ -437,7 +465,7 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
         if cls.kind == "select" and not inputs_exact:
             judgeable = False  # comparisons, rounding, argmax: a changed input may change anything
         best_e, best_x, best_f1, best_ratio = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), -math.inf
-        lam = 4.0 if cls.accumulates else 1.0
+        lam = 2.0 if cls.accumulates else 1.0
         uses_tf32 = False
         nontrivial = False
         for out in out_states:
@@ -450,6 +478,9 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
                 if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_ins):
                     # TF32 rounding, not accumulation order, then sets the local error.
                     unit, lam, uses_tf32 = TF32_EPS, 0.5, True
+                elif cls.accumulates:
+                    # Reordered partial sums differ by a unit each, amplified where terms cancel.
+                    unit *= _local_kappa(cls, float_ins, out)
                 neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
                 f1 = (max(unit, _TINY), max(unit / math.sqrt(neff), _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
