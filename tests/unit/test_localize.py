@@ -317,3 +317,23 @@ def test_explicit_default_arguments_are_not_a_difference(tmp_path):
 
     result = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False))
     assert result.agrees and result.first_divergence is None
+
+
+def test_compare_a_later_step_alone(tmp_path):
+    def run(path: Path, factor: float) -> Path:
+        b = TraceBuilder()
+        x = b.source("input.0", torch.linspace(-1, 1, 64))
+        w = b.param("w", torch.full((64,), 0.5))
+        for step in range(2):
+            y = b.call(A.mul.Tensor, x, w, module="m")
+            g = b.call(A.gelu.default, y, module="act", fault=(lambda t: t * factor) if step == 1 else None)
+            w = b.call(A.add.Tensor, w, g, alpha=-0.1, phase="optimizer")  # the next step reads this value
+            b.step()
+        return b.write(path)
+
+    result = tracecmp.compare(run(tmp_path / "t", 1.01), run(tmp_path / "b", 1.0), steps=[1])
+    assert result.steps == [1]
+    d = result.first_divergence
+    assert (d.op, d.step) == ("aten.gelu.default", 1)
+    mul = result.nodes[result.nodes["op"] == "aten.mul.Tensor"].iloc[0]
+    assert mul["status"] == "agrees"  # its weight comes from step 0, measured through its consumer

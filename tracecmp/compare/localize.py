@@ -401,7 +401,9 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
     channels = ("max/min", "norm/mean", "rms")
 
     def lookup(tid: int) -> TensorState | None:
-        return state.get(base.get(tid, tid))
+        tid = base.get(tid, tid)
+        # A value produced outside the compared steps is known only as measured.
+        return state.get(tid) or ri.measured.get(tid)
 
     # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
     for index, node in enumerate(ri.nodes):
@@ -414,7 +416,7 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
         # Sources have no inputs; a view node whose output carries statistics of its own (capture's
         # alias.update: a tensor after writes through its views) assembles its inputs' values.
         cls = OpClass("factory") if kind == "source" else OpClass("copy") if kind == "view" else classify(op)
-        ins_all = [(pos, lookup(t) if t not in base else _through_view(state.get(base[t]))) for pos, t in enumerate(inputs)]
+        ins_all = [(pos, lookup(t) if t not in base else _through_view(lookup(t))) for pos, t in enumerate(inputs)]
         # Inputs whose values the op never reads (nll_loss_backward's log-probs) count for nothing.
         ins = [(pos, s) for pos, s in ins_all if s is not None and not s.uninit and cls.input_rule(pos) != "ignore"]
         unknown_input = any(s is None and cls.input_rule(pos) != "ignore" for pos, s in ins_all) or any(not s.known for _, s in ins)
