@@ -1,23 +1,32 @@
 """Find the nodes whose own computation went wrong: roots, not the nodes that inherited their error.
 
-The target graph is walked in execution order (``op_id``). For every node the error its outputs
-show against the bench (:mod:`tracecmp.compare.metrics`, in units of the coarser dtype's rounding
-unit) is set against the error its inputs carried in, pushed through the op's propagation class
-(:mod:`tracecmp.compare.opclass`, using the bench's magnitudes: condition-like factors, not
-constants). What is left is the error the node *introduced*. A node is a root when
+The target graph is walked in execution order (``op_id``). Each node's outputs carry an error
+against the bench (:mod:`tracecmp.compare.metrics`: ``e_ext`` at the extremes, ``e_sys`` in norm and
+mean, lower bounds both). From its inputs' errors and the op's propagation class
+(:mod:`tracecmp.compare.opclass`, with condition factors computed from the bench's magnitudes) the
+node gets a *prediction*: the error its outputs would show if the op itself were exact. What the
+outputs show beyond the prediction is what the node *introduced*, in rounding units of the coarser
+dtype (scaled by the op's condition factor for sums, by TF32's unit for float32 matmul/conv). A
+node is a root when
 
 * its inputs agree bitwise and its outputs do not, in a comparison where identical inputs otherwise
-  give identical outputs (the "bitwise regime": same device, same dtypes, deterministic), or
-* its error exceeds ``margin`` times the inherited estimate by more than ``local`` rounding units
-  (more for accumulating ops, TF32 precision for float32 matmul/conv unless the trace shows exact
-  matmuls), and more than ``ambient`` times what nodes of the same op and dtype typically introduce
-  in this comparison (so a run that is bf16 throughout reads as noise, not as a thousand roots).
+  give identical outputs (the "bitwise regime": same implementation, dtypes, determinism), or
+* its error exceeds a margin times the prediction by more than ``local`` rounding units, where
+  both margin and floor are calibrated on this comparison: per (op, dtype) the typical error
+  introduced (fresh noise every TF32 matmul or bf16 op adds) and the typical ratio of observed
+  to predicted error (where the class's model is loose for this op). A run that is bf16
+  throughout therefore reads as noise, not as a thousand roots.
+
+Statistics are single samples of a random error, so a tensor passes on to its consumers not only
+what it measured but up to a few times more when its own prediction was higher, and the full
+prediction where a channel is blind (softmax's extremes are exactly 0 and 1 in both runs). A view
+passes on its base's error, widened: its largest error may sit away from the base's extremes.
 
 Non-tensor argument differences, differing sources, NaN/Inf appearing from finite inputs and
-diverging random ops are roots of their own kinds. Error reaching a node only through an input
-that is already off, through a changed index or mask, or through an input whose error is unknown
-is never blamed on it. The first root in execution order is the first divergence; all roots,
-ranked by introduced error, are the suspects.
+diverging random ops are roots of their own kinds; a target-only op that changes values is a
+structure root. Error reaching a node only through an input that is already NaN, through a changed
+index or mask, or through an input whose error is unknown is never blamed on it. The first root in
+execution order is the first divergence; all roots, ranked by introduced error, are the suspects.
 """
 from __future__ import annotations
 
@@ -38,7 +47,6 @@ from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
 CAP = 1e6  # largest amplification any op is credited with; beyond that a node is simply not judged
 _TINY = 1e-300
 _FP32 = EPS["float32"]
-_PHASE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
 # Non-tensor arguments that legitimately differ between a target and a bench run.
 _IGNORED_ARGS = {"dtype", "device", "layout", "pin_memory", "memory_format", "non_blocking", "copy",
                  "requires_grad", "stride", "size_hint", "generator", "out_dtype", "cudnn_enabled", "benchmark",
