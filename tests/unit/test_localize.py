@@ -337,3 +337,20 @@ def test_compare_a_later_step_alone(tmp_path):
     assert (d.op, d.step) == ("aten.gelu.default", 1)
     mul = result.nodes[result.nodes["op"] == "aten.mul.Tensor"].iloc[0]
     assert mul["status"] == "agrees"  # its weight comes from step 0, measured through its consumer
+
+
+def test_ranks_are_compared_separately_and_missing_ranks_warned(tmp_path):
+    def run(path: Path, ranks: int, bad_rank: int | None) -> Path:
+        for rank in range(ranks):
+            b = TraceBuilder(rank=rank, world_size=ranks)
+            x = b.source("input.0", torch.linspace(-1, 1, 32) + rank)
+            b.call(A.gelu.default, x, module="act", fault=(lambda t: t * 1.01) if rank == bad_rank else None)
+            b.write(path)
+        return path
+
+    result = tracecmp.compare(run(tmp_path / "t", 3, bad_rank=1), run(tmp_path / "b", 2, bad_rank=None))
+    d = result.first_divergence
+    assert (d.rank, d.op) == (1, "aten.gelu.default")
+    assert result.ranks == [0, 1]
+    assert any("only in the target" in w for w in result.warnings)
+    assert set(result.nodes.loc[result.nodes["rank"] == 0, "status"]) == {"agrees"}
