@@ -1,8 +1,8 @@
 """The private TorchDispatchMode that records every dispatched op (behind :class:`TraceCompare`).
 
 Per op it appends one row (a tuple in ``OPS_SCHEMA`` column order) and one row per produced
-tensor value (``TENSORS_SCHEMA`` order); tuples are transposed into columns once per chunk, which
-keeps the per-op path at one ``append`` per row. Rows hold ids, strings and numbers, never tensors,
+tensor value (``TENSORS_SCHEMA`` order); the writer's thread turns them into columns, which keeps
+the per-op path at one ``append`` per row. Rows hold ids, strings and numbers, never tensors,
 and only tuples (no lists, no ``torch.Size``): the garbage collector untracks such tuples, so a
 full buffer does not make its full collections (~0.2 s each with torch and transformers loaded)
 fire more often.
@@ -41,7 +41,7 @@ from tracecmp.capture.ops import FRESH, ONE_FRESH, SCRATCH, WRITE, ArgsEncoder, 
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.watch import OverflowWatch
-from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, TENSORS_SCHEMA
+from tracecmp.trace.schema import ALIAS_UPDATE_OP
 
 _NO_STATS = (None,) * 7
 _NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
@@ -455,18 +455,15 @@ class CaptureMode(TorchDispatchMode):
         self.step = step
         self.in_optimizer = False
 
-    def take(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]], dict[str, torch.Tensor], list[int]]:
-        """Hand over the buffered rows as columns (and saved tensors), and empty the buffers."""
+    def take(self) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, torch.Tensor]]:
+        """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""
         self._gather_deferred_stats()
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
-        rows, tensor_rows, saved = self.rows, self.tensor_rows, self.saved
+        taken = self.rows, self.tensor_rows, self.saved
         self.rows, self.tensor_rows, self.saved, self.saved_bytes = [], [], {}, 0
-        ops = _columns(rows, OPS_SCHEMA.names)
-        tensors = _columns(tensor_rows, TENSORS_SCHEMA.names)
-        steps = sorted(set(ops["step"]))
         self._sweep()
-        return ops, tensors, saved, steps
+        return taken
 
     def _gather_deferred_stats(self) -> None:
         """Bring the statistics computed on accelerators to the host: one transfer per device."""
@@ -490,8 +487,3 @@ class CaptureMode(TorchDispatchMode):
         if self.watch is not None:
             self.watch.restart({rec.tid for rec in recs})
 
-
-def _columns(rows: list[tuple[Any, ...]], names: list[str]) -> dict[str, list[Any]]:
-    if not rows:
-        return {name: [] for name in names}
-    return {name: list(column) for name, column in zip(names, zip(*rows))}

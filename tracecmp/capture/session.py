@@ -1,10 +1,8 @@
 """``TraceCompare``: the public context manager that records a run into a trace folder."""
 from __future__ import annotations
 
-import gc
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
@@ -16,11 +14,11 @@ from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.watch import OverflowWatch
-from tracecmp.errors import CaptureError, OverflowDetected
+from tracecmp.errors import CaptureError, OverflowDetected, TracecmpError
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.seeding import last_seed_settings
 from tracecmp.trace.reader import load_rank
-from tracecmp.trace.writer import RankWriter, write_run_manifest
+from tracecmp.trace.writer import BackgroundWriter, RankWriter, write_run_manifest
 
 DATA_MODES = ("stats", "tensors")
 RNG_MODES = ("device", "host")
@@ -69,6 +67,15 @@ class TraceCompare:
     recorded step starts from the same history in both runs. The run manifest records the
     options, what the last :func:`tracecmp.seed_all` set, and the determinism switches in force.
 
+    Each step's records become one chunk on disk, written by a background thread so that the
+    training thread only hands rows over. At most two chunks are in flight (handed over, not yet
+    committed): when :meth:`step` returns, every step before the previous two is on disk, and a
+    run killed at any point keeps every committed chunk and reads as incomplete. :meth:`sync`
+    waits until everything handed over is committed; ``sync=True`` makes every :meth:`step` do
+    so (a crash then loses at most the step in progress, at the cost of writing on the training
+    thread's time). A write error is raised as a :class:`~tracecmp.TracecmpError` by the next
+    :meth:`step`, :meth:`sync` or the exit of the context.
+
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,6 +102,7 @@ class TraceCompare:
         rng: str = "device",
         dropout: float | None = None,
         overflow: str | None = None,
+        sync: bool = False,
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -129,7 +137,8 @@ class TraceCompare:
         self._step = 0
         self._used = False
         self._recording = False
-        self._writer: RankWriter | None = None
+        self.sync_steps = bool(sync)
+        self._writer: BackgroundWriter | None = None
         self._mode: CaptureMode | None = None
         self._scope: ModuleScope | None = None
         self._hooks: list[Any] = []
@@ -176,7 +185,9 @@ class TraceCompare:
                 write_run_manifest(self.path, options=options, extra=run_info)
             except OSError as exc:
                 raise CaptureError(f"cannot write the trace: {exc.strerror}", path=self.path) from exc
-        self._writer = RankWriter(self.path, rank=rank, world_size=world_size, device=device, info={"options": options})
+        self._writer = BackgroundWriter(
+            RankWriter(self.path, rank=rank, world_size=world_size, device=device, info={"options": options})
+        )
         locator = Locator()
         self._scope = ModuleScope(self.model, locator)
         self._mode = CaptureMode(
@@ -206,24 +217,46 @@ class TraceCompare:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._writer is not None
         try:
-            self._stop()
-            self._leave_dropout_off()
-            self._flush()
-            assert self._writer is not None
-            self._writer.close(complete=exc_type is None and not self._overflowed)
+            try:
+                self._stop()
+                self._leave_dropout_off()
+                self._flush()
+            finally:
+                # Waits for the writer thread; incomplete when the body raised or a chunk was lost.
+                self._writer.close(complete=exc_type is None and not self._overflowed)
+        except TracecmpError as err:
+            if exc is None:
+                raise
+            exc.add_note(f"tracecmp: {err}")  # the body's own exception is the one to see
         finally:
             TraceCompare._active = None
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
 
     def step(self) -> None:
-        """Mark a step boundary: commit what the step recorded, then start the next step."""
+        """Mark a step boundary: hand what the step recorded to the writer, then start the next step."""
         if TraceCompare._active is not self:
             raise CaptureError("step() called outside the TraceCompare context", path=self.path)
         self._stop()
         self._flush()
         self._step += 1
         self._begin_step()
+
+    def sync(self) -> None:
+        """Wait until every finished step (every chunk handed to the writer) is committed on disk.
+
+        >>> import torch, tracecmp, tempfile
+        >>> with tracecmp.TraceCompare(tempfile.mkdtemp() + "/run") as tc:
+        ...     _ = torch.ones(2) * 2
+        ...     tc.step(); tc.sync()
+        ...     tracecmp.load(tc.path).to_frame()["step"].unique().tolist()
+        [0]
+        """
+        if TraceCompare._active is not self:
+            raise CaptureError("sync() called outside the TraceCompare context", path=self.path)
+        assert self._writer is not None
+        self._writer.wait()
 
     # -- recording on/off ----------------------------------------------------------------------
     def _begin_step(self) -> None:
@@ -277,40 +310,30 @@ class TraceCompare:
         self._mode.in_optimizer = False
 
     def _flush(self) -> None:
-        """Commit the buffered rows as one chunk (the writer renames it into place atomically)."""
+        """Hand the buffered rows to the writer as one chunk (committed atomically on its thread)."""
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         if not mode.rows and not mode.tensor_rows:
             return
-        started = time.monotonic()
-        loud = len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty()
-        if loud:
+        if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
             print(f"tracecmp: writing {len(mode.rows):,} ops of step {self._step} ...", file=sys.stderr, flush=True)
-        # Turning columns into tables allocates many containers, which would set off the cyclic
-        # collector's full passes (~0.3 s each with torch loaded); reference counting frees them.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            ops, tensors, saved, steps = mode.take()
-            if self.model is None and writer.manifest["device"] == "cpu":
-                writer.manifest["device"] = mode.accelerator() or "cpu"
-            writer.write_chunk(ops, tensors, saved or None, steps=steps)
-        except OSError as exc:
-            raise CaptureError(f"cannot write the trace: {exc.strerror}", path=writer.dir) from exc
-        finally:
-            if collecting:
-                gc.enable()
-        mode.chunk = writer.chunks
-        if loud:
-            print(f"tracecmp: wrote in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        rows, tensor_rows, saved = mode.take()
+        manifest = writer.writer.manifest
+        if self.model is None and manifest["device"] == "cpu":
+            manifest["device"] = mode.accelerator() or "cpu"
+        mode.chunk = writer.submit(rows, tensor_rows, saved or None) + 1
         watch = mode.watch
-        if watch is not None and watch.found is not None and "first_overflow" not in writer.manifest["info"]:
-            writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
+        found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
+        if self.sync_steps or found:
+            writer.wait()
+        if found:
+            assert watch is not None and watch.found is not None
+            writer.writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
 
     def _overflow_record(self, op_id: int) -> Overflow:
         """The overflow at ``op_id``, described from the committed chunks as ``tracecmp overflow`` would."""
         assert self._writer is not None
-        return overflow_at(load_rank(self._writer.dir), op_id)
+        return overflow_at(load_rank(self._writer.writer.dir), op_id)
 
     def _raise_overflow(self) -> None:
         """``overflow="raise"``: commit the trace so far, note the overflow, stop the run."""
@@ -318,7 +341,7 @@ class TraceCompare:
         self._flush()
         self._overflowed = True
         assert self._writer is not None
-        raise OverflowDetected(from_dict(self._writer.manifest["info"]["first_overflow"]), path=self.path)
+        raise OverflowDetected(from_dict(self._writer.writer.manifest["info"]["first_overflow"]), path=self.path)
 
 
 def _determinism_flags() -> dict[str, Any]:

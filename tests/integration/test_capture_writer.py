@@ -1,0 +1,124 @@
+"""The background chunk writer: bounded, ordered, and never silent about a failed write."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tracecmp
+from tracecmp.errors import CaptureError, TracecmpError
+from tracecmp.trace.writer import BackgroundWriter, RankWriter
+from tests.models import example_batch, make_model, make_optimizer, train_step
+
+
+def _fail_chunk(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
+    """Make the writer's chunk ``index`` fail as a full disk would."""
+    original = RankWriter.write_chunk
+
+    def write_chunk(self: RankWriter, *args: Any, **kwargs: Any) -> None:
+        if self.chunks == index:
+            raise OSError(28, "No space left on device")
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RankWriter, "write_chunk", write_chunk)
+
+
+def test_steps_are_committed_in_order_and_complete(tmp_path: Path) -> None:
+    model, batch = make_model("mlp"), example_batch("mlp")
+    opt = make_optimizer(model)
+    with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
+        for _ in range(4):
+            train_step(model, opt, batch)
+            tc.step()
+        tc.sync()
+        assert tracecmp.load(tc.path).rank(0).manifest["steps"] == [0, 1, 2, 3]
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete is True
+    assert sorted(trace.to_frame()["step"].unique()) == [0, 1, 2, 3]
+
+
+def test_write_error_surfaces_at_a_later_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_chunk(monkeypatch, 1)
+    with pytest.raises(TracecmpError, match="cannot write the trace: No space left on device"):
+        with tracecmp.TraceCompare(tmp_path / "t") as tc:
+            for _ in range(6):
+                torch.ones(3).mul(2).sum()
+                tc.step()
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete is False
+    assert sorted(trace.to_frame()["step"].unique()) == [0]  # what was committed before the error
+
+
+def test_write_error_surfaces_at_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_chunk(monkeypatch, 0)
+    with pytest.raises(TracecmpError, match="No space left"):
+        with tracecmp.TraceCompare(tmp_path / "t"):
+            torch.ones(3).mul(2)
+    assert tracecmp.load(tmp_path / "t").complete is False
+
+
+def test_sync_mode_raises_at_the_failing_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_chunk(monkeypatch, 1)
+    done = []
+    with pytest.raises(TracecmpError, match="No space left"):
+        with tracecmp.TraceCompare(tmp_path / "t", sync=True) as tc:
+            for step in range(4):
+                torch.ones(3).mul(2)
+                tc.step()
+                done.append(step)
+    assert done == [0]  # step 1's own step() raised
+
+
+def test_body_exception_wins_over_a_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_chunk(monkeypatch, 0)
+    with pytest.raises(ValueError, match="user bug") as caught:
+        with tracecmp.TraceCompare(tmp_path / "t"):
+            torch.ones(3).mul(2)
+            raise ValueError("user bug")
+    assert any("cannot write the trace" in note for note in caught.value.__notes__)
+    assert tracecmp.load(tmp_path / "t").complete is False
+
+
+def test_body_exception_keeps_finished_steps(tmp_path: Path) -> None:
+    with pytest.raises(KeyError):
+        with tracecmp.TraceCompare(tmp_path / "t") as tc:
+            for step in range(3):
+                torch.ones(3).mul(step)
+                tc.step()
+            raise KeyError("boom")
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete is False
+    assert sorted(trace.to_frame()["step"].unique()) == [0, 1, 2]
+
+
+def test_sync_outside_the_context_is_refused(tmp_path: Path) -> None:
+    tc = tracecmp.TraceCompare(tmp_path / "t")
+    with pytest.raises(CaptureError, match="sync"):
+        tc.sync()
+
+
+def test_at_most_two_chunks_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, started = threading.Event(), threading.Event()
+    original = RankWriter.write_rows
+
+    def gated(self: RankWriter, *args: Any, **kwargs: Any) -> None:
+        started.set()
+        gate.wait(timeout=60)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RankWriter, "write_rows", gated)
+    writer = BackgroundWriter(RankWriter(tmp_path / "t"))
+    assert writer.submit([], []) == 0
+    assert started.wait(timeout=60)  # chunk 0 is being written (held at the gate)
+    assert writer.submit([], []) == 1  # chunk 1 waits in the queue
+    third = threading.Thread(target=writer.submit, args=([], []))
+    third.start()
+    third.join(timeout=0.5)
+    assert third.is_alive()  # a third chunk waits for room: memory stays bounded
+    gate.set()
+    third.join(timeout=60)
+    writer.close(complete=True)
+    assert writer.writer.chunks == 3
