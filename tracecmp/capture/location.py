@@ -2,6 +2,8 @@
 
 Walking ``sys._getframe()`` costs a few attribute reads per frame; whether a code object is
 internal is decided once per code object and cached, so the walk is a handful of dict lookups.
+The text of a user frame's location is cached by its code object and instruction offset
+(``f_lasti``), which skips decoding the line table and formatting a string at every op.
 
 >>> Locator().location(0).split(":")[0]  # doctest: +SKIP
 'train.py'
@@ -28,6 +30,7 @@ _INTERNAL_ROOTS = tuple(
 # The built-in demo's model lives inside the package but is the "user program" of `tracecmp demo`.
 _USER_FILES = frozenset({os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo.py")})
 _STACK_LIMIT = 64
+_TEXT_LIMIT = 1 << 16
 
 
 class Locator:
@@ -35,6 +38,7 @@ class Locator:
 
     def __init__(self) -> None:
         self._code: dict[CodeType, str | bool] = {}
+        self._text: dict[tuple[CodeType, int], str] = {}  # (user code, f_lasti) -> "file.py:LINE"
 
     def _classify(self, code: CodeType) -> str | bool:
         filename = code.co_filename
@@ -49,11 +53,18 @@ class Locator:
         frame: FrameType | None = sys._getframe(depth + 1)
         cache = self._code
         while frame is not None:
-            verdict = cache.get(frame.f_code)
+            code = frame.f_code
+            verdict = cache.get(code)
             if verdict is None:
-                verdict = self._classify(frame.f_code)
+                verdict = self._classify(code)
             if verdict is not True:
-                return f"{verdict}:{frame.f_lineno}"
+                key = (code, frame.f_lasti)
+                text = self._text.get(key)
+                if text is None:
+                    if len(self._text) >= _TEXT_LIMIT:
+                        self._text.clear()
+                    text = self._text[key] = f"{verdict}:{frame.f_lineno}"
+                return text
             frame = frame.f_back
         return ""
 

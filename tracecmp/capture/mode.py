@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
+from tracecmp.capture import stats as _stats
 from tracecmp.capture.ops import FRESH, ONE_FRESH, SCRATCH, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
@@ -49,7 +50,12 @@ _SEQ_NONE = 1 << 63  # engine nodes such as AccumulateGrad carry UINT64_MAX, not
 _WRITE_HISTORY = 16  # recorded writes remembered per view family
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
+_get_num_threads = torch.get_num_threads
 _Tensor = torch.Tensor
+# The C++ kernel called as tensor_stats_row would, minus the attribute reads _value already made.
+_NATIVE_CODES = _stats._NATIVE_CODES
+_PARALLEL_MIN = _stats._PARALLEL_MIN
+_CPU_DEVICE = ("cpu", 0)
 
 # Device kinds: statistics now (CPU), statistics gathered at flush (accelerators), none (meta).
 _CPU, _DEFERRED, _NONE = 0, 1, 2
@@ -128,6 +134,7 @@ class CaptureMode(TorchDispatchMode):
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
+        self._forget_cb = self._forget  # one bound method for every weak record, not one each
 
     # -- the per-op path -----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -158,12 +165,15 @@ class CaptureMode(TorchDispatchMode):
         forward = node is None or scope.depth  # on the thread whose sequence numbers we follow
         if forward and tensors and _is_grad_enabled():
             newest = _get_sequence_nr() - 1
-            if newest >= scope.claim_floor and any(t.requires_grad for t in tensors):
-                # A node was made since the previous op returned: this op's (modules.py).
-                scope.seq_info[newest] = (module, location)
-                scope.claims += 1
-                if node is None:
-                    seq = newest
+            if newest >= scope.claim_floor:
+                for t in tensors:
+                    if t.requires_grad:
+                        # A node was made since the previous op returned: this op's (modules.py).
+                        scope.seq_info[newest] = (module, location)
+                        scope.claims += 1
+                        if node is None:
+                            seq = newest
+                        break
         stack = self._locator.stack(1) if self._stack else ""
         known = self._known
         inputs: list[int] = []
@@ -277,9 +287,13 @@ class CaptureMode(TorchDispatchMode):
     ) -> tuple[list[int], bool]:
         """Record the op's outputs; returns their ids and whether the op wrote an input."""
         outputs: list[int] = []
-        if info.returns is ONE_FRESH and isinstance(out, _Tensor) and not _among(out, inputs):
-            self._fresh(out, op_id, outputs, not info.uninitialized)  # most ops: one new tensor
-            return outputs, info.inplace
+        if info.returns is ONE_FRESH and isinstance(out, _Tensor):
+            for t in inputs:
+                if t is out:
+                    break
+            else:  # most ops: one new tensor
+                self._fresh(out, op_id, outputs, not info.uninitialized)
+                return outputs, info.inplace
         if info.schema:
             returns = info.returns
             values = (out,) if len(returns) == 1 else (out if returns else ())
@@ -368,7 +382,7 @@ class CaptureMode(TorchDispatchMode):
         outputs.append(tid)
 
     def _remember(self, t: torch.Tensor, tid: int, version: int | None, group: int) -> _Rec:
-        rec = _Rec(t, self._forget)
+        rec = _Rec(t, self._forget_cb)
         rec.tid, rec.version, rec.group, rec.key = tid, version, group, id(t)
         self._known[rec.key] = rec
         return rec
@@ -401,27 +415,45 @@ class CaptureMode(TorchDispatchMode):
 
     def _bare(self, t: torch.Tensor, tid: int, op_id: int, index: int, view_of: int) -> None:
         """Append the tensor row of a value without statistics (a view, uninitialized memory)."""
-        device, _ = self._device(t.device)
+        device = "cpu" if t.is_cpu else self._device(t.device)[0]
+        dtype = t.dtype
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(t.shape), self._dtype(t.dtype), device, view_of, False) + _NO_STATS + ("",)
+            (tid, op_id, index, tuple(t.shape), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, False)
+            + _NO_STATS
+            + ("",)
         )
 
     def _value(self, t: torch.Tensor, tid: int, op_id: int, index: int, view_of: int) -> None:
         """Append the tensor row of a value that carries statistics (and its data, if saved)."""
-        device, kind = self.devices.get(t.device) or self._device(t.device)
+        if t.is_cpu:
+            device, kind = _CPU_DEVICE
+        else:
+            device, kind = self.devices.get(t.device) or self._device(t.device)
+        dtype = t.dtype
+        shape = t.shape
         stats: tuple[Any, ...] = _NO_STATS
         has_stats = kind != _NONE
         try:
             if kind == _CPU:
-                stats = tensor_stats_row(t)
+                native = _stats._native_stats
+                code = _NATIVE_CODES.get(dtype)
+                if native is not None and code is not None and not t.is_neg():
+                    n = t.numel()
+                    try:
+                        stats = native(t.data_ptr(), shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
+                    except (RuntimeError, ValueError):  # no storage (sparse, fake, functional): the reference decides
+                        stats = tensor_stats_row(t)
+                else:
+                    stats = tensor_stats_row(t)
             elif kind == _DEFERRED:
                 self._pending.append((len(self.tensor_rows), stats_tensor_reference(t)))
         except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):
             has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
         key = self._save(t, tid) if self._save_data and has_stats else ""
-        dtype = self._dtypes.get(t.dtype) or self._dtype(t.dtype)
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(t.shape), dtype, device, view_of, has_stats) + stats + (key,)
+            (tid, op_id, index, tuple(shape), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, has_stats)
+            + stats
+            + (key,)
         )
 
     def _save(self, t: torch.Tensor, tid: int) -> str:
