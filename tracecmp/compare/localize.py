@@ -40,10 +40,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from tracecmp.compare.opclass import OpClass, base_name, classify
+from tracecmp.compare.opclass import OpClass, base_name, classify, is_copy
 from tracecmp.compare.records import Divergence
 from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
 
+_LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
 CAP = 1e6  # largest amplification any op is credited with; beyond that a node is simply not judged
 _TINY = 1e-300
 _FP32 = EPS["float32"]
@@ -238,12 +239,17 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
     # op): relative error there carries over as such, not as the tensor-wide level.
     full = [pos for pos, s in ins if s.numel == out.numel and s.numel > 1]
     unary = len(full) == 1
+    # A linear map of one tensor (x * c, -x, a copy) moves its norm and mean exactly as the input's
+    # moved: no fresh random realization to allow for in the norm/mean channel.
+    linear = unary and (name in _LINEAR_UNARY or is_copy(name)) and all(s.numel == 1 for p, s in ins if p not in full)
+    env_sys = 0.0
     for pos, s in ins:
         rule = cls.input_rule(pos)
         if rule == "ignore":
             continue
         lvl = s.level
         abs_err = lvl * s.rms
+        env_before = env
         if rule == "add":
             ext += s.c_ext * s.amax / amax_o
             sys_ += s.c_sys * s.rms / rms_o
@@ -294,7 +300,10 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
             ext += kappa * mix
             sys_ += kappa * s.c_sys
             env += kappa * mix
-    return ext, sys_ + env / math.sqrt(neff), env
+        # The norm/mean channel's random envelope, from the typical (not the worst) error level.
+        if not (linear and pos in full) and lvl > 0:
+            env_sys += (env - env_before) * min(1.0, s.mix_level / lvl)
+    return ext, sys_ + env_sys / math.sqrt(neff), env
 
 
 def _operands(cls: OpClass, ins: list[tuple[int, TensorState]]) -> list[tuple[int, TensorState]]:
