@@ -313,6 +313,8 @@ def _operands(cls: OpClass, ins: list[tuple[int, TensorState]]) -> list[tuple[in
     return sorted(ins, key=lambda p: p[1].numel, reverse=True)[:2]
 
 
+_KAPPA_CAP = 1e12  # a sum of terms that cancel exactly has no bound; one of its units is then all it shows
+_STRICT_KAPPA = 16.0  # above this condition factor a sum's bitwise change needs magnitude to count
 _VIEW = 2.0  # a view shows part of its base: its largest error may sit away from the base's extremes
 
 
@@ -341,16 +343,16 @@ def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorSt
         if len(operands) == 2 and out.numel > 0:
             (_, a), (_, b) = operands
             k = math.sqrt(max(a.numel * b.numel / out.numel, 1.0))
-            return min(CAP, max(1.0, math.sqrt(k) * a.rms * b.rms / rms_o))
+            return min(_KAPPA_CAP, max(1.0, math.sqrt(k) * a.rms * b.rms / rms_o))
     elif cls.kind == "reduce" and ins:
         s = max((s for _, s in ins), key=lambda s: s.numel)
         k = max(s.numel / max(out.numel, 1), 1.0)
         kappa = s.rms / (math.sqrt(k) * rms_o) if cls.mean_like else math.sqrt(k) * s.rms / rms_o
-        return min(CAP, max(1.0, kappa))
+        return min(_KAPPA_CAP, max(1.0, kappa))
     elif cls.kind == "normalize" and ins:
         s = max((s for _, s in ins), key=lambda s: s.numel)
         spread = math.sqrt(max(s.rms * s.rms - s.mean * s.mean, 0.0))
-        return min(CAP, max(1.0, s.rms / max(spread, _TINY)))
+        return min(_KAPPA_CAP, max(1.0, s.rms / max(spread, _TINY)))
     return 1.0
 
 
@@ -393,6 +395,7 @@ class _Judged:
     uses_tf32: bool
     same_dtype: bool
     nontrivial: bool  # some float output is not all zeros
+    kappa_local: float  # condition factor of the op's own rounding (sums whose terms cancel)
 
 
 def localize(
@@ -484,6 +487,7 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
         if cls.kind == "select" and not inputs_exact:
             judgeable = False  # comparisons, rounding, argmax: a changed input may change anything
         best_e, best_x, best_f1, best_ratio = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), -math.inf
+        best_kappa = kappa_local = 1.0
         lam = 2.0 if cls.accumulates else 1.0
         uses_tf32 = False
         nontrivial = False
@@ -497,9 +501,9 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
                 if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_ins):
                     # TF32 rounding, not accumulation order, then sets the local error.
                     unit, lam, uses_tf32 = TF32_EPS, 0.5, True
-                elif cls.accumulates:
-                    # Reordered partial sums differ by a unit each, amplified where terms cancel.
-                    unit *= _local_kappa(cls, float_ins, out)
+                kappa_local = _local_kappa(cls, float_ins, out) if cls.accumulates else 1.0
+                # Reordered (or TF32-rounded) terms differ by a unit each, amplified where they cancel.
+                unit *= kappa_local
                 neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
                 f1 = (max(unit, _TINY), max(unit / math.sqrt(neff), _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
@@ -509,7 +513,7 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
                     _carry(out, x)
             ratio = max(((ec - xc) / fc if math.isfinite(xc) else ec / fc) for ec, xc, fc in zip(e, x, f1) if not math.isnan(ec))
             if ratio > best_ratio:
-                best_ratio, best_e, best_x, best_f1 = ratio, e, x, f1
+                best_ratio, best_e, best_x, best_f1, best_kappa = ratio, e, x, f1, kappa_local
         error = max((ec / fc for ec, fc in zip(best_e, best_f1) if not math.isnan(ec)), default=math.nan)
         verdict.error = float(error)
         intro = [max(0.0, ec - xc) / fc if not math.isnan(ec) and math.isfinite(xc) else 0.0
@@ -517,7 +521,7 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
         verdict.introduced = float(max(intro)) if judgeable else 0.0
         dtype = ri.own.get(outputs[0], (True, False, ""))[2] if outputs else ""
         judged.append(_Judged(index, op_id, (op, dtype), cls, judgeable, inputs_exact, outputs_exact, best_e, best_x,
-                              best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial))
+                              best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa))
 
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
     exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
@@ -673,6 +677,10 @@ def _decide(
     # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
     tf32_like = j.uses_tf32 and not exact_matmul and j.e[0] >= TF32_EPS / 100
     strict = exact_mode or (bitwise and j.inputs_exact and j.same_dtype and not tf32_like)
+    if strict and not exact_mode and j.kappa_local > _STRICT_KAPPA:
+        # A sum whose terms cancel moves by many of its own units when merely reordered (thread
+        # counts, atomics), which the rest of a deterministic run says nothing about.
+        strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
         return "", "", channels[channel]
     what = f"relative error {e:.2e} ({channels[channel]})"
