@@ -181,3 +181,17 @@ def test_reordered_ops_still_pair_without_crashing():
     b = a[25:] + a[:25]
     pairs = align_sequences(a, b)
     assert len(pairs) == 25 and all(a[i] == b[j] for i, j in pairs)
+
+
+def test_long_sequences_without_anchors_still_pair_monotonically():
+    import random
+
+    rng = random.Random(0)
+    bench = [("op", rng.randrange(40), (rng.randrange(5),)) for _ in range(30_000)]
+    target = [k for k in bench if rng.random() > 0.01]  # 1% missing, 1% extra: few keys keep equal counts
+    for _ in range(300):
+        target.insert(rng.randrange(len(target)), ("op", rng.randrange(40), (rng.randrange(5),)))
+    pairs = align_sequences(target, bench)
+    assert all(target[i] == bench[j] for i, j in pairs)
+    assert all(p[0] < q[0] and p[1] < q[1] for p, q in zip(pairs, pairs[1:]))
+    assert len(pairs) > 0.95 * len(bench)

@@ -26,8 +26,26 @@ from typing import Hashable, Sequence
 
 import pandas as pd
 
-# Above this many DP cells a stretch is matched with difflib's longest-block recursion instead.
+# Above this many DP cells a stretch is matched with difflib's longest-block recursion instead,
+# and above the second (two long sequences with nothing in common to anchor on) window by window.
 _DP_CELLS = 250_000
+_DIFFLIB_CELLS = 50_000_000
+
+
+def _windowed_pairs(a: Sequence[int], b: Sequence[int], window: int = 1000) -> list[tuple[int, int]]:
+    """Match two long sequences window by window (``a``'s k-th window against the proportional
+    stretch of ``b``), each with difflib: bounded cost, monotone, good where they mostly agree."""
+    n, m = len(a), len(b)
+    pairs: list[tuple[int, int]] = []
+    j0 = 0
+    for i0 in range(0, n, window):
+        i1 = min(n, i0 + window)
+        j1 = m if i1 == n else min(m, max(j0, round(i1 * m / n)) + window // 4)
+        matcher = difflib.SequenceMatcher(None, a[i0:i1], b[j0:j1], autojunk=False)
+        block = [(i0 + blk.a + k, j0 + blk.b + k) for blk in matcher.get_matching_blocks() for k in range(blk.size)]
+        pairs.extend(block)
+        j0 = block[-1][1] + 1 if block else j0
+    return pairs
 
 
 def _lcs_pairs(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
@@ -35,6 +53,8 @@ def _lcs_pairs(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
     n, m = len(a), len(b)
     if n == 0 or m == 0:
         return []
+    if n * m > _DIFFLIB_CELLS:
+        return _windowed_pairs(a, b)
     if n * m > _DP_CELLS:
         matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
         return [(blk.a + k, blk.b + k) for blk in matcher.get_matching_blocks() for k in range(blk.size)]

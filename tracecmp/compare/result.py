@@ -54,7 +54,8 @@ class CompareResult:
 
     @property
     def warnings_block_agreement(self) -> bool:
-        return not (self.target.complete and self.bench.complete)
+        """Something was left out (an incomplete trace, a rank or step only one run has)."""
+        return bool(self.warnings) or not (self.target.complete and self.bench.complete)
 
     def counts(self) -> dict[str, int]:
         """Node counts behind the verdict (views left out)."""
@@ -128,7 +129,7 @@ class CompareResult:
         if c["uncompared"]:
             gaps.append(f"{c['uncompared']} nodes uncompared")
         if self.warnings_block_agreement:
-            gaps.append("a trace is incomplete")
+            gaps.append("see the warnings")
         return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
 
     def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
