@@ -125,8 +125,9 @@ def compare(
         raise CompareError("the traces have no step in common to compare" + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
                            path=t_trace.path)
     bar.update("localizing")
-    verdicts, roots = localize(rank_inputs, tol, exact=exact)
-    bar.update("done", total)
+    verdicts, roots = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
+    bar.done = bar.total
+    bar.update("done")
     bar.close()
 
     nodes = pd.concat(node_frames, ignore_index=True)
@@ -181,7 +182,7 @@ def _prepare_rank(
     t_base, b_base = view_bases(t_ten), view_bases(b_ten)
     partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, t_ten, b_ten)
     measured_frame = _measure(t_rank, b_rank, partner, tol)
-    bar.update(f"rank {rank}: localizing", len(t_ops))
+    bar.update(f"rank {rank}: measured", len(t_ops))
 
     own_float = t_ten["dtype"].map(is_float_dtype).to_numpy(bool)
     own_nonfinite = (t_ten["has_stats"].to_numpy(bool) & ((t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)))

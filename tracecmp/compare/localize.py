@@ -36,7 +36,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from tracecmp.compare.records import Divergence
 from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
 
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
+_PROGRESS_EVERY = 10_000
 CAP = 1e6  # largest amplification any op is credited with; beyond that a node is simply not judged
 _TINY = 1e-300
 _FP32 = EPS["float32"]
@@ -399,20 +400,26 @@ class _Judged:
 
 
 def localize(
-    ranks: Iterable[RankInput], tolerances: Tolerances, *, exact: bool = False
+    ranks: Iterable[RankInput], tolerances: Tolerances, *, exact: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[dict[tuple[int, int], NodeVerdict], list[Divergence]]:
-    """Verdicts for every target node (keyed by (rank, op_id)) and the roots, earliest first."""
+    """Verdicts for every target node (keyed by (rank, op_id)) and the roots, earliest first.
+
+    ``progress(n)`` is called as nodes are walked (n nodes since the previous call).
+    """
     verdicts: dict[tuple[int, int], NodeVerdict] = {}
     roots: list[tuple[tuple, Divergence]] = []
     for rank_input in ranks:
-        v, r = _localize_rank(rank_input, tolerances, exact)
+        v, r = _localize_rank(rank_input, tolerances, exact, progress)
         verdicts.update({(rank_input.rank, k): x for k, x in v.items()})
         roots.extend(r)
     roots.sort(key=lambda item: item[0])
     return verdicts, [d for _, d in roots]
 
 
-def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[dict[int, NodeVerdict], list[tuple[tuple, Divergence]]]:
+def _localize_rank(
+    ri: RankInput, tol: Tolerances, exact_mode: bool, progress: Callable[[int], None] | None = None
+) -> tuple[dict[int, NodeVerdict], list[tuple[tuple, Divergence]]]:
     state: dict[int, TensorState] = {}
     verdicts: dict[int, NodeVerdict] = {}
     judged: list[_Judged | None] = []
@@ -427,6 +434,8 @@ def _localize_rank(ri: RankInput, tol: Tolerances, exact_mode: bool) -> tuple[di
 
     # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
     for index, node in enumerate(ri.nodes):
+        if progress is not None and index % _PROGRESS_EVERY == 0 and index:
+            progress(_PROGRESS_EVERY)
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = NodeVerdict(op_id)
         verdicts[op_id] = verdict
