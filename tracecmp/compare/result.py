@@ -125,7 +125,11 @@ class CompareResult:
         c = self.counts()
         gaps = []
         if c["unpaired target"] or c["unpaired bench"]:
-            gaps.append(f"{c['unpaired target']} target / {c['unpaired bench']} bench nodes unpaired")
+            ops = self.nodes.loc[(self.nodes["status"] == "unpaired") & (self.nodes["kind"] != "view"), "op"]
+            if len(self.unpaired_bench):
+                ops = pd.concat([ops, self.unpaired_bench.loc[self.unpaired_bench["kind"] != "view", "op"]])
+            common = ", ".join(f"{op} x{n}" for op, n in ops.value_counts().head(3).items())
+            gaps.append(f"{c['unpaired target']} target / {c['unpaired bench']} bench nodes unpaired: {common}")
         if c["uncompared"]:
             gaps.append(f"{c['uncompared']} nodes uncompared")
         if self.warnings_block_agreement:
