@@ -261,17 +261,19 @@ def _tensor_partners(
             if tb not in partner and tb not in candidates:
                 candidates[tb] = b_base.get(b, b)
     if candidates:
-        t_numel = _numels(t_ten, candidates.keys())
-        b_numel = _numels(b_ten, candidates.values())
+        # Same shape, not just the same element count: a bench view that permutes its base would
+        # otherwise be compared element by element against the unpermuted target tensor.
+        t_shape = _shapes(t_ten, candidates.keys())
+        b_shape = _shapes(b_ten, candidates.values())
         for tb, bb in candidates.items():
-            if tb in t_numel and t_numel[tb] == b_numel.get(bb):
+            if tb in t_shape and t_shape[tb] == b_shape.get(bb):
                 partner[tb] = bb
     return partner
 
 
-def _numels(tensors: pd.DataFrame, ids: Iterable[int]) -> dict[int, int]:
+def _shapes(tensors: pd.DataFrame, ids: Iterable[int]) -> dict[int, tuple[int, ...]]:
     rows = tensors[tensors["tensor_id"].isin(list(ids))]
-    return {int(t): math.prod(s) for t, s in zip(rows["tensor_id"].tolist(), rows["shape"].tolist())}
+    return {int(t): tuple(s) for t, s in zip(rows["tensor_id"].tolist(), rows["shape"].tolist())}
 
 
 def _measure(t_rank: RankTrace, b_rank: RankTrace, partner: Mapping[int, int], tol: Tolerances) -> pd.DataFrame:
@@ -287,7 +289,7 @@ def _measure(t_rank: RankTrace, b_rank: RankTrace, partner: Mapping[int, int], t
     metrics = stat_metrics(frame, tol)
     frame = pd.concat([frame, metrics], axis=1)
     if len(frame) and (frame["data_key"].astype(bool) & frame["data_key_b"].astype(bool)).any():
-        frame = add_tensor_metrics(frame, t_rank.load_tensor, b_rank.load_tensor, tol)
+        frame = add_tensor_metrics(frame, t_rank, b_rank, tol)
     else:
         for name in TENSOR_METRICS:
             frame[name] = np.nan if name != "seed_rule_fail" else False

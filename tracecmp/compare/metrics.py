@@ -20,7 +20,7 @@ and 5/1000 relative error (the seeds' metrics); ``e_ext`` and ``e_rms`` then bec
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -136,9 +136,7 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
     import torch
 
     if t.shape != b.shape:
-        t, b = t.reshape(-1), b.reshape(-1)
-        if t.numel() != b.numel():
-            return {}
+        return {}  # elementwise metrics need the same layout; statistics still compare
     if t.is_complex() or b.is_complex():
         t, b = torch.view_as_real(t.resolve_conj()), torch.view_as_real(b.resolve_conj())
     td, bd = t.detach().to(torch.float64).reshape(-1), b.detach().to(torch.float64).reshape(-1)
@@ -179,20 +177,64 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
     }
 
 
-def add_tensor_metrics(
-    frame: pd.DataFrame, load_t: Callable[[int], Any], load_b: Callable[[int], Any], tolerances: Tolerances
-) -> pd.DataFrame:
-    """Fill :data:`TENSOR_METRICS` for rows whose tensors were saved in both traces (``data_key``/``data_key_b``)."""
+class SavedTensors:
+    """Reads a rank's saved tensors by data key, opening each safetensors chunk once.
+
+    >>> with SavedTensors(trace.rank(0)) as saved:   # doctest: +SKIP
+    ...     saved.get("0/17")
+    """
+
+    def __init__(self, rank: Any) -> None:
+        self.rank = rank
+        self.handles: dict[int, Any] = {}
+
+    def __enter__(self) -> "SavedTensors":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+
+    def get(self, key: str) -> Any:
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+
+        from tracecmp.errors import TraceFormatError
+
+        try:
+            chunk = int(key.split("/")[0])
+        except ValueError:
+            raise TraceFormatError(f"malformed data key {key!r}", path=self.rank.path) from None
+        path = self.rank.data_files.get(chunk)
+        if path is None:
+            raise TraceFormatError(f"data key {key!r} refers to missing data chunk {chunk}", path=self.rank.path)
+        try:
+            handle = self.handles.get(chunk)
+            if handle is None:
+                handle = safe_open(str(path), framework="pt").__enter__()
+                self.handles[chunk] = handle
+            return handle.get_tensor(key)
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=path) from exc
+
+
+def add_tensor_metrics(frame: pd.DataFrame, target: Any, bench: Any, tolerances: Tolerances) -> pd.DataFrame:
+    """Fill :data:`TENSOR_METRICS` for rows whose tensors were saved in both traces (``data_key``/``data_key_b``).
+
+    ``target`` and ``bench`` are the two :class:`~tracecmp.trace.reader.RankTrace`.
+    """
     saved = frame["data_key"].astype(bool) & frame["data_key_b"].astype(bool)
     for name in TENSOR_METRICS:
         frame[name] = np.nan if name != "seed_rule_fail" else False
     if not saved.any():
         return frame
     rows = []
-    for index, tid, bid in zip(frame.index[saved], frame.loc[saved, "tensor_id"], frame.loc[saved, "bench_tensor_id"]):
-        metrics = tensor_metrics(load_t(int(tid)), load_b(int(bid)), tolerances)
-        if metrics:
-            rows.append((index, metrics))
+    with SavedTensors(target) as load_t, SavedTensors(bench) as load_b:
+        for index, key_t, key_b in zip(frame.index[saved], frame.loc[saved, "data_key"], frame.loc[saved, "data_key_b"]):
+            metrics = tensor_metrics(load_t.get(key_t), load_b.get(key_b), tolerances)
+            if metrics:
+                rows.append((index, metrics))
     for index, metrics in rows:
         for name, value in metrics.items():
             frame.at[index, name] = value
