@@ -38,6 +38,7 @@ def record(
     tf32: bool = False,
     dropout_seed: int | None = None,
     complete: bool = True,
+    data: bool = False,
 ) -> Path:
     """Record one training step of a 2-layer MLP with layer norm; ``faults`` maps a site to an output rewrite."""
     faults = faults or {}
@@ -49,7 +50,7 @@ def record(
     w2 = torch.randn(16, 128, generator=g) / 11
     if weight_delta:
         w2 = w2 + weight_delta * torch.randn(16, 128, generator=torch.Generator().manual_seed(9)) * w2.abs().mean()
-    b = TraceBuilder(complete=complete)
+    b = TraceBuilder(complete=complete, data=data)
 
     def mm_in(t: torch.Tensor) -> torch.Tensor:
         return _round_tf32(t) if tf32 else t
@@ -96,7 +97,7 @@ def record(
 
 
 def pair(tmp_path: Path, **target: Any) -> tracecmp.CompareResult:
-    bench = record(tmp_path / "bench")
+    bench = record(tmp_path / "bench", data=target.get("data", False))
     return tracecmp.compare(record(tmp_path / "target", **target), bench)
 
 
@@ -179,12 +180,15 @@ def test_nan_appearing_from_finite_inputs(tmp_path):
     assert "nan" in set(result.nodes["status"])
 
 
-def test_uniform_bf16_noise_is_noise_not_roots(tmp_path):
-    result = pair(tmp_path, dtype=torch.bfloat16)
+@pytest.mark.parametrize("data", [False, True], ids=["stats", "tensors"])
+def test_uniform_bf16_noise_is_noise_not_roots(tmp_path, data):
+    result = pair(tmp_path, dtype=torch.bfloat16, data=data)
     assert result.first_divergence is None, result.summary()
     counts = result.counts()
     assert counts["noise"] > counts["agrees"] and counts["diverged"] == 0
     assert result.agrees  # everything paired and compared; noise is not divergence
+    if data:
+        assert result.to_frame()["cosine"].notna().all()
 
 
 def test_a_real_fault_still_shows_under_bf16_noise(tmp_path):
