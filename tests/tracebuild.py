@@ -128,17 +128,22 @@ class TraceBuilder:
     def source(
         self,
         name: str,
-        value: torch.Tensor | None = None,
+        value: torch.Tensor | Sequence[int] | None = None,
+        dtype: str | torch.dtype = "float32",
+        stats: Mapping[str, Any] | None = None,
         *,
         kind: str = "input",
         shape: Sequence[int] | None = None,
-        dtype: str | torch.dtype = "float32",
-        stats: Mapping[str, Any] | None = None,
         module: str = "",
         phase: str = "forward",
         location: str = "",
     ) -> Ref:
-        """A named source tensor: ``kind`` is input, parameter, buffer or tensor."""
+        """A named source tensor: ``kind`` is input, parameter, buffer or tensor.
+
+        ``value`` is a real tensor, or a shape: ``b.source("input.0", (4, 8), "bfloat16", fake_stats((4, 8)))``.
+        """
+        if value is not None and not isinstance(value, torch.Tensor):
+            shape, value = tuple(value), None
         (ref,) = self._node(
             f"source.{kind}", [], [value] if value is not None else None, kind="source", name=name,
             shapes=None if shape is None else [shape], dtypes=[dtype], stats=None if stats is None else [stats],
@@ -170,10 +175,16 @@ class TraceBuilder:
     ) -> Any:
         """Record one op; returns its output :class:`Ref` (a tuple when it has several outputs).
 
-        ``out`` is a tensor or a list of tensors; without it give ``shape`` (one shape or a list)
-        and optionally ``dtype`` and ``stats`` (default: :func:`fake_stats` of the shape).
+        ``out`` is a tensor or a list of tensors; without it give ``shape`` (one shape or a list;
+        default: the first input's, as for an elementwise op) and optionally ``dtype`` and ``stats``
+        (default: :func:`fake_stats` of the shape).
         """
         outs: list[torch.Tensor] | None
+        if out is None and shape is None:
+            # Without numbers or a shape, an elementwise op: the first input's shape and dtype.
+            shape = inputs[0].shape if inputs else ()
+            if inputs and dtype == "float32":
+                dtype = inputs[0].dtype
         if out is None:
             outs = None
         elif isinstance(out, torch.Tensor):
