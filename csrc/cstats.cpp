@@ -18,17 +18,17 @@
 #include <memory>
 #include <system_error>
 #include <thread>
-#include <vector>
 
 #include "stats_kernel.hpp"
 
 namespace tracecmp {
 namespace {
 
-// Starting a thread costs ~20 us; below this many elements (~80 us of work) one thread wins.
-constexpr int64_t kParallelMin = int64_t{1} << 19;
+// Starting a thread costs ~20 us, more when the other cores are busy; below this many elements
+// (~150 us of work) one thread measured as fast.
+constexpr int64_t kParallelMin = int64_t{1} << 20;
 // Each extra thread should get at least this much work.
-constexpr int64_t kPerThreadMin = int64_t{1} << 18;
+constexpr int64_t kPerThreadMin = int64_t{1} << 19;
 // Memory bandwidth saturates long before this; more threads would only add start-up cost.
 constexpr int kMaxThreads = 16;
 // Blocks a thread takes at a time (64K elements, ~10 us of work).
@@ -85,46 +85,75 @@ struct Result {
   uint64_t checksum;
 };
 
+// The state of one multi-threaded call, shared with its helper threads. Blocks are handed out
+// in runs of kGrab (a "grab") from a counter, so a helper that starts late or is descheduled
+// just does fewer; which thread did a grab changes no bit (results are stored per grab and per
+// block and combined in order). Helpers are detached and own a reference to this state: the
+// caller never waits for a helper that has not started a grab (on a busy machine it may not get
+// a core for milliseconds), only for one that is inside a grab, i.e. reading the tensor.
+template <class T>
+struct ParallelCall {
+  ParallelCall(const void* data, const Cursor* cur, int64_t numel)
+      : data(data), strided(cur != nullptr), numel(numel),
+        nblocks((numel + kBlock - 1) / kBlock), ngrabs((nblocks + kGrab - 1) / kGrab),
+        sums(new double[2 * nblocks]), grabs(new Partial<T>[ngrabs]) {
+    if (cur) cursor = *cur;
+  }
+
+  // Does one grab; false when none is left or the call is closing.
+  bool step() {
+    active.fetch_add(1);  // seq_cst with closed: see finish()
+    const int64_t g = closed.load() ? ngrabs : next.fetch_add(1);
+    if (g < ngrabs) {
+      Pairwise unused;
+      run_range<T>(data, strided ? &cursor : nullptr, numel, g * kGrab,
+                   std::min((g + 1) * kGrab, nblocks), grabs[g], unused, sums.get());
+    }
+    active.fetch_sub(1);
+    return g < ngrabs;
+  }
+
+  // After the caller's own steps ran out: no grab starts once closed is set, and the ones in
+  // flight end when active drops to 0 (the fetch_sub publishes their results).
+  void finish(Partial<T>& part, Pairwise& pw) {
+    closed.store(true);
+    while (active.load() != 0) std::this_thread::yield();
+    for (int64_t g = 0; g < ngrabs; ++g) part.merge(grabs[g]);
+    for (int64_t b = 0; b < nblocks; ++b) pw.push(sums[2 * b], sums[2 * b + 1]);
+  }
+
+  const void* data;
+  Cursor cursor;
+  const bool strided;
+  const int64_t numel, nblocks, ngrabs;
+  std::unique_ptr<double[]> sums;       // per block: sum, sum of squares
+  std::unique_ptr<Partial<T>[]> grabs;  // per grab: the exact statistics
+  std::atomic<int64_t> next{0};
+  std::atomic<int> active{0};
+  std::atomic<bool> closed{false};
+};
+
 template <class T>
 Result compute(const void* data, const Cursor* cur, int64_t numel, int threads) {
-  const int64_t nblocks = (numel + kBlock - 1) / kBlock;
   Partial<T> part;
   Pairwise pw;
   if (threads <= 1) {
-    run_range<T>(data, cur, numel, 0, nblocks, part, pw, nullptr);
+    run_range<T>(data, cur, numel, 0, (numel + kBlock - 1) / kBlock, part, pw, nullptr);
   } else {
-    // Threads write per-block moments; pushing them here in block order reproduces the
-    // single-thread summation bit for bit.
-    // Blocks are handed out in runs of kGrab from a shared counter, so a thread that starts
-    // late (~20 us) or is descheduled does less; which thread did a block changes no bit.
-    std::unique_ptr<double[]> sums(new double[2 * nblocks]);
-    std::vector<Partial<T>> parts(threads);
-    std::atomic<int64_t> next{0};
-    auto work = [&](int t) {
-      // Accumulate on this thread's stack: neighbouring parts[] share a cache line.
-      Partial<T> local;
-      Pairwise unused;
-      for (;;) {
-        const int64_t b0 = next.fetch_add(kGrab, std::memory_order_relaxed);
-        if (b0 >= nblocks) break;
-        run_range<T>(data, cur, numel, b0, std::min(b0 + kGrab, nblocks), local, unused,
-                     sums.get());
-      }
-      parts[t] = local;
-    };
-    std::vector<std::thread> pool;
-    pool.reserve(threads - 1);
+    auto call = std::make_shared<ParallelCall<T>>(data, cur, numel);
     for (int t = 1; t < threads; ++t) {
       try {
-        pool.emplace_back(work, t);
-      } catch (const std::system_error&) {  // out of threads: do that share here
-        work(t);
+        std::thread([call] {
+          while (call->step()) {
+          }
+        }).detach();
+      } catch (const std::system_error&) {  // out of threads: the caller does the work
+        break;
       }
     }
-    work(0);
-    for (auto& th : pool) th.join();
-    for (const auto& p : parts) part.merge(p);
-    for (int64_t b = 0; b < nblocks; ++b) pw.push(sums[2 * b], sums[2 * b + 1]);
+    while (call->step()) {
+    }
+    call->finish(part, pw);
   }
   double sum, sumsq;
   pw.total(&sum, &sumsq);
