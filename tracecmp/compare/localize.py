@@ -256,10 +256,11 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
             sys_ += s.c_sys * s.rms / rms_o
             env += abs_err / rms_o
         elif rule == "selector":
-            # Only elements whose sign the error flips change (a fraction ~ the relative error).
+            # Only elements whose sign the error flips change: a fraction ~ the relative error
+            # (Gaussian-like values: 0.8 x), each moving the norm and mean by about its own size.
             ext += 1.0 if not s.exact else 0.0
-            sys_ += 4.0 * lvl
-            env += 4.0 * lvl
+            sys_ += s.mix_level
+            env += s.mix_level
         elif rule == "exp" or kind == "exp":
             lip = cls.lipschitz if kind == "exp" else 1.0
             ext += lip * abs_err
@@ -299,7 +300,7 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
                 kappa = 4.0
             mix = max(lvl, abs_err / amax_o, abs_err / rms_o) if kind == "other" else s.mix_level
             ext += kappa * mix
-            sys_ += kappa * s.c_sys
+            sys_ += 0.0 if rule == "normalized" else kappa * s.c_sys
             env += kappa * mix
         # The norm/mean channel's random envelope, from the typical (not the worst) error level.
         if not (linear and pos in full) and lvl > 0:

@@ -45,7 +45,8 @@ class OpClass:
     # Per-input exceptions: (position, how) with how one of "ignore" (shape only, values unused),
     # "exp" (enters through exp: its absolute error is the output's relative error), "selector"
     # (only decides which elements pass: a changed sign flips a few elements), "add" (added to
-    # the product of the others: its absolute error carries over).
+    # the product of the others: its absolute error carries over), "normalized" (divided by its
+    # own spread: a scale or shift it carried does not reach the output's norm and mean).
     inputs: tuple[tuple[int, str], ...] = ()
 
     def input_rule(self, position: int) -> str:
@@ -121,6 +122,8 @@ _CONTRACT = {
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_cudnn_rnn", "_cudnn_rnn_backward", "miopen_rnn",
     "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "linalg_vecdot", "chain_matmul", "multi_dot",
 }
+# Normalization ops whose outputs are statistics, not a normalized tensor.
+_NORM_STATS = {"batch_norm_stats", "batch_norm_gather_stats_with_counts", "batch_norm_elemt"}
 _REDUCE_SUM = {"sum", "nansum", "cumsum", "cumsum_", "prod", "cumprod", "trace", "_foreach_norm", "norm",
                "linalg_vector_norm", "linalg_norm", "frobenius_norm", "embedding_dense_backward",
                "_embedding_bag_backward", "_embedding_bag_dense_backward", "index_add", "index_add_",
@@ -219,7 +222,8 @@ def classify(op: str) -> OpClass:
         operands = (1, 2) if name in ("addmm", "addmm_", "baddbmm", "addbmm", "addmv") else ()
         return OpClass("contract", precision_variable=True, accumulates=True, operands=operands)
     if name in _NORMALIZE:
-        return OpClass("normalize", accumulates=True)
+        forward = not name.endswith(("_backward", "backward")) and name not in _NORM_STATS
+        return OpClass("normalize", accumulates=True, inputs=((0, "normalized"),) if forward else ())
     if name in _REDUCE_MEAN:
         return OpClass("reduce", mean_like=True, accumulates=True)
     if name in _REDUCE_SUM:
