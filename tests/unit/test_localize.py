@@ -80,7 +80,7 @@ def record(
     tf32_fc2 = (lambda _: A.mm.default(mm_in(b.value(G)), mm_in(b.value(W2t)))) if tf32 else None
     O = b.call(A.mm.default, G, W2t, module="fc2", fault=faults.get("fc2", tf32_fc2))
     SQ = call("square", A.mul.Tensor, O, O)
-    LOSS = call("loss", A.mean.default, SQ)
+    call("loss", A.mean.default, SQ)
     # backward, by hand
     GO = call("grad_out", A.mul.Tensor, O, 2.0 / (32 * 16), phase="backward", module="")
     GW2 = call("grad_w2", A.mm.default, b.call(A.t.default, GO, phase="backward", module="fc2"), G, phase="backward", module="fc2")
