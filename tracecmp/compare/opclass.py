@@ -26,7 +26,6 @@ and only its inputs were off. That depends on what the op does with its inputs:
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -187,9 +186,6 @@ _FACTORY = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "s
 _UNINIT = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted", "_empty_affine_quantized",
            "resize_", "resize_as_", "_resize_output_", "empty_quantized", "_empty_per_channel_affine_quantized"}
 
-_BACKWARD = re.compile(r"_backward(_data)?$")
-
-
 def base_name(op: str) -> str:
     """``"aten.add_.Tensor"`` -> ``"add_"``; ``"npu.fast_gelu.default"`` -> ``"fast_gelu"``.
 
@@ -242,8 +238,6 @@ def classify(op: str) -> OpClass:
         return OpClass("copy")
     if name.startswith("_foreach_"):
         return OpClass("product")
-    if _BACKWARD.search(name):
-        return OpClass("other", accumulates=True)
     return OpClass("other", accumulates=True)
 
 
