@@ -213,3 +213,15 @@ def test_checksums_keep_all_64_bits_next_to_rows_without_statistics(tmp_path: Pa
     frame = trace.rank(0).tensors
     assert frame["checksum"].dtype == "int64" and frame["nan_count"].dtype == "int64"
     assert frame["checksum"].tolist() == [0, (1 << 62) + 1]
+
+
+def test_a_trace_listing_its_chunks_in_the_rank_manifest_still_loads(good: Path) -> None:
+    """The early layout kept the chunk list in the rank manifest: it must not read as empty."""
+    record_path = good / "rank0" / "chunk-00000.json"
+    record = json.loads(record_path.read_text())
+    record_path.unlink()
+    path, manifest = _rank_manifest(good)
+    manifest["chunks"] = [{k: record[k] for k in ("ops", "tensors", "rows")}]
+    path.write_text(json.dumps(manifest))
+    trace = tracecmp.load(good)
+    assert len(trace.to_frame()) == 3 and trace.rank(0).manifest["steps"] == []

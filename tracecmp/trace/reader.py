@@ -138,8 +138,17 @@ class RankTrace:
             raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=path) from exc
 
 
-def _chunk_records(folder: Path) -> list[dict[str, Any]]:
-    """The commit records ``chunk-<K>.json`` of a rank, in order, with no gap."""
+def _chunk_records(folder: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The commit records ``chunk-<K>.json`` of a rank, in order, with no gap.
+
+    Early traces listed their chunks inside the rank manifest instead; those lists are read too,
+    so such a trace never loads as an empty one.
+    """
+    listed = manifest.get("chunks")
+    if listed is not None and not any(folder.glob("chunk-*.json")):
+        if not isinstance(listed, list) or not all(isinstance(c, dict) for c in listed):
+            raise TraceFormatError("rank manifest has a malformed chunk list", path=folder / RANK_MANIFEST)
+        return [dict(chunk, index=index) for index, chunk in enumerate(listed)]
     records = []
     for index, path in enumerate(sorted(folder.glob("chunk-*.json"))):
         if path.name != chunk_record_name(index):
@@ -171,12 +180,13 @@ def load_rank(folder: Path) -> RankTrace:
     (row counts) and ``steps`` (the recorded step numbers).
     """
     manifest = _read_manifest(folder / RANK_MANIFEST)
-    chunks = _chunk_records(folder)
+    chunks = _chunk_records(folder, manifest)
     ops_parts, tensor_parts, data_files = [], [], {}
     for index, chunk in enumerate(chunks):
         ops_table = _read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA)
         tensors_table = _read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA)
-        if (ops_table.num_rows, tensors_table.num_rows) != (chunk["rows"]["ops"], chunk["rows"]["tensors"]):
+        rows = chunk.get("rows", {})
+        if (ops_table.num_rows, tensors_table.num_rows) != (rows.get("ops"), rows.get("tensors")):
             raise TraceFormatError("chunk tables hold other row counts than its record", path=folder / chunk_record_name(index))
         ops_parts.append(ops_table)
         tensor_parts.append(tensors_table)
