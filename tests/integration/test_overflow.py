@@ -1,6 +1,7 @@
 """The first op that turns finite inputs into NaN/Inf: found offline, in forward and in backward."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -49,19 +50,11 @@ def _capture(path: Path, fault: TorchDispatchMode | None, *, half_matmul: bool =
     torch.manual_seed(0)
     model = ThreeGelus()
     x = torch.randn(4, 8)
-    with fault if fault is not None else _Nothing():
+    with fault if fault is not None else contextlib.nullcontext():
         with tracecmp.TraceCompare(path, model=model) as tc:
             model(x).sum().backward()
             tc.step()
     return path
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_inf_in_third_gelu_forward_is_the_first_overflow(tmp_path: Path) -> None:
@@ -168,7 +161,7 @@ def test_record_notes_the_first_overflow_in_the_manifest(tmp_path: Path, op: Any
 
 
 def test_record_on_a_clean_run_notes_nothing(tmp_path: Path) -> None:
-    assert _capture_watching(tmp_path / "t", _Nothing(), "record") is None
+    assert _capture_watching(tmp_path / "t", contextlib.nullcontext(), "record") is None
     trace = tracecmp.load(tmp_path / "t")
     assert recorded_overflows(trace) == [] and "first_overflow" not in trace.rank(0).manifest["info"]
 
