@@ -58,9 +58,15 @@ def summarize(path: str | Path) -> str:
     lines.append(f"format    {manifest.get('format')} v{manifest.get('format_version')}, created {manifest.get('created', '?')}")
     options = ", ".join(f"{k}={v}" for k, v in sorted(trace.options.items()))
     lines.append(f"options   {options or '-'}")
-    for key in ("seed", "deterministic"):
-        if key in manifest:
-            lines.append(f"{key:<9} {manifest[key]}")
+    seeded = manifest.get("seed_all") or {}
+    determinism = manifest.get("determinism") or {}
+    if seeded:
+        lines.append(f"seeding   seed_all({seeded.get('seed')}, deterministic={seeded.get('deterministic')})")
+    else:
+        lines.append("seeding   tracecmp.seed_all was not called before capture")
+    if determinism:
+        lines.append(f"determin. torch deterministic algorithms {determinism.get('torch_deterministic_algorithms')}, "
+                     f"cuDNN deterministic {determinism.get('cudnn_deterministic')}")
     lines.append(f"size      {_human(_size(trace.path))} on disk")
     lines.append("")
     if ops.empty:
