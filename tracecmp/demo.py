@@ -228,9 +228,16 @@ def capture_run(path: Path, fault: Fault | None, steps: int, seed: int) -> list[
 
     model = build_model(seed)
     context = fault.apply(model) if fault is not None else contextlib.nullcontext()
-    # The fault context is entered first so that capture, entered last, sees every call first.
-    with context, tracecmp.TraceCompare(path, model=model, stack=True) as tc:
-        return train(model, steps, seed, on_step=tc.step)
+    # The emulated NPU says what a real one's trace says: its float32 matrix units may run at
+    # reduced precision, so compare treats TF32/HF32-sized rounding there as noise.
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if fault is not None else "highest")
+    try:
+        # The fault context is entered first so that capture, entered last, sees every call first.
+        with context, tracecmp.TraceCompare(path, model=model, stack=True) as tc:
+            return train(model, steps, seed, on_step=tc.step)
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 @dataclass

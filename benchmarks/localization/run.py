@@ -123,11 +123,18 @@ def record_run(family: str, plan: Plan, path: Path, weight: str = "", weight_see
             raise HarnessError(f"perturbing {weight} changed no bit")
     optimizer = workload.make_optimizer()
     injector = Injector(workload.model, plan)
-    with injector.outer():
-        with tracecmp.TraceCompare(str(path), model=workload.model) as tc:
-            with injector.inner():
-                workload.train_step(optimizer)
-            tc.step()
+    # The emulated TF32 device says so, as a real one does: its float32 matmul precision is not
+    # "highest" (compare allows TF32 rounding only for runs that could have used it).
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
+    try:
+        with injector.outer():
+            with tracecmp.TraceCompare(str(path), model=workload.model) as tc:
+                with injector.inner():
+                    workload.train_step(optimizer)
+                tc.step()
+    finally:
+        torch.set_float32_matmul_precision(precision)
     return injector.obs
 
 

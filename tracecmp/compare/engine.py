@@ -56,6 +56,25 @@ def _as_trace(value: str | Path | Trace, what: str) -> Trace:
     raise CompareError(f"{what} must be a trace folder or a Trace, got {type(value).__name__}")
 
 
+def reduced_precision_possible(trace: Trace) -> bool:
+    """Could this run have computed float32 matmul/conv at reduced precision (TF32, HF32)?
+
+    Yes on any accelerator (cuDNN allows TF32 convolutions by default; NPUs use HF32), when
+    ``torch.get_float32_matmul_precision()`` was not "highest", and for traces that do not
+    record the switches; no for CPU runs at full precision, whose float32 matmuls then differ
+    only by summation order.
+
+    >>> reduced_precision_possible(tracecmp.load("runs/bench"))  # doctest: +SKIP
+    False
+    """
+    flags = trace.manifest.get("determinism")
+    if not isinstance(flags, dict) or "float32_matmul_precision" not in flags:
+        return True
+    if flags["float32_matmul_precision"] != "highest":
+        return True
+    return any(not trace.rank(r).device.startswith("cpu") for r in trace.ranks)
+
+
 def compare(
     target: str | Path | Trace,
     bench: str | Path | Trace,
@@ -85,6 +104,8 @@ def compare(
     else:
         raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
     t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
+    if tol.allow_tf32 is None:
+        tol = tol.replace(allow_tf32=reduced_precision_possible(t_trace) or reduced_precision_possible(b_trace))
     warnings: list[str] = []
     wanted_ranks = set(ranks) if ranks is not None else None
     common = sorted(set(t_trace.ranks) & set(b_trace.ranks))

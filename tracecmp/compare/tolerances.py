@@ -105,7 +105,8 @@ class Tolerances:
     # below it an element counts as "near zero" and its error is judged against the floor.
     rel_floor: float = 1e-3
     # Allow float32 matmul/conv to run at TF32 precision without calling it a divergence.
-    allow_tf32: bool = True
+    # None: decide from the traces (see tracecmp.compare.engine.reduced_precision_possible).
+    allow_tf32: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("margin", "local", "ambient", "rel_floor"):
@@ -152,7 +153,8 @@ class Tolerances:
                 if key in ("margin", "local", "ambient", "rel_floor", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
                     scalars[key] = float(value)
                 elif key == "allow_tf32":
-                    scalars[key] = value.strip().lower() in ("1", "true", "yes", "on")
+                    flag = value.strip().lower()
+                    scalars[key] = None if flag == "auto" else flag in ("1", "true", "yes", "on")
                 elif is_float_dtype(key):
                     rtol, _, atol = value.partition(":")
                     per_dtype[key] = (float(rtol), float(atol) if atol else base.atol(key))
