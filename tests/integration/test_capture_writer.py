@@ -16,14 +16,14 @@ from tests.models import example_batch, make_model, make_optimizer, train_step
 
 def _fail_chunk(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
     """Make the writer's chunk ``index`` fail as a full disk would."""
-    original = RankWriter.write_chunk
+    original = RankWriter.write_tables
 
-    def write_chunk(self: RankWriter, *args: Any, **kwargs: Any) -> None:
+    def write_tables(self: RankWriter, *args: Any, **kwargs: Any) -> None:
         if self.chunks == index:
             raise OSError(28, "No space left on device")
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(RankWriter, "write_chunk", write_chunk)
+    monkeypatch.setattr(RankWriter, "write_tables", write_tables)
 
 
 def test_steps_are_committed_in_order_and_complete(tmp_path: Path) -> None:
@@ -43,7 +43,7 @@ def test_steps_are_committed_in_order_and_complete(tmp_path: Path) -> None:
 def test_write_error_surfaces_at_a_later_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_chunk(monkeypatch, 1)
     with pytest.raises(TracecmpError, match="cannot write the trace: No space left on device"):
-        with tracecmp.TraceCompare(tmp_path / "t") as tc:
+        with tracecmp.TraceCompare(tmp_path / "t", flush_secs=0) as tc:  # a chunk per step
             for _ in range(6):
                 torch.ones(3).mul(2).sum()
                 tc.step()

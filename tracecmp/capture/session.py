@@ -1,8 +1,10 @@
 """``TraceCompare``: the public context manager that records a run into a trace folder."""
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
@@ -24,6 +26,10 @@ DATA_MODES = ("stats", "tensors")
 RNG_MODES = ("device", "host")
 OVERFLOW_MODES = (None, "record", "raise")
 _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
+# A step boundary hands the buffer over once it holds this much, whatever flush_secs says: chunks
+# stay a few MB and the memory held for the writer stays bounded.
+_HANDOVER_ROWS = 65_536
+_HANDOVER_BYTES = 64 << 20  # saved tensors (data="tensors")
 
 
 def _distributed() -> tuple[int, int]:
@@ -67,14 +73,22 @@ class TraceCompare:
     recorded step starts from the same history in both runs. The run manifest records the
     options, what the last :func:`tracecmp.seed_all` set, and the determinism switches in force.
 
-    Each step's records become one chunk on disk, written by a background thread so that the
-    training thread only hands rows over. At most two chunks are in flight (handed over, not yet
-    committed): when :meth:`step` returns, every step before the previous two is on disk, and a
-    run killed at any point keeps every committed chunk and reads as incomplete. :meth:`sync`
-    waits until everything handed over is committed; ``sync=True`` makes every :meth:`step` do
-    so (a crash then loses at most the step in progress, at the cost of writing on the training
-    thread's time). A write error is raised as a :class:`~tracecmp.TracecmpError` by the next
-    :meth:`step`, :meth:`sync` or the exit of the context.
+    Records reach the disk in chunks, written by a background thread so that the training thread
+    only hands rows over. A step boundary hands the buffered steps over as one chunk once
+    ``flush_secs`` seconds have passed since the previous hand-over (or the buffer is large), so
+    short steps share a chunk instead of paying for one each, like TensorBoard's ``flush_secs``;
+    ``flush_secs=0`` hands every step over as its own chunk. Everything is handed over at the exit
+    of the context, at :meth:`sync`, before ``overflow="raise"`` raises, and when a step outgrows
+    ``max_ops``/``max_bytes`` (it then spans several chunks). At most two chunks are in flight
+    (handed over, not yet committed). A run killed at any point keeps every committed chunk and
+    reads as incomplete; it loses the step in progress, the finished steps not yet handed over
+    (those of the last ``flush_secs`` seconds, as of the latest :meth:`step`) and the at most two
+    chunks in flight. :meth:`sync` hands over what was recorded so far and waits until it is
+    committed; ``sync=True`` makes every :meth:`step` hand its step over and wait, so when
+    :meth:`step` returns every finished step is on disk (a crash loses at most the step in
+    progress, at the cost of writing on the training thread's time). A write error is raised as
+    a :class:`~tracecmp.TracecmpError` by the next hand-over, :meth:`sync` or the exit of the
+    context.
 
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
@@ -103,6 +117,7 @@ class TraceCompare:
         dropout: float | None = None,
         overflow: str | None = None,
         sync: bool = False,
+        flush_secs: float = 1.0,
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -124,6 +139,8 @@ class TraceCompare:
                 raise CaptureError("steps must not be negative")
         if max_ops < 1 or max_bytes < 1:
             raise CaptureError("max_ops and max_bytes must be positive")
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not 0 <= flush_secs < math.inf:
+            raise CaptureError(f"flush_secs must be a number of seconds >= 0, not {flush_secs!r}")
         self.path = Path(path)
         self.model = model
         self.data = data
@@ -138,6 +155,8 @@ class TraceCompare:
         self._used = False
         self._recording = False
         self.sync_steps = bool(sync)
+        self.flush_secs = float(flush_secs)
+        self._handed = 0.0  # time.monotonic() of the last hand-over (or of the start)
         self._writer: BackgroundWriter | None = None
         self._mode: CaptureMode | None = None
         self._scope: ModuleScope | None = None
@@ -205,6 +224,7 @@ class TraceCompare:
         )
         TraceCompare._active = self
         self._step = 0
+        self._handed = time.monotonic()
         try:
             if self.dropout is not None:
                 self._dropout_off = DropoutOff()
@@ -235,16 +255,30 @@ class TraceCompare:
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
 
     def step(self) -> None:
-        """Mark a step boundary: hand what the step recorded to the writer, then start the next step."""
+        """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step."""
         if TraceCompare._active is not self:
             raise CaptureError("step() called outside the TraceCompare context", path=self.path)
         self._stop()
-        self._flush()
+        if self._handover_due():
+            self._flush()
         self._step += 1
         self._begin_step()
 
+    def _handover_due(self) -> bool:
+        mode = self._mode
+        assert mode is not None
+        return (
+            self.sync_steps
+            or time.monotonic() - self._handed >= self.flush_secs
+            or len(mode.rows) >= _HANDOVER_ROWS
+            or mode.saved_bytes >= _HANDOVER_BYTES
+        )
+
     def sync(self) -> None:
-        """Wait until every finished step (every chunk handed to the writer) is committed on disk.
+        """Hand over everything recorded so far and wait until it is committed on disk.
+
+        Called between steps, every finished step is then on disk; called inside a step, the
+        part of the step recorded so far is too (the rest follows in a later chunk).
 
         >>> import torch, tracecmp, tempfile
         >>> with tracecmp.TraceCompare(tempfile.mkdtemp() + "/run") as tc:
@@ -256,6 +290,7 @@ class TraceCompare:
         if TraceCompare._active is not self:
             raise CaptureError("sync() called outside the TraceCompare context", path=self.path)
         assert self._writer is not None
+        self._flush()
         self._writer.wait()
 
     # -- recording on/off ----------------------------------------------------------------------
@@ -313,10 +348,11 @@ class TraceCompare:
         """Hand the buffered rows to the writer as one chunk (committed atomically on its thread)."""
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
+        self._handed = time.monotonic()
         if not mode.rows and not mode.tensor_rows:
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
-            print(f"tracecmp: writing {len(mode.rows):,} ops of step {self._step} ...", file=sys.stderr, flush=True)
+            print(f"tracecmp: writing {len(mode.rows):,} ops up to step {self._step} ...", file=sys.stderr, flush=True)
         rows, tensor_rows, saved = mode.take()
         manifest = writer.writer.manifest
         if self.model is None and manifest["device"] == "cpu":
