@@ -33,6 +33,10 @@ from benchmarks.localization.faults import Injector, Observation, Plan, bitwise_
 from benchmarks.localization.models import FAMILIES, build
 
 MODEL_SEED = 1234
+DATA_MODES = ("stats", "tensors")
+# What both runs record (``TraceCompare(data=...)``); ``--data`` sets it in every worker. With
+# tensors, compare also replays each target op on its recorded inputs (tracecmp.compare.replay).
+CAPTURE = {"data": "stats"}
 
 
 class HarnessError(Exception):
@@ -129,7 +133,7 @@ def record_run(family: str, plan: Plan, path: Path, weight: str = "", weight_see
     torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
     try:
         with injector.outer():
-            with tracecmp.TraceCompare(str(path), model=workload.model) as tc:
+            with tracecmp.TraceCompare(str(path), model=workload.model, data=CAPTURE["data"]) as tc:
                 with injector.inner():
                     workload.train_step(optimizer)
                 tc.step()
@@ -322,9 +326,10 @@ def bench_key(case: Case) -> str:
     return f"{case.model}__clean" if ins is None else f"{case.model}__{ins.how}_{ins.site.op}_{ins.site.k}"
 
 
-def _init_worker() -> None:
+def _init_worker(data: str = "stats") -> None:
     torch.set_num_threads(1)  # bitwise-equal reductions in bench and target whatever the worker
     warnings.simplefilter("ignore")
+    CAPTURE["data"] = data
 
 
 def _bench_task(args: tuple[str, Plan, str]) -> tuple[str, str]:
@@ -342,14 +347,14 @@ def _case_task(args: tuple[Case, str, str, bool, int]) -> Result:
     return run_case(case, Path(bench), Path(work), keep, timeout_s)
 
 
-def _pool_map(fn: Any, items: list[Any], jobs: int) -> Iterable[Any]:
+def _pool_map(fn: Any, items: list[Any], jobs: int, data: str) -> Iterable[Any]:
     if jobs <= 1:
-        _init_worker()
+        _init_worker(data)
         yield from map(fn, items)
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker) as pool:
+    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(data,)) as pool:
         yield from pool.imap_unordered(fn, items)
 
 
@@ -505,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="where traces go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep target and bench traces (implies a printed workdir)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per case")
+    parser.add_argument("--data", choices=DATA_MODES, default="stats",
+                        help="what both runs record; with tensors, compare also replays every target op")
     args = parser.parse_args(argv)
-    _init_worker()
+    _init_worker(args.data)
 
     families = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in families if m not in FAMILIES]
@@ -532,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         benches = {bench_key(c): (c.model, c.bench, str(work / "benches" / bench_key(c))) for c in cases}
         failed_bench: dict[str, str] = {}
-        for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs):
+        for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs, args.data):
             if err:
                 failed_bench[path] = err
         results: list[Result] = []
@@ -548,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                 todo.append((c, path, str(work), args.keep, args.timeout))
         # Slow models first so the pool does not end on one long tail.
         todo.sort(key=lambda t: FAMILIES.index(t[0].model) if t[0].model in FAMILIES else 0, reverse=True)
-        for i, r in enumerate(_pool_map(_case_task, todo, args.jobs), 1):
+        for i, r in enumerate(_pool_map(_case_task, todo, args.jobs, args.data), 1):
             results.append(r)
             bad = (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")
             if bad or i % 25 == 0:

@@ -30,10 +30,14 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("bench", help="trace folder of the reference run")
     parser.add_argument("-o", "--out", metavar="OUT", help="folder for the tables (CSV) and the HTML report")
     parser.add_argument("--exact", action="store_true", help="bitwise determinism check: any difference is a divergence")
+    parser.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
+                        help="re-run every target op on its recorded inputs in float64 to measure its own error "
+                        "(needs a target captured with data=\"tensors\"; default: whenever it has them)")
     parser.add_argument("--steps", type=_int_list, metavar="S,S", help="compare only these steps")
     parser.add_argument("--ranks", type=_int_list, metavar="R,R", help="compare only these ranks")
     parser.add_argument("--tol", metavar="SPEC", default="",
-                        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,allow_tf32=0"')
+                        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,'
+                        'replay_margin=4,replay_local=4,allow_tf32=0"')
     parser.add_argument("--xlsx", action="store_true", help="also write compare.xlsx (needs openpyxl)")
     parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")
     parser.add_argument("--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared")
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     tolerances = Tolerances.parse(args.tol) if args.tol else None
     result = compare(args.target, args.bench, tolerances=tolerances, steps=args.steps, ranks=args.ranks,
-                     exact=args.exact, progress=args.progress)
+                     exact=args.exact, replay=args.replay, progress=args.progress)
     print(result.summary(top=args.top))
     if args.out:
         paths = result.write_tables(args.out, xlsx=args.xlsx)

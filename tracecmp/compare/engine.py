@@ -13,6 +13,7 @@ import pandas as pd
 from tracecmp.compare.align import align_nodes
 from tracecmp.compare.localize import RankInput, TensorState, localize
 from tracecmp.compare.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
+from tracecmp.compare.replay import OwnError, replay_rank
 from tracecmp.compare.result import NODE_COLUMNS, CompareResult
 from tracecmp.compare.tolerances import Tolerances, is_float_dtype
 from tracecmp.errors import CompareError
@@ -83,13 +84,18 @@ def compare(
     steps: Iterable[int] | None = None,
     ranks: Iterable[int] | None = None,
     exact: bool = False,
+    replay: bool | None = None,
     progress: bool | None = None,
 ) -> CompareResult:
     """Compare a target run with a bench run and name the first op that went wrong.
 
     ``exact=True`` checks bitwise determinism instead: every difference is a divergence and the roots
-    are the ops whose outputs changed while their inputs were bitwise equal. ``progress`` forces the
-    stderr progress bar on or off (default: on for large traces on a terminal).
+    are the ops whose outputs changed while their inputs were bitwise equal. ``replay`` re-runs every
+    target op on its recorded inputs in float64 (:mod:`tracecmp.compare.replay`), which needs a
+    target captured with ``data="tensors"`` and finds an op's own error even where its inputs
+    already differ from the bench by more; default: whenever the target holds tensors.
+    ``progress`` forces the stderr progress bar on or off (default: on for large traces on a
+    terminal).
 
     >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
     >>> result.first_divergence.op, result.first_divergence.module  # doctest: +SKIP
@@ -132,7 +138,7 @@ def compare(
     node_frames, tensor_frames, unpaired_frames = [], [], []
     compared_steps: set[int] = set()
     for r in common:
-        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar)
+        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar, False if exact else replay)
         if prepared is None:
             continue
         rank_input, t_ops, tensors, unpaired = prepared
@@ -155,6 +161,9 @@ def compare(
     keys = list(zip(nodes["rank"].tolist(), nodes["op_id"].tolist()))
     for column in ("status", "error", "introduced", "metric", "root_kind", "reason"):
         nodes[column] = [getattr(verdicts[k], column) for k in keys]
+    own_errors = {(ri.rank, op): own for ri in rank_inputs for op, own in ri.own_errors.items()}
+    nodes["own_error"] = [own_errors[k].error if k in own_errors else math.nan for k in keys]
+    nodes["honest_error"] = [own_errors[k].honest if k in own_errors else math.nan for k in keys]
     nodes = nodes[list(NODE_COLUMNS)]
     tensors = pd.concat(tensor_frames, ignore_index=True)
     if len(tensors):
@@ -172,7 +181,7 @@ def compare(
 
 def _prepare_rank(
     t_rank: RankTrace, b_rank: RankTrace, rank: int, tol: Tolerances, wanted_steps: set[int] | None,
-    warnings: list[str], bar: _Progress,
+    warnings: list[str], bar: _Progress, replay: bool | None,
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
     t_ops, b_ops = t_rank.ops, b_rank.ops
     t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
@@ -209,6 +218,13 @@ def _prepare_rank(
     own_nonfinite = (t_ten["has_stats"].to_numpy(bool) & ((t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)))
     own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
     measured = _states(measured_frame, own)
+    own_errors: dict[int, OwnError] = {}
+    has_data = bool(t_ten["data_key"].astype(bool).any())
+    if replay and not has_data:
+        warnings.append(f"rank {rank}: no replay: the target trace holds no tensors (capture it with data=\"tensors\")")
+    elif (replay is None or replay) and has_data:
+        bar.update(f"rank {rank}: replaying")
+        own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), progress=lambda n: bar.update(f"rank {rank}: replaying"))
 
     b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
     b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))
@@ -226,7 +242,7 @@ def _prepare_rank(
     rank_input = RankInput(
         rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
         bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), bench_inputs=b_inputs,
-        bench_producer=b_producer, bench_ops=bench_ops, partner=partner, first_step=min(steps),
+        bench_producer=b_producer, bench_ops=bench_ops, partner=partner, first_step=min(steps), own_errors=own_errors,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)

@@ -42,6 +42,7 @@ import numpy as np
 
 from tracecmp.compare.opclass import OpClass, base_name, classify, is_copy
 from tracecmp.compare.records import Divergence
+from tracecmp.compare.replay import OwnError
 from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
 
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
@@ -135,6 +136,7 @@ class RankInput:
     bench_ops: Mapping[int, tuple[str, str]]  # bench op_id -> (op, module), for unpaired bench ops
     partner: Mapping[int, int]  # target tensor id -> bench tensor id
     first_step: int = 0
+    own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (replay.py)
 
 
 def _norm_args(text: str) -> Any:
@@ -556,6 +558,12 @@ def _localize_rank(
         if not root_kind:
             continue
         verdict.metrics = _metric_dict(j)
+        own = ri.own_errors.get(op_id)
+        if own is not None:
+            verdict.metrics.update(own_error=own.error, honest_error=own.honest)
+            if deciding == "replay":
+                units = own.error / EPS.get(own.dtype, _FP32)
+                verdict.introduced = units if not verdict.introduced >= units else verdict.introduced
         verdict.root_kind = root_kind
         verdict.reason = reason
         divergence = Divergence(
@@ -666,8 +674,9 @@ def _decide(
         if diff:
             return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
+    replayed = _replayed_root(j, node, ri, tol, exact_matmul)
     if not j.judgeable:
-        return "", "", deciding
+        return ("computation", replayed, "replay") if replayed else ("", "", deciding)
     # Which channel is furthest beyond what the inputs explain.
     amb = ambient.get(j.group) or ambient.get((j.cls.kind, j.group[1]))
     excess = []
@@ -692,7 +701,7 @@ def _decide(
         # counts, atomics), which the rest of a deterministic run says nothing about.
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
-        return "", "", channels[channel]
+        return ("computation", replayed, "replay") if replayed else ("", "", channels[channel])
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
         label = op.removeprefix("source.")
@@ -714,6 +723,35 @@ def _decide(
         reason = f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})" if x > 0 else (
             f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
     return "computation", reason, channels[channel]
+
+
+def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool) -> float:
+    """How far an op's own error (replay.py) exceeds what an honest kernel makes: > 1 is a root.
+
+    The bar is ``replay_margin`` times the honest replay's error, and at least ``replay_local``
+    rounding units of the output's dtype (TF32's for a float32 matmul/conv that may run at TF32).
+    Where the honest replay is exact (no rounding happened), any other result is wrong.
+    """
+    unit = EPS.get(own.dtype, _FP32)
+    if j.cls.precision_variable and tol.allow_tf32 and own.dtype == "float32" and not exact_matmul:
+        unit = TF32_EPS
+    if math.isinf(own.honest):
+        return 0.0  # an honest kernel overflows here too: the NaN/Inf rule decides
+    if own.honest == 0.0:
+        return math.inf if own.error > 0 else 0.0  # exact here: every correct kernel gives these bits
+    bar = max(tol.replay_margin * own.honest, tol.replay_local * unit)
+    return own.error / bar
+
+
+def _replayed_root(j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool) -> str:
+    """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error)."""
+    own = ri.own_errors.get(node[0])
+    if own is None or node[3] != "op" or _replay_excess(own, j, tol, exact_matmul) <= 1.0:
+        return ""
+    if own.honest > 0:
+        return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
+                f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
+    return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
 
 
 def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:

@@ -15,7 +15,7 @@ from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
 
 NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "step", "phase", "kind", "op", "name", "module", "location", "status",
-                "error", "introduced", "metric", "root_kind", "reason")
+                "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
 
 
 @dataclass
@@ -24,7 +24,9 @@ class CompareResult:
 
     ``nodes`` has one row per target node (see :data:`NODE_COLUMNS`; ``status`` is one of
     :data:`tracecmp.compare.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
-    node's dtype); ``tensors`` one row per compared tensor; ``unpaired_bench`` the bench nodes that
+    node's dtype; ``own_error``/``honest_error`` are the replay's relative errors of the recorded
+    output and of an honest replay, NaN where the op was not replayed); ``tensors`` one row per
+    compared tensor; ``unpaired_bench`` the bench nodes that
     found no partner.
 
     >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
@@ -109,6 +111,11 @@ class CompareResult:
                              f"{s.kind:<11} score {_fmt(s.score)}")
         counts = self.counts()
         lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items())]
+        replayed = int(self.nodes["own_error"].notna().sum()) if "own_error" in self.nodes else 0
+        if replayed:
+            computing = int((self.nodes["kind"] == "op").sum())
+            lines.append(f"Replay: {replayed} of {computing} ops re-run on their recorded inputs in float64 "
+                         "(own error in nodes.csv: own_error, honest_error)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

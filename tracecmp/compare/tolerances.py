@@ -104,12 +104,17 @@ class Tolerances:
     # Relative error floor for elementwise relative errors, as a fraction of the tensor's RMS:
     # below it an element counts as "near zero" and its error is judged against the floor.
     rel_floor: float = 1e-3
+    # Replay (traces with whole tensors, see tracecmp.compare.replay): an op is a root when its own
+    # error against a float64 replay of its recorded inputs is more than ``replay_margin`` times
+    # what a replay in its recorded dtypes makes and more than ``replay_local`` rounding units.
+    replay_margin: float = 4.0
+    replay_local: float = 4.0
     # Allow float32 matmul/conv to run at TF32 precision without calling it a divergence.
     # None: decide from the traces (see tracecmp.compare.engine.reduced_precision_possible).
     allow_tf32: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("margin", "local", "ambient", "rel_floor"):
+        for name in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise CompareError(f"tolerance {name} must be a finite non-negative number, got {value!r}")
@@ -150,7 +155,7 @@ class Tolerances:
             if not sep:
                 raise CompareError(f"bad tolerance {item!r}: expected NAME=VALUE")
             try:
-                if key in ("margin", "local", "ambient", "rel_floor", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
+                if key in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
                     scalars[key] = float(value)
                 elif key == "allow_tf32":
                     flag = value.strip().lower()

@@ -1,0 +1,169 @@
+"""Replay of recorded ops (tracecmp.compare.replay) on hand-recorded traces with whole tensors."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracecmp
+from tests.tracebuild import TraceBuilder
+from tests.unit.test_localize import noise, record, scale
+from tracecmp.cli.main import main as cli_main
+from tracecmp.compare import Tolerances
+from tracecmp.compare.replay import _errors, replay_rank
+
+A = torch.ops.aten
+
+
+def test_a_clean_cpu_trace_replays_to_its_honest_error(tmp_path):
+    rank = tracecmp.load(record(tmp_path / "run", data=True)).rank(0)
+    own = replay_rank(rank)
+    ops = rank.ops
+    computing = ops[ops["kind"] == "op"]
+    assert set(own) == set(computing["op_id"])  # every op replayed, views rebuilt from their bases
+    for op_id, e in own.items():
+        # Recorded on this CPU in these dtypes: the honest replay gives the very same bits.
+        assert e.error == e.honest, ops.loc[ops["op_id"] == op_id, "op"].item()
+        assert e.dtype == "float32" and 0 <= e.error < 1e-5
+    names = dict(zip(ops["op_id"], ops["op"]))
+    assert any(names[o] == "aten.native_layer_norm_backward.default" for o in own)
+
+
+def test_a_statistics_trace_has_nothing_to_replay(tmp_path):
+    assert replay_rank(tracecmp.load(record(tmp_path / "run")).rank(0)) == {}
+
+
+@pytest.mark.parametrize("site,op,phase", [
+    ("gelu", "aten.gelu.default", "forward"),
+    ("ln", "aten.native_layer_norm.default", "forward"),
+    ("gelu_backward", "aten.gelu_backward.default", "backward"),
+    ("grad_b1", "aten.sum.dim_IntList", "backward"),
+])
+def test_replay_finds_a_fault_smaller_than_the_tf32_background(tmp_path, site, op, phase):
+    bench = record(tmp_path / "bench", data=True)
+    target = record(tmp_path / "target", data=True, tf32=True, faults={site: scale(1 + 3e-5)})
+    without = tracecmp.compare(target, bench, replay=False)
+    assert without.first_divergence is None or without.first_divergence.op != op  # hidden in the noise
+    result = tracecmp.compare(target, bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.phase, d.kind) == (op, phase, "computation")
+    assert "float64 replay" in d.reason
+    assert d.metrics["own_error"] > 4 * d.metrics["honest_error"]
+    row = result.nodes[result.nodes["op_id"] == d.op_id].iloc[0]
+    assert row["own_error"] == pytest.approx(3e-5, rel=0.3)
+
+
+def test_tf32_background_alone_is_not_a_divergence_under_replay(tmp_path):
+    bench = record(tmp_path / "bench", data=True)
+    result = tracecmp.compare(record(tmp_path / "target", data=True, tf32=True), bench)
+    assert result.first_divergence is None
+    replayed = result.nodes[result.nodes["own_error"].notna()]
+    assert len(replayed) > 10
+    # Without the TF32 allowance the rounded matmuls are their own errors.
+    strict = tracecmp.compare(record(tmp_path / "target2", data=True, tf32=True), bench,
+                              tolerances={"allow_tf32": False})
+    assert strict.first_divergence is not None and strict.first_divergence.op == "aten.addmm.default"
+
+
+def test_a_whole_bf16_run_reads_as_honest_under_replay(tmp_path):
+    bench = record(tmp_path / "bench", data=True)
+    result = tracecmp.compare(record(tmp_path / "target", data=True, dtype=torch.bfloat16), bench)
+    replay_roots = [s for s in result.suspects if "replay" in s.reason]
+    assert replay_roots == []
+
+
+def _relu_after_tf32(path: Path, fault: float | None) -> Path:
+    """x @ w at TF32 in the target (background), then relu, whose output may get one ulp more."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
+    b = TraceBuilder(data=True)
+    X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
+    tf32 = None
+    if fault is not None:
+        from tests.unit.test_localize import _round_tf32
+
+        tf32 = lambda _: A.mm.default(_round_tf32(x), _round_tf32(w))  # noqa: E731
+    H = b.call(A.mm.default, X, W, module="fc", fault=tf32)
+
+    def bump(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        i = int(out.flatten().argmax())
+        out.view(-1)[i] = torch.nextafter(out.view(-1)[i], torch.tensor(math.inf))
+        return out
+
+    b.call(A.relu.default, H, module="act", fault=bump if fault else None)
+    return b.write(path)
+
+
+def test_an_op_that_computes_exactly_is_wrong_by_one_ulp(tmp_path):
+    result = tracecmp.compare(_relu_after_tf32(tmp_path / "t", fault=1.0), _relu_after_tf32(tmp_path / "b", None))
+    d = result.first_divergence
+    assert d is not None and d.op == "aten.relu.default"
+    assert "exactly" in d.reason
+
+
+def test_flushed_denormals_are_not_an_error():
+    honest = torch.tensor([1.0, 1e-40, -2.0])  # a float32 denormal, exact: the op needed no rounding
+    recorded = torch.tensor([1.0, 0.0, -2.0])  # an accelerator that flushes denormals to zero
+    assert _errors(recorded, honest, honest.double()) == (0.0, 0.0)
+    bumped = torch.tensor([1.0, 1e-40, -2.0000002])
+    assert _errors(bumped, honest, honest.double())[0] > 0
+
+
+def test_nan_where_the_replay_has_none_is_an_infinite_error():
+    reference = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    error, honest = _errors(torch.tensor([1.0, math.nan]), torch.tensor([1.0, 2.0]), reference)
+    assert math.isinf(error) and honest == 0.0
+    same_nan = torch.tensor([1.0, math.nan])
+    assert _errors(same_nan, same_nan, torch.tensor([1.0, math.nan], dtype=torch.float64)) == (0.0, 0.0)
+
+
+def test_ops_that_cannot_be_replayed_are_left_out_not_called_correct(tmp_path):
+    b = TraceBuilder(data=True)
+    x = b.source("input.0", torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
+    torch.manual_seed(0)
+    dropped, _mask = b.call(A.native_dropout.default, x, 0.5, True, random=True)
+    opaque = b.op("aten.mul.Tensor", [dropped], torch.ones(4, 4), args={"self": {"tensor": 0}, "other": "<Generator>"})
+    b.call(A.relu.default, x)
+    rank = tracecmp.load(b.write(tmp_path / "run")).rank(0)
+    own = replay_rank(rank)
+    names = dict(zip(rank.ops["op_id"], rank.ops["op"]))
+    assert [names[o] for o in own] == ["aten.relu.default"]
+    assert opaque.op_id not in own
+
+
+def test_replay_switches(tmp_path):
+    bench = record(tmp_path / "bench")
+    stats_only = tracecmp.compare(record(tmp_path / "target"), bench, replay=True)
+    assert any("no replay" in w for w in stats_only.warnings)
+    assert stats_only.nodes["own_error"].isna().all()
+    with_data = record(tmp_path / "target_data", data=True)
+    assert tracecmp.compare(with_data, bench, exact=True).nodes["own_error"].isna().all()
+    assert tracecmp.compare(with_data, bench, replay=False).nodes["own_error"].isna().all()
+    replayed = tracecmp.compare(with_data, bench)
+    assert replayed.nodes["own_error"].notna().any()
+    assert "Replay: " in replayed.summary()
+
+
+def test_replay_tolerances_parse_and_validate():
+    tol = Tolerances.parse("replay_margin=8,replay_local=2")
+    assert (tol.replay_margin, tol.replay_local) == (8.0, 2.0)
+    with pytest.raises(tracecmp.TracecmpError):
+        Tolerances(replay_margin=-1)
+
+
+def test_cli_no_replay(tmp_path, capsys):
+    bench = record(tmp_path / "bench", data=True)
+    target = record(tmp_path / "target", data=True, tf32=True, faults={"gelu": scale(1 + 3e-5)})
+    assert cli_main(["compare", str(target), str(bench)]) == 1
+    assert cli_main(["compare", str(target), str(bench), "--no-replay"]) == 0
+    capsys.readouterr()
+
+
+def test_noise_fault_found_by_replay_has_the_largest_score(tmp_path):
+    bench = record(tmp_path / "bench", data=True)
+    target = record(tmp_path / "target", data=True, tf32=True, faults={"gelu_backward": noise(1e-4)})
+    result = tracecmp.compare(target, bench)
+    assert result.suspects and result.suspects[0].op == "aten.gelu_backward.default"

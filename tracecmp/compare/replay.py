@@ -1,0 +1,345 @@
+"""Replay: re-run each recorded op on its own recorded inputs in float64 and measure its own error.
+
+With whole tensors in a trace (``data="tensors"``) every op's inputs are known exactly, so the op
+can be run again on the CPU: in float64, as the *reference*, and in the dtypes it was recorded in,
+as an *honest* implementation (the two-standard check of msprobe's run_ut pre-check; the FX
+Numeric Suite's shadow mode has the same aim). How far the recorded output lies from the
+reference is the op's *own* error, free of whatever its inputs inherited; how far the honest
+replay lies from it is the error a correct kernel makes on these very inputs, sums that cancel
+and low-precision dtypes included. A fault far smaller than the noise a device adds upstream (a
+TF32 matmul before a GELU) thus still stands out at the op that made it.
+
+Errors are normwise: ``max(max|x - ref| / max|ref|, ||x - ref|| / ||ref||)`` over the op's worst
+floating output. Positions where both hold the same NaN/Inf count as equal; a NaN/Inf on one side
+only is an infinite error.
+
+Views carry no data of their own and are recomputed from their base by replaying the view op.
+Ops that are not replayed: random ops (they would draw other numbers), uninitialized allocations,
+ops whose arguments the trace could not record (opaque objects), ops without a schema, ops whose
+inputs were not saved, and ops that refuse float64 (some vendor kernels): the caller treats those
+as "not replayed", never as "correct".
+
+>>> own = replay_rank(tracecmp.load("runs/target").rank(0))   # doctest: +SKIP
+>>> own[42].error, own[42].honest                            # doctest: +SKIP
+(1.0e-06, 3.1e-08)
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from tracecmp.capture.ops import arg_value, op_info
+from tracecmp.compare.metrics import SavedTensors
+
+_CACHE_BYTES = 512 << 20  # recorded values kept in memory while walking (inputs are mostly recent)
+_UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten._empty")
+_NOT_REPLAYED = object()
+_TINY = 1e-300
+
+
+@dataclass(frozen=True, slots=True)
+class OwnError:
+    """An op's own error: its recorded outputs against a float64 replay of its recorded inputs."""
+
+    op_id: int
+    error: float  # the recorded output's relative error against the float64 replay (see above)
+    honest: float  # the same for a replay on this CPU in the recorded dtypes: an honest kernel's error
+    dtype: str  # dtype of the output that decided it
+
+
+@dataclass(slots=True)
+class _Op:
+    op_id: int
+    kind: str
+    name: str
+    args: str
+    inputs: list[int]
+    outputs: list[int]
+    random: bool
+
+
+def replay_rank(
+    rank: Any, op_ids: Iterable[int] | None = None, *, progress: Callable[[int], None] | None = None
+) -> dict[int, OwnError]:
+    """Own errors of the ops ``op_ids`` (default: all) of a :class:`~tracecmp.trace.reader.RankTrace`.
+
+    Ops that could not be replayed are absent from the result. Needs a trace with saved tensors;
+    returns ``{}`` for a statistics-only trace.
+    """
+    tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]).to_pydict()
+    if not any(tensors["data_key"]):
+        return {}
+    info = {
+        t: (op, idx, dtype, -1 if view is None else view, key)
+        for t, op, idx, dtype, view, key in zip(
+            tensors["tensor_id"], tensors["op_id"], tensors["index"], tensors["dtype"], tensors["view_of"], tensors["data_key"]
+        )
+    }
+    table = rank.ops_table.select(["op_id", "kind", "op", "args", "inputs", "outputs", "random"]).to_pydict()
+    ops = {
+        o: _Op(o, k, n, a or "{}", list(i or ()), list(out or ()), bool(r))
+        for o, k, n, a, i, out, r in zip(
+            table["op_id"], table["kind"], table["op"], table["args"], table["inputs"], table["outputs"], table["random"]
+        )
+    }
+    wanted = sorted(ops) if op_ids is None else sorted(o for o in set(op_ids) if o in ops)
+    results: dict[int, OwnError] = {}
+    with SavedTensors(rank) as saved:
+        values = _Values(saved, info, ops)
+        for count, op_id in enumerate(wanted, 1):
+            if progress is not None and count % 1000 == 0:
+                progress(1000)
+            op = ops[op_id]
+            if op.kind != "op" or op.random or op.name.startswith(_UNINITIALIZED):
+                continue
+            own = _replay_one(op, values, info)
+            if own is not None:
+                results[op_id] = own
+    return results
+
+
+class _Values:
+    """Recorded values by tensor id: loaded from the trace, or recomputed for views."""
+
+    def __init__(self, saved: SavedTensors, info: Mapping[int, tuple], ops: Mapping[int, _Op]) -> None:
+        self.saved, self.info, self.ops = saved, info, ops
+        self.cache: dict[int, torch.Tensor | None] = {}
+        self.bytes = 0
+
+    def get(self, tid: int) -> torch.Tensor | None:
+        if tid in self.cache:
+            return self.cache[tid]
+        value = self._load(tid, depth=0)
+        if self.bytes > _CACHE_BYTES:
+            self.cache.clear()
+            self.bytes = 0
+        self.cache[tid] = value
+        if value is not None:
+            self.bytes += value.numel() * value.element_size()
+        return value
+
+    def _load(self, tid: int, depth: int) -> torch.Tensor | None:
+        row = self.info.get(tid)
+        if row is None:
+            return None
+        producer, index, _, view_of, key = row
+        if key:
+            return self.saved.get(key)
+        if view_of < 0 or depth > 64:
+            return None
+        op = self.ops.get(producer)
+        if op is None:
+            return None
+        # A view holds no data: make it again from its base with the same view op.
+        inputs = [self.get(t) for t in op.inputs]
+        if any(v is None for v in inputs):
+            return None
+        out = _call(op, inputs, golden=False)
+        if out is None:
+            return None
+        produced = _returned(op.name, out[0], out[1], out[2])
+        return produced[index] if index < len(produced) else None
+
+
+def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple]) -> OwnError | None:
+    """The own error of one op (its worst floating output), or None when it cannot be replayed."""
+    checked = [(i, t) for i, t in enumerate(op.outputs) if info.get(t, (0, 0, "", -1, ""))[4] and _is_float(info[t][2])]
+    if not checked:
+        return None
+    inputs = [values.get(t) for t in op.inputs]
+    if any(v is None for v in inputs):
+        return None
+    golden, same = _call(op, inputs, golden=True), _call(op, inputs, golden=False)
+    if golden is None or same is None:
+        return None
+    reference, honest = _returned(op.name, *golden), _returned(op.name, *same)
+    worst: OwnError | None = None
+    for position, tid in checked:
+        if position >= len(reference) or position >= len(honest):
+            return None
+        recorded = values.get(tid)
+        if recorded is None:
+            return None
+        errors = _errors(recorded, honest[position], reference[position])
+        if errors is None:
+            return None
+        if worst is None or _excess(*errors) > _excess(worst.error, worst.honest):
+            worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
+    return worst
+
+
+def _excess(error: float, honest: float) -> float:
+    return error / honest if honest > 0 else (math.inf if error > 0 else 0.0)
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype in ("float32", "float64", "float16", "bfloat16")
+
+
+def _errors(recorded: torch.Tensor, honest: Any, reference: Any) -> tuple[float, float] | None:
+    """(relative error of ``recorded``, relative error of ``honest``), both against ``reference``."""
+    if not isinstance(reference, torch.Tensor) or not isinstance(honest, torch.Tensor):
+        return None
+    if recorded.shape != reference.shape or honest.shape != reference.shape or reference.is_complex():
+        return None
+    ref = reference.detach().to(torch.float64)
+    if ref.numel() == 0:
+        return 0.0, 0.0
+    finite = torch.isfinite(ref)
+    scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
+    norm = float(torch.linalg.vector_norm(ref[finite])) if scale > 0 else 0.0
+    error = _relative(recorded, ref, finite, scale, norm)
+    honest_error = _relative(honest.detach(), ref, finite, scale, norm)
+    if error > 0 and honest_error == 0 and recorded.is_floating_point():
+        # The op is exact here (a max, a copy, a sum that needs no rounding), so any difference is
+        # the op's doing, unless it is only denormals flushed to zero, as many accelerators do.
+        differs = recorded.to(torch.float64) != ref
+        if bool((ref[differs].abs() < torch.finfo(recorded.dtype).tiny).all()):
+            error = 0.0
+    return error, honest_error
+
+
+def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scale: float, norm: float) -> float:
+    """``max(max|v - ref| / max|ref|, ||v - ref|| / ||ref||)`` over the reference's finite
+    positions; inf when NaN/Inf sit where the reference has none (or differ from its own)."""
+    out = value.to(torch.float64)
+    special = ~finite
+    if bool(special.any()):
+        same = (out[special] == ref[special]) | (torch.isnan(out[special]) & torch.isnan(ref[special]))
+        if not bool(same.all()):
+            return math.inf
+    out, ref = out[finite], ref[finite]
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    diff = (out - ref).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if worst == 0.0:
+        return 0.0
+    if scale == 0.0:
+        return math.inf
+    return max(worst / scale, float(torch.linalg.vector_norm(diff)) / max(norm, _TINY))
+
+
+def _resolve(name: str) -> Any:
+    namespace, _, rest = name.partition(".")
+    packet_name, _, overload = rest.rpartition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), packet_name)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _call(op: _Op, inputs: list[torch.Tensor], *, golden: bool) -> tuple[Any, tuple, dict] | None:
+    """Run ``op`` on ``inputs``; ``golden`` promotes floating values to float64.
+
+    Returns (result, args, kwargs) so written arguments can be read back, or None.
+    """
+    func = _resolve(op.name)
+    if func is None or not hasattr(func, "_schema"):
+        return None
+    try:
+        recorded = json.loads(op.args)
+    except ValueError:
+        return None
+    if not isinstance(recorded, dict):
+        return None
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    positional = True
+    for argument in func._schema.arguments:
+        if argument.name not in recorded:
+            positional = False  # a defaulted argument: the rest go by name
+            continue
+        value = _decode(recorded[argument.name], str(argument.real_type), inputs, golden)
+        if value is _NOT_REPLAYED:
+            return None
+        if positional and not argument.kwarg_only:
+            args.append(value)
+        else:
+            positional = False
+            kwargs[argument.name] = value
+    try:
+        with torch.no_grad():
+            result = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op that will not run on the CPU or in float64 is simply not replayed
+        return None
+    return result, tuple(args), kwargs
+
+
+def _decode(value: Any, type_name: str, inputs: list[torch.Tensor], golden: bool) -> Any:
+    """A recorded JSON argument back as a Python value (tensors from ``inputs``, by position)."""
+    if isinstance(value, dict):
+        if "tensor" in value:
+            index = value["tensor"]
+            if not isinstance(index, int) or not 0 <= index < len(inputs):
+                return _NOT_REPLAYED
+            tensor = inputs[index]
+            if golden and tensor.is_floating_point():
+                return tensor.to(torch.float64)
+            return tensor.clone()  # in-place ops must not write the cached recorded value
+        if "complex" in value:
+            re, im = value["complex"]
+            return complex(_float(re), _float(im))
+        return _NOT_REPLAYED
+    if isinstance(value, list):
+        inner = type_name.removeprefix("Optional[").removesuffix("]")
+        inner = inner[inner.find("[") + 1 : -1] if inner.startswith("List[") else inner
+        items = [_decode(v, inner, inputs, golden) for v in value]
+        return _NOT_REPLAYED if any(v is _NOT_REPLAYED for v in items) else items
+    if isinstance(value, str):
+        return _decode_text(value, type_name, golden)
+    return value
+
+
+def _decode_text(value: str, type_name: str, golden: bool) -> Any:
+    if value.startswith("<"):
+        return _NOT_REPLAYED  # an object the trace could only name (a generator, a process group)
+    if "ScalarType" in type_name:
+        dtype = getattr(torch, value, None)
+        if not isinstance(dtype, torch.dtype):
+            return _NOT_REPLAYED
+        return torch.float64 if golden and dtype.is_floating_point else dtype
+    if "Layout" in type_name:
+        layout = getattr(torch, value, None)
+        return layout if isinstance(layout, torch.layout) else _NOT_REPLAYED
+    if "MemoryFormat" in type_name:
+        fmt = getattr(torch, value, None)
+        return fmt if isinstance(fmt, torch.memory_format) else _NOT_REPLAYED
+    if "Device" in type_name:
+        return torch.device("cpu")  # the replay runs on the CPU whatever the run used
+    if "float" in type_name or "Scalar" in type_name:
+        if value in ("nan", "inf", "-inf"):
+            return float(value)
+        return value if "Scalar" in type_name else _NOT_REPLAYED
+    return value
+
+
+def _float(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float, str)) else math.nan
+
+
+def _returned(name: str, result: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The op's tensors in the order capture numbered its outputs: returns, then written arguments
+    that no return hands back (capture.mode: ``_outputs``)."""
+    func = _resolve(name)
+    info = op_info(func)
+    if not info.schema:
+        return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    returns = info.returns
+    values = (result,) if len(returns) == 1 else (result if returns else ())
+    produced: list[torch.Tensor] = []
+    for _, value in zip(returns, values):
+        items = [value] if isinstance(value, torch.Tensor) else (value if isinstance(value, (list, tuple)) else ())
+        produced.extend(item for item in items if isinstance(item, torch.Tensor))
+    for ref in info.extra_writes:
+        value = arg_value(ref, args, kwargs)
+        items = [value] if isinstance(value, torch.Tensor) else (value if isinstance(value, (list, tuple)) else ())
+        produced.extend(item for item in items if isinstance(item, torch.Tensor))
+    return produced
+
