@@ -53,7 +53,7 @@ setup(
         Extension(
             "tracecmp._cstats",
             sources=["csrc/cstats.cpp"],
-            depends=["csrc/stats_kernel.hpp"],
+            depends=["csrc/stats_kernel.hpp", "csrc/stats_x86.hpp"],
             language="c++",
             extra_compile_args=CXX_FLAGS,
             extra_link_args=["-pthread"],

@@ -15,11 +15,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 
 #include "stats_kernel.hpp"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "stats_x86.hpp"
+#endif
 
 namespace tracecmp {
 namespace {
@@ -36,14 +41,20 @@ constexpr int64_t kGrab = 32;
 // Releasing the GIL costs more than it gives for small tensors.
 constexpr int64_t kReleaseGilMin = int64_t{1} << 15;
 
-// Vector width per ISA. x86-64 builds carry an AVX2+FMA copy of the kernel picked at run time,
-// so a portable binary still runs at full speed. (An AVX-512 copy measured no faster
-// on Zen 4, and slower for 16-bit types.) All copies do the same arithmetic lane for lane, so
-// their results are identical.
+// Copies of the kernel per instruction set. x86-64 builds carry AVX2+FMA and AVX-512 copies
+// besides the SSE2 baseline, compiled with function target attributes and picked at import, so
+// one portable binary runs at full speed. All copies do the same arithmetic lane for lane, so
+// their results are identical (the tests compare them bit for bit). Only bfloat16 has an
+// AVX-512 loop: for the other dtypes it measured no faster than AVX2 on Zen 4 (whose 512-bit
+// operations take two 256-bit pipe slots), so the AVX-512 level runs their AVX2 copy.
+enum Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"baseline", "avx2", "avx512"};
+int g_isa = kBaseline;  // set once at import, before any call
+
 template <class T>
 void run_portable(const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,
                   Partial<T>& part, Pairwise& pw, double* sums) {
-  run_blocks<T, 16>(data, cur, numel, b0, b1, part, pw, sums);
+  run_blocks<T, GenericLoop<16>, 16>(data, cur, numel, b0, b1, part, pw, sums);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -51,27 +62,50 @@ template <class T>
 __attribute__((target("avx2,fma"))) void run_avx2(const void* data, const Cursor* cur,
                                                   int64_t numel, int64_t b0, int64_t b1,
                                                   Partial<T>& part, Pairwise& pw, double* sums) {
-  run_blocks<T, 32>(data, cur, numel, b0, b1, part, pw, sums);
+  using Loop = std::conditional_t<std::is_same_v<T, BF16>, Avx2Loop, GenericLoop<32>>;
+  run_blocks<T, Loop, 32>(data, cur, numel, b0, b1, part, pw, sums);
 }
 
-bool use_avx2() {
-  __builtin_cpu_init();
-  // TRACECMP_CSTATS_PORTABLE=1 forces the baseline copy (tests compare the two bit for bit).
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         std::getenv("TRACECMP_CSTATS_PORTABLE") == nullptr;
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void run_avx512(
+    const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,
+    Partial<BF16>& part, Pairwise& pw, double* sums) {
+  run_blocks<BF16, Avx512Loop, 32>(data, cur, numel, b0, b1, part, pw, sums);
 }
-const bool kHasAvx2 = use_avx2();
+
+// The best level the CPU has, capped by TRACECMP_CSTATS_ISA (a level name; the tests force each
+// one). -1 for a name that is not a level.
+int choose_isa() {
+  __builtin_cpu_init();
+  int best = kBaseline;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    best = kAvx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")) best = kAvx512;
+  }
+  const char* cap = std::getenv("TRACECMP_CSTATS_ISA");
+  if (cap == nullptr || *cap == '\0') return best;
+  for (int level = kBaseline; level <= kAvx512; ++level)
+    if (std::strcmp(cap, kIsaNames[level]) == 0) return std::min(level, best);
+  return -1;
+}
 
 template <class T>
 void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,
                Partial<T>& part, Pairwise& pw, double* sums) {
-  if (kHasAvx2) {
-    run_avx2<T>(data, cur, numel, b0, b1, part, pw, sums);
-  } else {
-    run_portable<T>(data, cur, numel, b0, b1, part, pw, sums);
+  if constexpr (std::is_same_v<T, BF16>) {
+    if (g_isa >= kAvx512) return run_avx512(data, cur, numel, b0, b1, part, pw, sums);
   }
+  if (g_isa >= kAvx2) return run_avx2<T>(data, cur, numel, b0, b1, part, pw, sums);
+  run_portable<T>(data, cur, numel, b0, b1, part, pw, sums);
 }
 #else
+int choose_isa() {
+  const char* cap = std::getenv("TRACECMP_CSTATS_ISA");
+  if (cap == nullptr || *cap == '\0' || std::strcmp(cap, "baseline") == 0 ||
+      std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "avx512") == 0)
+    return kBaseline;
+  return -1;
+}
+
 template <class T>
 void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,
                Partial<T>& part, Pairwise& pw, double* sums) {
@@ -280,11 +314,18 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "tracecmp._cstats",
 }  // namespace tracecmp
 
 PyMODINIT_FUNC PyInit__cstats() {
+  tracecmp::g_isa = tracecmp::choose_isa();
+  if (tracecmp::g_isa < 0) {
+    PyErr_SetString(PyExc_ImportError,
+                    "TRACECMP_CSTATS_ISA must be one of baseline, avx2, avx512 (or unset)");
+    return nullptr;
+  }
   PyObject* m = PyModule_Create(&tracecmp::module);
   // BLOCK: elements per summation block (tests cross it); PARALLEL_MIN: below this numel the
-  // thread count is ignored, so callers need not look it up.
+  // thread count is ignored, so callers need not look it up; ISA: the copy of the kernel in use.
   if (m && (PyModule_AddIntConstant(m, "BLOCK", tracecmp::kBlock) < 0 ||
-            PyModule_AddIntConstant(m, "PARALLEL_MIN", tracecmp::kParallelMin) < 0)) {
+            PyModule_AddIntConstant(m, "PARALLEL_MIN", tracecmp::kParallelMin) < 0 ||
+            PyModule_AddStringConstant(m, "ISA", tracecmp::kIsaNames[tracecmp::g_isa]) < 0)) {
     Py_DECREF(m);
     return nullptr;
   }

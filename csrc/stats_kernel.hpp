@@ -8,14 +8,18 @@
 // * Elements are taken in blocks of kBlock in logical (row-major) order. A strided tensor is
 //   gathered block by block into a small buffer, so one kernel serves every layout and the
 //   numbers never depend on the layout.
-// * Inside a block every statistic is kept in kLanes independent lanes (lane = logical index mod
-//   kLanes), written with GCC/Clang generic vectors: branch-free, no intrinsics, no -ffast-math,
-//   compiled for SSE2/NEON and, on x86-64, also for AVX2 (picked at run time). kLanes is fixed
-//   and the compiler may not reassociate, so the summation order (hence every bit of the result)
-//   is the same on every CPU, ISA and thread count.
-// * Sums are in double: per lane within a block (kBlock / kLanes terms), then block sums are
-//   combined by streaming pairwise summation, so the error grows with log(blocks) and a
-//   100M-element fp32 tensor keeps ~1e-15 relative accuracy.
+// * Inside a block every statistic is kept in T::kLanes independent lanes (lane = logical index
+//   mod kLanes), written with GCC/Clang generic vectors: branch-free, no intrinsics, no
+//   -ffast-math, compiled for SSE2/NEON and, on x86-64, also for AVX2 (picked at run time);
+//   bfloat16 also has hand-written AVX2 and AVX-512 loops (stats_x86.hpp) that do the same
+//   operations lane for lane. kLanes is fixed per dtype and the compiler may not reassociate,
+//   so the summation order (hence every bit of the result) is the same on every CPU, ISA and
+//   thread count.
+// * Sums are in double: per lane within a block (kBlock / kLanes terms, at most 256), then the
+//   lanes by a fixed tree and the blocks by streaming pairwise summation. Every term is exact
+//   in double (fp32 and narrower values and their squares), so the error of a sum of N terms
+//   is at most (kBlock / kLanes + log2(kLanes) + log2(N / kBlock) + 1) * 2^-53 * sum |x_i|:
+//   3.2e-14 * sum |x_i| for 100M elements (csrc/README.md).
 // * NaN/Inf are rare, so the first pass over a block sums unmasked values; a non-finite block
 //   sum proves the block holds a NaN/Inf (or, for fp64, overflowed) and only then the block is
 //   summed again with masking and counting. For finite blocks both passes give the same bits.
@@ -33,10 +37,8 @@
 
 namespace tracecmp {
 
-// 8 lanes: the accumulators then fit the 16 AVX2 registers (16 lanes spilled to memory).
-constexpr int64_t kLanes = 8;
-// 256 chunks of kLanes: keeps 32-bit P/Q lanes of 8- and 16-bit types from overflowing
-// (Q <= 65535 * 256 * 257 / 2 < 2^32) and a gathered block of fp64 (16 KiB) inside L1.
+// At most 256 chunks of lanes per block: keeps 32-bit P/Q lanes of 8- and 16-bit types from
+// overflowing (Q <= 65535 * 256 * 257 / 2 < 2^32) and a gathered block of fp64 (16 KiB) in L1.
 constexpr int64_t kBlock = 2048;
 constexpr int kMaxDims = 64;
 
@@ -89,9 +91,14 @@ TC_INLINE V load(const E* p) {
 // Val = the type min/max are taken in, Lane = the type of the checksum's P/Q lanes; value()
 // exists for one element and for a vector and both give the same (exact) values.
 // kExactSquare: the square of every value is exact in double, so q + d * d may be fused.
+// kLanes: the number of logical lanes (lane = logical index mod kLanes), part of the numbers'
+// definition (the order of the float64 additions). 8 lets the generic vector code keep its
+// accumulators in the 16 AVX2 registers. bfloat16 has 16: its x86 loops (stats_x86.hpp) split a
+// chunk into even and odd elements, which needs 16 lanes to fill 256-bit vectors.
 struct F32 {
   using Raw = uint32_t; using Val = float; using Lane = uint64_t;
   static constexpr bool kFloat = true, kExactSquare = true;
+  static constexpr int64_t kLanes = 8;
   static TC_INLINE Val value(Raw r) { return bit_cast<float>(r); }
   template <int G>
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) { return bit_cast<Vec<Val, G>>(r); }
@@ -100,6 +107,7 @@ struct F32 {
 struct F64 {
   using Raw = uint64_t; using Val = double; using Lane = uint64_t;
   static constexpr bool kFloat = true, kExactSquare = false;
+  static constexpr int64_t kLanes = 8;
   static TC_INLINE Val value(Raw r) { return bit_cast<double>(r); }
   template <int G>
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) { return bit_cast<Vec<Val, G>>(r); }
@@ -108,6 +116,7 @@ struct F64 {
 struct BF16 {
   using Raw = uint16_t; using Val = float; using Lane = uint32_t;
   static constexpr bool kFloat = true, kExactSquare = true;
+  static constexpr int64_t kLanes = 16;
   static TC_INLINE Val value(Raw r) { return bit_cast<float>(static_cast<uint32_t>(r) << 16); }
   template <int G>
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
@@ -128,6 +137,7 @@ TC_INLINE F to_float(I x) {
 struct F16 {
   using Raw = uint16_t; using Val = float; using Lane = uint32_t;
   static constexpr bool kFloat = true, kExactSquare = true;
+  static constexpr int64_t kLanes = 8;
   // Half bits (zero-extended to 32) -> float bits. Integer-only for normals/Inf/NaN and an
   // exact int->float scale for subnormals, so it is branch-free and unaffected by
   // flush-denormal CPU modes. U is uint32_t or a vector of them, I and F the matching int32
@@ -154,6 +164,7 @@ template <class RawT, class SignedT, class ValT, class LaneT>
 struct IntBase {
   using Raw = RawT; using Val = ValT; using Lane = LaneT;
   static constexpr bool kFloat = false, kExactSquare = sizeof(RawT) <= 2;
+  static constexpr int64_t kLanes = 8;
   static TC_INLINE Val value(Raw r) { return static_cast<SignedT>(r); }
   template <int G>
   static TC_INLINE Vec<Val, G> value(Vec<Raw, G> r) {
@@ -264,9 +275,22 @@ TC_INLINE V tree_sum(const V* v) {
   return t[0];
 }
 
-// Lanes per vector of W bytes for element type E (at most kLanes).
-template <class E, int W>
-constexpr int kWidth = static_cast<int>(sizeof(E)) * kLanes <= W ? kLanes : W / sizeof(E);
+// Lanes per vector of W bytes for element type E (at most L).
+template <class E, int W, int64_t L>
+constexpr int kWidth = static_cast<int>(sizeof(E)) * L <= W ? static_cast<int>(L) : W / sizeof(E);
+
+// sum over chunks c < C and lanes l < L of u[c][l] * (2 * (start + c * L + l) + 1) mod 2^64,
+// from P[l] = sum_c u[c][l] and Q[l] = sum_c (P[l] after chunk c): sum_c c * u[c][l] is
+// C * P[l] - Q[l]. Any lane split gives the same value, so each loop picks its own.
+TC_INLINE uint64_t chunk_checksum(const uint64_t* P, const uint64_t* Q, int64_t L, int64_t C,
+                                  uint64_t start) {
+  uint64_t checksum = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const uint64_t w = static_cast<uint64_t>(C) * P[l] - Q[l];
+    checksum += (2 * (start + static_cast<uint64_t>(l)) + 1) * P[l] + 2 * static_cast<uint64_t>(L) * w;
+  }
+  return checksum;
+}
 
 // Per-lane running sums for the checksum: P[l] sums u over the chunks so far, Q[l] sums P.
 // General case: each u zero-extended into its own T::Lane.
@@ -274,21 +298,22 @@ template <class T, int W, bool kPairs = sizeof(typename T::Raw) == 4>
 struct ChecksumLanes {
   using Raw = typename T::Raw;
   using Lane = typename T::Lane;
-  static constexpr int G = kWidth<Lane, W>;
-  Vec<Lane, G> P[kLanes / G] = {}, Q[kLanes / G] = {};
+  static constexpr int64_t L = T::kLanes;
+  static constexpr int G = kWidth<Lane, W, L>;
+  Vec<Lane, G> P[L / G] = {}, Q[L / G] = {};
 
   TC_INLINE void add(const Raw* __restrict r) {
 #pragma GCC unroll 8
-    for (int g = 0; g < kLanes / G; ++g) {
+    for (int g = 0; g < L / G; ++g) {
       P[g] += convert<Vec<Lane, G>>(load<Vec<Raw, G>>(r + g * G));
       Q[g] += P[g];
     }
   }
   TC_INLINE void lanes(uint64_t* p, uint64_t* q) const {
-    Lane a[kLanes], b[kLanes];
+    Lane a[L], b[L];
     std::memcpy(a, P, sizeof a);
     std::memcpy(b, Q, sizeof b);
-    for (int l = 0; l < kLanes; ++l) p[l] = a[l], q[l] = b[l];
+    for (int l = 0; l < L; ++l) p[l] = a[l], q[l] = b[l];
   }
 };
 
@@ -298,7 +323,7 @@ template <class T, int W>
 struct ChecksumLanes<T, W, true> {
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "element 2j is the low half");
   using Raw = typename T::Raw;
-  static constexpr int kWords = kLanes / 2;
+  static constexpr int kWords = T::kLanes / 2;
   static constexpr int G = W / 8 < kWords ? W / 8 : kWords;
   using V = Vec<uint64_t, G>;
   V S[kWords / G] = {}, O[kWords / G] = {}, QS[kWords / G] = {}, QO[kWords / G] = {};
@@ -336,16 +361,17 @@ template <class T, int W>
 TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, double* bs,
                               double* bq, int64_t* nan, int64_t* inf) {
   using Raw = typename T::Raw;
-  constexpr int GD = kWidth<double, W>;
+  constexpr int64_t L = T::kLanes;
+  constexpr int GD = kWidth<double, W, L>;
   using VD = Vec<double, GD>;
   using VI = Vec<int64_t, GD>;
-  VD vs[kLanes / GD] = {}, vq[kLanes / GD] = {};
-  VI vn[kLanes / GD] = {}, vi[kLanes / GD] = {};
-  const int64_t chunks = n / kLanes;
+  VD vs[L / GD] = {}, vq[L / GD] = {};
+  VI vn[L / GD] = {}, vi[L / GD] = {};
+  const int64_t chunks = n / L;
   for (int64_t c = 0; c < chunks; ++c) {
 #pragma GCC unroll 8
-    for (int g = 0; g < kLanes / GD; ++g) {
-      const VD d = convert<VD>(T::template value<GD>(load<Vec<Raw, GD>>(p + c * kLanes + g * GD)));
+    for (int g = 0; g < L / GD; ++g) {
+      const VD d = convert<VD>(T::template value<GD>(load<Vec<Raw, GD>>(p + c * L + g * GD)));
       const VI is_nan = d != d;
       const VI finite = d - d == VD{};
       vn[g] -= is_nan;              // masks are -1 where true
@@ -355,14 +381,14 @@ TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, do
       vq[g] = add_square<T>(vq[g], x);
     }
   }
-  double s[kLanes], q[kLanes];
-  int64_t cn[kLanes], ci[kLanes];
+  double s[L], q[L];
+  int64_t cn[L], ci[L];
   std::memcpy(s, vs, sizeof s);
   std::memcpy(q, vq, sizeof q);
   std::memcpy(cn, vn, sizeof cn);
   std::memcpy(ci, vi, sizeof ci);
-  for (int64_t k = chunks * kLanes; k < n; ++k) {
-    const int64_t l = k - chunks * kLanes;
+  for (int64_t k = chunks * L; k < n; ++k) {
+    const int64_t l = k - chunks * L;
     const double d = static_cast<double>(T::value(p[k]));
     const bool is_nan = d != d, finite = d - d == 0.0;
     cn[l] += is_nan;
@@ -371,91 +397,107 @@ TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, do
     s[l] += x;
     q[l] = add_square<T>(q[l], x);
   }
-  *bs = tree_sum<double, kLanes>(s);
-  *bq = tree_sum<double, kLanes>(q);
-  for (int64_t l = 0; l < kLanes; ++l) *nan += cn[l], *inf += ci[l];
+  *bs = tree_sum<double, L>(s);
+  *bq = tree_sum<double, L>(q);
+  for (int64_t l = 0; l < L; ++l) *nan += cn[l], *inf += ci[l];
 }
 
-// One block of n <= kBlock contiguous elements whose first logical index is `start`, with
-// vectors of W bytes. Each statistic uses full-width vectors of its own type (8 floats but 4
-// doubles for AVX2), so every instruction does a register's worth of work.
-template <class T, int W>
+// The state of one block's lanes in logical lane order (lane l holds the elements whose index
+// in the block is l mod T::kLanes), filled by a chunk loop: on entry lo/hi hold the running
+// min/max, on exit also the lanes' sums and the checksum of the full chunks.
+template <class T>
+struct BlockLanes {
+  static constexpr int64_t L = T::kLanes;
+  typename T::Val lo[L], hi[L];
+  double s[L], q[L];
+  uint64_t checksum;
+};
+
+// The chunk loop in generic vectors of W bytes. Each statistic uses full-width vectors of its
+// own type (8 floats but 4 doubles for AVX2), so every instruction does a register's worth of
+// work. Hand-written loops (stats_x86.hpp) must give the same bits lane for lane.
+template <int W>
+struct GenericLoop {
+  template <class T>
+  static TC_INLINE void run(const typename T::Raw* __restrict p, int64_t chunks, uint64_t start,
+                            BlockLanes<T>& b) {
+    using Raw = typename T::Raw;
+    using Val = typename T::Val;
+    constexpr int64_t L = T::kLanes;
+    constexpr int GV = kWidth<Val, W, L>, GD = kWidth<double, W, L>;
+    using VV = Vec<Val, GV>;
+    using VD = Vec<double, GD>;
+    VV vlo[L / GV], vhi[L / GV];
+    VD vs[L / GD] = {}, vq[L / GD] = {};
+    ChecksumLanes<T, W> sums;
+    std::memcpy(vlo, b.lo, sizeof vlo);
+    std::memcpy(vhi, b.hi, sizeof vhi);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Raw* __restrict r = p + c * L;
+      VV v[L / GV];
+#pragma GCC unroll 8
+      for (int g = 0; g < L / GV; ++g) {
+        v[g] = T::template value<GV>(load<Vec<Raw, GV>>(r + g * GV));
+        // a < b ? a : b skips a NaN a (the comparison is false), as the definition asks.
+        vlo[g] = v[g] < vlo[g] ? v[g] : vlo[g];
+        vhi[g] = v[g] > vhi[g] ? v[g] : vhi[g];
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < L / GD; ++g) {
+        // Same-width types convert straight from memory (cvtps2pd m128 is one instruction);
+        // narrower ones reuse the converted values above.
+        constexpr int kPieces = GV / GD;
+        VD d;
+        if constexpr (sizeof(Raw) == sizeof(Val)) {
+          d = convert<VD>(T::template value<GD>(load<Vec<Raw, GD>>(r + g * GD)));
+        } else {
+          d = convert<VD>(piece<Vec<Val, GD>>(v[g / kPieces], g % kPieces));
+        }
+        vs[g] += d;
+        vq[g] = add_square<T>(vq[g], d);
+      }
+      sums.add(r);
+    }
+    std::memcpy(b.lo, vlo, sizeof b.lo);
+    std::memcpy(b.hi, vhi, sizeof b.hi);
+    std::memcpy(b.s, vs, sizeof b.s);
+    std::memcpy(b.q, vq, sizeof b.q);
+    uint64_t P[L], Q[L];
+    sums.lanes(P, Q);
+    b.checksum = chunk_checksum(P, Q, L, chunks, start);
+  }
+};
+
+// One block of n <= kBlock contiguous elements whose first logical index is `start`: the full
+// chunks through Loop, then the tail (only in the tensor's last block) lane by lane.
+template <class T, class Loop, int W>
 TC_INLINE void block(const typename T::Raw* __restrict p, int64_t n, uint64_t start,
                      Partial<T>& part, Pairwise& pw) {
-  using Raw = typename T::Raw;
   using Val = typename T::Val;
-  constexpr int GV = kWidth<Val, W>, GD = kWidth<double, W>;
-  using VV = Vec<Val, GV>;
-  using VD = Vec<double, GD>;
-  VV vlo[kLanes / GV], vhi[kLanes / GV];
-  VD vs[kLanes / GD], vq[kLanes / GD];
-  ChecksumLanes<T, W> sums;
-#pragma GCC unroll 8
-  for (int g = 0; g < kLanes / GV; ++g) {
-    vlo[g] = VV{} + part.lo;
-    vhi[g] = VV{} + part.hi;
-  }
-#pragma GCC unroll 8
-  for (int g = 0; g < kLanes / GD; ++g) vs[g] = vq[g] = VD{};
-  const int64_t chunks = n / kLanes;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const Raw* __restrict r = p + c * kLanes;
-    VV v[kLanes / GV];
-#pragma GCC unroll 8
-    for (int g = 0; g < kLanes / GV; ++g) {
-      v[g] = T::template value<GV>(load<Vec<Raw, GV>>(r + g * GV));
-      // a < b ? a : b skips a NaN a (the comparison is false), as the definition asks.
-      vlo[g] = v[g] < vlo[g] ? v[g] : vlo[g];
-      vhi[g] = v[g] > vhi[g] ? v[g] : vhi[g];
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < kLanes / GD; ++g) {
-      // Same-width types convert straight from memory (cvtps2pd m128 is one instruction);
-      // narrower ones reuse the converted values above.
-      constexpr int kPieces = GV / GD;
-      VD d;
-      if constexpr (sizeof(Raw) == sizeof(Val)) {
-        d = convert<VD>(T::template value<GD>(load<Vec<Raw, GD>>(r + g * GD)));
-      } else {
-        d = convert<VD>(piece<Vec<Val, GD>>(v[g / kPieces], g % kPieces));
-      }
-      vs[g] += d;
-      vq[g] = add_square<T>(vq[g], d);
-    }
-    sums.add(r);
-  }
-  Val lo[kLanes], hi[kLanes];
-  double s[kLanes], q[kLanes];
-  uint64_t P[kLanes], Q[kLanes];
-  std::memcpy(lo, vlo, sizeof lo);
-  std::memcpy(hi, vhi, sizeof hi);
-  std::memcpy(s, vs, sizeof s);
-  std::memcpy(q, vq, sizeof q);
-  sums.lanes(P, Q);
-  uint64_t checksum = 0;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    const uint64_t a = P[l];
-    const uint64_t w = static_cast<uint64_t>(chunks) * a - Q[l];
-    checksum += (2 * (start + l) + 1) * a + 2 * kLanes * w;
-  }
-  // The tail (only in the tensor's last block) goes to the lanes its index would use.
-  for (int64_t k = chunks * kLanes; k < n; ++k) {
-    const int64_t l = k - chunks * kLanes;
+  constexpr int64_t L = T::kLanes;
+  BlockLanes<T> b;
+  for (int64_t l = 0; l < L; ++l) b.lo[l] = part.lo, b.hi[l] = part.hi;
+  const int64_t chunks = n / L;
+  Loop::template run<T>(p, chunks, start, b);
+  uint64_t checksum = b.checksum;
+  // The tail goes to the lanes its index would use.
+  for (int64_t k = chunks * L; k < n; ++k) {
+    const int64_t l = k - chunks * L;
     const Val v = T::value(p[k]);
-    lo[l] = v < lo[l] ? v : lo[l];
-    hi[l] = v > hi[l] ? v : hi[l];
+    b.lo[l] = v < b.lo[l] ? v : b.lo[l];
+    b.hi[l] = v > b.hi[l] ? v : b.hi[l];
     const double d = static_cast<double>(v);
-    s[l] += d;
-    q[l] = add_square<T>(q[l], d);
+    b.s[l] += d;
+    b.q[l] = add_square<T>(b.q[l], d);
     checksum += static_cast<uint64_t>(p[k]) * (2 * (start + k) + 1);
   }
-  for (int64_t l = 0; l < kLanes; ++l) {
-    part.lo = lo[l] < part.lo ? lo[l] : part.lo;
-    part.hi = hi[l] > part.hi ? hi[l] : part.hi;
+  for (int64_t l = 0; l < L; ++l) {
+    part.lo = b.lo[l] < part.lo ? b.lo[l] : part.lo;
+    part.hi = b.hi[l] > part.hi ? b.hi[l] : part.hi;
   }
   part.checksum += checksum;
-  double bs = tree_sum<double, kLanes>(s);
-  double bq = tree_sum<double, kLanes>(q);
+  double bs = tree_sum<double, L>(b.s);
+  double bq = tree_sum<double, L>(b.q);
   if (T::kFloat && !std::isfinite(bs)) masked_moments<T, W>(p, n, &bs, &bq, &part.nan, &part.inf);
   pw.push(bs, bq);
 }
@@ -506,7 +548,8 @@ struct Cursor {
 
 // Blocks [b0, b1) of a tensor of `numel` elements; contiguous when cur == nullptr.
 // With sums == nullptr block moments go to pw, otherwise to sums[2b], sums[2b+1].
-template <class T, int W>
+// Loop runs the full chunks; W is the vector width of the generic code around it.
+template <class T, class Loop, int W>
 TC_INLINE void run_blocks(const void* data, const Cursor* cur, int64_t numel, int64_t b0,
                           int64_t b1, Partial<T>& part, Pairwise& pw, double* sums) {
   using Raw = typename T::Raw;
@@ -527,11 +570,11 @@ TC_INLINE void run_blocks(const void* data, const Cursor* cur, int64_t numel, in
     }
     if (sums) {
       Pairwise one;
-      block<T, W>(p, n, static_cast<uint64_t>(start), part, one);
+      block<T, Loop, W>(p, n, static_cast<uint64_t>(start), part, one);
       sums[2 * b] = one.s[0];
       sums[2 * b + 1] = one.q[0];
     } else {
-      block<T, W>(p, n, static_cast<uint64_t>(start), part, pw);
+      block<T, Loop, W>(p, n, static_cast<uint64_t>(start), part, pw);
     }
   }
 }

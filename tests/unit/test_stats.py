@@ -1,12 +1,14 @@
 """The fused C++ statistics pass against the pure-torch reference, on adversarial inputs.
 
 min, max, NaN/Inf counts and the checksum must be bit-identical between the two; mean and norm
-within 1e-12 relative to the data's scale (they are summed in different orders).
+within 1e-12 relative to the data's scale (they are summed in different orders). Every copy of
+the kernel (baseline, AVX2, AVX-512) must give the same bits.
 """
 from __future__ import annotations
 
 import math
 import os
+import platform
 import subprocess
 import sys
 from typing import Any, Callable
@@ -155,7 +157,8 @@ def test_values_match_reference(dtype: torch.dtype) -> None:
 def test_sizes_around_block_boundaries(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     full = (torch.randn(3 * BLOCK + 20, generator=g) * 50).to(dtype)
-    for n in (1, 2, 7, 8, 9, 15, 16, 17, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 8, 3 * BLOCK + 19):
+    # 8 and 16 are the lane counts (chunk sizes), BLOCK the summation block.
+    for n in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 8, 3 * BLOCK + 19):
         check(full[:n])
 
 
@@ -266,33 +269,91 @@ def test_20m_fp32_mean_and_norm_are_accurate() -> None:
     assert abs(norm - exact_norm) <= 1e-13 * exact_norm
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_adversarial_mean_and_norm_are_within_the_bound(dtype: torch.dtype) -> None:
+    """Values over 60 binades with random signs, so that most additions round.
+
+    The sums' error bound (csrc/README.md): every term is exact in float64, so the error is at
+    most (kBlock / kLanes - 1 + log2(kLanes) + 2 * ceil(log2(blocks))) * 2**-53 * sum |x|.
+    """
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(8)
+    n = 2**23 + 12345  # the largest size whose exact sums (math.fsum) take about a second
+    scale = torch.exp2(torch.randint(-30, 31, (n,), generator=g).to(torch.float64))
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x[: n // 4] = x[: n // 4].abs()  # a long positive run: large partial sums, then cancellation
+    mean, norm = tensor_stats_row(x)[2:4]
+    as_double = x.to(torch.float64).numpy()
+    lanes = 16 if dtype == torch.bfloat16 else 8
+    depth = BLOCK // lanes - 1 + math.log2(lanes) + 2 * math.ceil(math.log2(math.ceil(n / BLOCK)))
+    bound = depth * 2.0**-53
+    abs_sum = float(np.abs(as_double).sum())
+    exact_sum = math.fsum(as_double.tolist())
+    exact_sumsq = math.fsum(np.square(as_double).tolist())  # squares of fp32/bf16 are exact in float64
+    assert abs(mean * n - exact_sum) <= bound * abs_sum + 4 * 2.0**-53 * abs(mean * n)
+    assert abs(norm**2 - exact_sumsq) <= bound * exact_sumsq + 4 * 2.0**-53 * exact_sumsq
+    assert abs(mean - exact_sum / n) <= REL * abs_sum / n  # the documented tolerance, with room
+
+
 _ISA_SCRIPT = """
 import math, sys, torch
+from tracecmp import _cstats
 from tracecmp.capture.stats import tensor_stats_row
 g = torch.Generator().manual_seed(7)
 base = torch.randn(3 * 2048 + 77, generator=g, dtype=torch.float64) * 1e3
 base[100] = math.nan
 base[5000] = -math.inf
+base[6100] = -0.0
 rows = []
 for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
               torch.int16, torch.int32, torch.int64, torch.bool):
     t = base.to(dtype)
-    for view in (t, t[::3], t[: 6000].reshape(60, 100).t()):
+    for view in (t, t[::3], t[: 6000].reshape(60, 100).t(), t[: 2048 * 3], t[101:4900]):
         rows.append(tensor_stats_row(view))
+print(_cstats.ISA)
 print(repr(rows))
 """
 
 
+def _run_isa(level: str | None) -> list[str]:
+    """The copy of the kernel a fresh process used under TRACECMP_CSTATS_ISA=level, and its rows."""
+    env = {k: v for k, v in os.environ.items() if k != "TRACECMP_CSTATS_ISA"}
+    if level is not None:
+        env["TRACECMP_CSTATS_ISA"] = level
+    out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
 @needs_native
 def test_every_isa_copy_gives_identical_bits() -> None:
-    def run(extra: dict[str, str]) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "TRACECMP_CSTATS_PORTABLE"}
-        env.update(extra)
-        out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
-        return out.stdout
+    # TRACECMP_CSTATS_ISA caps the copy used at a level; the CPU may cap it lower.
+    default_isa, default_rows = _run_isa(None)
+    assert default_isa == stats._cstats.ISA
+    ran = {default_isa}
+    for level in ("baseline", "avx2", "avx512"):
+        isa, rows = _run_isa(level)
+        ran.add(isa)
+        assert rows == default_rows, f"{isa} differs from {default_isa}"
+    if platform.machine() in ("x86_64", "AMD64") and "avx2" in _cpu_flags():
+        assert {"baseline", "avx2"} <= ran
+        if {"avx512f", "avx512vl"} <= _cpu_flags():
+            assert "avx512" in ran
 
-    # On x86-64 with AVX2 the default run takes the AVX2 copy; the variable forces the baseline.
-    assert run({}) == run({"TRACECMP_CSTATS_PORTABLE": "1"})
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_unknown_isa_name_leaves_the_reference() -> None:
+    code = "from tracecmp.capture import stats; print(stats.native_error())"
+    env = dict(os.environ, TRACECMP_CSTATS_ISA="sse9")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "TRACECMP_CSTATS_ISA" in out.stdout or not native_available()
 
 
 # ---------------------------------------------------------------- routing and the Python entry points
