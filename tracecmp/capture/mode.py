@@ -38,7 +38,18 @@ from torch.utils._pytree import tree_flatten
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture import stats as _stats
-from tracecmp.capture.ops import FRESH, ONE_FRESH, SCRATCH, WRITE, ArgsEncoder, OpInfo, arg_value, op_info, scan
+from tracecmp.capture.ops import (
+    FRESH,
+    ONE_FRESH,
+    OP_INFOS as _OP_INFOS,
+    SCRATCH,
+    WRITE,
+    ArgsEncoder,
+    OpInfo,
+    arg_value,
+    op_info,
+    scan,
+)
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.watch import OverflowWatch
@@ -134,6 +145,7 @@ class CaptureMode(TorchDispatchMode):
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
+        self._args_memo = self._args.memo
         self._forget_cb = self._forget  # one bound method for every weak record, not one each
 
     # -- the per-op path -----------------------------------------------------------------------
@@ -142,7 +154,7 @@ class CaptureMode(TorchDispatchMode):
             kwargs = {}
         if self._unsettled:
             self.settle()
-        info = op_info(func)
+        info = _OP_INFOS.get(id(func)) or op_info(func)
         if not info.record:
             return func(*args, **kwargs)
         call = func
@@ -188,7 +200,31 @@ class CaptureMode(TorchDispatchMode):
             scope.claim_floor = _get_sequence_nr()
         op_id = self._next_op
         self._next_op = op_id + 1
-        outputs, inplace = self._outputs(info, op_id, args, kwargs, out, tensors)
+        fresh = info.returns is ONE_FRESH and isinstance(out, _Tensor)
+        if fresh:
+            for t in tensors:
+                if t is out:  # returned an input its schema calls new (see _outputs)
+                    fresh = False
+                    break
+        if fresh:  # most ops: one new tensor, recorded here without the general walk's calls
+            tid = self._next_tensor
+            self._next_tensor = tid + 1
+            rec = _Rec(out, self._forget_cb)
+            rec.tid, rec.group, rec.key = tid, tid, id(out)
+            rec.version = None if _is_inference_mode_enabled() and out.is_inference() else out._version
+            known[rec.key] = rec
+            if info.uninitialized:
+                self._bare(out, tid, op_id, 0, -1)
+            else:
+                self._value(out, tid, op_id, 0, -1)
+            outputs: tuple[int, ...] | list[int] = (tid,)
+            inplace = info.inplace
+        else:
+            outputs, inplace = self._outputs(info, op_id, args, kwargs, out, tensors)
+        try:
+            text = self._args_memo[(info.name, key)]
+        except (KeyError, TypeError):  # a call not seen before, or symbolic sizes (unhashable)
+            text = self._args.encode(info, key, args, kwargs)
         self.rows.append(
             (
                 op_id,
@@ -199,7 +235,7 @@ class CaptureMode(TorchDispatchMode):
                 "",
                 module,
                 location,
-                self._args.encode(info, key, args, kwargs),
+                text,
                 tuple(inputs),
                 tuple(outputs),
                 inplace,

@@ -151,14 +151,19 @@ def _build(func: Any) -> OpInfo:
     )
 
 
-_CACHE: dict[Any, OpInfo] = {}
+# id(func) -> its OpInfo, read by the per-op path before it calls op_info: OpOverload's __hash__ is
+# Python code, an int's is not. Operators are long-lived singletons; _PINNED keeps each one seen
+# alive all the same, so that no other object can take its id while it is cached.
+OP_INFOS: dict[int, OpInfo] = {}
+_PINNED: list[Any] = []
 
 
 def op_info(func: Any) -> OpInfo:
     """The cached :class:`OpInfo` of ``func`` (an ``OpOverload`` or any dispatched operator)."""
-    info = _CACHE.get(func)
+    info = OP_INFOS.get(id(func))
     if info is None:
-        info = _CACHE[func] = _build(func)
+        info = OP_INFOS[id(func)] = _build(func)
+        _PINNED.append(func)
     return info
 
 
@@ -255,19 +260,20 @@ class ArgsEncoder:
     """Turns one call's arguments into JSON text, memoized on the non-tensor part of the call."""
 
     def __init__(self) -> None:
-        self._memo: dict[tuple[Any, ...], str] = {}
+        # (op name, scan key) -> JSON text; the per-op path reads it first and calls encode on a miss.
+        self.memo: dict[tuple[Any, ...], str] = {}
 
     def encode(self, info: OpInfo, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         memo_key = (info.name, key)
         try:
-            text = self._memo.get(memo_key)
+            text = self.memo.get(memo_key)
         except TypeError:  # an unhashable value (symbolic sizes): encode without the memo
             return self._dump(info, args, kwargs)
         if text is None:
             text = self._dump(info, args, kwargs)
-            if len(self._memo) >= _MEMO_LIMIT:
-                self._memo.clear()
-            self._memo[memo_key] = text
+            if len(self.memo) >= _MEMO_LIMIT:
+                self.memo.clear()
+            self.memo[memo_key] = text
         return text
 
     @staticmethod

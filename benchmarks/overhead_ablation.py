@@ -1,0 +1,105 @@
+"""Where a traced training step's time goes on small models: dispatch, per-op capture, writing.
+
+One process, configurations interleaved round by round, one training step (forward, backward,
+Adam) of the overhead benchmark's models (``bench_overhead.build``):
+
+* ``plain``: untraced;
+* ``empty mode``: an empty ``TorchDispatchMode`` (the floor any dispatcher-level capture pays);
+* ``capture only``: tracecmp's per-op path, its buffers dropped at each step instead of written;
+* ``flush_secs=0``: a chunk written per step;
+* ``flush_secs=1``: the default, chunks shared by the steps of each second.
+
+Each traced figure is the mean per step over the whole session, its exit included (the last
+hand-over and the wait for the writer), so deferred writing is paid for.
+
+    BENCH_THREADS=1 python benchmarks/overhead_ablation.py --models mlp block64 --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tracecmp  # noqa: E402
+from benchmarks.bench_overhead import build  # noqa: E402
+
+CONFIGS = ("plain", "empty mode", "capture only", "flush_secs=0", "flush_secs=1")
+
+
+class EmptyMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path) -> float:
+    """Mean seconds per step of ``steps`` steps under ``config``."""
+    if config == "plain":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) / steps
+    if config == "empty mode":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            with EmptyMode():
+                step()
+        return (time.perf_counter() - t0) / steps
+    path = workdir / "trace"
+    flush_secs = 0.0 if config == "flush_secs=0" else 1.0
+    with tracecmp.TraceCompare(path, model=model, flush_secs=flush_secs) as tc:
+        mode = tc._mode
+        assert mode is not None
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+            if config == "capture only":
+                mode.rows.clear()
+                mode.tensor_rows.clear()
+            tc.step()
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(path)
+    return elapsed / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=["mlp", "block64"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=1.5, help="traced seconds per configuration and round")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    workdir = Path(tempfile.mkdtemp(prefix="overhead-ablation-"))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    for name in args.models:
+        model, _, step = build(name)
+        for _ in range(3):
+            step()
+        per_step("capture only", step, model, 5, workdir)  # the first traced steps build caches
+        steps = max(20, int(args.seconds / per_step("capture only", step, model, 10, workdir)))
+        times: dict[str, list[float]] = {config: [] for config in CONFIGS}
+        for _ in range(args.rounds):
+            for config in CONFIGS:
+                times[config].append(per_step(config, step, model, steps, workdir))
+        plain = statistics.median(times["plain"])
+        print(f"\n{name}: {steps} steps per round, {args.rounds} rounds (median of the rounds' means)")
+        print(f"  {'configuration':16s} {'ms/step':>8s} {'ratio':>6s}")
+        for config, values in times.items():
+            value = statistics.median(values)
+            print(f"  {config:16s} {value * 1e3:8.3f} {value / plain:6.2f}")
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
