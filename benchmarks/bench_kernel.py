@@ -10,7 +10,9 @@ that machine noise hits them alike; the table shows medians in GB/s of input rea
   counts, no checksum, less precise accumulation);
 * ``copy``: ``dst.copy_(src)`` of the same tensor (reads it once and writes it once).
 
-Run: ``python benchmarks/bench_kernel.py`` (add ``--threads 1`` for one thread only).
+Run: ``python benchmarks/bench_kernel.py`` (add ``--threads 1`` for one thread only). The kernel
+uses the best instruction set the CPU has; ``TRACECMP_CSTATS_ISA=avx2`` (or ``baseline``) in the
+environment caps it, to compare copies. The last line names the copy that ran.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from tracecmp.capture import stats
 from tracecmp.capture.stats import native_available, tensor_stats_row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -97,7 +100,7 @@ def main() -> None:
                     flush=True,
                 )
     print(
-        f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+        f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, kernel copy {stats._cstats.ISA}; "
         f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
 

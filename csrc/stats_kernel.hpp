@@ -17,9 +17,9 @@
 //   thread count.
 // * Sums are in double: per lane within a block (kBlock / kLanes terms, at most 256), then the
 //   lanes by a fixed tree and the blocks by streaming pairwise summation. Every term is exact
-//   in double (fp32 and narrower values and their squares), so the error of a sum of N terms
-//   is at most (kBlock / kLanes + log2(kLanes) + log2(N / kBlock) + 1) * 2^-53 * sum |x_i|:
-//   3.2e-14 * sum |x_i| for 100M elements (csrc/README.md).
+//   in double (fp32 and narrower values and their squares), so the error of a sum over B
+//   blocks is at most (kBlock / kLanes - 1 + log2(kLanes) + 2 ceil(log2 B)) * 2^-53 * sum |x_i|:
+//   3.2e-14 * sum |x_i| for 100M fp32 elements (csrc/README.md).
 // * NaN/Inf are rare, so the first pass over a block sums unmasked values; a non-finite block
 //   sum proves the block holds a NaN/Inf (or, for fp64, overflowed) and only then the block is
 //   summed again with masking and counting. For finite blocks both passes give the same bits.
