@@ -72,20 +72,12 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void run_avx512(
   run_blocks<BF16, Avx512Loop, 32>(data, cur, numel, b0, b1, part, pw, sums);
 }
 
-// The best level the CPU has, capped by TRACECMP_CSTATS_ISA (a level name; the tests force each
-// one). -1 for a name that is not a level.
-int choose_isa() {
+// The best level this CPU (and OS) supports.
+int cpu_isa() {
   __builtin_cpu_init();
-  int best = kBaseline;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    best = kAvx2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")) best = kAvx512;
-  }
-  const char* cap = std::getenv("TRACECMP_CSTATS_ISA");
-  if (cap == nullptr || *cap == '\0') return best;
-  for (int level = kBaseline; level <= kAvx512; ++level)
-    if (std::strcmp(cap, kIsaNames[level]) == 0) return std::min(level, best);
-  return -1;
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return kBaseline;
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vl")) return kAvx2;
+  return kAvx512;
 }
 
 template <class T>
@@ -98,13 +90,7 @@ void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, i
   run_portable<T>(data, cur, numel, b0, b1, part, pw, sums);
 }
 #else
-int choose_isa() {
-  const char* cap = std::getenv("TRACECMP_CSTATS_ISA");
-  if (cap == nullptr || *cap == '\0' || std::strcmp(cap, "baseline") == 0 ||
-      std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "avx512") == 0)
-    return kBaseline;
-  return -1;
-}
+int cpu_isa() { return kBaseline; }
 
 template <class T>
 void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, int64_t b1,
@@ -112,6 +98,17 @@ void run_range(const void* data, const Cursor* cur, int64_t numel, int64_t b0, i
   run_portable<T>(data, cur, numel, b0, b1, part, pw, sums);
 }
 #endif
+
+// The best level the CPU has, capped by TRACECMP_CSTATS_ISA (a level name; the tests force each
+// one). -1 for a name that is not a level.
+int choose_isa() {
+  const int best = cpu_isa();
+  const char* cap = std::getenv("TRACECMP_CSTATS_ISA");
+  if (cap == nullptr || *cap == '\0') return best;
+  for (int level = kBaseline; level <= kAvx512; ++level)
+    if (std::strcmp(cap, kIsaNames[level]) == 0) return std::min(level, best);
+  return -1;
+}
 
 struct Result {
   double lo, hi, mean, norm;
