@@ -329,7 +329,6 @@ def _run_isa(level: str | None) -> list[str]:
 def test_every_isa_copy_gives_identical_bits() -> None:
     # TRACECMP_CSTATS_ISA caps the copy used at a level; the CPU may cap it lower.
     default_isa, default_rows = _run_isa(None)
-    assert default_isa == stats._cstats.ISA
     ran = {default_isa}
     for level in ("baseline", "avx2", "avx512"):
         isa, rows = _run_isa(level)
