@@ -58,21 +58,25 @@ class Locator:
     def location(self, depth: int) -> str:
         """``"file.py:LINE"`` of the first user frame ``depth`` levels above the caller, or ""."""
         frame: FrameType | None = sys._getframe(depth + 1)
-        cache = self._code
+        verdict_of = self._code.get
         while frame is not None:
             code = frame.f_code
-            verdict = cache.get(id(code))
+            verdict = verdict_of(id(code))
+            if verdict is True:
+                frame = frame.f_back
+                continue
             if verdict is None:
                 verdict = self._classify(code)
-            if verdict is not True:
-                key = (id(code), frame.f_lasti)
-                text = self._text.get(key)
-                if text is None:
-                    if len(self._text) >= _TEXT_LIMIT:
-                        self._text.clear()
-                    text = self._text[key] = f"{verdict}:{frame.f_lineno}"
-                return text
-            frame = frame.f_back
+                if verdict is True:
+                    frame = frame.f_back
+                    continue
+            key = (id(code), frame.f_lasti)
+            text = self._text.get(key)
+            if text is None:
+                if len(self._text) >= _TEXT_LIMIT:
+                    self._text.clear()
+                text = self._text[key] = f"{verdict}:{frame.f_lineno}"
+            return text
         return ""
 
     def stack(self, depth: int) -> str:

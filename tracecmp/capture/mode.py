@@ -43,6 +43,7 @@ from tracecmp.capture.ops import (
     ONE_FRESH,
     OP_INFOS as _OP_INFOS,
     SCRATCH,
+    VIEW,
     WRITE,
     ArgsEncoder,
     OpInfo,
@@ -321,17 +322,22 @@ class CaptureMode(TorchDispatchMode):
         out: Any,
         inputs: list[torch.Tensor],
     ) -> tuple[list[int], bool]:
-        """Record the op's outputs; returns their ids and whether the op wrote an input."""
+        """Record the op's outputs; returns their ids and whether the op wrote an input.
+
+        The per-op path records an op with one new tensor itself; this handles everything else.
+        """
         outputs: list[int] = []
-        if info.returns is ONE_FRESH and isinstance(out, _Tensor):
-            for t in inputs:
-                if t is out:
-                    break
-            else:  # most ops: one new tensor
-                self._fresh(out, op_id, outputs, not info.uninitialized)
+        returns = info.returns
+        if len(returns) == 1 and not info.extra_writes and isinstance(out, _Tensor):
+            kind, ref = returns[0]
+            if kind == VIEW:  # views are most of a transformer's ops: no walk, no statistics
+                position, name = ref
+                self._view(out, args[position] if 0 <= position < len(args) else kwargs.get(name), op_id, outputs)
+                return outputs, info.inplace
+            if kind == WRITE:  # in-place ops (the optimizer's)
+                self._written(out, op_id, outputs)
                 return outputs, info.inplace
         if info.schema:
-            returns = info.returns
             values = (out,) if len(returns) == 1 else (out if returns else ())
         else:
             values = tree_flatten(out)[0]

@@ -190,9 +190,11 @@ def scan(args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tens
     key: list[Any] = []
     append = key.append
     for value in args:
-        if isinstance(value, torch.Tensor):  # the common case, without a call
+        if isinstance(value, torch.Tensor):  # the common cases, without a call
             tensors.append(value)
             append(_T)
+        elif type(value) is int or value is None:
+            append(value)
         else:
             append(_scan_value(value, tensors))
     if kwargs:
