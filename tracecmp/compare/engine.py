@@ -224,7 +224,8 @@ def _prepare_rank(
         warnings.append(f"rank {rank}: no replay: the target trace holds no tensors (capture it with data=\"tensors\")")
     elif (replay is None or replay) and has_data:
         bar.update(f"rank {rank}: replaying")
-        own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), progress=lambda n: bar.update(f"rank {rank}: replaying"))
+        own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), tf32=bool(tol.allow_tf32),
+                                 progress=lambda n: bar.update(f"rank {rank}: replaying"))
 
     b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
     b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))

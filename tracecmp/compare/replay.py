@@ -34,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from tracecmp.capture.ops import arg_value, op_info
+from tracecmp.compare.opclass import classify
 from tracecmp.compare.metrics import SavedTensors
 
 _CACHE_BYTES = 512 << 20  # recorded values kept in memory while walking (inputs are mostly recent)
@@ -64,12 +65,16 @@ class _Op:
 
 
 def replay_rank(
-    rank: Any, op_ids: Iterable[int] | None = None, *, progress: Callable[[int], None] | None = None
+    rank: Any, op_ids: Iterable[int] | None = None, *, tf32: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[int, OwnError]:
     """Own errors of the ops ``op_ids`` (default: all) of a :class:`~tracecmp.trace.reader.RankTrace`.
 
-    Ops that could not be replayed are absent from the result. Needs a trace with saved tensors;
-    returns ``{}`` for a statistics-only trace.
+    ``tf32``: the run may have computed float32 matmul/conv at TF32, so their honest replay
+    multiplies inputs rounded to TF32 (10-bit mantissa, round to nearest even): where a product's
+    terms cancel, TF32's own error is that much larger than float32's. Ops that could not be
+    replayed are absent from the result. Needs a trace with saved tensors; returns ``{}`` for a
+    statistics-only trace.
     """
     tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]).to_pydict()
     if not any(tensors["data_key"]):
@@ -97,7 +102,7 @@ def replay_rank(
             op = ops[op_id]
             if op.kind != "op" or op.random or op.name.startswith(_UNINITIALIZED):
                 continue
-            own = _replay_one(op, values, info)
+            own = _replay_one(op, values, info, tf32)
             if own is not None:
                 results[op_id] = own
     return results
@@ -146,7 +151,7 @@ class _Values:
         return produced[index] if index < len(produced) else None
 
 
-def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple]) -> OwnError | None:
+def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], tf32: bool) -> OwnError | None:
     """The own error of one op (its worst floating output), or None when it cannot be replayed."""
     checked = [(i, t) for i, t in enumerate(op.outputs) if info.get(t, (0, 0, "", -1, ""))[4] and _is_float(info[t][2])]
     if not checked:
@@ -154,7 +159,13 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple]) -> OwnError
     inputs = [values.get(t) for t in op.inputs]
     if any(v is None for v in inputs):
         return None
-    golden, same = _call(op, inputs, golden=True), _call(op, inputs, golden=False)
+    honest_inputs = inputs
+    if tf32:
+        cls = classify(op.name)
+        if cls.precision_variable:
+            honest_inputs = [_round_tf32(x) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands) else x
+                             for i, x in enumerate(inputs)]  # type: ignore[union-attr]
+    golden, same = _call(op, inputs, golden=True), _call(op, honest_inputs, golden=False)
     if golden is None or same is None:
         return None
     reference, honest = _returned(op.name, *golden), _returned(op.name, *same)
@@ -171,6 +182,13 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple]) -> OwnError
         if worst is None or _excess(*errors) > _excess(worst.error, worst.honest):
             worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
     return worst
+
+
+def _round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to TF32's 10-bit mantissa, to nearest even, on the bit pattern (finite values only)."""
+    bits = x.contiguous().view(torch.int32)
+    rounded = ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
 
 
 def _excess(error: float, honest: float) -> float:
