@@ -8,6 +8,11 @@ ratio to the plain step's median.
     python benchmarks/bench_overhead.py                      # all models, all configurations
     python benchmarks/bench_overhead.py --models mlp --rounds 2
     PEER_PYTHON=benchmarks/.peerenv/bin/python python benchmarks/bench_overhead.py
+    python benchmarks/bench_overhead.py --models mlp --baseline /tmp/old   # also an older tracecmp
+
+``--baseline DIR`` runs every tracecmp configuration a second time with the ``tracecmp`` package
+found in DIR (say ``git archive <commit> tracecmp | tar -x -C DIR``, plus the built extension),
+interleaved with the rest, so a before/after comparison sees the same machine noise.
 
 The peers come from ``benchmarks/peers.sh`` (their own virtual environment); without it the msprobe
 and TorchLens rows are skipped and say so.
@@ -124,8 +129,9 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    tracecmp_root = os.environ.get("BENCH_TRACECMP", str(ROOT))  # --baseline: an older tracecmp
     if config == "tracecmp-stats-det":
-        sys.path.insert(0, str(ROOT))
+        sys.path.insert(0, tracecmp_root)
         import tracecmp
 
         tracecmp.seed_all(0, deterministic=True)
@@ -140,7 +146,7 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
             step()
             times.append(time.perf_counter() - t0)
     elif config.startswith("tracecmp"):
-        sys.path.insert(0, str(ROOT))
+        sys.path.insert(0, tracecmp_root)
         import tracecmp
 
         path = workdir / "trace"
@@ -208,10 +214,14 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_worker(python: str, name: str, config: str, steps: int, timeout: float) -> dict[str, Any] | str:
+def run_worker(
+    python: str, name: str, config: str, steps: int, timeout: float, tracecmp_root: Path = ROOT
+) -> dict[str, Any] | str:
     workdir = Path(tempfile.mkdtemp(prefix=f"ovh-{name}-{config}-"))
     cmd = [python, __file__, "--worker", name, config, "--steps", str(steps), "--workdir", str(workdir)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MSPROBE_LOG_LEVEL="3")
+    env = dict(
+        os.environ, PYTHONPATH=f"{tracecmp_root}{os.pathsep}{ROOT}", BENCH_TRACECMP=str(tracecmp_root), MSPROBE_LOG_LEVEL="3"
+    )
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
     except subprocess.TimeoutExpired:
@@ -245,6 +255,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--baseline", type=Path, help="a folder holding an older tracecmp package to compare with")
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(*args.worker, args.steps, args.workdir)), flush=True)
@@ -254,10 +265,13 @@ def main() -> None:
     have_peers = Path(peer_python).exists()
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     notes: dict[tuple[str, str], str] = {}
+    configs = list(args.configs)
+    if args.baseline:
+        configs += [f"{c}@baseline" for c in args.configs if c.startswith("tracecmp")]
     for model in args.models:
         steps = max(2, int(STEPS[model] * args.steps_scale))
         for round_index in range(args.rounds):
-            for config in args.configs:
+            for config in configs:
                 peer = config.startswith(("msprobe", "torchlens"))
                 if peer and not have_peers:
                     notes[(model, config)] = "peers not installed (benchmarks/peers.sh)"
@@ -267,7 +281,8 @@ def main() -> None:
                     continue
                 python = peer_python if peer else sys.executable
                 n = 2 if (config == "msprobe-tensor" and model in HEAVY) else (min(steps, PEER_STEPS) if peer else steps)
-                out = run_worker(python, model, config, n, args.timeout)
+                name, _, baseline = config.partition("@")
+                out = run_worker(python, model, name, n, args.timeout, args.baseline.resolve() if baseline else ROOT)
                 if isinstance(out, str):
                     notes[(model, config)] = out
                 else:
@@ -284,7 +299,7 @@ def main() -> None:
         base_runs = results.get((model, "plain"))
         base = statistics.median(r["median_s"] for r in base_runs) if base_runs else None
         base_mean = statistics.median(r["mean_s"] for r in base_runs if "mean_s" in r) if base_runs else None
-        for config in args.configs:
+        for config in configs:
             runs = results.get((model, config))
             if not runs:
                 print(f"| {model} | {config} | - | - | - | - | - | - | {notes.get((model, config), 'not run')} |")

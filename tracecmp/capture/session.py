@@ -67,7 +67,7 @@ class TraceCompare:
       :func:`tracecmp.overflow.recorded_overflows`), from the statistics capture computes anyway.
       ``overflow="raise"``: the run stops there with :class:`~tracecmp.OverflowDetected`, after the
       trace so far is committed and marked incomplete. On accelerators raising at once costs one
-      host synchronisation per op (statistics are otherwise gathered once per step).
+      host synchronisation per op (statistics are otherwise gathered once per hand-over to the writer).
 
     ``rng`` and ``dropout`` hold for every step of the session, recorded or not, so that a
     recorded step starts from the same history in both runs. The run manifest records the
