@@ -195,3 +195,19 @@ def test_identical_runs_report_no_divergence(tmp_path: Path) -> None:
     r = _run(_cases("mlp")["mlp/identical"], tmp_path)
     assert r.status == "ok", r.error
     assert r.outcome == "clean", r.found
+
+
+def test_tensors_mode_replay_finds_a_fault_below_the_tf32_background(tmp_path: Path) -> None:
+    """A 1e-4 fault in threshold_backward, 5x below the TF32 noise its inputs carry: statistics miss it."""
+    from benchmarks.localization.run import CAPTURE
+
+    case = next(c for c in _cases("mlp").values()
+                if c.kind == "scale" and c.magnitude == 1e-4 and c.variant == "tf32" and c.category == "activation")
+    previous = CAPTURE["data"]
+    CAPTURE["data"] = "tensors"
+    try:
+        r = _run(case, tmp_path)
+    finally:
+        CAPTURE["data"] = previous
+    assert r.status == "ok", r.error
+    assert r.top1 and r.found is not None and "replay" in r.found.reason, r.found
