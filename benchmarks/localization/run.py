@@ -196,7 +196,7 @@ def _matches(d: Record, truth: Record) -> bool:
     return (d.op, d.phase, d.module) == (truth.op, truth.phase, truth.module)
 
 
-_NODE_FIELDS = ("bench_op_id", "status", "error", "introduced", "metric", "root_kind", "reason")
+_NODE_FIELDS = ("bench_op_id", "status", "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
 _TENSOR_FIELDS = ("index", "shape", "dtype", "exact", "e_ext", "e_sys", "norm_rel_diff", "max_diff", "min_diff",
                   "mean_diff", "within_tol", "nonfinite_mismatch", "status")
 

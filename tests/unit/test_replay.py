@@ -1,8 +1,10 @@
 """Replay of recorded ops (tracecmp.compare.replay) on hand-recorded traces with whole tensors."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -167,3 +169,99 @@ def test_noise_fault_found_by_replay_has_the_largest_score(tmp_path):
     target = record(tmp_path / "target", data=True, tf32=True, faults={"gelu_backward": noise(1e-4)})
     result = tracecmp.compare(target, bench)
     assert result.suspects and result.suspects[0].op == "aten.gelu_backward.default"
+
+
+def _after_tf32(path: Path, op: Any, fault: Callable[[torch.Tensor], torch.Tensor] | None, tf32: bool = True,
+                **kwargs: Any) -> Path:
+    """x @ w (at TF32 in a target: background noise), then ``op(h, h2)`` whose output ``fault`` may rewrite."""
+    from tests.unit.test_localize import _round_tf32
+
+    g = torch.Generator().manual_seed(4)
+    x, w, w2 = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+    b = TraceBuilder(data=True)
+    X, W, W2 = b.source("input.0", x), b.param("fc.weight", w, module="fc"), b.param("fc2.weight", w2, module="fc2")
+    rounded = (lambda a, c: (lambda _: A.mm.default(_round_tf32(a), _round_tf32(c)))) if tf32 else (lambda a, c: None)
+    H = b.call(A.mm.default, X, W, module="fc", fault=rounded(x, w))
+    H2 = b.call(A.mm.default, X, W2, module="fc2", fault=rounded(x, w2))
+    b.call(op, H, H2, module="merge", fault=fault, **kwargs)
+    return b.write(path)
+
+
+def _next_float_at(index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def bump(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        flat = out.view(-1)
+        flat[index] = torch.nextafter(flat[index], torch.tensor(math.inf))
+        return out
+    return bump
+
+
+@pytest.mark.parametrize("op", [A.add.Tensor, A.mul.Tensor, A.div.Tensor])
+def test_a_basic_ieee_op_one_ulp_off_is_a_root(tmp_path, op):
+    bench = _after_tf32(tmp_path / "b", op, None, tf32=False)
+    result = tracecmp.compare(_after_tf32(tmp_path / "t", op, _next_float_at(5)), bench)
+    d = result.first_divergence
+    assert d is not None and d.op == str(op) and "correctly rounded" in d.reason
+    clean = tracecmp.compare(_after_tf32(tmp_path / "t2", op, None), bench)
+    assert clean.first_divergence is None
+
+
+def test_a_scaled_add_is_not_held_to_one_rounding(tmp_path):
+    # add with alpha != 1 is a multiply and an add: a device may fuse them (one rounding, not two).
+    bench = _after_tf32(tmp_path / "b", A.add.Tensor, None, tf32=False, alpha=0.5)
+    result = tracecmp.compare(_after_tf32(tmp_path / "t", A.add.Tensor, _next_float_at(5), alpha=0.5), bench)
+    assert result.first_divergence is None
+
+
+def test_a_matmul_output_rounded_to_bf16_stands_out_of_the_tf32_noise(tmp_path):
+    def rounded(path: Path) -> Path:
+        from tests.unit.test_localize import _round_tf32
+
+        g = torch.Generator().manual_seed(4)
+        x, w = torch.randn(64, 128, generator=g), torch.randn(128, 64, generator=g)
+        b = TraceBuilder(data=True)
+        X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
+        b.call(A.mm.default, X, W, module="fc",
+               fault=lambda _: A.mm.default(_round_tf32(x), _round_tf32(w)).to(torch.bfloat16).float())
+        return b.write(path)
+
+    def clean(path: Path) -> Path:
+        g = torch.Generator().manual_seed(4)
+        x, w = torch.randn(64, 128, generator=g), torch.randn(128, 64, generator=g)
+        b = TraceBuilder(data=True)
+        X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
+        b.call(A.mm.default, X, W, module="fc")
+        return b.write(path)
+
+    result = tracecmp.compare(rounded(tmp_path / "t"), clean(tmp_path / "b"))
+    d = result.first_divergence
+    assert d is not None and d.op == "aten.mm.default"
+    # Beyond both bars of the replay rule: 4x the honest TF32 replay, and one TF32 unit.
+    assert d.metrics["own_error"] > 4 * d.metrics["honest_error"] and d.metrics["own_error"] > 2.0**-10
+
+
+def test_a_denormal_where_the_exact_result_is_zero_is_an_error():
+    honest = torch.tensor([1.0, 0.0, -2.0])
+    made_up = torch.tensor([1.0, 1e-45, -2.0])
+    error, _ = _errors(made_up, honest, honest.double())
+    assert error > 0
+
+
+def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
+    from tracecmp.compare.engine import reduced_matmul_precision
+    from tracecmp.compare.replay import REDUCED_ROUNDING
+
+    traces = []
+    for name, precision in (("a", "high"), ("b", "medium")):
+        path = record(tmp_path / name)
+        manifest = path / "manifest.json"
+        data = json.loads(manifest.read_text())
+        data["determinism"] = {"float32_matmul_precision": precision}
+        manifest.write_text(json.dumps(data))
+        traces.append(tracecmp.load(path))
+    assert reduced_matmul_precision(traces[0]) == "tf32"
+    assert reduced_matmul_precision(*traces) == "bf16"
+    x = torch.tensor([1.0 + 2.0**-9])
+    assert REDUCED_ROUNDING["bf16"](x).item() == 1.0 and REDUCED_ROUNDING["tf32"](x).item() == x.item()
+    with pytest.raises(ValueError):
+        replay_rank(traces[0].rank(0), reduced="fp8")

@@ -76,6 +76,16 @@ def reduced_precision_possible(trace: Trace) -> bool:
     return any(not trace.rank(r).device.startswith("cpu") for r in trace.ranks)
 
 
+def reduced_matmul_precision(*traces: Trace) -> str:
+    """The precision float32 matmul/conv may run at when allowed to: "bf16" where a trace recorded
+    ``torch.set_float32_matmul_precision("medium")``, else "tf32" (TF32, or HF32 on NPUs)."""
+    for trace in traces:
+        flags = trace.manifest.get("determinism")
+        if isinstance(flags, dict) and flags.get("float32_matmul_precision") == "medium":
+            return "bf16"
+    return "tf32"
+
+
 def compare(
     target: str | Path | Trace,
     bench: str | Path | Trace,
@@ -138,7 +148,8 @@ def compare(
     node_frames, tensor_frames, unpaired_frames = [], [], []
     compared_steps: set[int] = set()
     for r in common:
-        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar, False if exact else replay)
+        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar, False if exact else replay,
+                                 reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None)
         if prepared is None:
             continue
         rank_input, t_ops, tensors, unpaired = prepared
@@ -181,7 +192,7 @@ def compare(
 
 def _prepare_rank(
     t_rank: RankTrace, b_rank: RankTrace, rank: int, tol: Tolerances, wanted_steps: set[int] | None,
-    warnings: list[str], bar: _Progress, replay: bool | None,
+    warnings: list[str], bar: _Progress, replay: bool | None, reduced: str | None,
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
     t_ops, b_ops = t_rank.ops, b_rank.ops
     t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
@@ -224,7 +235,7 @@ def _prepare_rank(
         warnings.append(f"rank {rank}: no replay: the target trace holds no tensors (capture it with data=\"tensors\")")
     elif (replay is None or replay) and has_data:
         bar.update(f"rank {rank}: replaying")
-        own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), tf32=bool(tol.allow_tf32),
+        own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), reduced=reduced,
                                  progress=lambda n: bar.update(f"rank {rank}: replaying"))
 
     b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
@@ -244,6 +255,7 @@ def _prepare_rank(
         rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
         bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), bench_inputs=b_inputs,
         bench_producer=b_producer, bench_ops=bench_ops, partner=partner, first_step=min(steps), own_errors=own_errors,
+        reduced_precision=reduced,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)

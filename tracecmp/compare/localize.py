@@ -45,6 +45,8 @@ from tracecmp.compare.records import Divergence
 from tracecmp.compare.replay import OwnError
 from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
 
+REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
+
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
 _PROGRESS_EVERY = 10_000
 CAP = 1e6  # largest amplification any op is credited with; beyond that a node is simply not judged
@@ -137,6 +139,7 @@ class RankInput:
     partner: Mapping[int, int]  # target tensor id -> bench tensor id
     first_step: int = 0
     own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (replay.py)
+    reduced_precision: str | None = None  # "tf32"/"bf16": float32 matmul/conv may run at it (replay.py)
 
 
 def _norm_args(text: str) -> Any:
@@ -725,29 +728,36 @@ def _decide(
     return "computation", reason, channels[channel]
 
 
-def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool) -> float:
+def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
     """How far an op's own error (replay.py) exceeds what an honest kernel makes: > 1 is a root.
 
     The bar is ``replay_margin`` times the honest replay's error, and at least ``replay_local``
-    rounding units of the output's dtype (TF32's for a float32 matmul/conv that may run at TF32).
-    Where the honest replay is exact (no rounding happened), any other result is wrong.
+    rounding units of the output's dtype (and one unit of the reduced precision a float32
+    matmul/conv may run at). Where the honest replay is exact (no rounding happened), or the op is
+    one correctly rounded IEEE operation, any other result is wrong.
     """
-    unit = EPS.get(own.dtype, _FP32)
-    if j.cls.precision_variable and tol.allow_tf32 and own.dtype == "float32" and not exact_matmul:
-        unit = TF32_EPS
+    floor = tol.replay_local * EPS.get(own.dtype, _FP32)
+    if j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul:
+        # The honest replay already multiplied inputs rounded to the reduced precision; never
+        # ask for less than one of its units.
+        floor = max(floor, REDUCED_EPS[reduced])
+    if own.misrounded:
+        return math.inf
     if math.isinf(own.honest):
         return 0.0  # an honest kernel overflows here too: the NaN/Inf rule decides
     if own.honest == 0.0:
         return math.inf if own.error > 0 else 0.0  # exact here: every correct kernel gives these bits
-    bar = max(tol.replay_margin * own.honest, tol.replay_local * unit)
-    return own.error / bar
+    return own.error / max(tol.replay_margin * own.honest, floor)
 
 
 def _replayed_root(j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool) -> str:
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error)."""
     own = ri.own_errors.get(node[0])
-    if own is None or node[3] != "op" or _replay_excess(own, j, tol, exact_matmul) <= 1.0:
+    if own is None or node[3] != "op" or _replay_excess(own, j, tol, exact_matmul, ri.reduced_precision) <= 1.0:
         return ""
+    if own.misrounded:
+        return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
+                f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})")
     if own.honest > 0:
         return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
                 f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")

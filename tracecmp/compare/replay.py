@@ -51,6 +51,9 @@ class OwnError:
     error: float  # the recorded output's relative error against the float64 replay (see above)
     honest: float  # the same for a replay on this CPU in the recorded dtypes: an honest kernel's error
     dtype: str  # dtype of the output that decided it
+    # An IEEE 754 basic operation (one correctly rounded +, -, *, / per element) whose recorded
+    # bits differ from the honest replay's: every conforming device gives the replay's bits.
+    misrounded: bool = False
 
 
 @dataclass(slots=True)
@@ -65,17 +68,19 @@ class _Op:
 
 
 def replay_rank(
-    rank: Any, op_ids: Iterable[int] | None = None, *, tf32: bool = False,
+    rank: Any, op_ids: Iterable[int] | None = None, *, reduced: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, OwnError]:
     """Own errors of the ops ``op_ids`` (default: all) of a :class:`~tracecmp.trace.reader.RankTrace`.
 
-    ``tf32``: the run may have computed float32 matmul/conv at TF32, so their honest replay
-    multiplies inputs rounded to TF32 (10-bit mantissa, round to nearest even): where a product's
-    terms cancel, TF32's own error is that much larger than float32's. Ops that could not be
-    replayed are absent from the result. Needs a trace with saved tensors; returns ``{}`` for a
-    statistics-only trace.
+    ``reduced`` ("tf32" or "bf16"): the run may have computed float32 matmul/conv at that
+    precision, so their honest replay multiplies inputs rounded to it (round to nearest even):
+    where a product's terms cancel, the reduced precision's own error is that much larger than
+    float32's. Ops that could not be replayed are absent from the result. Needs a trace with saved
+    tensors; returns ``{}`` for a statistics-only trace.
     """
+    if reduced not in (None, *REDUCED_ROUNDING):
+        raise ValueError(f"reduced must be None or one of {sorted(REDUCED_ROUNDING)}, not {reduced!r}")
     tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]).to_pydict()
     if not any(tensors["data_key"]):
         return {}
@@ -102,7 +107,7 @@ def replay_rank(
             op = ops[op_id]
             if op.kind != "op" or op.random or op.name.startswith(_UNINITIALIZED):
                 continue
-            own = _replay_one(op, values, info, tf32)
+            own = _replay_one(op, values, info, reduced)
             if own is not None:
                 results[op_id] = own
     return results
@@ -151,7 +156,7 @@ class _Values:
         return produced[index] if index < len(produced) else None
 
 
-def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], tf32: bool) -> OwnError | None:
+def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: str | None) -> OwnError | None:
     """The own error of one op (its worst floating output), or None when it cannot be replayed."""
     checked = [(i, t) for i, t in enumerate(op.outputs) if info.get(t, (0, 0, "", -1, ""))[4] and _is_float(info[t][2])]
     if not checked:
@@ -160,15 +165,18 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], tf32: bool)
     if any(v is None for v in inputs):
         return None
     honest_inputs = inputs
-    if tf32:
+    if reduced is not None:
         cls = classify(op.name)
         if cls.precision_variable:
-            honest_inputs = [_round_tf32(x) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands) else x
+            rounding = REDUCED_ROUNDING[reduced]
+            honest_inputs = [rounding(x) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands) else x
                              for i, x in enumerate(inputs)]  # type: ignore[union-attr]
     golden, same = _call(op, inputs, golden=True), _call(op, honest_inputs, golden=False)
     if golden is None or same is None:
         return None
     reference, honest = _returned(op.name, *golden), _returned(op.name, *same)
+    basic = _correctly_rounded(op, inputs)
+    misrounded = False
     worst: OwnError | None = None
     for position, tid in checked:
         if position >= len(reference) or position >= len(honest):
@@ -179,9 +187,37 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], tf32: bool)
         errors = _errors(recorded, honest[position], reference[position])
         if errors is None:
             return None
+        if basic and not torch.equal(recorded, honest[position]):
+            misrounded = True
         if worst is None or _excess(*errors) > _excess(worst.error, worst.honest):
             worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
+    if worst is not None and misrounded:
+        worst = OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=True)
     return worst
+
+
+# One correctly rounded IEEE 754 operation per element (alpha, when given, must be 1): on every
+# conforming device these give the same bits, denormal handling aside.
+_BASIC_OPS = frozenset(f"aten.{name}.{overload}" for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
+                       for overload in ("Tensor", "Scalar"))
+
+
+def _correctly_rounded(op: _Op, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``op`` is a basic IEEE operation in one float32/float64 dtype, on normal numbers."""
+    if op.name not in _BASIC_OPS:
+        return False
+    try:
+        args = json.loads(op.args)
+    except ValueError:
+        return False
+    if args.get("alpha", 1) != 1 or "rounding_mode" in args:
+        return False
+    floats = [x for x in inputs if x.is_floating_point()]
+    if not floats or any(x.dtype not in (torch.float32, torch.float64) or x.dtype != floats[0].dtype for x in floats):
+        return False
+    # Devices that treat denormal inputs as zero (DAZ) legitimately differ on them.
+    tiny = torch.finfo(floats[0].dtype).tiny
+    return not any(bool(((x != 0) & (x.abs() < tiny)).any()) for x in floats)
 
 
 def _round_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +225,14 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     bits = x.contiguous().view(torch.int32)
     rounded = ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
     return torch.where(torch.isfinite(x), rounded, x)
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+# How a float32 matmul/conv rounds its inputs at reduced precision: TF32 ("high"), bf16 ("medium").
+REDUCED_ROUNDING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tf32": _round_tf32, "bf16": _round_bf16}
 
 
 def _excess(error: float, honest: float) -> float:
@@ -216,8 +260,9 @@ def _errors(recorded: torch.Tensor, honest: Any, reference: Any) -> tuple[float,
     if error > 0 and honest_error == 0 and recorded.is_floating_point():
         # The op is exact here (a max, a copy, a sum that needs no rounding), so any difference is
         # the op's doing, unless it is only denormals flushed to zero, as many accelerators do.
-        differs = recorded.to(torch.float64) != ref
-        if bool((ref[differs].abs() < torch.finfo(recorded.dtype).tiny).all()):
+        out = recorded.to(torch.float64)
+        differs = out != ref
+        if bool(((out[differs] == 0) & (ref[differs].abs() < torch.finfo(recorded.dtype).tiny)).all()):
             error = 0.0
     return error, honest_error
 
