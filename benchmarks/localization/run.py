@@ -362,7 +362,7 @@ def _pool_map(fn: Any, items: list[Any], jobs: int, data: str) -> Iterable[Any]:
 
 
 def _pct(hits: int, n: int) -> str:
-    return f"{100.0 * hits / n:.0f}% ({hits}/{n})" if n else "-"
+    return f"{100.0 * hits / n:.1f}% ({hits}/{n})" if n else "-"
 
 
 def _scored(results: list[Result]) -> list[Result]:
