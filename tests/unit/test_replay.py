@@ -265,3 +265,17 @@ def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
     assert REDUCED_ROUNDING["bf16"](x).item() == 1.0 and REDUCED_ROUNDING["tf32"](x).item() == x.item()
     with pytest.raises(ValueError):
         replay_rank(traces[0].rank(0), reduced="fp8")
+
+
+def test_a_long_chain_of_views_is_rebuilt_or_left_out_without_crashing(tmp_path):
+    b = TraceBuilder(data=True)
+    x = b.source("input.0", torch.randn(4, 4, generator=torch.Generator().manual_seed(2)))
+    short = b.call(A.t.default, b.call(A.t.default, x))
+    near = b.call(A.relu.default, short)
+    v = x
+    for _ in range(200):
+        v = b.call(A.t.default, v)
+    far = b.call(A.relu.default, v)
+    own = replay_rank(tracecmp.load(b.write(tmp_path / "run")).rank(0))
+    assert near.op_id in own and own[near.op_id].error == 0.0
+    assert far.op_id not in own

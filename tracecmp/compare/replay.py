@@ -40,6 +40,7 @@ from tracecmp.compare.metrics import SavedTensors
 _CACHE_BYTES = 512 << 20  # recorded values kept in memory while walking (inputs are mostly recent)
 _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten._empty")
 _NOT_REPLAYED = object()
+_VIEW_DEPTH = 64  # views of views rebuilt from their base at most this deep (then: not replayed)
 _TINY = 1e-300
 
 
@@ -121,10 +122,10 @@ class _Values:
         self.cache: dict[int, torch.Tensor | None] = {}
         self.bytes = 0
 
-    def get(self, tid: int) -> torch.Tensor | None:
+    def get(self, tid: int, depth: int = 0) -> torch.Tensor | None:
         if tid in self.cache:
             return self.cache[tid]
-        value = self._load(tid, depth=0)
+        value = self._load(tid, depth)
         if self.bytes > _CACHE_BYTES:
             self.cache.clear()
             self.bytes = 0
@@ -140,13 +141,13 @@ class _Values:
         producer, index, _, view_of, key = row
         if key:
             return self.saved.get(key)
-        if view_of < 0 or depth > 64:
+        if view_of < 0 or depth > _VIEW_DEPTH:
             return None
         op = self.ops.get(producer)
         if op is None:
             return None
         # A view holds no data: make it again from its base with the same view op.
-        inputs = [self.get(t) for t in op.inputs]
+        inputs = [self.get(t, depth + 1) for t in op.inputs]
         if any(v is None for v in inputs):
             return None
         out = _call(op, inputs, golden=False)
