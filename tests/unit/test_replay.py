@@ -279,3 +279,21 @@ def test_a_long_chain_of_views_is_rebuilt_or_left_out_without_crashing(tmp_path)
     own = replay_rank(tracecmp.load(b.write(tmp_path / "run")).rank(0))
     assert near.op_id in own and own[near.op_id].error == 0.0
     assert far.op_id not in own
+
+
+def test_sqrt_is_held_to_one_rounding(tmp_path):
+    from tests.unit.test_localize import _round_tf32
+
+    def run(path: Path, target: bool) -> Path:
+        g = torch.Generator().manual_seed(6)
+        x, w = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
+        b = TraceBuilder(data=True)
+        X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
+        H = b.call(A.mm.default, X, W, module="fc",
+                   fault=(lambda _: A.mm.default(_round_tf32(x), _round_tf32(w))) if target else None)
+        M = b.call(A.abs.default, H)
+        b.call(A.sqrt.default, M, module="norm", fault=_next_float_at(3) if target else None)
+        return b.write(path)
+
+    d = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False)).first_divergence
+    assert d is not None and d.op == "aten.sqrt.default" and "correctly rounded" in d.reason

@@ -199,8 +199,10 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
 
 # One correctly rounded IEEE 754 operation per element (alpha, when given, must be 1): on every
 # conforming device these give the same bits, denormal handling aside.
-_BASIC_OPS = frozenset(f"aten.{name}.{overload}" for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
-                       for overload in ("Tensor", "Scalar"))
+_BASIC_OPS = frozenset(
+    [f"aten.{name}.{overload}" for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
+     for overload in ("Tensor", "Scalar")] + ["aten.sqrt.default", "aten.sqrt_.default"]
+)
 
 
 def _correctly_rounded(op: _Op, inputs: list[torch.Tensor]) -> bool:
