@@ -122,3 +122,42 @@ def test_at_most_two_chunks_in_flight(tmp_path: Path, monkeypatch: pytest.Monkey
     third.join(timeout=60)
     writer.close(complete=True)
     assert writer.writer.chunks == 3
+
+
+def test_saved_tensors_of_every_dtype_read_back_bit_for_bit(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    values = {
+        "f32": torch.randn(3, 4, generator=g), "f32_t": torch.randn(4, 3, generator=g).t(),
+        "bf16": torch.randn(5, generator=g).bfloat16(), "f16": torch.randn(2, 3, generator=g).half(),
+        "f64": torch.randn(2, generator=g).double(), "i64": torch.arange(7), "i32": torch.arange(3, dtype=torch.int32),
+        "u8": torch.tensor([1, 255], dtype=torch.uint8), "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3), "nan": torch.tensor([float("nan"), float("-inf")]),
+    }
+    with tracecmp.TraceCompare(tmp_path / "run", data="tensors", flush_secs=0) as tc:
+        outs = {name: v.clone() for name, v in values.items()}  # clone: an op whose output is saved
+        tc.step()
+    rank = tracecmp.load(tmp_path / "run").rank(0)
+    saved = rank.tensors[rank.tensors["data_key"] != ""]
+    assert len(saved) >= len(values)
+    (path,) = rank.data_files.values()
+    files = load_file(str(path))
+    def bits(t: torch.Tensor) -> torch.Tensor:  # NaN == NaN, -0.0 != 0.0
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    for name, value in outs.items():
+        matches = [t for t in files.values() if t.dtype == value.dtype and t.shape == value.shape
+                   and torch.equal(bits(t), bits(value))]
+        assert matches, name
+
+
+def test_a_chunk_with_a_dtype_safetensors_names_no_other_way_still_saves(tmp_path: Path) -> None:
+    writer = RankWriter(tmp_path / "run")
+    data = {"0/0": torch.randn(3, dtype=torch.complex64), "0/1": torch.randn(2)}
+    writer.write_chunk({k: [] for k in tracecmp.trace.schema.OPS_SCHEMA.names},
+                       {k: [] for k in tracecmp.trace.schema.TENSORS_SCHEMA.names}, data)
+    from safetensors.torch import load_file
+
+    back = load_file(str(tmp_path / "run" / "rank0" / "data-00000.safetensors"))
+    assert torch.equal(back["0/0"], data["0/0"]) and torch.equal(back["0/1"], data["0/1"])
