@@ -297,3 +297,12 @@ def test_sqrt_is_held_to_one_rounding(tmp_path):
 
     d = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False)).first_divergence
     assert d is not None and d.op == "aten.sqrt.default" and "correctly rounded" in d.reason
+
+
+def test_the_report_counts_replayed_ops(tmp_path):
+    from tracecmp.render import write_report
+
+    bench = record(tmp_path / "bench", data=True)
+    result = tracecmp.compare(record(tmp_path / "target", data=True, tf32=True, faults={"gelu": scale(1 + 3e-5)}), bench)
+    page = Path(write_report(result, tmp_path / "out")).read_text()
+    assert "<span>replayed</span>" in page and "float64 replay" in page

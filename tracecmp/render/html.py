@@ -229,6 +229,16 @@ def _modules_html(result: Any) -> str:
     )
 
 
+def _counts_with_replay(result: Any) -> dict[str, int]:
+    """The result's counts, plus how many target ops were replayed on their recorded inputs."""
+    counts = dict(result.counts())
+    if "own_error" in result.nodes:
+        replayed = int(result.nodes["own_error"].notna().sum())
+        if replayed:
+            counts["replayed"] = replayed
+    return counts
+
+
 def _counts_html(counts: dict[str, int]) -> str:
     css = {"diverged": "bad", "roots": "bad", "nan": "nan"}
     css.update({k: "bad" for k in ("unpaired target", "unpaired bench", "uncompared") if counts.get(k)})
@@ -301,7 +311,7 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
 <div class="runs">{_run_line(result)}</div>
 <div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
 {warnings_html}
-{_counts_html(result.counts())}
+{_counts_html(_counts_with_replay(result))}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
 <h2 id="subgraph">Suspicious subgraph</h2>
