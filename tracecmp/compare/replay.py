@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -66,6 +67,17 @@ class _Op:
     inputs: list[int]
     outputs: list[int]
     random: bool
+    parsed: Any = None  # ``args`` decoded, on first use (None: not yet; False: not a JSON object)
+
+    def arguments(self) -> dict[str, Any] | None:
+        """The recorded non-tensor arguments as a dict, or None when they are not readable."""
+        if self.parsed is None:
+            try:
+                value = json.loads(self.args)
+            except ValueError:
+                value = None
+            self.parsed = value if isinstance(value, dict) else False
+        return self.parsed if self.parsed is not False else None
 
 
 def replay_rank(
@@ -209,11 +221,8 @@ def _correctly_rounded(op: _Op, inputs: list[torch.Tensor]) -> bool:
     """Whether ``op`` is a basic IEEE operation in one float32/float64 dtype, on normal numbers."""
     if op.name not in _BASIC_OPS:
         return False
-    try:
-        args = json.loads(op.args)
-    except ValueError:
-        return False
-    if args.get("alpha", 1) != 1 or "rounding_mode" in args:
+    args = op.arguments()
+    if args is None or args.get("alpha", 1) != 1 or "rounding_mode" in args:
         return False
     floats = [x for x in inputs if x.is_floating_point()]
     if not floats or any(x.dtype not in (torch.float32, torch.float64) or x.dtype != floats[0].dtype for x in floats):
@@ -291,6 +300,7 @@ def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scal
     return max(worst / scale, float(torch.linalg.vector_norm(diff)) / max(norm, _TINY))
 
 
+@lru_cache(maxsize=None)
 def _resolve(name: str) -> Any:
     namespace, _, rest = name.partition(".")
     packet_name, _, overload = rest.rpartition(".")
@@ -309,11 +319,8 @@ def _call(op: _Op, inputs: list[torch.Tensor], *, golden: bool) -> tuple[Any, tu
     func = _resolve(op.name)
     if func is None or not hasattr(func, "_schema"):
         return None
-    try:
-        recorded = json.loads(op.args)
-    except ValueError:
-        return None
-    if not isinstance(recorded, dict):
+    recorded = op.arguments()
+    if recorded is None:
         return None
     args: list[Any] = []
     kwargs: dict[str, Any] = {}

@@ -40,16 +40,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = False) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 # safetensors' names of the dtypes a chunk streams itself; a chunk holding any other dtype
 # (complex, float8 ...) goes through ``safetensors.torch.save`` instead.
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -126,7 +116,7 @@ def _atomic_write_parts(path: Path, parts: Sequence[Any], *, fsync: bool = False
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any], *, fsync: bool = False) -> None:
     """Write ``payload`` as JSON to ``path`` so that readers see the old or the new file, never half."""
-    _atomic_write_bytes(path, json.dumps(payload, indent=1, default=str).encode(), fsync=fsync)
+    _atomic_write_parts(path, [json.dumps(payload, indent=1, default=str).encode()], fsync=fsync)
 
 
 def _parquet_bytes(table: pa.Table) -> pa.Buffer:
@@ -221,11 +211,10 @@ class RankWriter:
     def _write_manifest(self) -> None:
         write_json_atomic(self.dir / RANK_MANIFEST, self.manifest, fsync=self.fsync)
 
-    def _commit_bytes(self, name: str, data: Any) -> dict[str, Any]:
-        """Write ``data`` (bytes-like) to a temporary name and rename it to ``name``; its record entry."""
-        view = memoryview(data)
-        _atomic_write_bytes(self.dir / name, view, fsync=self.fsync)
-        return {"file": name, "bytes": view.nbytes, "crc32": zlib.crc32(view)}
+    def _commit(self, name: str, parts: Sequence[Any]) -> dict[str, Any]:
+        """Write the buffers ``parts`` to a temporary name and rename it to ``name``; its record entry."""
+        size, crc = _atomic_write_parts(self.dir / name, parts, fsync=self.fsync)
+        return {"file": name, "bytes": size, "crc32": crc}
 
     def write_chunk(
         self,
@@ -268,21 +257,18 @@ class RankWriter:
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "index": index,
-            "ops": self._commit_bytes(f"ops-{index:05d}.parquet", _parquet_bytes(ops)),
-            "tensors": self._commit_bytes(f"tensors-{index:05d}.parquet", _parquet_bytes(tensors)),
+            "ops": self._commit(f"ops-{index:05d}.parquet", [_parquet_bytes(ops)]),
+            "tensors": self._commit(f"tensors-{index:05d}.parquet", [_parquet_bytes(tensors)]),
             "rows": {"ops": ops.num_rows, "tensors": tensors.num_rows},
             "steps": sorted({int(s) for s in steps}),
         }
         if data:
-            name = f"data-{index:05d}.safetensors"
             parts = _safetensors_parts(data)
             if parts is None:
                 from safetensors.torch import save
 
-                entry["data"] = self._commit_bytes(name, save({k: t.detach().to("cpu").contiguous() for k, t in data.items()}))
-            else:
-                size, crc = _atomic_write_parts(self.dir / name, parts, fsync=self.fsync)
-                entry["data"] = {"file": name, "bytes": size, "crc32": crc}
+                parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()})]
+            entry["data"] = self._commit(f"data-{index:05d}.safetensors", parts)
         write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
         if self.fsync:
             _fsync_dir(self.dir)
