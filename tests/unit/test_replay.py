@@ -306,3 +306,78 @@ def test_the_report_counts_replayed_ops(tmp_path):
     result = tracecmp.compare(record(tmp_path / "target", data=True, tf32=True, faults={"gelu": scale(1 + 3e-5)}), bench)
     page = Path(write_report(result, tmp_path / "out")).read_text()
     assert "<span>replayed</span>" in page and "float64 replay" in page
+
+
+def _tf32_chain(path: Path, rounding: Callable[[torch.Tensor], torch.Tensor] | None, fault: float | None = None,
+                accumulate: str = "float32", data: bool = True) -> Path:
+    """Six matmuls in a chain (with tanh between), every one at reduced precision in the target:
+    inputs rounded by ``rounding`` (None: plain float32, the bench). ``fault`` scales the fourth
+    matmul's output; ``accumulate="float64"`` sums in another order than this CPU (a device)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(16, 48, generator=g)
+    weights = [torch.randn(48, 48, generator=g) / 7 for _ in range(6)]
+    b = TraceBuilder(data=data)
+    h = b.source("input.0", x)
+    for i, w in enumerate(weights):
+        W = b.param(f"fc{i}.weight", w, module=f"fc{i}")
+        hv = b.value(h)
+
+        def device(_: torch.Tensor, hv: torch.Tensor = hv, w: torch.Tensor = w, i: int = i) -> torch.Tensor:
+            a, m = (rounding(hv), rounding(w)) if rounding is not None else (hv, w)
+            out = (a.double() @ m.double()).float() if accumulate == "float64" else a @ m
+            return out * fault if fault is not None and i == 3 else out
+
+        h = b.call(A.mm.default, h, W, module=f"fc{i}", fault=device)
+        h = b.call(A.tanh.default, h, module=f"act{i}")
+    return b.write(path)
+
+
+def _truncate(x: torch.Tensor) -> torch.Tensor:
+    return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.mark.parametrize("rounding,accumulate", [
+    ("to nearest even", "float32"), ("toward zero", "float32"), ("to nearest even", "float64"),
+], ids=["rn", "rz", "rn-other-order"])
+def test_a_matmul_fault_far_below_tf32_noise_shows_where_the_runs_matmuls_are_reproduced(tmp_path, rounding, accumulate):
+    from tests.unit.test_localize import _round_tf32
+
+    model = _round_tf32 if rounding == "to nearest even" else _truncate
+    bench = _tf32_chain(tmp_path / "bench", None)
+    # The background alone: six TF32 matmuls, no root, whichever rounding and accumulation order.
+    clean = tracecmp.compare(_tf32_chain(tmp_path / "clean", model, accumulate=accumulate), bench)
+    assert clean.first_divergence is None, clean.first_divergence
+    fault = 1 + 2e-5  # TF32 leaves ~5e-4 on these outputs: 25x the fault
+    target = _tf32_chain(tmp_path / "target", model, fault=fault, accumulate=accumulate)
+    result = tracecmp.compare(target, bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module, d.kind) == ("aten.mm.default", "fc3", "computation"), result.suspects
+    assert f"rounded to tf32 ({rounding})" in d.reason and "accumulation errors" in d.reason
+    assert d.metrics["own_error"] < 4 * d.metrics["honest_error"]  # the plain ratio rule could not see it
+    assert len(result.suspects) == 1
+
+
+def test_matmuls_no_rounding_model_reproduces_keep_the_ratio_rule(tmp_path):
+    from tests.unit.test_localize import _round_tf32
+
+    bench = _tf32_chain(tmp_path / "bench", None)
+
+    def coarse(x: torch.Tensor) -> torch.Tensor:  # some other way of running at low precision
+        return _round_tf32(x * (1 + 1e-4))
+
+    target = _tf32_chain(tmp_path / "target", coarse, fault=1 + 2e-5)
+    rank = tracecmp.load(target).rank(0)
+    fits = [own.fits for own in replay_rank(rank, reduced="tf32").values() if own.fits]
+    assert len(fits) == 6 and min(min(f) for f in fits) > 64  # neither model reproduces the run
+    result = tracecmp.compare(target, bench)
+    assert result.first_divergence is None  # hidden in the noise, and no false alarm either
+
+
+def test_a_device_that_truncates_to_tf32_reads_as_noise_in_statistics_too(tmp_path):
+    # Truncation shrinks every product alike: its error does not average out in norm and mean.
+    bench = _tf32_chain(tmp_path / "bench", None, data=False)
+    result = tracecmp.compare(_tf32_chain(tmp_path / "target", _truncate, data=False), bench)
+    assert result.first_divergence is None, result.first_divergence
+    faulty = tracecmp.compare(_tf32_chain(tmp_path / "faulty", _truncate, fault=1.05, data=False), bench)
+    d = faulty.first_divergence
+    assert d is not None and (d.op, d.module) == ("aten.mm.default", "fc3")

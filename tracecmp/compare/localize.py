@@ -42,7 +42,7 @@ import numpy as np
 
 from tracecmp.compare.opclass import OpClass, base_name, classify, is_copy
 from tracecmp.compare.records import Divergence
-from tracecmp.compare.replay import OwnError
+from tracecmp.compare.replay import REDUCED_MODELS, OwnError
 from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
 
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
@@ -273,7 +273,11 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
             env += lip * abs_err
         elif kind in ("copy", "lipschitz") or (kind == "contract" and pos not in contract_pair):
             lip = cls.lipschitz
-            ext += lip * abs_err / amax_o
+            # With several full-size inputs (a weight plus its update) the output's extremes sit
+            # where another input decides them, so they carry this input's error at some element,
+            # up to the tail of its error spread (Gaussian: sqrt(2 ln n) of its RMS), not its RMS.
+            tail = 1.0 if unary or s.numel <= 1 else math.sqrt(2.0 * math.log(s.numel))
+            ext += lip * tail * abs_err / amax_o
             sys_ += lip * s.c_sys * s.rms / rms_o
             env += lip * abs_err / rms_o
         elif kind == "product":
@@ -520,7 +524,10 @@ def _localize_rank(
                 # Reordered (or TF32-rounded) terms differ by a unit each, amplified where they cancel.
                 unit *= kappa_local
                 neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
-                f1 = (max(unit, _TINY), max(unit / math.sqrt(neff), _TINY), max(unit, _TINY))
+                # Independent rounding errors average out in norm and mean; TF32 taken by truncation
+                # (a tensor core fed float32 as is) shrinks every product alike, so there they do not.
+                averaged = unit if uses_tf32 else unit / math.sqrt(neff)
+                f1 = (max(unit, _TINY), max(averaged, _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
                 x = _expected(cls, base_name(op), float_ins, out) if judgeable else (math.inf, math.inf, math.inf)
                 nontrivial = nontrivial or (out.amax > 0 and (cls.kind != "contract" or _contracts_nonzero(cls, float_ins)))
@@ -547,6 +554,7 @@ def _localize_rank(
     # target does not run them at reduced (TF32) precision.
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
     ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
+    fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
 
     roots: list[tuple[tuple, Divergence]] = []
     for j in judged:
@@ -556,7 +564,7 @@ def _localize_rank(
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
-        root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels)
+        root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits)
         verdict.metric = deciding
         if not root_kind:
             continue
@@ -658,6 +666,7 @@ def _metric_dict(j: _Judged) -> dict[str, float]:
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
+    fits: Mapping[str, _ModelFit],
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name."""
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -677,7 +686,7 @@ def _decide(
         if diff:
             return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
-    replayed = _replayed_root(j, node, ri, tol, exact_matmul)
+    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op))
     if not j.judgeable:
         return ("computation", replayed, "replay") if replayed else ("", "", deciding)
     # Which channel is furthest beyond what the inputs explain.
@@ -728,16 +737,71 @@ def _decide(
     return "computation", reason, channels[channel]
 
 
-def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
+@dataclass(frozen=True, slots=True)
+class _ModelFit:
+    """How this run computed its float32 matmul/conv of one op: the way of rounding inputs
+    (index into ``REDUCED_MODELS``) that reproduces them, and how closely it does so."""
+
+    model: int
+    misfit: float  # the 75th percentile of the ops' OwnError.fits under that model (>= 1)
+    members: int
+
+
+_FIT_MEMBERS = 3  # an op needs this many replayed calls in a rank before its calls judge each other
+# A rounding model "reproduces" a run's matmuls when it leaves at most this many float32
+# accumulation errors unexplained; a wrong model leaves the whole reduced-precision error
+# (thousands of them for TF32), so the two are far apart.
+_FIT_BOUND = 64.0
+
+
+def _model_fits(ri: RankInput) -> dict[str, _ModelFit]:
+    """Per op name, the rounding model that reproduces this rank's reduced-precision matmul/conv
+    calls, where one does (see :func:`_replay_excess`).
+
+    The model is chosen once per rank (it is the device's), as the one that leaves least
+    unexplained over all calls; each op then needs its own calls reproduced, because a device
+    may pick another algorithm for convolutions than for matmuls.
+    """
+    names = {node[0]: node[4] for node in ri.nodes}
+    by_op: dict[str, list[tuple[float, ...]]] = defaultdict(list)
+    for op_id, own in ri.own_errors.items():
+        if own.fits and own.dtype == "float32" and op_id in names:
+            by_op[names[op_id]].append(own.fits)
+    pooled = [f for rows in by_op.values() for f in rows]
+    if not pooled:
+        return {}
+    models = range(len(pooled[0]))
+    model = min(models, key=lambda m: _quantile([f[m] for f in pooled]))
+    out: dict[str, _ModelFit] = {}
+    for name, rows in by_op.items():
+        misfit = _quantile([f[model] for f in rows])
+        if len(rows) >= _FIT_MEMBERS and misfit <= _FIT_BOUND:
+            out[name] = _ModelFit(model, max(misfit, 1.0), len(rows))
+    return out
+
+
+def _quantile(values: list[float]) -> float:
+    """The 75th percentile, lower of the two neighbours (the median for three values)."""
+    ordered = sorted(values)
+    return ordered[int(0.75 * (len(ordered) - 1))]
+
+
+def _replay_excess(
+    own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None, fit: _ModelFit | None,
+) -> float:
     """How far an op's own error (replay.py) exceeds what an honest kernel makes: > 1 is a root.
 
     The bar is ``replay_margin`` times the honest replay's error, and at least ``replay_local``
     rounding units of the output's dtype (and one unit of the reduced precision a float32
     matmul/conv may run at). Where the honest replay is exact (no rounding happened), or the op is
-    one correctly rounded IEEE operation, any other result is wrong.
+    one correctly rounded IEEE operation, any other result is wrong. Where the run's other calls
+    of a reduced-precision matmul/conv are reproduced by one way of rounding their inputs (``fit``),
+    this call must be too, up to ``replay_margin`` times their typical misfit: a fault far below
+    the reduced precision's own error then still shows.
     """
     floor = tol.replay_local * EPS.get(own.dtype, _FP32)
-    if j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul:
+    reduced_matmul = j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul
+    if reduced_matmul:
         # The honest replay already multiplied inputs rounded to the reduced precision; never
         # ask for less than one of its units.
         floor = max(floor, REDUCED_EPS[reduced])
@@ -747,21 +811,32 @@ def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: boo
         return 0.0  # an honest kernel overflows here too: the NaN/Inf rule decides
     if own.honest == 0.0:
         return math.inf if own.error > 0 else 0.0  # exact here: every correct kernel gives these bits
-    return own.error / max(tol.replay_margin * own.honest, floor)
+    excess = own.error / max(tol.replay_margin * own.honest, floor)
+    if reduced_matmul and fit is not None and fit.model < len(own.fits):
+        excess = max(excess, own.fits[fit.model] / (tol.replay_margin * fit.misfit))
+    return excess
 
 
-def _replayed_root(j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool) -> str:
+def _replayed_root(
+    j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: _ModelFit | None,
+) -> str:
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error)."""
     own = ri.own_errors.get(node[0])
-    if own is None or node[3] != "op" or _replay_excess(own, j, tol, exact_matmul, ri.reduced_precision) <= 1.0:
+    reduced = ri.reduced_precision
+    if own is None or node[3] != "op" or _replay_excess(own, j, tol, exact_matmul, reduced, fit) <= 1.0:
         return ""
     if own.misrounded:
         return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
                 f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})")
-    if own.honest > 0:
+    if own.honest == 0:
+        return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
+    if own.error > tol.replay_margin * own.honest or fit is None or not reduced:
         return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
                 f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
-    return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
+    how = REDUCED_MODELS[reduced][fit.model][0]
+    return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+            f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls of "
+            f"{node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, that replay's {own.honest:.1e})")
 
 
 def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:

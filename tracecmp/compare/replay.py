@@ -56,6 +56,11 @@ class OwnError:
     # An IEEE 754 basic operation (one correctly rounded +, -, *, / per element) whose recorded
     # bits differ from the honest replay's: every conforming device gives the replay's bits.
     misrounded: bool = False
+    # A float32 matmul/conv replayed at reduced precision: per way of rounding the inputs
+    # (REDUCED_MODELS), how far the recorded output lies from that replay, in units of the
+    # accumulation error a plain float32 replay makes (at least one float32 rounding unit); the
+    # worst output decides. Near 1 where that model is what the run computed.
+    fits: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -177,22 +182,26 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
     inputs = [values.get(t) for t in op.inputs]
     if any(v is None for v in inputs):
         return None
-    honest_inputs = inputs
-    if reduced is not None:
-        cls = classify(op.name)
-        if cls.precision_variable:
-            rounding = REDUCED_ROUNDING[reduced]
-            honest_inputs = [rounding(x) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands) else x
-                             for i, x in enumerate(inputs)]  # type: ignore[union-attr]
+    models = _reduced_models(op, inputs, reduced)
+    honest_inputs = models[0] if models else inputs
     golden, same = _call(op, inputs, golden=True), _call(op, honest_inputs, golden=False)
     if golden is None or same is None:
         return None
     reference, honest = _returned(op.name, *golden), _returned(op.name, *same)
+    # At reduced precision: the other roundings of the inputs, and float32 itself (its
+    # accumulation error is how closely a device can match any of these replays).
+    alternatives = [_call(op, rounded, golden=False) for rounded in models[1:]]
+    plain = _call(op, inputs, golden=False) if models else None
+    if models and (plain is None or any(a is None for a in alternatives)):
+        models = []
+    replays = [honest] + [_returned(op.name, *a) for a in alternatives if a is not None]
+    accumulated = _returned(op.name, *plain) if plain is not None else []
     basic = _correctly_rounded(op, inputs)
     misrounded = False
     worst: OwnError | None = None
+    fits = [0.0] * len(models)
     for position, tid in checked:
-        if position >= len(reference) or position >= len(honest):
+        if any(position >= len(r) for r in (reference, *replays, *([accumulated] if models else []))):
             return None
         recorded = values.get(tid)
         if recorded is None:
@@ -202,11 +211,29 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
             return None
         if basic and not torch.equal(recorded, honest[position]):
             misrounded = True
+        if models:
+            unit = max(_distance(accumulated[position], reference[position], reference[position]), _FP32_UNIT)
+            for m, replay in enumerate(replays):
+                fits[m] = max(fits[m], _distance(recorded, replay[position], reference[position]) / unit)
         if worst is None or _excess(*errors) > _excess(worst.error, worst.honest):
             worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
-    if worst is not None and misrounded:
-        worst = OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=True)
-    return worst
+    if worst is None:
+        return None
+    return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits))
+
+
+def _reduced_models(op: _Op, inputs: list[torch.Tensor], reduced: str | None) -> list[list[torch.Tensor]]:
+    """The inputs of a float32 matmul/conv rounded by each of ``REDUCED_MODELS[reduced]``, or []
+    when the op does not run at reduced precision (another class, no float32 operand)."""
+    if reduced is None:
+        return []
+    cls = classify(op.name)
+    if not cls.precision_variable:
+        return []
+    positions = [i for i, x in enumerate(inputs) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands)]
+    if not positions:
+        return []
+    return [[rounding(x) if i in positions else x for i, x in enumerate(inputs)] for _, rounding in REDUCED_MODELS[reduced]]
 
 
 # One correctly rounded IEEE 754 operation per element (alpha, when given, must be 1): on every
@@ -239,12 +266,43 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x)
 
 
+def _truncate_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the 13 mantissa bits TF32 lacks cleared (round toward zero), as some hardware feeds its units."""
+    return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
 def _round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
-# How a float32 matmul/conv rounds its inputs at reduced precision: TF32 ("high"), bf16 ("medium").
-REDUCED_ROUNDING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tf32": _round_tf32, "bf16": _round_bf16}
+def _truncate_bf16(x: torch.Tensor) -> torch.Tensor:
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(torch.isnan(x), x, (bits & ~0xFFFF).view(torch.float32))
+
+
+# The ways a float32 matmul/conv may round its inputs at reduced precision, TF32 ("high") or
+# bf16 ("medium"): the first is the honest replay; the others are tried only to find which one
+# a run used (OwnError.fits).
+REDUCED_MODELS: dict[str, tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...]] = {
+    "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32)),
+    "bf16": (("to nearest even", _round_bf16), ("toward zero", _truncate_bf16)),
+}
+REDUCED_ROUNDING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {k: v[0][1] for k, v in REDUCED_MODELS.items()}
+_FP32_UNIT = float(torch.finfo(torch.float32).eps)
+
+
+def _distance(value: Any, center: Any, reference: Any) -> float:
+    """Normwise distance of ``value`` from ``center`` on the scale of ``reference`` (the error
+    measure of :func:`_errors` with ``center`` in place of the exact result); inf on mismatched
+    NaN/Inf or shapes."""
+    if not all(isinstance(t, torch.Tensor) for t in (value, center, reference)) or value.shape != center.shape:
+        return math.inf
+    ref = reference.detach().to(torch.float64)
+    finite = torch.isfinite(ref)
+    scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
+    norm = float(torch.linalg.vector_norm(ref[finite])) if scale > 0 else 0.0
+    middle = center.detach().to(torch.float64)
+    return _relative(value, middle, torch.isfinite(middle), scale, norm)
 
 
 def _excess(error: float, honest: float) -> float:
