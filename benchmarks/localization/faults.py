@@ -73,6 +73,24 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32).reshape(x.shape)
 
 
+def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) with the 13 mantissa bits tf32 lacks cleared: rounding toward zero, as a
+    tensor core does that takes float32 operands as they are. Its error is biased (every product
+    shrinks), unlike :func:`round_tf32`'s.
+
+    >>> truncate_tf32(torch.tensor([1.0 + 3 * 2**-11])).tolist()
+    [1.0009765625]
+    """
+    if x.dtype != torch.float32:
+        return x
+    return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32).reshape(x.shape)
+
+
+# How the background rounds matmul/conv inputs to tf32 (``--tf32-rounding``, set in every worker).
+TF32_ROUNDINGS: dict[str, Any] = {"nearest": round_tf32, "zero": truncate_tf32}
+TF32_ROUNDING = {"how": "nearest"}
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` hold the same bits (NaN payloads and signed zeros included)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -443,7 +461,8 @@ class FaultMode(TorchDispatchMode):
         if self.plan.tf32 and name in TF32_ARGS:
             positions = TF32_ARGS[name]
             args = tuple(
-                round_tf32(a) if i in positions and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
+                TF32_ROUNDINGS[TF32_ROUNDING["how"]](a) if i in positions and isinstance(a, torch.Tensor) else a
+                for i, a in enumerate(args)
             )
             self.obs.tf32_calls += 1
         out = func(*args, **kwargs)

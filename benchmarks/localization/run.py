@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import torch
 
 from benchmarks.localization.cases import VARIANTS, WEIGHT_PERTURBATION, Case, plan_all, quick
-from benchmarks.localization.faults import Injector, Observation, Plan, bitwise_equal
+from benchmarks.localization.faults import TF32_ROUNDING, TF32_ROUNDINGS, Injector, Observation, Plan, bitwise_equal
 from benchmarks.localization.models import FAMILIES, build
 
 MODEL_SEED = 1234
@@ -326,10 +326,11 @@ def bench_key(case: Case) -> str:
     return f"{case.model}__clean" if ins is None else f"{case.model}__{ins.how}_{ins.site.op}_{ins.site.k}"
 
 
-def _init_worker(data: str = "stats") -> None:
+def _init_worker(data: str = "stats", tf32_rounding: str = "nearest") -> None:
     torch.set_num_threads(1)  # bitwise-equal reductions in bench and target whatever the worker
     warnings.simplefilter("ignore")
     CAPTURE["data"] = data
+    TF32_ROUNDING["how"] = tf32_rounding
 
 
 def _bench_task(args: tuple[str, Plan, str]) -> tuple[str, str]:
@@ -347,14 +348,14 @@ def _case_task(args: tuple[Case, str, str, bool, int]) -> Result:
     return run_case(case, Path(bench), Path(work), keep, timeout_s)
 
 
-def _pool_map(fn: Any, items: list[Any], jobs: int, data: str) -> Iterable[Any]:
+def _pool_map(fn: Any, items: list[Any], jobs: int, data: str, tf32_rounding: str) -> Iterable[Any]:
     if jobs <= 1:
-        _init_worker(data)
+        _init_worker(data, tf32_rounding)
         yield from map(fn, items)
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(data,)) as pool:
+    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(data, tf32_rounding)) as pool:
         yield from pool.imap_unordered(fn, items)
 
 
@@ -512,8 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per case")
     parser.add_argument("--data", choices=DATA_MODES, default="stats",
                         help="what both runs record; with tensors, compare also replays every target op")
+    parser.add_argument("--tf32-rounding", choices=sorted(TF32_ROUNDINGS), default="nearest",
+                        help="how the tf32 background rounds matmul/conv inputs: to nearest even, or toward "
+                             "zero (a tensor core fed float32 as is)")
     args = parser.parse_args(argv)
-    _init_worker(args.data)
+    _init_worker(args.data, args.tf32_rounding)
 
     families = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in families if m not in FAMILIES]
@@ -539,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         benches = {bench_key(c): (c.model, c.bench, str(work / "benches" / bench_key(c))) for c in cases}
         failed_bench: dict[str, str] = {}
-        for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs, args.data):
+        for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs, args.data, args.tf32_rounding):
             if err:
                 failed_bench[path] = err
         results: list[Result] = []
@@ -555,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 todo.append((c, path, str(work), args.keep, args.timeout))
         # Slow models first so the pool does not end on one long tail.
         todo.sort(key=lambda t: FAMILIES.index(t[0].model) if t[0].model in FAMILIES else 0, reverse=True)
-        for i, r in enumerate(_pool_map(_case_task, todo, args.jobs, args.data), 1):
+        for i, r in enumerate(_pool_map(_case_task, todo, args.jobs, args.data, args.tf32_rounding), 1):
             results.append(r)
             bad = (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")
             if bad or i % 25 == 0:
