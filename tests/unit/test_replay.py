@@ -381,3 +381,11 @@ def test_a_device_that_truncates_to_tf32_reads_as_noise_in_statistics_too(tmp_pa
     faulty = tracecmp.compare(_tf32_chain(tmp_path / "faulty", _truncate, fault=1.05, data=False), bench)
     d = faulty.first_divergence
     assert d is not None and (d.op, d.module) == ("aten.mm.default", "fc3")
+
+
+def test_a_statistics_comparison_full_of_noise_points_to_tensors(tmp_path):
+    result = tracecmp.compare(record(tmp_path / "target", tf32=True), record(tmp_path / "bench"))
+    assert result.first_divergence is None and not result.warnings
+    assert 'capture the target with data="tensors"' in result.summary()
+    replayed = tracecmp.compare(record(tmp_path / "t2", tf32=True, data=True), record(tmp_path / "b2", data=True))
+    assert "Replay: none" not in replayed.summary() and "re-run on their recorded inputs" in replayed.summary()

@@ -116,6 +116,9 @@ class CompareResult:
             computing = int((self.nodes["kind"] == "op").sum())
             lines.append(f"Replay: {replayed} of {computing} ops re-run on their recorded inputs in float64 "
                          "(own error in nodes.csv: own_error, honest_error)")
+        elif counts.get("noise") and not self.exact:
+            lines.append(f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
+                         'that noise cannot be told apart from statistics: capture the target with data="tensors"')
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
