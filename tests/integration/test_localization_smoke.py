@@ -211,3 +211,36 @@ def test_tensors_mode_replay_finds_a_fault_below_the_tf32_background(tmp_path: P
         CAPTURE["data"] = previous
     assert r.status == "ok", r.error
     assert r.top1 and r.found is not None and "replay" in r.found.reason, r.found
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "zero"])
+@pytest.mark.parametrize("data", ["stats", "tensors"])
+def test_the_tf32_background_alone_is_no_divergence_whichever_way_it_rounds(rounding: str, data: str, tmp_path: Path) -> None:
+    from benchmarks.localization.faults import TF32_ROUNDING
+    from benchmarks.localization.run import CAPTURE
+
+    previous = CAPTURE["data"], TF32_ROUNDING["how"]
+    CAPTURE["data"], TF32_ROUNDING["how"] = data, rounding
+    try:
+        r = _run(_cases("convnet")["convnet/tf32-only"], tmp_path)
+    finally:
+        CAPTURE["data"], TF32_ROUNDING["how"] = previous
+    assert r.status == "ok", r.error
+    assert r.outcome == "clean", r.found
+
+
+def test_a_matmul_fault_below_the_tf32_background_is_found_where_the_runs_matmuls_are_reproduced(tmp_path: Path) -> None:
+    from benchmarks.localization.faults import TF32_ROUNDING
+    from benchmarks.localization.run import CAPTURE
+
+    case = next(c for c in _cases("mlp").values()
+                if c.kind == "noise" and c.magnitude == 1e-4 and c.variant == "tf32" and c.category == "matmul")
+    previous = CAPTURE["data"], TF32_ROUNDING["how"]
+    CAPTURE["data"], TF32_ROUNDING["how"] = "tensors", "zero"
+    try:
+        r = _run(case, tmp_path)
+    finally:
+        CAPTURE["data"], TF32_ROUNDING["how"] = previous
+    assert r.status == "ok", r.error
+    assert r.ratio is not None and r.ratio < 1  # smaller than the TF32 error at its own site
+    assert r.top1 and r.found is not None and "accumulation errors" in r.found.reason, r.found
