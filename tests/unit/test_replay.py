@@ -236,8 +236,9 @@ def test_a_matmul_output_rounded_to_bf16_stands_out_of_the_tf32_noise(tmp_path):
     result = tracecmp.compare(rounded(tmp_path / "t"), clean(tmp_path / "b"))
     d = result.first_divergence
     assert d is not None and d.op == "aten.mm.default"
-    # Beyond both bars of the replay rule: 4x the honest TF32 replay, and one TF32 unit.
-    assert d.metrics["own_error"] > 4 * d.metrics["honest_error"] and d.metrics["own_error"] > 2.0**-10
+    # Several times what an honest TF32 kernel makes here (the larger of rounding its inputs to
+    # nearest and toward zero), and beyond one TF32 unit.
+    assert d.metrics["own_error"] > 3 * d.metrics["honest_error"] and d.metrics["own_error"] > 2.0**-10
 
 
 def test_a_denormal_where_the_exact_result_is_zero_is_an_error():
