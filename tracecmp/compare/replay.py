@@ -13,6 +13,12 @@ Errors are normwise: ``max(max|x - ref| / max|ref|, ||x - ref|| / ||ref||)`` ove
 floating output. Positions where both hold the same NaN/Inf count as equal; a NaN/Inf on one side
 only is an infinite error.
 
+A float32 matmul/conv that may have run at reduced precision (TF32, or bf16 under
+``set_float32_matmul_precision("medium")``) is replayed with its inputs rounded to nearest and
+toward zero, and in plain float32; ``OwnError.fits`` says how far the recorded output lies from
+each rounded replay in float32 accumulation errors, so that localize can learn which rounding the
+run used from its other calls and hold each call to it.
+
 Views carry no data of their own and are recomputed from their base by replaying the view op.
 Ops that are not replayed: random ops (they would draw other numbers), uninitialized allocations,
 ops whose arguments the trace could not record (opaque objects), ops without a schema, ops whose
