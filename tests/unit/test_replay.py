@@ -250,7 +250,7 @@ def test_a_denormal_where_the_exact_result_is_zero_is_an_error():
 
 def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
     from tracecmp.compare.engine import reduced_matmul_precision
-    from tracecmp.compare.replay import REDUCED_ROUNDING
+    from tracecmp.compare.replay import REDUCED_MODELS
 
     traces = []
     for name, precision in (("a", "high"), ("b", "medium")):
@@ -263,7 +263,8 @@ def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
     assert reduced_matmul_precision(traces[0]) == "tf32"
     assert reduced_matmul_precision(*traces) == "bf16"
     x = torch.tensor([1.0 + 2.0**-9])
-    assert REDUCED_ROUNDING["bf16"](x).item() == 1.0 and REDUCED_ROUNDING["tf32"](x).item() == x.item()
+    to_nearest = {name: models[0][1] for name, models in REDUCED_MODELS.items()}
+    assert to_nearest["bf16"](x).item() == 1.0 and to_nearest["tf32"](x).item() == x.item()
     with pytest.raises(ValueError):
         replay_rank(traces[0].rank(0), reduced="fp8")
 

@@ -756,7 +756,7 @@ _FIT_BOUND = 64.0
 
 def _model_fits(ri: RankInput) -> dict[str, _ModelFit]:
     """Per op name, the rounding model that reproduces this rank's reduced-precision matmul/conv
-    calls, where one does (see :func:`_replay_excess`).
+    calls, where one does (see :func:`_misfit_excess`).
 
     The model is chosen once per rank (it is the device's), as the one that leaves least
     unexplained over all calls; each op then needs its own calls reproduced, because a device
@@ -786,22 +786,16 @@ def _quantile(values: list[float]) -> float:
     return ordered[int(0.75 * (len(ordered) - 1))]
 
 
-def _replay_excess(
-    own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None, fit: _ModelFit | None,
-) -> float:
+def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
     """How far an op's own error (replay.py) exceeds what an honest kernel makes: > 1 is a root.
 
     The bar is ``replay_margin`` times the honest replay's error, and at least ``replay_local``
     rounding units of the output's dtype (and one unit of the reduced precision a float32
     matmul/conv may run at). Where the honest replay is exact (no rounding happened), or the op is
-    one correctly rounded IEEE operation, any other result is wrong. Where the run's other calls
-    of a reduced-precision matmul/conv are reproduced by one way of rounding their inputs (``fit``),
-    this call must be too, up to ``replay_margin`` times their typical misfit: a fault far below
-    the reduced precision's own error then still shows.
+    one correctly rounded IEEE operation, any other result is wrong.
     """
     floor = tol.replay_local * EPS.get(own.dtype, _FP32)
-    reduced_matmul = j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul
-    if reduced_matmul:
+    if _reduced_matmul(own, j, exact_matmul, reduced):
         # The honest replay already multiplied inputs rounded to the reduced precision; never
         # ask for less than one of its units.
         floor = max(floor, REDUCED_EPS[reduced])
@@ -811,10 +805,20 @@ def _replay_excess(
         return 0.0  # an honest kernel overflows here too: the NaN/Inf rule decides
     if own.honest == 0.0:
         return math.inf if own.error > 0 else 0.0  # exact here: every correct kernel gives these bits
-    excess = own.error / max(tol.replay_margin * own.honest, floor)
-    if reduced_matmul and fit is not None and fit.model < len(own.fits):
-        excess = max(excess, own.fits[fit.model] / (tol.replay_margin * fit.misfit))
-    return excess
+    return own.error / max(tol.replay_margin * own.honest, floor)
+
+
+def _misfit_excess(own: OwnError, fit: _ModelFit, tol: Tolerances) -> float:
+    """How far a reduced-precision matmul/conv call strays from the rounding that reproduces the
+    run's other calls of its op (``fit``), beyond ``replay_margin`` times their typical misfit:
+    > 1 is a root, however far below the reduced precision's own error."""
+    if fit.model >= len(own.fits):
+        return 0.0
+    return own.fits[fit.model] / (tol.replay_margin * fit.misfit)
+
+
+def _reduced_matmul(own: OwnError, j: _Judged, exact_matmul: bool, reduced: str | None) -> bool:
+    return bool(j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul)
 
 
 def _replayed_root(
@@ -823,20 +827,22 @@ def _replayed_root(
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error)."""
     own = ri.own_errors.get(node[0])
     reduced = ri.reduced_precision
-    if own is None or node[3] != "op" or _replay_excess(own, j, tol, exact_matmul, reduced, fit) <= 1.0:
+    if own is None or node[3] != "op":
         return ""
-    if own.misrounded:
-        return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
-                f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})")
-    if own.honest == 0:
-        return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
-    if own.error > tol.replay_margin * own.honest or fit is None or not reduced:
+    if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
+        if own.misrounded:
+            return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
+                    f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})")
+        if own.honest == 0:
+            return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
         return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
                 f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
-    how = REDUCED_MODELS[reduced][fit.model][0]
-    return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
-            f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls of "
-            f"{node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, that replay's {own.honest:.1e})")
+    if reduced and _reduced_matmul(own, j, exact_matmul, reduced) and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
+        how = REDUCED_MODELS[reduced][fit.model][0]
+        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
+                f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    return ""
 
 
 def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:

@@ -105,8 +105,8 @@ def replay_rank(
     float32's. Ops that could not be replayed are absent from the result. Needs a trace with saved
     tensors; returns ``{}`` for a statistics-only trace.
     """
-    if reduced not in (None, *REDUCED_ROUNDING):
-        raise ValueError(f"reduced must be None or one of {sorted(REDUCED_ROUNDING)}, not {reduced!r}")
+    if reduced not in (None, *REDUCED_MODELS):
+        raise ValueError(f"reduced must be None or one of {sorted(REDUCED_MODELS)}, not {reduced!r}")
     tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]).to_pydict()
     if not any(tensors["data_key"]):
         return {}
@@ -214,20 +214,19 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
         recorded = values.get(tid)
         if recorded is None:
             return None
-        errors = _errors(recorded, honest[position], reference[position])
-        if errors is None:
+        if not _comparable(recorded, honest[position], reference[position]):
             return None
+        scale = _Scale.of(reference[position])
+        errors = _errors_on(recorded, honest[position], scale)
         if basic and not torch.equal(recorded, honest[position]):
             misrounded = True
         if models:
-            unit = max(_distance(accumulated[position], reference[position], reference[position]), _FP32_UNIT)
+            unit = max(scale.error(accumulated[position]), _FP32_UNIT)
             for m, replay in enumerate(replays):
-                fits[m] = max(fits[m], _distance(recorded, replay[position], reference[position]) / unit)
-                if m:
-                    # An honest kernel may round either way; truncation's error is biased and
-                    # can be a few times round-to-nearest's where terms cancel.
-                    other = _errors(recorded, replay[position], reference[position])
-                    errors = (errors[0], max(errors[1], other[1] if other is not None else math.inf))
+                fits[m] = max(fits[m], scale.error(recorded, center=replay[position]) / unit)
+            # An honest kernel may round either way; truncation's error is biased and can be a
+            # few times round-to-nearest's where terms cancel.
+            errors = (errors[0], max([errors[1]] + [scale.error(replay[position]) for replay in replays[1:]]))
         if worst is None or _excess(*errors) > _excess(worst.error, worst.honest):
             worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
     if worst is None:
@@ -300,22 +299,35 @@ REDUCED_MODELS: dict[str, tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor
     "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32)),
     "bf16": (("to nearest even", _round_bf16), ("toward zero", _truncate_bf16)),
 }
-REDUCED_ROUNDING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {k: v[0][1] for k, v in REDUCED_MODELS.items()}
 _FP32_UNIT = float(torch.finfo(torch.float32).eps)
 
 
-def _distance(value: Any, center: Any, reference: Any) -> float:
-    """Normwise distance of ``value`` from ``center`` on the scale of ``reference`` (the error
-    measure of :func:`_errors` with ``center`` in place of the exact result); inf on mismatched
-    NaN/Inf or shapes."""
-    if not all(isinstance(t, torch.Tensor) for t in (value, center, reference)) or value.shape != center.shape:
-        return math.inf
-    ref = reference.detach().to(torch.float64)
-    finite = torch.isfinite(ref)
-    scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
-    norm = float(torch.linalg.vector_norm(ref[finite])) if scale > 0 else 0.0
-    middle = center.detach().to(torch.float64)
-    return _relative(value, middle, torch.isfinite(middle), scale, norm)
+@dataclass(frozen=True, slots=True)
+class _Scale:
+    """A reference output in float64 and the magnitudes its errors are measured on (finite positions)."""
+
+    ref: torch.Tensor
+    finite: torch.Tensor
+    amax: float
+    norm: float
+
+    @classmethod
+    def of(cls, reference: torch.Tensor) -> _Scale:
+        ref = reference.detach().to(torch.float64)
+        finite = torch.isfinite(ref)
+        amax = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
+        norm = float(torch.linalg.vector_norm(ref[finite])) if amax > 0 else 0.0
+        return cls(ref, finite, amax, norm)
+
+    def error(self, value: Any, center: torch.Tensor | None = None) -> float:
+        """Relative error of ``value`` against the reference, or its distance from ``center`` on
+        the reference's scale; inf for a non-tensor or a shape that differs."""
+        if not isinstance(value, torch.Tensor) or value.shape != self.ref.shape:
+            return math.inf
+        if center is None:
+            return _relative(value.detach(), self.ref, self.finite, self.amax, self.norm)
+        middle = center.detach().to(torch.float64)
+        return _relative(value.detach(), middle, torch.isfinite(middle), self.amax, self.norm)
 
 
 def _excess(error: float, honest: float) -> float:
@@ -328,22 +340,23 @@ def _is_float(dtype: str) -> bool:
 
 def _errors(recorded: torch.Tensor, honest: Any, reference: Any) -> tuple[float, float] | None:
     """(relative error of ``recorded``, relative error of ``honest``), both against ``reference``."""
-    if not isinstance(reference, torch.Tensor) or not isinstance(honest, torch.Tensor):
+    if not _comparable(recorded, honest, reference):
         return None
-    if recorded.shape != reference.shape or honest.shape != reference.shape or reference.is_complex():
-        return None
-    ref = reference.detach().to(torch.float64)
-    if ref.numel() == 0:
-        return 0.0, 0.0
-    finite = torch.isfinite(ref)
-    scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
-    norm = float(torch.linalg.vector_norm(ref[finite])) if scale > 0 else 0.0
-    error = _relative(recorded, ref, finite, scale, norm)
-    honest_error = _relative(honest.detach(), ref, finite, scale, norm)
+    return _errors_on(recorded, honest, _Scale.of(reference))
+
+
+def _comparable(recorded: torch.Tensor, honest: Any, reference: Any) -> bool:
+    """Whether the replay gave tensors of the recorded output's shape (and not complex ones)."""
+    return (isinstance(reference, torch.Tensor) and isinstance(honest, torch.Tensor) and not reference.is_complex()
+            and recorded.shape == reference.shape == honest.shape)
+
+
+def _errors_on(recorded: torch.Tensor, honest: torch.Tensor, scale: _Scale) -> tuple[float, float]:
+    error, honest_error = scale.error(recorded), scale.error(honest)
     if error > 0 and honest_error == 0 and recorded.is_floating_point():
         # The op is exact here (a max, a copy, a sum that needs no rounding), so any difference is
         # the op's doing, unless it is only denormals flushed to zero, as many accelerators do.
-        out = recorded.to(torch.float64)
+        out, ref = recorded.to(torch.float64), scale.ref
         differs = out != ref
         if bool(((out[differs] == 0) & (ref[differs].abs() < torch.finfo(recorded.dtype).tiny)).all()):
             error = 0.0
