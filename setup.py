@@ -1,9 +1,9 @@
-"""Builds tracecmp's only native part, the statistics kernel ``tracecmp._cstats``.
+"""Builds tracecmp's two native modules: ``tracecmp._cstats`` and ``tracecmp._crecord``.
 
-Everything else is in pyproject.toml. The extension is optional: when no C++ compiler is
-available the install still succeeds (with a warning) and tracecmp computes statistics with its
-pure-torch reference. The module includes no torch headers, so it needs no torch at build time
-and survives torch upgrades (see csrc/README.md).
+``_cstats`` is the fused statistics kernel; ``_crecord`` is the capture mode's per-op path. Everything
+else is in pyproject.toml. Both are optional: when no C++ compiler is available the install still
+succeeds (with a warning) and tracecmp runs their pure-Python/torch references. Neither includes
+torch headers, so they need no torch at build time and survive torch upgrades (see csrc/README.md).
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(exc: BaseException) -> None:
         print(
-            f"WARNING: building tracecmp._cstats failed ({exc}); tracecmp will use its slower "
-            "pure-torch statistics.",
+            f"WARNING: building a tracecmp extension failed ({exc}); tracecmp will use its slower "
+            "pure-Python/torch reference for it.",
             file=sys.stderr,
         )
 
@@ -57,7 +57,13 @@ setup(
             language="c++",
             extra_compile_args=CXX_FLAGS,
             extra_link_args=["-pthread"],
-        )
+        ),
+        Extension(
+            "tracecmp._crecord",
+            sources=["csrc/record.cpp"],
+            language="c++",
+            extra_compile_args=CXX_FLAGS,
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

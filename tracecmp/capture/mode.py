@@ -26,6 +26,9 @@ is (parameter, buffer, root-model input, gradient, optimizer state, or unnamed `
 """
 from __future__ import annotations
 
+import functools
+import os
+import types
 import weakref
 from typing import Any, Callable
 
@@ -47,6 +50,8 @@ from tracecmp.capture.ops import (
     WRITE,
     ArgsEncoder,
     OpInfo,
+    _scan_value,
+    _T,
     arg_value,
     op_info,
     scan,
@@ -147,7 +152,14 @@ class CaptureMode(TorchDispatchMode):
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
         self._args_memo = self._args.memo
-        self._forget_cb = self._forget  # one bound method for every weak record, not one each
+        # One callable for every weak record, not one each.
+        self._forget_cb: Callable[[_Rec], Any] = self._forget
+        if _crecord is not None and USE_NATIVE:
+            # The C copy of __torch_dispatch__ (csrc/record.cpp), bound to this mode: torch looks
+            # the method up on the instance, so it shadows the reference below, which it calls
+            # for the ops it does not handle itself.
+            self.__torch_dispatch__ = types.MethodType(_crecord.dispatch, self)  # type: ignore[method-assign]
+            self._forget_cb = functools.partial(_crecord.forget, self._known)
 
     # -- the per-op path -----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -561,3 +573,40 @@ class CaptureMode(TorchDispatchMode):
         if self.watch is not None:
             self.watch.restart({rec.tid for rec in recs})
 
+
+
+def _load_native() -> Any:
+    """``tracecmp._crecord`` configured with this module's helpers, or None when not built."""
+    try:
+        from tracecmp import _crecord as native
+    except ImportError:
+        return None
+    native.configure(
+        slow=CaptureMode.__torch_dispatch__,
+        tensor_type=torch.Tensor,
+        op_overload=torch._ops.OpOverload,
+        op_infos=_OP_INFOS,
+        one_fresh=ONE_FRESH,
+        marker=_T,
+        scan_value=_scan_value,
+        plain_types=(torch.dtype, torch.device, torch.layout, torch.memory_format),
+        rec_type=_Rec,
+        current_node=_current_autograd_node,
+        sequence_nr=_get_sequence_nr,
+        grad_enabled=_is_grad_enabled,
+        inference_enabled=_is_inference_mode_enabled,
+        num_threads=_get_num_threads,
+        stats_module=_stats,
+        native_codes=_NATIVE_CODES,
+        parallel_min=_PARALLEL_MIN,
+        view_kind=VIEW,
+        write_kind=WRITE,
+        fresh_kind=FRESH,
+    )
+    return native
+
+
+_crecord = _load_native()
+# Modes made while this is true run the C per-op path; TRACECMP_FORCE_REFERENCE=1 (read at
+# import) forces the Python reference, as it does for the statistics kernel.
+USE_NATIVE = os.environ.get("TRACECMP_FORCE_REFERENCE", "") != "1"

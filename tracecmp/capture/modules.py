@@ -71,6 +71,7 @@ class ModuleScope:
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._marks: list[int] = []
+        self._stale = False  # the model may have new modules or parameters since it was named
         if model is not None:
             self.add_root(model)
 
@@ -83,6 +84,23 @@ class ModuleScope:
             self.params.setdefault(id(param), (name, weakref.ref(param)))
         for name, buf in root.named_buffers():
             self.buffers.setdefault(id(buf), (name, weakref.ref(buf)))
+
+    def mark_stale(self) -> None:
+        """The model may have changed (a new step): name it again at the next lookup that misses.
+
+        Walking ``named_modules``/``named_parameters`` costs ~0.1 ms per step on a small model,
+        as much as recording its ops; most steps never meet a module or parameter they cannot name.
+        """
+        self._stale = self.model is not None
+
+    def _renamed(self) -> bool:
+        """Name the model again if it is stale; whether that happened (a miss is worth a retry)."""
+        if not self._stale:
+            return False
+        self._stale = False
+        assert self.model is not None
+        self.add_root(self.model)
+        return True
 
     def name_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Remember the root model's tensor arguments as ``input.0``, ``input.1`` ... or kwarg names."""
@@ -101,6 +119,8 @@ class ModuleScope:
     def source(self, tensor: torch.Tensor, stamp: Any) -> tuple[str, str]:
         """``(op, name)`` of a tensor entering the trace: a parameter, buffer, input or other tensor."""
         name = _lookup(self.params, tensor)
+        if name is None and _lookup(self.buffers, tensor) is None and self._renamed():
+            name = _lookup(self.params, tensor)
         if name is not None:
             return "source.parameter", name
         name = _lookup(self.buffers, tensor)
@@ -134,7 +154,10 @@ class ModuleScope:
 
     def owner(self, param: Any) -> str:
         """Path of the module holding ``param`` ("" if unknown), for gradient accumulation in backward."""
-        return (_lookup(self.params, param) or "").rpartition(".")[0]
+        name = _lookup(self.params, param)
+        if name is None and self._renamed():
+            name = _lookup(self.params, param)
+        return (name or "").rpartition(".")[0]
 
     # -- hooks ---------------------------------------------------------------------------------
     def install(self) -> None:
@@ -165,6 +188,8 @@ class ModuleScope:
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         path = _lookup(self._modules, module)
+        if path is None and self._renamed():
+            path = _lookup(self._modules, module)
         if not self._stack and self.model is None:
             # No model given: each top-level module is a root, named "" like named_modules() does.
             if path is None:

@@ -310,7 +310,7 @@ class TraceCompare:
     def _start(self) -> None:
         assert self._mode is not None and self._scope is not None
         if self.model is not None:
-            self._scope.add_root(self.model)  # parameters replaced since the last step get names
+            self._scope.mark_stale()  # parameters replaced since the last step get names
         self._scope.install()
         self._hooks = [
             register_optimizer_step_pre_hook(self._optimizer_pre),

@@ -1,0 +1,174 @@
+"""The C per-op path (``tracecmp._crecord``) records exactly what the Python reference records.
+
+Each program runs twice in a fresh interpreter, once per path, and every op row and tensor row
+of the capture must be equal: ids, names, modules, source lines, argument text, statistics.
+A fresh interpreter each time because autograd sequence numbers come from a process-wide
+counter. The programs cover what the C path does itself (single new tensors, views, in-place
+writes, several new outputs, backward and gradient accumulation, ``.item()``) and what it hands
+to the reference (new sources, alias updates, undeclared writes, inference tensors, saved data,
+argument rewrites, full stacks).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.models import MODELS
+from tracecmp.capture import mode as capture_mode
+
+pytestmark = pytest.mark.skipif(capture_mode._crecord is None, reason="tracecmp._crecord is not built")
+
+_PROGRAM = textwrap.dedent(
+    """
+    import ast
+    import sys
+    import tempfile
+    import torch
+    import tracecmp
+    from tracecmp.capture import mode as capture_mode
+    from tests.models import example_batch, make_model, make_optimizer, train_step
+
+    capture_mode.USE_NATIVE = sys.argv[1] == "native"
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    def edges():
+        w = torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(3, 4)
+        base = torch.zeros(3, 4)
+        view = base[:, :2]
+        view.add_(1.0)                      # a write through a view: alias.update on base
+        y = (x @ w + base).relu()
+        y.sum().backward()
+        behind = torch.ones(2)
+        with torch.no_grad():
+            z = behind * 2
+        behind.data.mul_(3)                 # written where capture cannot see it: a new source
+        torch.cat([z, behind]).sum()
+        with torch.inference_mode():
+            inf = torch.ones(3) + 1
+            inf.mul_(2)
+        torch.empty(5)                      # uninitialized memory: no statistics
+        a, b = torch.randn(4, 6).chunk(2)   # several views
+        torch.stack([a, b]).max(dim=0)      # several new outputs
+        torch.randn(3).sum().item()
+
+    for program, options in ast.literal_eval(sys.argv[2]):
+        print("case", program, options)
+        model = None if program == "edges" else make_model(program)
+        # Everything stays in the mode's buffers (no hand-over to the writer) to be printed.
+        with tracecmp.TraceCompare(tempfile.mkdtemp() + "/run", model=model, flush_secs=3600, **options) as tc:
+            if model is None:
+                for _ in range(2):
+                    edges()
+                    tc.step()
+            else:
+                opt = make_optimizer(model)
+                batch = example_batch(program)
+                for _ in range(2):
+                    train_step(model, opt, batch)
+                    tc.step()
+            mode = tc._mode
+            print("native" if "__torch_dispatch__" in mode.__dict__ else "reference")
+            for row in mode.rows + mode.tensor_rows:
+                print(repr(row))
+    """
+)
+
+
+CASES = [(name, {}) for name in MODELS] + [
+    ("edges", {}),
+    ("edges", {"data": "tensors"}),
+    ("edges", {"stack": True}),
+    ("transformer", {"dropout": 0.0, "rng": "host"}),
+]
+
+
+def _capture(path: str) -> dict[str, list[str]]:
+    """Every case's printed rows, captured by ``path`` ("native" or "reference") in one interpreter.
+
+    The cases run one after another in the same order on both paths, so autograd's sequence
+    numbers stay in step between them.
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRACECMP_FORCE_REFERENCE="0")
+    result = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, path, repr(CASES)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in result.stdout.splitlines():
+        if line.startswith("case "):
+            lines = cases.setdefault(line, [])
+        else:
+            lines.append(line)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def captures() -> dict[str, dict[str, list[str]]]:
+    return {path: _capture(path) for path in ("native", "reference")}
+
+
+@pytest.mark.parametrize(("program", "options"), CASES, ids=[f"{p}-{o}" for p, o in CASES])
+def test_native_path_records_what_the_reference_records(
+    captures: dict[str, dict[str, list[str]]], program: str, options: dict[str, object]
+) -> None:
+    case = f"case {program} {options}"
+    native, reference = captures["native"][case], captures["reference"][case]
+    assert native[0] == "native" and reference[0] == "reference"
+    assert len(native) == len(reference) > 10
+    for mine, theirs in zip(native[1:], reference[1:]):
+        assert mine == theirs
+
+
+def test_native_path_is_bound_to_new_modes(tmp_path: object) -> None:
+    import tracecmp
+
+    with tracecmp.TraceCompare(str(tmp_path) + "/run") as tc:
+        assert tc._mode is not None
+        bound = tc._mode.__dict__.get("__torch_dispatch__")
+        assert bound is not None and bound.__func__ is capture_mode._crecord.dispatch
+        torch.ones(2) * 2
+        assert [row[4] for row in tc._mode.rows] == ["aten.ones.default", "aten.mul.Tensor"]
+
+
+def test_forget_drops_only_its_own_record() -> None:
+    forget = capture_mode._crecord.forget
+
+    class Rec:
+        def __init__(self, key: int) -> None:
+            self.key = key
+
+    first, second = Rec(1), Rec(1)
+    known = {1: second}
+    forget(known, first)  # a dead tensor whose id() was reused: the new record stays
+    assert known == {1: second}
+    forget(known, second)
+    assert known == {}
+    with pytest.raises(TypeError):
+        forget([], second)
+
+
+def test_reference_is_forced_by_the_environment() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRACECMP_FORCE_REFERENCE="1")
+    code = "from tracecmp.capture import mode; print(mode.USE_NATIVE)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_ci_requires_the_native_path() -> None:
+    if os.environ.get("TRACECMP_REQUIRE_NATIVE") != "1":
+        pytest.skip("TRACECMP_REQUIRE_NATIVE=1 not set")
+    assert capture_mode._crecord is not None
