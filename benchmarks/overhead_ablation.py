@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tracecmp  # noqa: E402
+from tracecmp.trace.columns import Columns  # noqa: E402
+from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA  # noqa: E402
 from benchmarks.bench_overhead import build  # noqa: E402
 
 CONFIGS = ("plain", "empty mode", "capture only", "flush_secs=0", "flush_secs=1")
@@ -65,8 +67,7 @@ def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps
         for _ in range(steps):
             step()
             if config == "capture only":
-                mode.rows.clear()
-                mode.tensor_rows.clear()
+                mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
             tc.step()
     elapsed = time.perf_counter() - t0
     shutil.rmtree(path)

@@ -82,7 +82,7 @@ struct Names {
   X(version) X(group) X(key) X(_version) X(requires_grad) X(is_inference) X(is_cpu) X(dtype)    \
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
-  X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema)
+  X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -222,6 +222,39 @@ const OpEntry* entry_for(PyObject* func) {
   e.inplace = inplace.release();
   e.random = random.release();
   return &g_ops->emplace(func, e).first->second;
+}
+
+// Columns.append: one row into a Columns buffer (tracecmp/trace/columns.py). A tuple value is a
+// list column's: its items go to the column's flat list and its length to the next list.
+bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* rows = nullptr) {
+  Ref parts(PyObject_GetAttr(columns, s.parts));
+  if (!parts) return false;
+  if (!PyTuple_Check(parts.p)) {
+    PyErr_SetString(PyExc_TypeError, "Columns.parts must be a tuple of lists");
+    return false;
+  }
+  Py_ssize_t j = 0, count = PyTuple_GET_SIZE(parts.p);
+  for (int i = 0; i < n; ++i) {
+    PyObject* v = fields[i];
+    bool is_list = PyTuple_CheckExact(v);
+    if (j + (is_list ? 1 : 0) >= count) {
+      PyErr_SetString(PyExc_ValueError, "row does not fit the Columns layout");
+      return false;
+    }
+    if (is_list) {
+      PyObject* items = PyTuple_GET_ITEM(parts.p, j);
+      for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(v); ++k)
+        if (PyList_Append(items, PyTuple_GET_ITEM(v, k)) < 0) return false;
+      Ref length(PyLong_FromSsize_t(PyTuple_GET_SIZE(v)));
+      if (!length || PyList_Append(PyTuple_GET_ITEM(parts.p, j + 1), length.p) < 0) return false;
+      j += 2;
+    } else {
+      if (PyList_Append(PyTuple_GET_ITEM(parts.p, j), v) < 0) return false;
+      j += 1;
+    }
+  }
+  if (rows != nullptr) *rows = PyList_GET_SIZE(PyTuple_GET_ITEM(parts.p, 0));
+  return true;
 }
 
 // ---- ops.scan -------------------------------------------------------------------------------
@@ -487,14 +520,12 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
     name = made.p;
   }
   Ref dims(PySequence_Tuple(shape.p));
-  Ref row(PyTuple_New(16));
-  if (!dims || !row) return false;
-  PyObject* head[8] = {tid, op_id, index, dims.p, name, s.cpu, view_of, Py_True};
-  for (int i = 0; i < 8; ++i) PyTuple_SET_ITEM(row.p, i, Py_NewRef(head[i]));
-  for (int i = 0; i < 7; ++i) PyTuple_SET_ITEM(row.p, 8 + i, Py_NewRef(PyTuple_GET_ITEM(stats.p, i)));
-  PyTuple_SET_ITEM(row.p, 15, Py_NewRef(s.empty));
+  if (!dims) return false;
+  PyObject* row[16] = {tid, op_id, index, dims.p, name, s.cpu, view_of, Py_True};
+  for (int i = 0; i < 7; ++i) row[8 + i] = PyTuple_GET_ITEM(stats.p, i);
+  row[15] = s.empty;
   PyObject* rows = item(md, s.tensor_rows);
-  return rows != nullptr && PyList_Append(rows, row.p) == 0;
+  return rows != nullptr && append_row(rows, row, 16);
 }
 
 // mode.settle: read the versions of the tensors the previous op wrote.
@@ -614,14 +645,12 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
     name = made_name.p;
   }
   Ref dims(PySequence_Tuple(shape.p));
-  Ref row(PyTuple_New(16));
-  if (!dims || !row) return false;
-  PyObject* head[8] = {tid.p, op_id, index.p, dims.p, name, s.cpu, view_of.p, Py_False};
-  for (int i = 0; i < 8; ++i) PyTuple_SET_ITEM(row.p, i, Py_NewRef(head[i]));
-  for (int i = 8; i < 15; ++i) PyTuple_SET_ITEM(row.p, i, Py_NewRef(Py_None));
-  PyTuple_SET_ITEM(row.p, 15, Py_NewRef(s.empty));
+  if (!dims) return false;
+  PyObject* row[16] = {tid.p, op_id, index.p, dims.p, name, s.cpu, view_of.p, Py_False};
+  for (int i = 8; i < 15; ++i) row[i] = Py_None;
+  row[15] = s.empty;
   PyObject* rows = item(md, s.tensor_rows);
-  return rows != nullptr && PyList_Append(rows, row.p) == 0 && PyList_Append(outputs, tid.p) == 0;
+  return rows != nullptr && append_row(rows, row, 16) && PyList_Append(outputs, tid.p) == 0;
 }
 
 // mode._fresh: a new tensor among the op's outputs (statistics unless uninitialized).
@@ -891,15 +920,13 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (step == nullptr || rows == nullptr) return nullptr;
   PyObject* fields[15] = {op_id.p,  step,    phase.p,  e.kind, e.name,        s.empty,  module.p, location.p,
                           text,     inputs.p, outputs.p, inplace, e.random, seq.p, s.empty};
-  Ref row(PyTuple_New(15));
-  if (!row) return nullptr;
-  for (int i = 0; i < 15; ++i) PyTuple_SET_ITEM(row.p, i, Py_NewRef(fields[i]));
-  if (PyList_Append(rows, row.p) < 0) return nullptr;
+  Py_ssize_t count_rows = 0;
+  if (!append_row(rows, fields, 15, &count_rows)) return nullptr;
   PyObject* limit = item(md.p, s._row_limit);
   PyObject* saved = item(md.p, s.saved_bytes);
   PyObject* max_bytes = item(md.p, s._max_bytes);
   if (limit == nullptr || saved == nullptr || max_bytes == nullptr) return nullptr;
-  Ref length(PyLong_FromSsize_t(PyList_GET_SIZE(rows)));
+  Ref length(PyLong_FromSsize_t(count_rows));
   if (!length) return nullptr;
   int full = PyObject_RichCompareBool(length.p, limit, Py_GE);
   if (full == 0) full = PyObject_RichCompareBool(saved, max_bytes, Py_GE);

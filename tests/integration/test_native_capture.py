@@ -76,7 +76,7 @@ _PROGRAM = textwrap.dedent(
                     tc.step()
             mode = tc._mode
             print("native" if "__torch_dispatch__" in mode.__dict__ else "reference")
-            for row in mode.rows + mode.tensor_rows:
+            for row in [*mode.rows, *mode.tensor_rows]:
                 print(repr(row))
     """
 )
@@ -142,6 +142,7 @@ def test_native_path_is_bound_to_new_modes(tmp_path: object) -> None:
         assert bound is not None and bound.__func__ is capture_mode._crecord.dispatch
         torch.ones(2) * 2
         assert [row[4] for row in tc._mode.rows] == ["aten.ones.default", "aten.mul.Tensor"]
+        assert len(tc._mode.tensor_rows) == 2
 
 
 def test_forget_drops_only_its_own_record() -> None:

@@ -1,11 +1,10 @@
 """The private TorchDispatchMode that records every dispatched op (behind :class:`TraceCompare`).
 
-Per op it appends one row (a tuple in ``OPS_SCHEMA`` column order) and one row per produced
-tensor value (``TENSORS_SCHEMA`` order); the writer's thread turns them into columns, which keeps
-the per-op path at one ``append`` per row. Rows hold ids, strings and numbers, never tensors,
-and only tuples (no lists, no ``torch.Size``): the garbage collector untracks such tuples, so a
-full buffer does not make its full collections (~0.2 s each with torch and transformers loaded)
-fire more often.
+Per op it appends one row (``OPS_SCHEMA`` column order) and one row per produced tensor value
+(``TENSORS_SCHEMA`` order) to :class:`~tracecmp.trace.columns.Columns` buffers, one list per
+column, which the writer's thread turns into Arrow tables. Rows hold ids, strings and numbers,
+never tensors, and make no Python object of their own (see ``columns.py``: objects per row
+would feed the garbage collector's full collections).
 
 Tensor identity. Every tensor *value* gets an id: a fresh output, a view, and each in-place write
 (a new version of the same tensor). A weak map from the tensor object to its current id, its
@@ -59,7 +58,8 @@ from tracecmp.capture.ops import (
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.watch import OverflowWatch
-from tracecmp.trace.schema import ALIAS_UPDATE_OP
+from tracecmp.trace.columns import Columns
+from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA
 
 _NO_STATS = (None,) * 7
 _NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
@@ -122,8 +122,8 @@ class CaptureMode(TorchDispatchMode):
         self.step = 0
         self.chunk = 0  # index of the chunk being filled (names saved tensors "<chunk>/<id>")
         self.in_optimizer = False
-        self.rows: list[tuple[Any, ...]] = []
-        self.tensor_rows: list[tuple[Any, ...]] = []
+        self.rows = Columns(OPS_SCHEMA)
+        self.tensor_rows = Columns(TENSORS_SCHEMA)
         self.saved: dict[str, torch.Tensor] = {}
         self.saved_bytes = 0
         self.devices: dict[torch.device, tuple[str, int]] = {}
@@ -541,13 +541,14 @@ class CaptureMode(TorchDispatchMode):
         self.step = step
         self.in_optimizer = False
 
-    def take(self) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, torch.Tensor]]:
+    def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor]]:
         """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""
         self._gather_deferred_stats()
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
         taken = self.rows, self.tensor_rows, self.saved
-        self.rows, self.tensor_rows, self.saved, self.saved_bytes = [], [], {}, 0
+        self.rows, self.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+        self.saved, self.saved_bytes = {}, 0
         self._sweep()
         return taken
 
@@ -562,8 +563,8 @@ class CaptureMode(TorchDispatchMode):
         for items in by_device.values():
             host = torch.stack([packed for _, packed in items]).cpu()
             for (index, _), packed in zip(items, host):
-                row = self.tensor_rows[index]
-                self.tensor_rows[index] = row[:8] + tuple(unpack_stats(packed)) + row[15:]
+                for name, value in zip(STAT_COLUMNS, unpack_stats(packed)):
+                    self.tensor_rows.set(index, name, value)
 
     def _sweep(self) -> None:
         """Forget the write history of view families nobody holds any more."""

@@ -162,6 +162,17 @@ class ModuleScope:
     # -- hooks ---------------------------------------------------------------------------------
     def install(self) -> None:
         """Start following module calls (called when a recorded step begins)."""
+        self.begin_step()
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        if self.model is not None:
+            self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+
+    def begin_step(self) -> None:
+        """Start a recorded step's bookkeeping (with the hooks installed, or already in place)."""
+        self.mark_stale()  # parameters replaced since the last step get names
         self._stack.clear()
         self.inputs.clear()  # a step's inputs are named when its forward starts
         self.current, self.depth = "", 0
@@ -170,12 +181,6 @@ class ModuleScope:
         if len(self._marks) > 2:  # keep the claims of this and the previous recorded step
             cutoff = self._marks.pop(0)
             self.seq_info = {s: v for s, v in self.seq_info.items() if s >= cutoff}
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post, always_call=True),
-        ]
-        if self.model is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
 
     def remove(self) -> None:
         """Stop following module calls."""

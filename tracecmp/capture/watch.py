@@ -8,9 +8,7 @@ with a non-finite output and no non-finite input is the overflow, the same rule 
 """
 from __future__ import annotations
 
-from itertools import islice
-from typing import Any
-
+from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 
 _T_ID, _T_OP, _T_VIEW_OF, _T_HAS_STATS, _T_NAN, _T_INF = (
@@ -27,7 +25,7 @@ class OverflowWatch:
     ...            (1, 1, 0, (2,), "float16", "cpu", -1, True, 1.0, float("inf"), 0.0, 0.0, 0, 1, 0, "")]
     >>> ops = [(0, 0, "forward", "source", "source.input", "x", "", "", "{}", (), (0,), False, False, -1, ""),
     ...        (1, 0, "forward", "op", "aten.mul.Tensor", "", "", "", "{}", (0, 0), (1,), False, False, -1, "")]
-    >>> watch.scan(ops, tensors)
+    >>> watch.scan(Columns(OPS_SCHEMA, ops), Columns(TENSORS_SCHEMA, tensors))
     1
     """
 
@@ -37,7 +35,7 @@ class OverflowWatch:
         self._ops = 0  # rows of the current buffers already looked at
         self._tensors = 0
 
-    def scan(self, rows: list[tuple[Any, ...]], tensor_rows: list[tuple[Any, ...]]) -> int | None:
+    def scan(self, rows: Columns, tensor_rows: Columns) -> int | None:
         """Look at the rows appended since the last call; the overflowing op's id when one is among them.
 
         Tensor rows must carry their statistics by now (accelerators: gathered). Ops and tensors
@@ -49,7 +47,7 @@ class OverflowWatch:
             return None
         bad = self._bad
         suspects: set[int] = set()
-        for row in islice(tensor_rows, start_tensors, None):
+        for row in tensor_rows.rows(start_tensors):
             if row[_T_HAS_STATS]:
                 if row[_T_NAN] or row[_T_INF]:
                     bad.add(row[_T_ID])
@@ -58,7 +56,7 @@ class OverflowWatch:
                 bad.add(row[_T_ID])
         if not suspects:
             return None
-        for row in islice(rows, start_ops, None):
+        for row in rows.rows(start_ops):
             if (
                 row[_O_ID] in suspects
                 and row[_O_KIND] == "op"

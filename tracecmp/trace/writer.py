@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from tracecmp.errors import TracecmpError
+from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -230,12 +231,14 @@ class RankWriter:
 
     def write_rows(
         self,
-        op_rows: Sequence[tuple[Any, ...]],
-        tensor_rows: Sequence[tuple[Any, ...]],
+        op_rows: Columns | Sequence[tuple[Any, ...]],
+        tensor_rows: Columns | Sequence[tuple[Any, ...]],
         data: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Commit one chunk given as row tuples in ``OPS_SCHEMA`` / ``TENSORS_SCHEMA`` column order."""
-        self.write_tables(rows_table(op_rows, OPS_SCHEMA), rows_table(tensor_rows, TENSORS_SCHEMA), data)
+        """Commit one chunk: capture's column buffers, or row tuples in ``OPS_SCHEMA`` / ``TENSORS_SCHEMA`` order."""
+        ops = op_rows.table() if isinstance(op_rows, Columns) else rows_table(op_rows, OPS_SCHEMA)
+        tensors = tensor_rows.table() if isinstance(tensor_rows, Columns) else rows_table(tensor_rows, TENSORS_SCHEMA)
+        self.write_tables(ops, tensors, data)
 
     def write_tables(
         self,
@@ -315,8 +318,8 @@ class BackgroundWriter:
 
     def submit(
         self,
-        op_rows: Sequence[tuple[Any, ...]],
-        tensor_rows: Sequence[tuple[Any, ...]],
+        op_rows: Columns | Sequence[tuple[Any, ...]],
+        tensor_rows: Columns | Sequence[tuple[Any, ...]],
         data: Mapping[str, torch.Tensor] | None = None,
     ) -> int:
         """Hand over one chunk (rows the caller no longer touches); returns its index."""
