@@ -827,7 +827,10 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
     PyObject* t = PyList_GET_ITEM(tensors.p, i);
     Ref id(PyLong_FromVoidPtr(t));
     if (!id) return nullptr;
-    PyObject* rec = PyDict_GetItemWithError(known, id.p);
+    // Held, as the reference's local holds it: a collection run by any allocation below may
+    // call back and drop a dead tensor's record from the map.
+    Ref held(Py_XNewRef(PyDict_GetItemWithError(known, id.p)));
+    PyObject* rec = held.p;
     if (rec == nullptr && PyErr_Occurred()) return nullptr;
     PyObject* tid = nullptr;
     if (rec != nullptr && PyWeakref_GetObject(rec) == t) {

@@ -14,6 +14,10 @@ Python-level hashing and costs ~1.1 us per lookup here against ~0.1 us, and ever
 looked up. Autograd bumps version counters (and hands a view its base's counter) only after the
 op returns, so written tensors' versions are read at the next op.
 
+The per-op path below is the reference; ``csrc/record.cpp`` (``tracecmp._crecord``) does the same
+steps in C on the same objects and is bound to each mode unless ``TRACECMP_FORCE_REFERENCE=1``
+(see csrc/README.md). Its rows are equal to the reference's (``tests/integration/test_native_capture.py``).
+
 An input whose ``_version`` moved since it was recorded was written by something the trace did
 not see, *unless* the write went through another alias: views share their base's version
 counter, so every tensor carries its *group* (view family) and each recorded write notes the
