@@ -173,3 +173,14 @@ def test_ci_requires_the_native_path() -> None:
     if os.environ.get("TRACECMP_REQUIRE_NATIVE") != "1":
         pytest.skip("TRACECMP_REQUIRE_NATIVE=1 not set")
     assert capture_mode._crecord is not None
+
+
+def test_a_torch_without_a_helper_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._ops, "OpOverload", None)  # configure() requires a type
+    try:
+        assert capture_mode._load_native() is None
+        assert "cannot run with this torch" in (capture_mode.NATIVE_ERROR or "")
+    finally:
+        monkeypatch.undo()
+        assert capture_mode._load_native() is not None  # configured again with the real helpers
+        assert capture_mode.NATIVE_ERROR is None

@@ -581,11 +581,23 @@ class CaptureMode(TorchDispatchMode):
 
 
 def _load_native() -> Any:
-    """``tracecmp._crecord`` configured with this module's helpers, or None when not built."""
+    """``tracecmp._crecord`` configured with this module's helpers, or None (``NATIVE_ERROR`` says why)."""
+    global NATIVE_ERROR
     try:
         from tracecmp import _crecord as native
-    except ImportError:
+    except ImportError as exc:
+        NATIVE_ERROR = f"tracecmp._crecord is not available ({exc}); capture runs its Python reference"
         return None
+    try:
+        _configure(native)
+    except (TypeError, AttributeError) as exc:  # a torch without one of the helpers it is given
+        NATIVE_ERROR = f"tracecmp._crecord cannot run with this torch ({exc}); capture runs its Python reference"
+        return None
+    NATIVE_ERROR = None
+    return native
+
+
+def _configure(native: Any) -> None:
     native.configure(
         slow=CaptureMode.__torch_dispatch__,
         tensor_type=torch.Tensor,
@@ -608,9 +620,9 @@ def _load_native() -> Any:
         write_kind=WRITE,
         fresh_kind=FRESH,
     )
-    return native
 
 
+NATIVE_ERROR: str | None = None  # why the C per-op path is not in use, when it is not
 _crecord = _load_native()
 # Modes made while this is true run the C per-op path; TRACECMP_FORCE_REFERENCE=1 (read at
 # import) forces the Python reference, as it does for the statistics kernel.
