@@ -12,6 +12,9 @@ Adam) of the overhead benchmark's models (``bench_overhead.build``):
 Each traced figure is the mean per step over the whole session, its exit included (the last
 hand-over and the wait for the writer), so deferred writing is paid for.
 
+Then one op alone (``torch.add`` of two 8x8 tensors, and the view ``t()``), in microseconds:
+plain, under the empty mode, captured by the C per-op path and by its Python reference.
+
     BENCH_THREADS=1 python benchmarks/overhead_ablation.py --models mlp block64 --rounds 5
 """
 from __future__ import annotations
@@ -74,6 +77,55 @@ def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps
     return elapsed / steps
 
 
+def per_op(workdir: Path, rounds: int) -> None:
+    """Microseconds per call of one small op and one view: plain, empty mode, C path, Python path."""
+    from tracecmp.capture import mode as capture_mode
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    ops = {"add 8x8": lambda: torch.add(a, b), "view t()": lambda: a.t()}
+
+    def timed(op: Callable[[], Any], calls: int = 20000) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            op()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    def captured(op: Callable[[], Any], native: bool) -> float:
+        capture_mode.USE_NATIVE = native and capture_mode._crecord is not None
+        try:
+            with tracecmp.TraceCompare(workdir / "micro", flush_secs=3600) as tc:
+                mode = tc._mode
+                assert mode is not None
+                total = 0.0
+                for _ in range(20):  # 1,000 calls at a time, the buffers dropped in between
+                    total += timed(op, 1000)
+                    mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+            shutil.rmtree(workdir / "micro")
+            return total / 20
+        finally:
+            capture_mode.USE_NATIVE = capture_mode._crecord is not None
+
+    def empty(op: Callable[[], Any]) -> float:
+        with EmptyMode():
+            return timed(op)
+
+    configs: dict[str, Callable[[Callable[[], Any]], float]] = {
+        "plain": timed,
+        "empty mode": empty,
+        "captured (C)": lambda op: captured(op, True),
+        "captured (Python)": lambda op: captured(op, False),
+    }
+    times = {(name, config): [] for name in ops for config in configs}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            for config, run in configs.items():
+                times[(name, config)].append(run(op))
+    print(f"\none op, us per call (median of {rounds} rounds)")
+    print(f"  {'op':10s} " + " ".join(f"{config:>17s}" for config in configs))
+    for name in ops:
+        print(f"  {name:10s} " + " ".join(f"{statistics.median(times[(name, c)]):17.2f}" for c in configs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=["mlp", "block64"])
@@ -99,6 +151,7 @@ def main() -> None:
         for config, values in times.items():
             value = statistics.median(values)
             print(f"  {config:16s} {value * 1e3:8.3f} {value / plain:6.2f}")
+    per_op(workdir, args.rounds)
     shutil.rmtree(workdir, ignore_errors=True)
 
 
