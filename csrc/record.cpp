@@ -477,6 +477,16 @@ PyObject* remember(PyObject* md, PyObject* t, PyObject* tid, PyObject* version, 
   return rec.release();
 }
 
+// mode._dtypes.get(dtype) or mode._dtype(dtype), as a new reference.
+PyObject* dtype_name(PyObject* mode, PyObject* md, PyObject* dtype) {
+  PyObject* dtypes = item(md, s._dtypes);
+  if (dtypes == nullptr) return nullptr;
+  PyObject* name = PyDict_GetItemWithError(dtypes, dtype);
+  if (name != nullptr && PyUnicode_Check(name) && PyUnicode_GET_LENGTH(name) > 0) return Py_NewRef(name);
+  if (PyErr_Occurred()) return nullptr;
+  return call_method(mode, s._dtype, {dtype});
+}
+
 // mode._value on the CPU with the fused kernel; anything else goes to the reference method.
 bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* op_id, PyObject* index,
            PyObject* view_of) {
@@ -509,19 +519,10 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
   PyObject* argv[6] = {ptr.p, shape.p, strides.p, code, numel.p, threads.p};
   Ref stats(PyObject_Vectorcall(native.p, argv, 6, nullptr));
   if (!stats || !PyTuple_Check(stats.p) || PyTuple_GET_SIZE(stats.p) != 7) return reference();
-  PyObject* dtypes = item(md, s._dtypes);
-  if (dtypes == nullptr) return false;
-  PyObject* name = PyDict_GetItemWithError(dtypes, dtype.p);
-  Ref made;
-  if (name == nullptr || PyObject_Not(name)) {
-    if (PyErr_Occurred()) return false;
-    made.reset(call_method(mode, s._dtype, {dtype.p}));
-    if (!made) return false;
-    name = made.p;
-  }
+  Ref name(dtype_name(mode, md, dtype.p));
   Ref dims(PySequence_Tuple(shape.p));
-  if (!dims) return false;
-  PyObject* row[16] = {tid, op_id, index, dims.p, name, s.cpu, view_of, Py_True};
+  if (!name || !dims) return false;
+  PyObject* row[16] = {tid, op_id, index, dims.p, name.p, s.cpu, view_of, Py_True};
   for (int i = 0; i < 7; ++i) row[8 + i] = PyTuple_GET_ITEM(stats.p, i);
   row[15] = s.empty;
   PyObject* rows = item(md, s.tensor_rows);
@@ -634,19 +635,11 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
   }
   Ref dtype(PyObject_GetAttr(t, s.dtype));
   Ref shape(PyObject_GetAttr(t, s.shape));
-  PyObject* dtypes = item(md, s._dtypes);
-  if (!dtype || !shape || dtypes == nullptr) return false;
-  PyObject* name = PyDict_GetItemWithError(dtypes, dtype.p);
-  Ref made_name;
-  if (name == nullptr || PyObject_Not(name)) {
-    if (PyErr_Occurred()) return false;
-    made_name.reset(call_method(mode, s._dtype, {dtype.p}));
-    if (!made_name) return false;
-    name = made_name.p;
-  }
+  if (!dtype || !shape) return false;
+  Ref name(dtype_name(mode, md, dtype.p));
   Ref dims(PySequence_Tuple(shape.p));
-  if (!dims) return false;
-  PyObject* row[16] = {tid.p, op_id, index.p, dims.p, name, s.cpu, view_of.p, Py_False};
+  if (!name || !dims) return false;
+  PyObject* row[16] = {tid.p, op_id, index.p, dims.p, name.p, s.cpu, view_of.p, Py_False};
   for (int i = 8; i < 15; ++i) row[i] = Py_None;
   row[15] = s.empty;
   PyObject* rows = item(md, s.tensor_rows);
