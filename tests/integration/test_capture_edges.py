@@ -301,3 +301,33 @@ def test_op_returning_its_input_without_alias_annotation_is_a_write(tmp_path: Pa
     assert sneaky["inplace"] and sneaky["outputs"][0] != sneaky["inputs"][0]
     assert list(_row(ops, "aten.sum.default")["inputs"]) == list(sneaky["outputs"])
     assert tensors.loc[sneaky["outputs"][0], "max"] == 2.0
+
+
+def test_a_model_changed_between_recorded_steps_is_named_again(tmp_path: Path) -> None:
+    """Steps roll over without re-walking the model; a change is named at the first lookup that misses."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.extra: torch.nn.Module | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            return self.extra(y) if self.extra is not None else y
+
+    model, x = Net(), torch.randn(2, 4)
+    with tracecmp.TraceCompare(tmp_path / "t", model=model, flush_secs=3600) as tc:
+        model(x).sum().backward()
+        tc.step()
+        model.extra = torch.nn.Linear(4, 2)  # a new submodule
+        model.fc.weight = torch.nn.Parameter(torch.randn(4, 4))  # a new parameter object
+        tc.step()
+        model(x).sum().backward()
+        tc.step()
+    ops, _ = _trace(tmp_path / "t")
+    step2 = ops[ops["step"] == 2]
+    assert "fc.weight" in set(step2[step2["op"] == "source.parameter"]["name"])
+    assert set(step2[step2["op"] == "aten.addmm.default"]["module"]) == {"fc", "extra"}
+    assert set(step2[step2["phase"] == "backward"]["module"]) >= {"fc", "extra"}
+    assert sorted(ops["step"].unique()) == [0, 1, 2]
