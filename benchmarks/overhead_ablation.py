@@ -13,7 +13,9 @@ Each traced figure is the mean per step over the whole session, its exit include
 hand-over and the wait for the writer), so deferred writing is paid for.
 
 Then one op alone (``torch.add`` of two 8x8 tensors, and the view ``t()``), in microseconds:
-plain, under the empty mode, captured by the C per-op path and by its Python reference.
+plain, under the empty mode, captured by the C per-op path and by its Python reference; and what
+the writer's thread spends on one chunk (250 MLP steps): building the Arrow tables from the column
+buffers (holding the GIL) and encoding them as Parquet (not holding it).
 
     BENCH_THREADS=1 python benchmarks/overhead_ablation.py --models mlp block64 --rounds 5
 """
@@ -126,6 +128,35 @@ def per_op(workdir: Path, rounds: int) -> None:
         print(f"  {name:10s} " + " ".join(f"{statistics.median(times[(name, c)]):17.2f}" for c in configs))
 
 
+def chunk_cost(workdir: Path, rounds: int) -> None:
+    """Milliseconds the writer spends on one chunk of 250 MLP steps, by stage (best of ``rounds``)."""
+    from tracecmp.trace.writer import _parquet_bytes
+
+    model, _, step = build("mlp")
+    with tracecmp.TraceCompare(workdir / "chunk", model=model, flush_secs=3600) as tc:
+        for _ in range(250):
+            step()
+            tc.step()
+        assert tc._mode is not None
+        ops, tensors, _ = tc._mode.take()
+    shutil.rmtree(workdir / "chunk")
+
+    stages: dict[str, Callable[[], Any]] = {
+        "ops: Columns.table()": ops.table,
+        "ops: table + Parquet": lambda: _parquet_bytes(ops.table()),
+        "tensors: Columns.table()": tensors.table,
+        "tensors: table + Parquet": lambda: _parquet_bytes(tensors.table()),
+    }
+    print(f"\none chunk of 250 mlp steps ({len(ops):,} op rows, {len(tensors):,} tensor rows), ms, best of {rounds}")
+    for name, stage in stages.items():
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            stage()
+            best = min(best, time.perf_counter() - t0)
+        print(f"  {name:28s} {best * 1e3:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=["mlp", "block64"])
@@ -152,6 +183,7 @@ def main() -> None:
             value = statistics.median(values)
             print(f"  {config:16s} {value * 1e3:8.3f} {value / plain:6.2f}")
     per_op(workdir, args.rounds)
+    chunk_cost(workdir, args.rounds)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

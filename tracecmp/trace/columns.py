@@ -16,7 +16,6 @@ one list, several times faster than from row tuples.
 """
 from __future__ import annotations
 
-import array
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
@@ -96,32 +95,10 @@ class Columns:
         arrays = []
         for field, (index, is_list) in zip(self.schema, self._layout):
             if is_list:
-                lengths = _array(self.parts[index + 1], pa.int32())
+                lengths = pa.array(self.parts[index + 1], type=pa.int32())
                 offsets = pa.concat_arrays([pa.array([0], type=pa.int32()), pc.cumulative_sum(lengths)])
-                values = _array(self.parts[index], field.type.value_type)
+                values = pa.array(self.parts[index], type=field.type.value_type)
                 arrays.append(pa.ListArray.from_arrays(offsets, values, type=field.type))
             else:
-                arrays.append(_array(self.parts[index], field.type))
+                arrays.append(pa.array(self.parts[index], type=field.type))
         return pa.Table.from_arrays(arrays, schema=self.schema)
-
-
-# Numeric Arrow types a column converts through the standard library's array: ~10 ns an element
-# against ~40-160 ns for pa.array's generic conversion, which the writer pays holding the GIL.
-_TYPECODES = {pa.int64(): "q", pa.int32(): "i", pa.float64(): "d"}
-
-
-def _array(values: list[Any], kind: pa.DataType) -> pa.Array:
-    """``values`` as an Arrow array of ``kind``.
-
-    >>> _array([1, 2], pa.int64()).to_pylist(), _array([1.5, None], pa.float64()).to_pylist()
-    ([1, 2], [1.5, None])
-    """
-    code = _TYPECODES.get(kind)
-    if code is not None:
-        try:
-            packed = array.array(code, values)
-        except TypeError:  # a None (no statistics): Arrow makes the null bitmap
-            pass
-        else:
-            return pa.Array.from_buffers(kind, len(packed), [None, pa.py_buffer(packed)])
-    return pa.array(values, type=kind)
