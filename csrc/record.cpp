@@ -861,20 +861,9 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (!outputs_list) return nullptr;
   PyObject* inplace = e.inplace;
   Ref returned_inplace;
-  Ref minus_one(PyLong_FromLong(-1)), zero(PyLong_FromLong(0));
   int handled = 0;
   if (e.shape == kFresh && out_is_tensor && !among(out.p, tensors.p)) {
-    Ref tid(bump(md.p, s._next_tensor));
-    Ref version(tid ? version_of(out.p) : nullptr);
-    Ref rec(version ? remember(md.p, out.p, tid.p, version.p, tid.p) : nullptr);
-    if (!rec) return nullptr;
-    if (e.uninitialized) {
-      Ref r(call_method(mode, s._bare, {out.p, tid.p, op_id.p, zero.p, minus_one.p}));
-      if (!r) return nullptr;
-    } else if (!value(mode, md.p, out.p, tid.p, op_id.p, zero.p, minus_one.p)) {
-      return nullptr;
-    }
-    if (PyList_Append(outputs_list.p, tid.p) < 0) return nullptr;
+    if (!fresh(mode, md.p, out.p, op_id.p, outputs_list.p, !e.uninitialized)) return nullptr;
   } else if (e.all_fresh && (handled = all_fresh_outputs(mode, md.p, e, out.p, tensors.p, op_id.p,
                                                          outputs_list.p)) >= 0) {
     if (handled == 0) return nullptr;

@@ -118,14 +118,15 @@ class ModuleScope:
 
     def source(self, tensor: torch.Tensor, stamp: Any) -> tuple[str, str]:
         """``(op, name)`` of a tensor entering the trace: a parameter, buffer, input or other tensor."""
-        name = _lookup(self.params, tensor)
-        if name is None and _lookup(self.buffers, tensor) is None and self._renamed():
+        for _ in range(2):  # a second look after naming a stale model again
             name = _lookup(self.params, tensor)
-        if name is not None:
-            return "source.parameter", name
-        name = _lookup(self.buffers, tensor)
-        if name is not None:
-            return "source.buffer", name
+            if name is not None:
+                return "source.parameter", name
+            name = _lookup(self.buffers, tensor)
+            if name is not None:
+                return "source.buffer", name
+            if not self._renamed():
+                break
         name = _lookup(self.inputs, tensor)
         if name is not None:
             return "source.input", name
