@@ -4,7 +4,11 @@ One process, configurations interleaved round by round, one training step (forwa
 Adam) of the overhead benchmark's models (``bench_overhead.build``):
 
 * ``plain``: untraced;
-* ``empty mode``: an empty ``TorchDispatchMode`` (the floor any dispatcher-level capture pays);
+* ``empty mode``: an empty ``TorchDispatchMode`` written in Python;
+* ``C pass-through``: the same mode with ``tracecmp._crecord.passthrough`` bound as its
+  ``__torch_dispatch__``, as capture binds its C per-op path: the op re-dispatched exactly as
+  capture does it, nothing recorded. The floor of any capture built on a dispatch mode with a
+  CPython-only native part;
 * ``capture only``: tracecmp's per-op path, its buffers dropped at each step instead of written;
 * ``flush_secs=0``: a chunk written per step;
 * ``flush_secs=1``: the default, chunks shared by the steps of each second.
@@ -13,7 +17,7 @@ Each traced figure is the mean per step over the whole session, its exit include
 hand-over and the wait for the writer), so deferred writing is paid for.
 
 Then one op alone (``torch.add`` of two 8x8 tensors, and the view ``t()``), in microseconds:
-plain, under the empty mode, captured by the C per-op path and by its Python reference; and what
+plain, under the empty mode and the C pass-through, captured by the C per-op path and by its Python reference; and what
 the writer's thread spends on one chunk (250 MLP steps): building the Arrow tables from the column
 buffers (holding the GIL) and encoding them as Parquet (not holding it).
 
@@ -28,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,12 +47,24 @@ from tracecmp.trace.columns import Columns  # noqa: E402
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA  # noqa: E402
 from benchmarks.bench_overhead import build  # noqa: E402
 
-CONFIGS = ("plain", "empty mode", "capture only", "flush_secs=0", "flush_secs=1")
+CONFIGS = ("plain", "empty mode", "C pass-through", "capture only", "flush_secs=0", "flush_secs=1")
 
 
 class EmptyMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
+
+
+class PassThroughMode(TorchDispatchMode):
+    """A dispatch mode whose ``__torch_dispatch__`` is the C pass-through, bound per instance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tracecmp.capture import mode as capture_mode
+
+        if capture_mode._crecord is None:
+            raise SystemExit(f"tracecmp._crecord is not available: {capture_mode.NATIVE_ERROR}")
+        self.__torch_dispatch__ = types.MethodType(capture_mode._crecord.passthrough, self)  # type: ignore[method-assign]
 
 
 def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path) -> float:
@@ -57,10 +74,11 @@ def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps
         for _ in range(steps):
             step()
         return (time.perf_counter() - t0) / steps
-    if config == "empty mode":
+    if config in ("empty mode", "C pass-through"):
+        mode_type = EmptyMode if config == "empty mode" else PassThroughMode
         t0 = time.perf_counter()
         for _ in range(steps):
-            with EmptyMode():
+            with mode_type():
                 step()
         return (time.perf_counter() - t0) / steps
     path = workdir / "trace"
@@ -80,7 +98,7 @@ def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps
 
 
 def per_op(workdir: Path, rounds: int) -> None:
-    """Microseconds per call of one small op and one view: plain, empty mode, C path, Python path."""
+    """Microseconds per call of one small op and one view: plain, empty mode, C pass-through, C path, Python path."""
     from tracecmp.capture import mode as capture_mode
 
     a, b = torch.randn(8, 8), torch.randn(8, 8)
@@ -107,13 +125,17 @@ def per_op(workdir: Path, rounds: int) -> None:
         finally:
             capture_mode.USE_NATIVE = capture_mode._crecord is not None
 
-    def empty(op: Callable[[], Any]) -> float:
-        with EmptyMode():
-            return timed(op)
+    def under(mode_type: type[TorchDispatchMode]) -> Callable[[Callable[[], Any]], float]:
+        def run(op: Callable[[], Any]) -> float:
+            with mode_type():
+                return timed(op)
+
+        return run
 
     configs: dict[str, Callable[[Callable[[], Any]], float]] = {
         "plain": timed,
-        "empty mode": empty,
+        "empty mode": under(EmptyMode),
+        "C pass-through": under(PassThroughMode),
         "captured (C)": lambda op: captured(op, True),
         "captured (Python)": lambda op: captured(op, False),
     }

@@ -15,6 +15,7 @@
 // Python API:
 //   configure(**objects)   once, from tracecmp.capture.mode (the reference's helpers and types)
 //   dispatch(mode, func, types, args=(), kwargs=None)   bound to a mode as its __torch_dispatch__
+//   passthrough(mode, func, types, args, kwargs=None)   the same binding recording nothing (benchmarks)
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #if PY_VERSION_HEX >= 0x030B0000
@@ -968,11 +969,29 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kwargs) {
   Py_RETURN_NONE;
 }
 
+// The same binding with nothing recorded: the op re-dispatched the way dispatch() does it. What a
+// capture built on a dispatch mode pays before recording anything (benchmarks/overhead_ablation.py).
+PyObject* passthrough(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject* kwnames) {
+  if (kwnames != nullptr || nargs < 4 || nargs > 5 || !PyTuple_Check(argv[3])) {
+    PyErr_SetString(PyExc_TypeError, "passthrough(mode, func, types, args, kwargs=None)");
+    return nullptr;
+  }
+  PyObject* func = argv[1];
+  PyObject* kwargs = nargs == 5 && argv[4] != Py_None ? argv[4] : nullptr;
+  Ref call(Py_IS_TYPE(func, reinterpret_cast<PyTypeObject*>(g.op_overload)) ? PyObject_GetAttr(func, s._op)
+                                                                             : Py_NewRef(func));
+  return call ? PyObject_Call(call.p, argv[3], kwargs) : nullptr;
+}
+
 PyMethodDef methods[] = {
     {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dispatch)),
      METH_FASTCALL | METH_KEYWORDS,
      "dispatch(mode, func, types, args=(), kwargs=None)\n\nCaptureMode.__torch_dispatch__ in C; "
      "bind it to a mode with types.MethodType."},
+    {"passthrough", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(passthrough)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "passthrough(mode, func, types, args, kwargs=None)\n\nRe-dispatch the op as dispatch() does, "
+     "recording nothing: the floor of a capture built on a dispatch mode."},
     {"forget", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forget)), METH_FASTCALL,
      "forget(known, rec)\n\nCaptureMode._forget over the map ``known``, for weak-record callbacks."},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure)),

@@ -184,3 +184,26 @@ def test_a_torch_without_a_helper_falls_back_to_the_reference(monkeypatch: pytes
         monkeypatch.undo()
         assert capture_mode._load_native() is not None  # configured again with the real helpers
         assert capture_mode.NATIVE_ERROR is None
+
+
+def test_passthrough_redispatches_without_recording() -> None:
+    import types
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.__torch_dispatch__ = types.MethodType(capture_mode._crecord.passthrough, self)
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(3, 4), torch.randn(2, 3)
+    expected = torch.nn.functional.gelu(layer(x)).sum()
+    expected.backward()
+    grad, layer.weight.grad = layer.weight.grad, None
+    with PassThrough():
+        out = torch.nn.functional.gelu(layer(x)).sum()
+        out.backward()
+    assert torch.equal(out, expected) and torch.equal(layer.weight.grad, grad)
+    with pytest.raises(TypeError):
+        capture_mode._crecord.passthrough(None, torch.ops.aten.add.Tensor)
