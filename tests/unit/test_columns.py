@@ -1,8 +1,11 @@
 """Columns: capture's row buffers give back the rows they were given, as tuples and as Arrow."""
 from __future__ import annotations
 
+import array
+
 import pytest
 
+from tracecmp.trace import columns as columns_module
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 from tracecmp.trace.writer import rows_table
@@ -19,8 +22,23 @@ TENSORS = [
 ]
 
 
+NATIVE_BUFFER = pytest.mark.skipif(columns_module._NativeBuffer is None, reason="tracecmp._crecord not built")
+
+
+@pytest.fixture(params=["native", "array"])
+def buffer_type(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the C Buffer and with its fallback, array.array."""
+    if request.param == "native":
+        if columns_module._NativeBuffer is None:
+            pytest.skip("tracecmp._crecord not built")
+        monkeypatch.setattr(columns_module, "BUFFER", columns_module._NativeBuffer)
+    else:
+        monkeypatch.setattr(columns_module, "BUFFER", array.array)
+    return request.param
+
+
 @pytest.mark.parametrize(("schema", "rows"), [(OPS_SCHEMA, OPS), (TENSORS_SCHEMA, TENSORS)])
-def test_rows_and_table_round_trip(schema: object, rows: list[tuple[object, ...]]) -> None:
+def test_rows_and_table_round_trip(buffer_type: str, schema: object, rows: list[tuple[object, ...]]) -> None:
     cols = Columns(schema, rows)
     assert len(cols) == len(rows)
     assert repr(list(cols)) == repr(rows)  # repr: NaN compares unequal to itself
@@ -29,7 +47,7 @@ def test_rows_and_table_round_trip(schema: object, rows: list[tuple[object, ...]
     assert repr(table.to_pylist()) == repr(rows_table(rows, schema).to_pylist())
 
 
-def test_rows_from_a_start_and_after_more_appends() -> None:
+def test_rows_from_a_start_and_after_more_appends(buffer_type: str) -> None:
     cols = Columns(OPS_SCHEMA, OPS[:2])
     assert list(cols.rows(1)) == OPS[1:2]
     cols.append(OPS[2])
@@ -39,15 +57,77 @@ def test_rows_from_a_start_and_after_more_appends() -> None:
     assert list(cols.rows(3)) == []
 
 
-def test_empty_columns_make_an_empty_table() -> None:
+def test_empty_columns_make_an_empty_table(buffer_type: str) -> None:
     for schema in (OPS_SCHEMA, TENSORS_SCHEMA):
         table = Columns(schema).table()
         assert table.num_rows == 0 and table.schema == schema
 
 
-def test_set_replaces_one_scalar_value() -> None:
+def test_set_replaces_one_scalar_value(buffer_type: str) -> None:
     cols = Columns(TENSORS_SCHEMA, TENSORS)
     cols.set(2, "max", 4.0)
-    assert list(cols)[2][9] == 4.0
+    cols.set(2, "nan_count", 3)
+    cols.set(0, "min", None)
+    cols.set(1, "has_stats", False)
+    cols.set(1, "dtype", "float64")
+    rows = list(cols)
+    assert rows[2][9] == 4.0 and rows[2][12] == 3 and rows[2][8] is None
+    assert rows[0][8] is None and rows[1][7] is False and rows[1][4] == "float64"
+    table = cols.table().to_pylist()
+    assert table[2]["max"] == 4.0 and table[0]["min"] is None and table[1]["has_stats"] is False
     with pytest.raises(ValueError, match="list column"):
         cols.set(2, "shape", (1,))
+    with pytest.raises(ValueError, match="cannot hold None"):
+        cols.set(2, "view_of", None)
+
+
+def test_a_value_of_the_wrong_kind_is_refused(buffer_type: str) -> None:
+    cols = Columns(TENSORS_SCHEMA)
+    with pytest.raises(TypeError):
+        cols.append((0, 0, 0, (1,), "float32", "cpu", -1, True, "x", 0.0, 0.0, 0.0, 0, 0, 0, ""))
+    with pytest.raises(TypeError):
+        cols.append((None, 0, 0, (1,), "float32", "cpu", -1, True, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, ""))
+
+
+def test_the_table_does_not_hold_the_buffers(buffer_type: str) -> None:
+    cols = Columns(OPS_SCHEMA)
+    table = None
+    for i in range(5000):  # grows every array many times while earlier tables are alive
+        cols.append(OPS[i % 3])
+        if i % 997 == 0:
+            table = cols.table()
+    assert table is not None and table.num_rows == 5 * 997 + 1
+    assert len(cols.table()) == 5000
+
+
+@NATIVE_BUFFER
+def test_buffer_behaves_as_array() -> None:
+    Buffer = columns_module._NativeBuffer
+    cases = {"q": [5, -(2**63), 2**63 - 1, True], "i": [7, -(2**31)], "d": [1.5, 2, float("nan")], "b": [1, 0, -128]}
+    for code, values in cases.items():
+        buffer, reference = Buffer(code), array.array(code)
+        for value in values:
+            buffer.append(value)
+            reference.append(value)
+        buffer.extend(values)
+        reference.extend(values)
+        assert buffer.typecode == code and len(buffer) == len(reference)
+        assert bytes(buffer) == bytes(reference)
+        with memoryview(buffer) as view:
+            assert view.format == code and view.itemsize == reference.itemsize
+            assert repr(view.tolist()) == repr(reference.tolist())
+    with pytest.raises(OverflowError):
+        Buffer("i").append(2**31)
+    with pytest.raises(OverflowError):
+        Buffer("q").append(2**63)
+    with pytest.raises(TypeError):
+        Buffer("q").append(1.5)
+    with pytest.raises(ValueError, match="typecode"):
+        Buffer("f")
+    grown = Buffer("q")
+    grown.append(1)
+    with memoryview(grown):
+        with pytest.raises(BufferError):
+            for value in range(1000):  # it may not move its storage while viewed
+                grown.append(value)
+    grown.append(2)

@@ -1,11 +1,15 @@
 """Row buffers kept as columns: what capture appends to and the writer turns into Arrow tables.
 
-One Python list per column. Ints, floats, strings, bools and None go in as they are; a list
-column (``inputs``, ``outputs``, ``shape``) keeps its items flat in one list and each row's length
-in another. No object is made per row: a second of buffered steps gives the garbage collector
-nothing new to scan (a tuple per row filled its young generation, survived into the old one and
-set off full collections, ~0.15 s each with torch loaded), and Arrow builds each column from
-one list, several times faster than from row tuples.
+A string column is a Python list. A number column (int64, int32, float64, bool) is an array of
+raw values, ``tracecmp._crecord.Buffer`` (``array.array`` where the extension is not built), with
+a second array of 0/1 validity bytes when it may hold None (the statistics of a tensor that has
+none). A list column (``inputs``, ``outputs``, ``shape``) keeps its items flat in one int64 array
+and each row's length in an int32 array. Capture appends rows as it goes; the writer's thread
+turns a second of them into Arrow once. From arrays of raw values that is one copy of their bytes;
+from lists of Python numbers it was a pointer chase through objects made a second earlier and long
+out of the caches, holding the GIL (87-115 ms for 300 small-model steps, as much as the
+recording). No object is made per row, so buffered steps give the garbage collector nothing new
+to scan.
 
 >>> cols = Columns(pa.schema([("x", pa.int64()), ("ids", pa.list_(pa.int64()))]))
 >>> cols.append((1, (2, 3))); cols.append((4, ()))
@@ -16,49 +20,160 @@ one list, several times faster than from row tuples.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+import array
+import functools
+import os
+from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracecmp.trace.schema import STAT_COLUMNS
+
+try:
+    from tracecmp._crecord import Buffer as _NativeBuffer
+except ImportError:  # not built: the standard library's array has the same interface
+    _NativeBuffer = None
+
+# The array type of number columns. The C per-op path appends to a Buffer directly; it calls
+# ``append`` on anything else, so array.array serves it too, only slower.
+BUFFER: Callable[[str], Any] = (
+    _NativeBuffer if _NativeBuffer is not None and os.environ.get("TRACECMP_FORCE_REFERENCE") != "1" else array.array
+)
+
+# Arrow type -> array typecode (bool as int8 0/1, Arrow packs it into bits when the table is built).
+_CODES = {pa.int64(): "q", pa.int32(): "i", pa.float64(): "d", pa.bool_(): "b"}
+# Number columns that may hold None.
+NULLABLE = frozenset(STAT_COLUMNS)
+
+
+def _field_kind(field: pa.Field) -> str:
+    if pa.types.is_list(field.type):
+        if field.type.value_type != pa.int64():
+            raise TypeError(f"list column {field.name!r}: only lists of int64 are supported")
+        return "l"
+    if field.type in _CODES:
+        return "N" if field.name in NULLABLE else "n"
+    if pa.types.is_string(field.type):
+        return "s"
+    raise TypeError(f"column {field.name!r}: type {field.type} is not supported")
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(schema: pa.Schema) -> tuple[tuple[str, str], ...]:
+    """Per field of ``schema``: its kind and, for a number column, its typecode (read once per schema)."""
+    return tuple((_field_kind(field), _CODES.get(field.type, "")) for field in schema)
+
+
+def _bits(valid: Any, count: int) -> pa.Buffer:
+    """The Arrow validity bitmap of ``count`` 0/1 bytes."""
+    return pa.Array.from_buffers(pa.int8(), count, [None, pa.py_buffer(bytes(valid))]).cast(pa.bool_()).buffers()[1]
+
+
+def _number_array(data: Any, valid: Any | None, arrow_type: pa.DataType, count: int) -> pa.Array:
+    # bytes(): a copy, so that Arrow holds no view of an array capture may still append to.
+    bitmap = None if valid is None else _bits(valid, count)
+    if arrow_type == pa.bool_():
+        values = _bits(data, count)
+        return pa.Array.from_buffers(pa.bool_(), count, [bitmap, values])
+    return pa.Array.from_buffers(arrow_type, count, [bitmap, pa.py_buffer(bytes(data))])
+
 
 class Columns:
-    """The rows of one table of ``schema``, as one list per column (two for a list column).
+    """The rows of one table of ``schema``, one array or list per column (two for some).
 
-    ``parts`` holds the lists in schema order, a list column as its flat items then its lengths;
-    the native per-op path (``csrc/record.cpp``) appends to them directly, in the same layout.
+    ``parts`` holds them in schema order and ``kinds`` says, one byte per field, what each field
+    has there: ``s`` a list, ``n`` a number array, ``N`` a number array and its validity bytes,
+    ``l`` an int64 array of items and an int32 array of lengths. The native per-op path
+    (``csrc/record.cpp``) appends to them directly, in the same layout.
     """
 
-    __slots__ = ("schema", "parts", "_layout", "_mark")
+    __slots__ = ("schema", "parts", "kinds", "_layout", "_appenders", "_mark")
 
     def __init__(self, schema: pa.Schema, rows: Iterable[tuple[Any, ...]] = ()) -> None:
         self.schema = schema
-        layout: list[tuple[int, bool]] = []  # per field: its first list in parts, whether a list column
-        count = 0
-        for field in schema:
-            is_list = pa.types.is_list(field.type)
-            layout.append((count, is_list))
-            count += 2 if is_list else 1
-        self.parts: tuple[list[Any], ...] = tuple([] for _ in range(count))
+        plan = _plan(schema)
+        parts: list[Any] = []
+        layout: list[tuple[int, str]] = []  # per field: its first part, its kind
+        for kind, code in plan:
+            layout.append((len(parts), kind))
+            if kind == "s":
+                parts.append([])
+            elif kind == "l":
+                parts += [BUFFER("q"), BUFFER("i")]
+            else:
+                parts.append(BUFFER(code))
+                if kind == "N":
+                    parts.append(BUFFER("b"))
+        self.parts: tuple[Any, ...] = tuple(parts)
+        self.kinds = "".join(kind for kind, _ in plan).encode()
         self._layout = tuple(layout)
+        self._appenders: tuple[Callable[[Any], Any], ...] = ()  # made at the first append from Python
         # Where the last full read by rows() ended (row, list-column offsets there): a reader
         # that goes on from there, as the overflow watch does at every op, sums no lengths again.
-        self._mark: tuple[int, dict[int, int]] = (0, {index: 0 for index, is_list in layout if is_list})
+        self._mark: tuple[int, dict[int, int]] = (0, {index: 0 for index, kind in layout if kind == "l"})
         for row in rows:
             self.append(row)
 
+    def _appender(self, index: int, kind: str) -> Callable[[Any], Any]:
+        parts = self.parts
+        if kind in "sn":
+            return parts[index].append
+        if kind == "l":
+            items, lengths = parts[index], parts[index + 1]
+
+            def append_list(value: Any) -> None:
+                items.extend(value)
+                lengths.append(len(value))
+
+            return append_list
+        data, valid = parts[index], parts[index + 1]
+
+        def append_nullable(value: Any) -> None:
+            if value is None:
+                data.append(0)
+                valid.append(0)
+            else:
+                data.append(value)
+                valid.append(1)
+
+        return append_nullable
+
     def append(self, row: tuple[Any, ...]) -> None:
         """Append one row given in schema order (a list column's value as a tuple or list)."""
-        parts = self.parts
-        for value, (index, is_list) in zip(row, self._layout):
-            if is_list:
-                parts[index].extend(value)
-                parts[index + 1].append(len(value))
-            else:
-                parts[index].append(value)
+        appenders = self._appenders
+        if not appenders:
+            appenders = self._appenders = tuple(self._appender(index, kind) for index, kind in self._layout)
+        for append, value in zip(appenders, row):
+            append(value)
 
     def __len__(self) -> int:
         return len(self.parts[0])
+
+    def _values(self, index: int, kind: str, field: pa.Field, start: int, end: int, offset: int) -> list[Any]:
+        """Column ``index``'s values of rows ``start`` to ``end`` as Python objects."""
+        part = self.parts[index]
+        if kind == "s":
+            return part[start:end]
+        if kind == "l":
+            with memoryview(self.parts[index + 1]) as view:
+                lengths = view[start:end].tolist()
+            with memoryview(part) as view:
+                items = view[offset : offset + sum(lengths)].tolist()
+            values, begin = [], 0
+            for length in lengths:
+                values.append(tuple(items[begin : begin + length]))
+                begin += length
+            return values
+        with memoryview(part) as view:
+            values = view[start:end].tolist()
+        if field.type == pa.bool_():
+            values = [bool(value) for value in values]
+        if kind == "N":
+            with memoryview(self.parts[index + 1]) as view:
+                valid = view[start:end].tolist()
+            values = [value if ok else None for value, ok in zip(values, valid)]
+        return values
 
     def rows(self, start: int = 0) -> Iterator[tuple[Any, ...]]:
         """The rows from ``start`` on, as tuples in schema order (list columns as tuples)."""
@@ -66,39 +181,55 @@ class Columns:
         mark, marked = self._mark
         if mark > start:
             mark, marked = 0, {index: 0 for index in marked}
-        offsets = {index: offset + sum(parts[index + 1][mark:start]) for index, offset in marked.items()}
+        offsets = dict(marked)
+        for index in offsets:
+            with memoryview(parts[index + 1]) as view:
+                offsets[index] += sum(view[mark:start])
         end = len(self)
-        for i in range(start, end):
-            row = []
-            for index, is_list in layout:
-                if is_list:
-                    begin = offsets[index]
-                    end = offsets[index] = begin + parts[index + 1][i]
-                    row.append(tuple(parts[index][begin:end]))
-                else:
-                    row.append(parts[index][i])
-            yield tuple(row)
-        self._mark = (end, offsets)
+        columns = [
+            self._values(index, kind, field, start, end, offsets.get(index, 0))
+            for field, (index, kind) in zip(self.schema, layout)
+        ]
+        for index in offsets:
+            with memoryview(parts[index + 1]) as view:
+                offsets[index] += sum(view[start:end])
+        self._mark = (max(end, start), offsets)
+        return iter(list(zip(*columns)) if end > start else [])
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         return self.rows()
 
     def set(self, index: int, name: str, value: Any) -> None:
         """Replace the value of scalar column ``name`` in row ``index``."""
-        position, is_list = self._layout[self.schema.get_field_index(name)]
-        if is_list:
+        field = self.schema.field(name)
+        position, kind = self._layout[self.schema.get_field_index(name)]
+        if kind == "l":
             raise ValueError(f"column {name!r} is a list column")
-        self.parts[position][index] = value
+        if kind == "s":
+            self.parts[position][index] = value
+            return
+        if value is None and kind != "N":
+            raise ValueError(f"column {name!r} cannot hold None")
+        number = 0 if value is None else float(value) if field.type == pa.float64() else int(value)
+        with memoryview(self.parts[position]) as view:
+            view[index] = number
+        if kind == "N":
+            with memoryview(self.parts[position + 1]) as view:
+                view[index] = 0 if value is None else 1
 
     def table(self) -> pa.Table:
         """The rows as an Arrow table of ``schema``."""
-        arrays = []
-        for field, (index, is_list) in zip(self.schema, self._layout):
-            if is_list:
-                lengths = pa.array(self.parts[index + 1], type=pa.int32())
+        count, arrays = len(self), []
+        for field, (index, kind) in zip(self.schema, self._layout):
+            part = self.parts[index]
+            if kind == "s":
+                arrays.append(pa.array(part, type=field.type))
+            elif kind == "l":
+                lengths = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(bytes(self.parts[index + 1]))])
                 offsets = pa.concat_arrays([pa.array([0], type=pa.int32()), pc.cumulative_sum(lengths)])
-                values = pa.array(self.parts[index], type=field.type.value_type)
+                values = pa.Array.from_buffers(pa.int64(), len(part), [None, pa.py_buffer(bytes(part))])
                 arrays.append(pa.ListArray.from_arrays(offsets, values, type=field.type))
             else:
-                arrays.append(pa.array(self.parts[index], type=field.type))
+                valid = self.parts[index + 1] if kind == "N" else None
+                arrays.append(_number_array(part, valid, field.type, count))
         return pa.Table.from_arrays(arrays, schema=self.schema)
