@@ -317,6 +317,17 @@ bool column_append(PyObject* column, PyObject* v) {
   return static_cast<bool>(r);
 }
 
+// A zero (the value under a None) at the end of a column.
+bool column_append_zero(PyObject* column) {
+  if (!is_buffer(column)) return column_append(column, s.zero);
+  auto* b = reinterpret_cast<Buffer*>(column);
+  char* slot = buffer_slot(b);
+  if (slot == nullptr) return false;
+  std::memset(slot, 0, static_cast<size_t>(b->itemsize));
+  ++b->size;
+  return true;
+}
+
 PyObject* Buffer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   const char* code = nullptr;
   static const char* keywords[] = {"typecode", nullptr};
@@ -413,7 +424,7 @@ bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* r
     switch (kind[i]) {
       case 'N': {
         PyObject* valid = PyTuple_GET_ITEM(parts.p, j + 1);
-        ok = v == Py_None ? column_append(part, s.zero) && column_append(valid, s.zero)
+        ok = v == Py_None ? column_append_zero(part) && column_append(valid, s.zero)
                           : column_append(part, v) && column_append(valid, s.one);
         break;
       }
@@ -657,6 +668,11 @@ PyObject* remember(PyObject* md, PyObject* t, PyObject* tid, PyObject* version, 
   return rec.release();
 }
 
+// A tensor's shape as the row's list value: torch.Size is a tuple already (new reference).
+PyObject* dims_of(PyObject* shape) {
+  return PyTuple_Check(shape) ? Py_NewRef(shape) : PySequence_Tuple(shape);
+}
+
 // mode._dtypes.get(dtype) or mode._dtype(dtype), as a new reference.
 PyObject* dtype_name(PyObject* mode, PyObject* md, PyObject* dtype) {
   PyObject* dtypes = item(md, s._dtypes);
@@ -700,7 +716,7 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
   Ref stats(PyObject_Vectorcall(native.p, argv, 6, nullptr));
   if (!stats || !PyTuple_Check(stats.p) || PyTuple_GET_SIZE(stats.p) != 7) return reference();
   Ref name(dtype_name(mode, md, dtype.p));
-  Ref dims(PySequence_Tuple(shape.p));
+  Ref dims(dims_of(shape.p));
   if (!name || !dims) return false;
   PyObject* row[16] = {tid, op_id, index, dims.p, name.p, s.cpu, view_of, Py_True};
   for (int i = 0; i < 7; ++i) row[8 + i] = PyTuple_GET_ITEM(stats.p, i);
@@ -817,7 +833,7 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
   Ref shape(PyObject_GetAttr(t, s.shape));
   if (!dtype || !shape) return false;
   Ref name(dtype_name(mode, md, dtype.p));
-  Ref dims(PySequence_Tuple(shape.p));
+  Ref dims(dims_of(shape.p));
   if (!name || !dims) return false;
   PyObject* row[16] = {tid.p, op_id, index.p, dims.p, name.p, s.cpu, view_of.p, Py_False};
   for (int i = 8; i < 15; ++i) row[i] = Py_None;
