@@ -237,8 +237,8 @@ const OpEntry* entry_for(PyObject* func) {
 // interface of array.array that tracecmp/trace/columns.py uses (its fallback where this module
 // is not built): append, extend, len and the buffer protocol, with the typecode as the buffer's
 // format. Values are stored as they come, so Arrow takes the column as one copy of its bytes
-// instead of reading one Python object per row, cold, once a second. Like array.array it refuses
-// to grow while a memoryview of it is alive.
+// instead of reading one Python object per row, cold, once a second. It never moves its storage
+// while a view of it is alive (an append that would raises BufferError, as array.array does).
 struct Buffer {
   PyObject_HEAD
   char* data;
@@ -332,9 +332,11 @@ PyObject* Buffer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   const char* code = nullptr;
   static const char* keywords[] = {"typecode", nullptr};
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:Buffer", const_cast<char**>(keywords), &code)) return nullptr;
-  Py_ssize_t itemsize = code[1] != '\0' ? 0 : code[0] == 'q' || code[0] == 'd' ? 8 : code[0] == 'i' ? 4 : code[0] == 'b' ? 1 : 0;
+  Py_ssize_t itemsize = 0;
+  if (code[0] != '\0' && code[1] == '\0')
+    itemsize = code[0] == 'q' || code[0] == 'd' ? 8 : code[0] == 'i' ? 4 : code[0] == 'b' ? 1 : 0;
   if (itemsize == 0) {
-    PyErr_Format(PyExc_ValueError, "Buffer typecode must be 'q', 'i', 'd' or 'b', not %R", PyTuple_GET_ITEM(args, 0));
+    PyErr_Format(PyExc_ValueError, "Buffer typecode must be 'q', 'i', 'd' or 'b', not '%s'", code);
     return nullptr;
   }
   auto* b = reinterpret_cast<Buffer*>(type->tp_alloc(type, 0));
