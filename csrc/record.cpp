@@ -88,7 +88,7 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append)
+  X(kinds) X(append) X(_rollback)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -367,6 +367,18 @@ PyObject* Buffer_extend(PyObject* self, PyObject* values) {
   Py_RETURN_NONE;
 }
 
+PyObject* Buffer_truncate(PyObject* self, PyObject* arg) {
+  Py_ssize_t size = PyLong_AsSsize_t(arg);
+  if (size == -1 && PyErr_Occurred()) return nullptr;
+  auto* b = reinterpret_cast<Buffer*>(self);
+  if (size < 0 || size > b->size) {
+    PyErr_Format(PyExc_ValueError, "cannot truncate a Buffer of %zd items to %zd", b->size, size);
+    return nullptr;
+  }
+  b->size = size;  // the storage stays, so a view alive now still points at valid memory
+  Py_RETURN_NONE;
+}
+
 PyObject* Buffer_typecode(PyObject* self, void*) { return PyUnicode_FromString(reinterpret_cast<Buffer*>(self)->code); }
 
 Py_ssize_t Buffer_length(PyObject* self) { return reinterpret_cast<Buffer*>(self)->size; }
@@ -394,6 +406,7 @@ void Buffer_releasebuffer(PyObject* self, Py_buffer*) { --reinterpret_cast<Buffe
 PyMethodDef buffer_methods[] = {
     {"append", Buffer_append, METH_O, "append(value): one value at the end."},
     {"extend", Buffer_extend, METH_O, "extend(values): the values at the end, in order."},
+    {"truncate", Buffer_truncate, METH_O, "truncate(size): keep the first size values."},
     {nullptr, nullptr, 0, nullptr}};
 PyGetSetDef buffer_getset[] = {{"typecode", Buffer_typecode, nullptr, "the array.array typecode", nullptr},
                                {nullptr, nullptr, nullptr, nullptr, nullptr}};
@@ -414,12 +427,27 @@ bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* r
   }
   const char* kind = PyBytes_AS_STRING(kinds.p);
   Py_ssize_t j = 0, count = PyTuple_GET_SIZE(parts.p);
+  Py_ssize_t before = count > 0 ? PyObject_Length(PyTuple_GET_ITEM(parts.p, 0)) : -1;
+  if (before < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "row does not fit the Columns layout");
+    return false;
+  }
+  // A value that cannot be stored leaves the buffers as they were: the columns stay aligned.
+  auto rollback = [&]() {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    Ref size(PyLong_FromSsize_t(before));
+    Ref r(size ? PyObject_CallMethodOneArg(columns, s._rollback, size.p) : nullptr);
+    if (!r) PyErr_WriteUnraisable(columns);
+    PyErr_Restore(type, value, traceback);
+    return false;
+  };
   for (int i = 0; i < n; ++i) {
     PyObject* v = fields[i];
     bool pair = kind[i] == 'N' || kind[i] == 'l';
     if (j + (pair ? 1 : 0) >= count) {
       PyErr_SetString(PyExc_ValueError, "row does not fit the Columns layout");
-      return false;
+      return rollback();
     }
     PyObject* part = PyTuple_GET_ITEM(parts.p, j);
     bool ok = true;
@@ -433,7 +461,7 @@ bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* r
       case 'l': {
         if (!PyTuple_Check(v)) {
           PyErr_SetString(PyExc_TypeError, "a list column's value must be a tuple");
-          return false;
+          return rollback();
         }
         for (Py_ssize_t k = 0; ok && k < PyTuple_GET_SIZE(v); ++k) ok = column_append(part, PyTuple_GET_ITEM(v, k));
         Ref length(ok ? PyLong_FromSsize_t(PyTuple_GET_SIZE(v)) : nullptr);
@@ -443,7 +471,7 @@ bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* r
       default:  // 's', 'n'
         ok = column_append(part, v);
     }
-    if (!ok) return false;
+    if (!ok) return rollback();
     j += pair ? 2 : 1;
   }
   if (rows != nullptr) *rows = PyObject_Length(PyTuple_GET_ITEM(parts.p, 0));

@@ -207,3 +207,23 @@ def test_passthrough_redispatches_without_recording() -> None:
     assert torch.equal(out, expected) and torch.equal(layer.weight.grad, grad)
     with pytest.raises(TypeError):
         capture_mode._crecord.passthrough(None, torch.ops.aten.add.Tensor)
+
+
+def test_native_path_leaves_the_buffers_aligned_when_a_row_cannot_be_stored(tmp_path: object) -> None:
+    import tracecmp
+
+    with tracecmp.TraceCompare(str(tmp_path) + "/run") as tc:
+        mode = tc._mode
+        assert mode is not None and mode.__dict__.get("__torch_dispatch__") is not None
+        torch.ones(2) * 2
+        rows = len(mode.rows)
+        step, mode.step = mode.step, "not a step"  # the op row's second field cannot be stored
+        try:
+            with pytest.raises(TypeError):
+                torch.ones(2) + 1
+        finally:
+            mode.step = step
+        assert len(mode.rows) == rows  # the failed op (torch.ones) left no part of its row behind
+        assert mode.rows.table().num_rows == rows
+        torch.ones(2) - 1
+        assert [row[4] for row in mode.rows][-1] == "aten.sub.Tensor"

@@ -131,3 +131,25 @@ def test_buffer_behaves_as_array() -> None:
             for value in range(1000):  # it may not move its storage while viewed
                 grown.append(value)
     grown.append(2)
+
+
+def test_a_row_that_cannot_be_stored_leaves_the_columns_as_they_were(buffer_type: str) -> None:
+    cols = Columns(TENSORS_SCHEMA, TENSORS[:2])
+    bad = (5, 5, 0, (7, 8), "float32", "cpu", -1, True, 0.0, 1.0, 0.5, 1.0, 0, 0, "not an int", "")
+    with pytest.raises(TypeError):
+        cols.append(bad)  # fails at the checksum, after the shape's items and most numbers went in
+    assert repr(list(cols)) == repr(TENSORS[:2])
+    assert repr(cols.table().to_pylist()) == repr(rows_table(TENSORS[:2], TENSORS_SCHEMA).to_pylist())
+    cols.append(TENSORS[2])
+    assert repr(list(cols)) == repr(TENSORS)
+
+
+def test_out_of_step_buffers_are_refused_not_written(buffer_type: str) -> None:
+    cols = Columns(OPS_SCHEMA, OPS)
+    cols.parts[0].append(99)  # a row id with no row: a bug the table must not write
+    with pytest.raises(ValueError, match="out of step"):
+        cols.table()
+    cols = Columns(OPS_SCHEMA, OPS)
+    cols.parts[9].append(5)  # an input id with no length
+    with pytest.raises(ValueError, match="out of step"):
+        cols.table()

@@ -79,6 +79,13 @@ def _number_array(data: Any, valid: Any | None, arrow_type: pa.DataType, count: 
     return pa.Array.from_buffers(arrow_type, count, [bitmap, pa.py_buffer(bytes(data))])
 
 
+def _truncate(part: Any, size: int) -> None:
+    if hasattr(part, "truncate"):  # Buffer
+        part.truncate(min(size, len(part)))
+    else:  # list, array.array
+        del part[size:]
+
+
 class Columns:
     """The rows of one table of ``schema``, one array or list per column (two for some).
 
@@ -144,8 +151,26 @@ class Columns:
         appenders = self._appenders
         if not appenders:
             appenders = self._appenders = tuple(self._appender(index, kind) for index, kind in self._layout)
-        for append, value in zip(appenders, row):
-            append(value)
+        before = len(self)
+        try:
+            for append, value in zip(appenders, row):
+                append(value)
+        except BaseException:
+            self._rollback(before)  # a value that cannot be stored: the columns stay aligned
+            raise
+
+    def _rollback(self, rows: int) -> None:
+        """Drop everything after the first ``rows`` rows (a partly appended row)."""
+        parts = self.parts
+        for index, kind in self._layout:
+            if kind == "l":
+                _truncate(parts[index + 1], rows)
+                with memoryview(parts[index + 1]) as lengths:
+                    _truncate(parts[index], sum(lengths))
+            else:
+                _truncate(parts[index], rows)
+                if kind == "N":
+                    _truncate(parts[index + 1], rows)
 
     def __len__(self) -> int:
         return len(self.parts[0])
@@ -218,18 +243,27 @@ class Columns:
                 view[index] = 0 if value is None else 1
 
     def table(self) -> pa.Table:
-        """The rows as an Arrow table of ``schema``."""
-        count, arrays = len(self), []
+        """The rows as an Arrow table of ``schema``.
+
+        Raises ValueError if a column does not hold one value per row (Arrow would read past its
+        end): appends are all or nothing, so that is a bug, never a trace to write.
+        """
+        count, arrays, parts = len(self), [], self.parts
         for field, (index, kind) in zip(self.schema, self._layout):
-            part = self.parts[index]
+            part = parts[index]
+            rows = len(parts[index + 1]) if kind == "l" else len(part)  # a list column: its lengths
+            if rows != count or (kind == "N" and len(parts[index + 1]) != count):
+                raise ValueError(f"row buffers out of step: column {field.name!r} holds {rows} rows, not {count}")
             if kind == "s":
                 arrays.append(pa.array(part, type=field.type))
             elif kind == "l":
-                lengths = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(bytes(self.parts[index + 1]))])
+                lengths = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(bytes(parts[index + 1]))])
                 offsets = pa.concat_arrays([pa.array([0], type=pa.int32()), pc.cumulative_sum(lengths)])
+                if offsets[-1].as_py() != len(part):
+                    raise ValueError(f"row buffers out of step: column {field.name!r} holds {len(part)} items, not {offsets[-1]}")
                 values = pa.Array.from_buffers(pa.int64(), len(part), [None, pa.py_buffer(bytes(part))])
                 arrays.append(pa.ListArray.from_arrays(offsets, values, type=field.type))
             else:
-                valid = self.parts[index + 1] if kind == "N" else None
+                valid = parts[index + 1] if kind == "N" else None
                 arrays.append(_number_array(part, valid, field.type, count))
         return pa.Table.from_arrays(arrays, schema=self.schema)
