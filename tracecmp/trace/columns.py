@@ -7,9 +7,9 @@ none). A list column (``inputs``, ``outputs``, ``shape``) keeps its items flat i
 and each row's length in an int32 array. Capture appends rows as it goes; the writer's thread
 turns a second of them into Arrow once. From arrays of raw values that is one copy of their bytes;
 from lists of Python numbers it was a pointer chase through objects made a second earlier and long
-out of the caches, holding the GIL (87-115 ms for 300 small-model steps, as much as the
-recording). No object is made per row, so buffered steps give the garbage collector nothing new
-to scan.
+out of the caches, holding the GIL (87-115 ms for 300 small-model steps, more than half what
+recording them cost). No object is made per row, so buffered steps give the garbage collector
+nothing new to scan.
 
 >>> cols = Columns(pa.schema([("x", pa.int64()), ("ids", pa.list_(pa.int64()))]))
 >>> cols.append((1, (2, 3))); cols.append((4, ()))
