@@ -10,6 +10,8 @@ import torch
 
 import tracecmp
 from tracecmp.errors import CaptureError, TracecmpError
+from tracecmp.trace.columns import Columns
+from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 from tracecmp.trace.writer import BackgroundWriter, RankWriter
 from tests.models import example_batch, make_model, make_optimizer, train_step
 
@@ -100,6 +102,10 @@ def test_sync_outside_the_context_is_refused(tmp_path: Path) -> None:
         tc.sync()
 
 
+def empty_rows() -> tuple[Columns, Columns]:
+    return Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+
+
 def test_at_most_two_chunks_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate, started = threading.Event(), threading.Event()
     original = RankWriter.write_rows
@@ -111,10 +117,10 @@ def test_at_most_two_chunks_in_flight(tmp_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(RankWriter, "write_rows", gated)
     writer = BackgroundWriter(RankWriter(tmp_path / "t"))
-    assert writer.submit([], []) == 0
+    assert writer.submit(*empty_rows()) == 0
     assert started.wait(timeout=60)  # chunk 0 is being written (held at the gate)
-    assert writer.submit([], []) == 1  # chunk 1 waits in the queue
-    third = threading.Thread(target=writer.submit, args=([], []))
+    assert writer.submit(*empty_rows()) == 1  # chunk 1 waits in the queue
+    third = threading.Thread(target=writer.submit, args=empty_rows())
     third.start()
     third.join(timeout=0.5)
     assert third.is_alive()  # a third chunk waits for room: memory stays bounded

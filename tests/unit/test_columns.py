@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import array
 
+import pyarrow as pa
 import pytest
 
 from tracecmp.trace import columns as columns_module
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
-from tracecmp.trace.writer import rows_table
 
 OPS = [
     (0, 0, "forward", "source", "source.parameter", "fc.weight", "fc", "train.py:3", "{}", (), (0,), False, False, -1, ""),
@@ -20,6 +20,12 @@ TENSORS = [
     (1, 1, 0, (), "bfloat16", "cpu", -1, True, float("nan"), float("inf"), 0.0, 0.0, 1, 2, -5, "0/1"),
     (2, 2, 0, (2, 0, 5), "float16", "cuda:0", 1, False, None, None, None, None, None, None, None, ""),
 ]
+
+
+def rows_table(rows: list[tuple[object, ...]], schema: pa.Schema) -> pa.Table:
+    """The reference: Arrow's own conversion of the row tuples, read as struct values."""
+    structs = pa.array(rows, type=pa.struct(list(schema)))
+    return pa.Table.from_batches([pa.RecordBatch.from_struct_array(structs)], schema=schema)
 
 
 NATIVE_BUFFER = pytest.mark.skipif(columns_module._NativeBuffer is None, reason="tracecmp._crecord not built")

@@ -1,8 +1,8 @@
 """The private TorchDispatchMode that records every dispatched op (behind :class:`TraceCompare`).
 
 Per op it appends one row (``OPS_SCHEMA`` column order) and one row per produced tensor value
-(``TENSORS_SCHEMA`` order) to :class:`~tracecmp.trace.columns.Columns` buffers, one list per
-column, which the writer's thread turns into Arrow tables. Rows hold ids, strings and numbers,
+(``TENSORS_SCHEMA`` order) to :class:`~tracecmp.trace.columns.Columns` buffers, an array of raw
+numbers or a list of strings per column, which the writer's thread turns into Arrow tables. Rows hold ids, strings and numbers,
 never tensors, and make no Python object of their own (see ``columns.py``: objects per row
 would feed the garbage collector's full collections).
 
@@ -577,7 +577,6 @@ class CaptureMode(TorchDispatchMode):
         self._writes = {g: w for g, w in self._writes.items() if g in groups}
         if self.watch is not None:
             self.watch.restart({rec.tid for rec in recs})
-
 
 
 def _load_native() -> Any:

@@ -130,19 +130,6 @@ def _parquet_bytes(table: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
-def rows_table(rows: Sequence[tuple[Any, ...]], schema: pa.Schema) -> pa.Table:
-    """A table from row tuples in ``schema``'s column order.
-
-    Arrow reads the tuples as struct values in one pass, about twice as fast as transposing them
-    into column lists first, and it makes no Python object per row or column.
-
-    >>> rows_table([(1, "a"), (2, "b")], pa.schema([("x", pa.int64()), ("y", pa.string())])).to_pydict()
-    {'x': [1, 2], 'y': ['a', 'b']}
-    """
-    structs = pa.array(rows, type=pa.struct(list(schema)))
-    return pa.Table.from_batches([pa.RecordBatch.from_struct_array(structs)], schema=schema)
-
-
 def _versions() -> dict[str, str]:
     from tracecmp import __version__
 
@@ -230,15 +217,10 @@ class RankWriter:
         self.write_tables(ops_table, tensors_table, data, steps)
 
     def write_rows(
-        self,
-        op_rows: Columns | Sequence[tuple[Any, ...]],
-        tensor_rows: Columns | Sequence[tuple[Any, ...]],
-        data: Mapping[str, torch.Tensor] | None = None,
+        self, op_rows: Columns, tensor_rows: Columns, data: Mapping[str, torch.Tensor] | None = None
     ) -> None:
-        """Commit one chunk: capture's column buffers, or row tuples in ``OPS_SCHEMA`` / ``TENSORS_SCHEMA`` order."""
-        ops = op_rows.table() if isinstance(op_rows, Columns) else rows_table(op_rows, OPS_SCHEMA)
-        tensors = tensor_rows.table() if isinstance(tensor_rows, Columns) else rows_table(tensor_rows, TENSORS_SCHEMA)
-        self.write_tables(ops, tensors, data)
+        """Commit one chunk given as capture's row buffers (``OPS_SCHEMA`` and ``TENSORS_SCHEMA``)."""
+        self.write_tables(op_rows.table(), tensor_rows.table(), data)
 
     def write_tables(
         self,
@@ -302,7 +284,7 @@ class BackgroundWriter:
 
     >>> import tempfile, pathlib
     >>> w = BackgroundWriter(RankWriter(pathlib.Path(tempfile.mkdtemp()) / "run"))
-    >>> w.submit([], [])
+    >>> w.submit(Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA))
     0
     >>> w.close(complete=True); w.writer.chunks
     1
@@ -316,12 +298,7 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._reported = False
 
-    def submit(
-        self,
-        op_rows: Columns | Sequence[tuple[Any, ...]],
-        tensor_rows: Columns | Sequence[tuple[Any, ...]],
-        data: Mapping[str, torch.Tensor] | None = None,
-    ) -> int:
+    def submit(self, op_rows: Columns, tensor_rows: Columns, data: Mapping[str, torch.Tensor] | None = None) -> int:
         """Hand over one chunk (rows the caller no longer touches); returns its index."""
         self._raise_error()
         if self._thread is None:
