@@ -17,9 +17,10 @@ Each traced figure is the mean per step over the whole session, its exit include
 hand-over and the wait for the writer), so deferred writing is paid for.
 
 Then one op alone (``torch.add`` of two 8x8 tensors, and the view ``t()``), in microseconds:
-plain, under the empty mode and the C pass-through, captured by the C per-op path and by its Python reference; and what
-the writer's thread spends on one chunk (250 MLP steps): building the Arrow tables from the column
-buffers (holding the GIL) and encoding them as Parquet (not holding it).
+plain, under the empty mode and the C pass-through, captured by the C per-op path and by its
+Python reference; and what the writer's thread spends on one chunk (250 MLP steps): building the
+Arrow tables from the column buffers (holding the GIL) and encoding them as Parquet (not holding
+it).
 
     BENCH_THREADS=1 python benchmarks/overhead_ablation.py --models mlp block64 --rounds 5
 """
@@ -67,6 +68,11 @@ class PassThroughMode(TorchDispatchMode):
         self.__torch_dispatch__ = types.MethodType(capture_mode._crecord.passthrough, self)  # type: ignore[method-assign]
 
 
+def drop_rows(mode: Any) -> None:
+    """Throw the mode's buffered rows away (what "capture only" does instead of writing them)."""
+    mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+
+
 def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path) -> float:
     """Mean seconds per step of ``steps`` steps under ``config``."""
     if config == "plain":
@@ -90,7 +96,7 @@ def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps
         for _ in range(steps):
             step()
             if config == "capture only":
-                mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+                drop_rows(mode)
             tc.step()
     elapsed = time.perf_counter() - t0
     shutil.rmtree(path)
@@ -111,6 +117,7 @@ def per_op(workdir: Path, rounds: int) -> None:
         return (time.perf_counter() - t0) / calls * 1e6
 
     def captured(op: Callable[[], Any], native: bool) -> float:
+        use_native = capture_mode.USE_NATIVE
         capture_mode.USE_NATIVE = native and capture_mode._crecord is not None
         try:
             with tracecmp.TraceCompare(workdir / "micro", flush_secs=3600) as tc:
@@ -119,11 +126,11 @@ def per_op(workdir: Path, rounds: int) -> None:
                 total = 0.0
                 for _ in range(20):  # 1,000 calls at a time, the buffers dropped in between
                     total += timed(op, 1000)
-                    mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+                    drop_rows(mode)
             shutil.rmtree(workdir / "micro")
             return total / 20
         finally:
-            capture_mode.USE_NATIVE = capture_mode._crecord is not None
+            capture_mode.USE_NATIVE = use_native
 
     def under(mode_type: type[TorchDispatchMode]) -> Callable[[Callable[[], Any]], float]:
         def run(op: Callable[[], Any]) -> float:
