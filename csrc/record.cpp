@@ -55,10 +55,10 @@ struct Config {
   PyObject* slow = nullptr;            // CaptureMode.__torch_dispatch__, the reference
   PyObject* tensor_type = nullptr;     // torch.Tensor
   PyObject* op_overload = nullptr;     // torch._ops.OpOverload (called through its _op)
-  PyObject* op_infos = nullptr;        // ops.OP_INFOS: id(func) -> OpInfo
-  PyObject* one_fresh = nullptr;       // ops.ONE_FRESH
-  PyObject* marker = nullptr;          // ops._T, a tensor in a memo key
-  PyObject* scan_value = nullptr;      // ops._scan_value, for values the C walk does not know
+  PyObject* op_infos = nullptr;        // aten.schema.OP_INFOS: id(func) -> OpInfo
+  PyObject* one_fresh = nullptr;       // aten.schema.ONE_FRESH
+  PyObject* marker = nullptr;          // aten.args.TENSOR_MARK, a tensor in a memo key
+  PyObject* scan_value = nullptr;      // aten.args.scan_value, for values the C walk does not know
   PyObject* plain_types = nullptr;     // (dtype, device, layout, memory_format): kept as is
   PyObject* rec_type = nullptr;        // mode._Rec
   PyObject* current_node = nullptr;    // torch._C._current_autograd_node
@@ -69,9 +69,9 @@ struct Config {
   PyObject* stats_module = nullptr;    // tracecmp.capture.stats (its _native_stats may change)
   PyObject* native_codes = nullptr;    // stats._NATIVE_CODES
   PyObject* parallel_min = nullptr;    // stats._PARALLEL_MIN
-  PyObject* view_kind = nullptr;       // ops.VIEW
-  PyObject* write_kind = nullptr;      // ops.WRITE
-  PyObject* fresh_kind = nullptr;      // ops.FRESH
+  PyObject* view_kind = nullptr;       // aten.schema.VIEW
+  PyObject* write_kind = nullptr;      // aten.schema.WRITE
+  PyObject* fresh_kind = nullptr;      // aten.schema.FRESH
   bool ready = false;
 };
 Config g;
@@ -478,7 +478,7 @@ bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* r
   return rows == nullptr || *rows >= 0;
 }
 
-// ---- ops.scan -------------------------------------------------------------------------------
+// ---- aten.args.scan ----------------------------------------------------------------------------
 
 PyObject* scan_value(PyObject* value, PyObject* tensors);
 
@@ -496,7 +496,7 @@ PyObject* scan_sequence(PyObject* seq, PyObject* tensors) {
   return out.release();
 }
 
-// ops._scan_value; values it sends through pytree go to the Python function itself.
+// aten.args.scan_value; values it sends through pytree go to the Python function itself.
 PyObject* scan_value(PyObject* value, PyObject* tensors) {
   if (PyObject_TypeCheck(value, reinterpret_cast<PyTypeObject*>(g.tensor_type))) {
     if (PyList_Append(tensors, value) < 0) return nullptr;
@@ -519,7 +519,7 @@ PyObject* scan_value(PyObject* value, PyObject* tensors) {
   return PyObject_CallFunctionObjArgs(g.scan_value, value, tensors, nullptr);
 }
 
-// ops.scan: the memo key of the non-tensor part; tensors appended in order.
+// aten.args.scan: the memo key of the non-tensor part; tensors appended in order.
 PyObject* scan(PyObject* args, PyObject* kwargs, PyObject* tensors) {
   Py_ssize_t n = PyTuple_GET_SIZE(args);
   Py_ssize_t nk = kwargs != nullptr ? PyDict_GET_SIZE(kwargs) : 0;
@@ -938,7 +938,7 @@ int all_fresh_outputs(PyObject* mode, PyObject* md, const OpEntry& e, PyObject* 
   return 1;
 }
 
-// ops.arg_value: the argument at (position, name), borrowed; nullptr when defaulted away.
+// aten.schema.arg_value: the argument at (position, name), borrowed; nullptr when defaulted away.
 PyObject* arg_value(const OpEntry& e, PyObject* args, PyObject* kwargs) {
   if (0 <= e.ref_position && e.ref_position < PyTuple_GET_SIZE(args)) return PyTuple_GET_ITEM(args, e.ref_position);
   return kwargs != nullptr ? PyDict_GetItemWithError(kwargs, e.ref_name) : nullptr;

@@ -27,8 +27,8 @@ _LAZY = {
     "TraceCompare": "tracecmp.capture",
     "load": "tracecmp.trace",
     "Trace": "tracecmp.trace",
-    "compare": "tracecmp.compare",
-    "CompareResult": "tracecmp.compare",
+    "compare": "tracecmp.comparison",
+    "CompareResult": "tracecmp.comparison",
     "seed_all": "tracecmp.seeding",
 }
 

@@ -262,7 +262,7 @@ def run_demo(out_dir: str | Path = "tracecmp-demo", fault: str = "fp16-matmul", 
     >>> run_demo("tracecmp-demo").found   # doctest: +SKIP
     True
     """
-    from tracecmp.compare import compare
+    from tracecmp.comparison import compare
     from tracecmp.errors import TracecmpError
     from tracecmp.render import write_report
 

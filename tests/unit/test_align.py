@@ -7,7 +7,7 @@ import pytest
 
 import tracecmp
 from tests.tracebuild import Ref, TraceBuilder
-from tracecmp.compare.align import align_nodes, align_sequences
+from tracecmp.comparison.align import align_nodes, align_sequences
 
 
 def _pairs(tmp_path, target: Callable[[TraceBuilder], None], bench: Callable[[TraceBuilder], None], **kw) -> tuple[dict, object, object]:

@@ -14,7 +14,7 @@ import torch
 
 import tracecmp
 from tests.tracebuild import TraceBuilder
-from tracecmp.compare.records import STATUSES
+from tracecmp.comparison.records import STATUSES
 from tracecmp.errors import CompareError
 
 A = torch.ops.aten

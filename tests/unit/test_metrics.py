@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.tracebuild import stats_of
-from tracecmp.compare.metrics import stat_metrics, tensor_metrics
-from tracecmp.compare.tolerances import EPS, Tolerances, eps_of
+from tracecmp.comparison.metrics import stat_metrics, tensor_metrics
+from tracecmp.comparison.tolerances import EPS, Tolerances, eps_of
 from tracecmp.errors import CompareError
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.tracebuild import TraceBuilder, fake_stats, twin
-from tracecmp.compare import CompareResult, compare
+from tracecmp.comparison import CompareResult, compare
 from tracecmp.errors import TracecmpError
 from tracecmp.render import render_subgraph
 from tracecmp.render.subgraph import build_dot, diverged_fill, format_number, select, short_op

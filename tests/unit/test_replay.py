@@ -1,4 +1,4 @@
-"""Replay of recorded ops (tracecmp.compare.replay) on hand-recorded traces with whole tensors."""
+"""Replay of recorded ops (tracecmp.replay) on hand-recorded traces with whole tensors."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ import tracecmp
 from tests.tracebuild import TraceBuilder
 from tests.unit.test_localize import noise, record, scale
 from tracecmp.cli.main import main as cli_main
-from tracecmp.compare import Tolerances
-from tracecmp.compare.replay import _errors, replay_rank
+from tracecmp.comparison import Tolerances
+from tracecmp.replay import _errors, replay_rank
 
 A = torch.ops.aten
 
@@ -249,8 +249,8 @@ def test_a_denormal_where_the_exact_result_is_zero_is_an_error():
 
 
 def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
-    from tracecmp.compare.engine import reduced_matmul_precision
-    from tracecmp.compare.replay import REDUCED_MODELS
+    from tracecmp.comparison.engine import reduced_matmul_precision
+    from tracecmp.replay import REDUCED_MODELS
 
     traces = []
     for name, precision in (("a", "high"), ("b", "medium")):

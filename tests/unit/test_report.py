@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from tests.unit.test_render import compared, diverged, needs_dot, noisy_recipe, transformer_recipe  # noqa: F401
-from tracecmp.compare import CompareResult
+from tracecmp.comparison import CompareResult
 from tracecmp.render import write_report
 from tracecmp.render.chart import error_chart
 from tracecmp.render.html import module_rollup

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from tracecmp.capture.ops import FRESH, VIEW, WRITE, ArgsEncoder, op_info, scan
+from tracecmp.aten.args import ArgsEncoder, scan
+from tracecmp.aten.schema import FRESH, VIEW, WRITE, op_info
 
 aten = torch.ops.aten
 

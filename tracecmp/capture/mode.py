@@ -44,20 +44,17 @@ from torch.utils._pytree import tree_flatten
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture import stats as _stats
-from tracecmp.capture.ops import (
+from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
+from tracecmp.aten.schema import (
     FRESH,
     ONE_FRESH,
     OP_INFOS as _OP_INFOS,
     SCRATCH,
     VIEW,
     WRITE,
-    ArgsEncoder,
     OpInfo,
-    _scan_value,
-    _T,
     arg_value,
     op_info,
-    scan,
 )
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
@@ -603,8 +600,8 @@ def _configure(native: Any) -> None:
         op_overload=torch._ops.OpOverload,
         op_infos=_OP_INFOS,
         one_fresh=ONE_FRESH,
-        marker=_T,
-        scan_value=_scan_value,
+        marker=TENSOR_MARK,
+        scan_value=scan_value,
         plain_types=(torch.dtype, torch.device, torch.layout, torch.memory_format),
         rec_type=_Rec,
         current_node=_current_autograd_node,

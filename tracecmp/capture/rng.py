@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from tracecmp.capture.ops import OpInfo, arg_value, op_info
+from tracecmp.aten.schema import OpInfo, arg_value, op_info
 
 _CPU = torch.device("cpu")
 _NOT_ACCELERATORS = ("cpu", "meta")  # meta tensors hold no numbers to draw

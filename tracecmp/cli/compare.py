@@ -48,7 +48,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracecmp.compare import Tolerances, compare
+    from tracecmp.comparison import Tolerances, compare
 
     tolerances = Tolerances.parse(args.tol) if args.tol else None
     result = compare(args.target, args.bench, tolerances=tolerances, steps=args.steps, ranks=args.ranks,

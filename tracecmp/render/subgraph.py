@@ -22,7 +22,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from tracecmp.compare.records import STATUSES
+from tracecmp.comparison.records import STATUSES
 from tracecmp.errors import TracecmpError
 
 FORMATS = ("svg", "png", "dot", "gv")
@@ -364,7 +364,7 @@ def _node_label(info: _NodeInfo, node: int, tag: str | None, font: str) -> str:
     return "<" + "<BR/>".join(rows) + ">"
 
 
-# The deciding metric, as localization names it, in words (see tracecmp.compare.metrics).
+# The deciding metric, as localization names it, in words (see tracecmp.comparison.metrics).
 METRIC_WORDS = {
     "ext": "by max/min",
     "sys": "by mean/norm",

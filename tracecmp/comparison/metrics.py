@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tracecmp.compare.tolerances import EPS, Tolerances, canonical_dtype
+from tracecmp.comparison.tolerances import EPS, Tolerances, canonical_dtype
+from tracecmp.trace.saved import SavedTensors
 
 _TINY = 1e-300
 STAT_METRICS = (
@@ -175,48 +176,6 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
         "within_5e-3": float((rel <= 5e-3).double().mean()),
         "seed_rule_fail": bool(fail),
     }
-
-
-class SavedTensors:
-    """Reads a rank's saved tensors by data key, opening each safetensors chunk once.
-
-    >>> with SavedTensors(trace.rank(0)) as saved:   # doctest: +SKIP
-    ...     saved.get("0/17")
-    """
-
-    def __init__(self, rank: Any) -> None:
-        self.rank = rank
-        self.handles: dict[int, Any] = {}
-
-    def __enter__(self) -> "SavedTensors":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles.values():
-            handle.__exit__(None, None, None)
-        self.handles.clear()
-
-    def get(self, key: str) -> Any:
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
-
-        from tracecmp.errors import TraceFormatError
-
-        try:
-            chunk = int(key.split("/")[0])
-        except ValueError:
-            raise TraceFormatError(f"malformed data key {key!r}", path=self.rank.path) from None
-        path = self.rank.data_files.get(chunk)
-        if path is None:
-            raise TraceFormatError(f"data key {key!r} refers to missing data chunk {chunk}", path=self.rank.path)
-        try:
-            handle = self.handles.get(chunk)
-            if handle is None:
-                handle = safe_open(str(path), framework="pt").__enter__()
-                self.handles[chunk] = handle
-            return handle.get_tensor(key)
-        except (SafetensorError, OSError, KeyError) as exc:
-            raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=path) from exc
 
 
 def add_tensor_metrics(frame: pd.DataFrame, target: Any, bench: Any, tolerances: Tolerances) -> pd.DataFrame:

@@ -1,9 +1,9 @@
-"""What capture needs to know about an operator, read once from its schema and cached.
+"""What tracecmp knows about an operator, read once from its schema and cached.
 
 An op's schema says, through its alias annotations, which arguments it writes (``Tensor(a!)``)
 and which returns are views of an argument (``Tensor(a)``) — the same information torch's own
 functionalization and ``torch.utils._python_dispatch`` rely on. :func:`op_info` turns that into
-a small record so the per-op path only does lookups.
+a small record so capture's per-op path only does lookups and replay knows what a call returned.
 
 >>> info = op_info(torch.ops.aten.add_.Tensor)
 >>> info.name, info.returns, info.extra_writes
@@ -11,12 +11,12 @@ a small record so the per-op path only does lookups.
 """
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 # Return kinds.
 FRESH = 0  # a new tensor (gets statistics)
@@ -175,117 +175,35 @@ def arg_value(ref: ArgRef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return kwargs.get(name)
 
 
-# ---------------------------------------------------------------------------------------------
-# Arguments as JSON. Schema types are flat (Tensor, Tensor?, Tensor[], scalars, int[] ...), so a
-# two-level walk finds every tensor; anything else goes through pytree. The walk also builds a
-# hashable key with tensors as placeholders, so the JSON text of a call seen before (same op,
-# same scalars) is a dict lookup instead of a json.dumps.
-
-_T = object()  # a tensor, in a memo key
-_MEMO_LIMIT = 1 << 16
-
-
-def scan(args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[Any, ...]:
-    """Append every tensor argument to ``tensors`` in order; return the memo key of the non-tensor part."""
-    key: list[Any] = []
-    append = key.append
-    for value in args:
-        if isinstance(value, torch.Tensor):  # the common cases, without a call
-            tensors.append(value)
-            append(_T)
-        elif type(value) is int or value is None:
-            append(value)
-        else:
-            append(_scan_value(value, tensors))
-    if kwargs:
-        for name, value in kwargs.items():
-            append(name)
-            append(_scan_value(value, tensors))
-    return tuple(key)
+@lru_cache(maxsize=None)
+def resolve(name: str) -> Any:
+    """The operator a recorded name stands for (``"aten.mm.default"``), or None where this torch
+    has no such overload (a vendor op whose library is not loaded)."""
+    namespace, _, rest = name.partition(".")
+    packet_name, _, overload = rest.rpartition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), packet_name)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return None
 
 
-def _scan_value(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _T
-    kind = type(value)
-    if kind is float or kind is bool:
-        return (kind, value)  # 1, 1.0 and True hash alike but mean different things
-    if kind is list or kind is tuple:
-        return tuple([_scan_value(v, tensors) for v in value])
-    if kind is int or kind is str or value is None:
-        return value
-    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return value
-    from torch.utils._pytree import tree_flatten
-
-    leaves, spec = tree_flatten(value)
-    if len(leaves) == 1 and leaves[0] is value:
-        return ("<opaque>", kind)  # encoded by type name only (see _to_json)
-    return (str(spec), tuple(_scan_value(v, tensors) for v in leaves))
+def outputs_in_order(func: Any, result: Any, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """A call's tensors in the order capture numbers its outputs: the returns, then the written
+    arguments that no return hands back (``OpInfo.extra_writes``)."""
+    info = op_info(func)
+    if not info.schema:
+        return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    returns = info.returns
+    values = (result,) if len(returns) == 1 else (result if returns else ())
+    produced: list[torch.Tensor] = []
+    for _, value in zip(returns, values):
+        produced.extend(_tensors_in(value))
+    for ref in info.extra_writes:
+        produced.extend(_tensors_in(arg_value(ref, tuple(args), kwargs)))
+    return produced
 
 
-def _json_float(value: float) -> float | str:
-    if math.isfinite(value):
-        return value
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-
-
-def _to_json(value: Any, counter: list[int]) -> Any:
-    if isinstance(value, torch.Tensor):
-        counter[0] += 1
-        return {"tensor": counter[0] - 1}
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        return _json_float(value)
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v, counter) for v in value]
-    if isinstance(value, complex):
-        return {"complex": [_json_float(value.real), _json_float(value.imag)]}
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, torch.device):
-        return str(value)
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return str(value)
-    from torch.utils._pytree import tree_flatten
-
-    leaves, _ = tree_flatten(value)
-    if len(leaves) == 1 and leaves[0] is value:
-        # repr() of arbitrary objects embeds addresses, which would differ between two runs.
-        return f"<{type(value).__name__}>"
-    return [_to_json(v, counter) for v in leaves]
-
-
-class ArgsEncoder:
-    """Turns one call's arguments into JSON text, memoized on the non-tensor part of the call."""
-
-    def __init__(self) -> None:
-        # (op name, scan key) -> JSON text; the per-op path reads it first and calls encode on a miss.
-        self.memo: dict[tuple[Any, ...], str] = {}
-
-    def encode(self, info: OpInfo, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        memo_key = (info.name, key)
-        try:
-            text = self.memo.get(memo_key)
-        except TypeError:  # an unhashable value (symbolic sizes): encode without the memo
-            return self._dump(info, args, kwargs)
-        if text is None:
-            text = self._dump(info, args, kwargs)
-            if len(self.memo) >= _MEMO_LIMIT:
-                self.memo.clear()
-            self.memo[memo_key] = text
-        return text
-
-    @staticmethod
-    def _dump(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        counter = [0]
-        names = info.arg_names
-        out: dict[str, Any] = {}
-        for i, value in enumerate(args):
-            out[names[i] if i < len(names) else str(i)] = _to_json(value, counter)
-        for name, value in kwargs.items():
-            out[name] = _to_json(value, counter)
-        return json.dumps(out, separators=(",", ":"), allow_nan=False)
-
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    items = [value] if isinstance(value, torch.Tensor) else (value if isinstance(value, (list, tuple)) else ())
+    return [item for item in items if isinstance(item, torch.Tensor)]

@@ -34,19 +34,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from torch.utils._pytree import tree_flatten
 
-from tracecmp.capture.ops import arg_value, op_info
-from tracecmp.compare.opclass import classify
-from tracecmp.compare.metrics import SavedTensors
+from tracecmp.aten.args import decode_call
+from tracecmp.aten.opclass import classify
+from tracecmp.aten.schema import outputs_in_order, resolve
+from tracecmp.trace.saved import SavedTensors
 
 _CACHE_BYTES = 512 << 20  # recorded values kept in memory while walking (inputs are mostly recent)
 _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten._empty")
-_NOT_REPLAYED = object()
 _VIEW_DEPTH = 64  # views of views rebuilt from their base at most this deep (then: not replayed)
 _TINY = 1e-300
 
@@ -384,43 +382,21 @@ def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scal
     return max(worst / scale, float(torch.linalg.vector_norm(diff)) / max(norm, _TINY))
 
 
-@lru_cache(maxsize=None)
-def _resolve(name: str) -> Any:
-    namespace, _, rest = name.partition(".")
-    packet_name, _, overload = rest.rpartition(".")
-    try:
-        packet = getattr(getattr(torch.ops, namespace), packet_name)
-        return getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        return None
-
-
 def _call(op: _Op, inputs: list[torch.Tensor], *, golden: bool) -> tuple[Any, tuple, dict] | None:
     """Run ``op`` on ``inputs``; ``golden`` promotes floating values to float64.
 
     Returns (result, args, kwargs) so written arguments can be read back, or None.
     """
-    func = _resolve(op.name)
+    func = resolve(op.name)
     if func is None or not hasattr(func, "_schema"):
         return None
     recorded = op.arguments()
     if recorded is None:
         return None
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    positional = True
-    for argument in func._schema.arguments:
-        if argument.name not in recorded:
-            positional = False  # a defaulted argument: the rest go by name
-            continue
-        value = _decode(recorded[argument.name], str(argument.real_type), inputs, golden)
-        if value is _NOT_REPLAYED:
-            return None
-        if positional and not argument.kwarg_only:
-            args.append(value)
-        else:
-            positional = False
-            kwargs[argument.name] = value
+    call = decode_call(func, recorded, inputs, golden=golden)
+    if call is None:
+        return None
+    args, kwargs = call
     try:
         with torch.no_grad():
             result = func(*args, **kwargs)
@@ -429,74 +405,6 @@ def _call(op: _Op, inputs: list[torch.Tensor], *, golden: bool) -> tuple[Any, tu
     return result, tuple(args), kwargs
 
 
-def _decode(value: Any, type_name: str, inputs: list[torch.Tensor], golden: bool) -> Any:
-    """A recorded JSON argument back as a Python value (tensors from ``inputs``, by position)."""
-    if isinstance(value, dict):
-        if "tensor" in value:
-            index = value["tensor"]
-            if not isinstance(index, int) or not 0 <= index < len(inputs):
-                return _NOT_REPLAYED
-            tensor = inputs[index]
-            if golden and tensor.is_floating_point():
-                return tensor.to(torch.float64)
-            return tensor.clone()  # in-place ops must not write the cached recorded value
-        if "complex" in value:
-            re, im = value["complex"]
-            return complex(_float(re), _float(im))
-        return _NOT_REPLAYED
-    if isinstance(value, list):
-        inner = type_name.removeprefix("Optional[").removesuffix("]")
-        inner = inner[inner.find("[") + 1 : -1] if inner.startswith("List[") else inner
-        items = [_decode(v, inner, inputs, golden) for v in value]
-        return _NOT_REPLAYED if any(v is _NOT_REPLAYED for v in items) else items
-    if isinstance(value, str):
-        return _decode_text(value, type_name, golden)
-    return value
-
-
-def _decode_text(value: str, type_name: str, golden: bool) -> Any:
-    if value.startswith("<"):
-        return _NOT_REPLAYED  # an object the trace could only name (a generator, a process group)
-    if "ScalarType" in type_name:
-        dtype = getattr(torch, value, None)
-        if not isinstance(dtype, torch.dtype):
-            return _NOT_REPLAYED
-        return torch.float64 if golden and dtype.is_floating_point else dtype
-    if "Layout" in type_name:
-        layout = getattr(torch, value, None)
-        return layout if isinstance(layout, torch.layout) else _NOT_REPLAYED
-    if "MemoryFormat" in type_name:
-        fmt = getattr(torch, value, None)
-        return fmt if isinstance(fmt, torch.memory_format) else _NOT_REPLAYED
-    if "Device" in type_name:
-        return torch.device("cpu")  # the replay runs on the CPU whatever the run used
-    if "float" in type_name or "Scalar" in type_name:
-        if value in ("nan", "inf", "-inf"):
-            return float(value)
-        return value if "Scalar" in type_name else _NOT_REPLAYED
-    return value
-
-
-def _float(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float, str)) else math.nan
-
-
 def _returned(name: str, result: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The op's tensors in the order capture numbered its outputs: returns, then written arguments
-    that no return hands back (capture.mode: ``_outputs``)."""
-    func = _resolve(name)
-    info = op_info(func)
-    if not info.schema:
-        return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-    returns = info.returns
-    values = (result,) if len(returns) == 1 else (result if returns else ())
-    produced: list[torch.Tensor] = []
-    for _, value in zip(returns, values):
-        items = [value] if isinstance(value, torch.Tensor) else (value if isinstance(value, (list, tuple)) else ())
-        produced.extend(item for item in items if isinstance(item, torch.Tensor))
-    for ref in info.extra_writes:
-        value = arg_value(ref, args, kwargs)
-        items = [value] if isinstance(value, torch.Tensor) else (value if isinstance(value, (list, tuple)) else ())
-        produced.extend(item for item in items if isinstance(item, torch.Tensor))
-    return produced
-
+    """The op's tensors in the order capture numbered its outputs."""
+    return outputs_in_order(resolve(name), result, args, kwargs)

@@ -1,9 +1,9 @@
 """Find the nodes whose own computation went wrong: roots, not the nodes that inherited their error.
 
 The target graph is walked in execution order (``op_id``). Each node's outputs carry an error
-against the bench (:mod:`tracecmp.compare.metrics`: ``e_ext`` at the extremes, ``e_sys`` in norm and
+against the bench (:mod:`tracecmp.comparison.metrics`: ``e_ext`` at the extremes, ``e_sys`` in norm and
 mean, lower bounds both). From its inputs' errors and the op's propagation class
-(:mod:`tracecmp.compare.opclass`, with condition factors computed from the bench's magnitudes) the
+(:mod:`tracecmp.aten.opclass`, with condition factors computed from the bench's magnitudes) the
 node gets a *prediction*: the error its outputs would show if the op itself were exact. What the
 outputs show beyond the prediction is what the node *introduced*, in rounding units of the coarser
 dtype (scaled by the op's condition factor for sums, by TF32's unit for float32 matmul/conv). A
@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from tracecmp.compare.opclass import OpClass, base_name, classify, is_copy
-from tracecmp.compare.records import Divergence
-from tracecmp.compare.replay import REDUCED_MODELS, OwnError
-from tracecmp.compare.tolerances import EPS, TF32_EPS, Tolerances
+from tracecmp.aten.opclass import OpClass, base_name, classify, is_copy
+from tracecmp.comparison.records import Divergence
+from tracecmp.replay import REDUCED_MODELS, OwnError
+from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
 
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 

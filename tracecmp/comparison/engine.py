@@ -10,12 +10,12 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from tracecmp.compare.align import align_nodes
-from tracecmp.compare.localize import RankInput, TensorState, localize
-from tracecmp.compare.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
-from tracecmp.compare.replay import OwnError, replay_rank
-from tracecmp.compare.result import NODE_COLUMNS, CompareResult
-from tracecmp.compare.tolerances import Tolerances, is_float_dtype
+from tracecmp.comparison.align import align_nodes
+from tracecmp.comparison.localize import RankInput, TensorState, localize
+from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
+from tracecmp.replay import OwnError, replay_rank
+from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
+from tracecmp.comparison.tolerances import Tolerances, is_float_dtype
 from tracecmp.errors import CompareError
 from tracecmp.graph import view_bases
 from tracecmp.trace.reader import RankTrace, Trace, load
@@ -101,7 +101,7 @@ def compare(
 
     ``exact=True`` checks bitwise determinism instead: every difference is a divergence and the roots
     are the ops whose outputs changed while their inputs were bitwise equal. ``replay`` re-runs every
-    target op on its recorded inputs in float64 (:mod:`tracecmp.compare.replay`), which needs a
+    target op on its recorded inputs in float64 (:mod:`tracecmp.replay`), which needs a
     target captured with ``data="tensors"`` and finds an op's own error even where its inputs
     already differ from the bench by more; default: whenever the target holds tensors.
     ``progress`` forces the stderr progress bar on or off (default: on for large traces on a

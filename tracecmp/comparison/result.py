@@ -9,8 +9,8 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.compare.records import Divergence
-from tracecmp.compare.tolerances import Tolerances
+from tracecmp.comparison.records import Divergence
+from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
 
@@ -23,7 +23,7 @@ class CompareResult:
     """What :func:`tracecmp.compare` found.
 
     ``nodes`` has one row per target node (see :data:`NODE_COLUMNS`; ``status`` is one of
-    :data:`tracecmp.compare.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
+    :data:`tracecmp.comparison.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
     node's dtype; ``own_error``/``honest_error`` are the replay's relative errors of the recorded
     output and of an honest replay, NaN where the op was not replayed); ``tensors`` one row per
     compared tensor; ``unpaired_bench`` the bench nodes that
