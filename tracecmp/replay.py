@@ -104,7 +104,7 @@ class Skipped:
 
     op_id: int
     reason: str
-    inputs_missing: bool = False  # its inputs were not saved (a capture restricted with only=)
+    data_missing: bool = False  # the trace did not save its inputs or outputs (statistics may still judge it)
 
 
 @dataclass(slots=True)
@@ -195,7 +195,8 @@ class Replayer:
         self.detail = dict(detail) if detail is not None else None
         self.saved = SavedTensors(rank)
         keys = self.saved.keys()
-        tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of"]).to_pydict()
+        tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "shape"]).to_pydict()
+        self.sizes: dict[int, int] = {t: math.prod(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])}
         # tensor id -> (producer op, output index, dtype, base tensor id or -1, data key or "")
         self.info: dict[int, tuple[int, int, str, int, str]] = {
             t: (op, idx, dtype, -1 if view is None else view, keys.get(t, ""))
@@ -297,12 +298,15 @@ class Replayer:
             return Skipped(op_id, reason)
         args = op.arguments()
         assert args is not None  # skip_reason checked it
+        if not op.outputs:
+            return Skipped(op_id, "it returns no tensor (a Python number): nothing recorded to compare")
         missing = [t for t in op.inputs if not self.saved_value(t)]
         if missing:
-            return Skipped(op_id, f"its inputs were not saved (tensor {missing[0]})", inputs_missing=True)
+            return Skipped(op_id, f"its inputs were not saved (tensor {missing[0]})", data_missing=True)
         if not any(self.info.get(t, (0, 0, "", -1, ""))[4] for t in op.outputs):
-            return Skipped(op_id, "its outputs were not saved", inputs_missing=True)
-        results = [self._measure(call) for call in _calls(op, args)]
+            return Skipped(op_id, "its outputs were not saved", data_missing=True)
+        with _threads_for(self._elements(op)):
+            results = [self._measure(call) for call in _calls(op, args)]
         failed = next((r for r in results if isinstance(r, str)), None)
         if failed is not None:
             return Skipped(op_id, failed)
@@ -310,6 +314,10 @@ class Replayer:
         if not measured:
             return Skipped(op_id, "no output to compare (none saved, or none floating)")
         return _combine(op_id, measured)
+
+    def _elements(self, op: RecordedOp) -> int:
+        """Elements an op reads and writes, from the recorded shapes (to pick its thread count)."""
+        return sum(self.sizes.get(t, 0) for t in (*op.inputs, *op.outputs))
 
     def run(self, op_id: int, inputs: Sequence[torch.Tensor], *, golden: bool = False) -> list[torch.Tensor] | None:
         """Run op ``op_id`` on ``inputs`` (in its recorded input order); its outputs in capture's
@@ -412,6 +420,30 @@ class Replayer:
             return None
         extra = detail.fields() if detail is not None else {}
         return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits), **extra)
+
+
+# Below this many elements an op runs on one thread: its work is too small to split, and entering
+# a parallel region costs more than the op (far more when the cores are busy, as OpenMP's
+# threads wait for each other). Above it, torch's intra-op threads serve the one big op.
+_PARALLEL_ELEMENTS = 1 << 20
+
+
+class _threads_for:
+    """Run one op's replay on a single thread when it is small (see ``_PARALLEL_ELEMENTS``)."""
+
+    def __init__(self, elements: int) -> None:
+        self.small = elements < _PARALLEL_ELEMENTS
+        self.saved = 0
+
+    def __enter__(self) -> None:
+        if self.small:
+            self.saved = torch.get_num_threads()
+            if self.saved != 1:
+                torch.set_num_threads(1)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.small and self.saved != 1:
+            torch.set_num_threads(self.saved)
 
 
 def static_skip_reason(op: RecordedOp) -> str:
@@ -787,8 +819,9 @@ def replay_ops(
         return {}
     if workers is None:
         workers = auto_workers(len(wanted))
-    if workers > 1 and len(wanted) > 1:
-        return _replay_in_workers(rank, wanted, reduced, detail, progress, workers, cache_bytes)
+    if workers > 1 and len(wanted) > 1 and rank.manifest.get("chunks"):
+        options = {"reduced": reduced, "detail": None if detail is None else dict(detail), "cache_bytes": cache_bytes}
+        return run_in_workers(rank, wanted, "tracecmp.replay:Replayer.replay", options, workers=workers, progress=progress)
     results: dict[int, OwnError | Skipped] = {}
     with Replayer(rank, reduced=reduced, detail=detail, cache_bytes=cache_bytes) as replayer:
         if not replayer.has_data:
@@ -841,15 +874,11 @@ class _WorkerRank:
         self.rank = files["rank"]
         self.manifest: dict[str, Any] = {}
         self.data_files = {int(k): Path(v) for k, v in files["data"].items()}
-        ops_columns = ["op_id", "kind", "op", "args", "inputs", "outputs", "random"]
-        tensor_columns = ["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]
-        self.ops_table = pa.concat_tables(
-            [pq.read_table(p, columns=ops_columns).cast(pa.schema([OPS_SCHEMA.field(c) for c in ops_columns])) for p in files["ops"]]
-        )
-        self.tensors_table = pa.concat_tables(
-            [pq.read_table(p, columns=tensor_columns).cast(pa.schema([TENSORS_SCHEMA.field(c) for c in tensor_columns]))
-             for p in files["tensors"]]
-        )
+        ops_columns = [c for c in OPS_SCHEMA.names if c not in ("stack", "location", "name")]
+        ops_schema = pa.schema([OPS_SCHEMA.field(c) for c in ops_columns])
+        self.ops_table = pa.concat_tables([pq.read_table(p, columns=ops_columns).cast(ops_schema) for p in files["ops"]])
+        self.tensors_table = pa.concat_tables([pq.read_table(p).select(TENSORS_SCHEMA.names).cast(TENSORS_SCHEMA)
+                                               for p in files["tensors"]])
 
 
 _WORKER: dict[str, Any] = {}
@@ -859,42 +888,51 @@ def _worker_init(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def _worker_run(files: Mapping[str, Any], op_ids: list[int], reduced: str | None, detail: Mapping[str, float] | None,
-                cache_bytes: int) -> list[OwnError | Skipped] | str:
-    """One range of ops in a worker process; a ``TracecmpError``'s message instead on bad input."""
+def _worker_run(files: Mapping[str, Any], job: str, options: Mapping[str, Any], op_ids: list[int]) -> list[Any] | str:
+    """One range of ops in a worker process: ``job`` ("module:Class.method") built once per worker
+    on the rank with ``options``; a ``TracecmpError``'s message instead on bad input."""
+    from importlib import import_module
+
     try:
-        key = (files["path"], reduced, None if detail is None else tuple(sorted(detail.items())))
-        replayer = _WORKER.get("replayer")
+        key = (files["path"], job, repr(sorted(options.items())))
         if _WORKER.get("key") != key:
-            if replayer is not None:
-                replayer.close()
-            replayer = Replayer(_WorkerRank(files), reduced=reduced, detail=detail, cache_bytes=cache_bytes)
-            _WORKER.update(key=key, replayer=replayer)
-        return [replayer.replay(op_id) for op_id in op_ids]
+            old = _WORKER.pop("worker", None)
+            if old is not None and hasattr(old, "close"):
+                old.close()
+            module, _, name = job.partition(":")
+            factory, _, method = name.partition(".")
+            worker = getattr(import_module(module), factory)(_WorkerRank(files), **options)
+            _WORKER.update(key=key, worker=worker, method=method)
+        call = getattr(_WORKER["worker"], _WORKER["method"])
+        return [call(op_id) for op_id in op_ids]
     except TracecmpError as exc:
         return str(exc)
 
 
-def _replay_in_workers(
-    rank: Any, wanted: list[int], reduced: str | None, detail: Mapping[str, float] | None,
-    progress: Callable[[int], None] | None, workers: int, cache_bytes: int,
-) -> dict[int, OwnError | Skipped]:
-    """:func:`replay_ops` over ``workers`` processes: contiguous ranges of ops (neighbours share
-    inputs, so each worker's cache keeps working), several ranges per worker to balance the load."""
+def run_in_workers(
+    rank: Any, op_ids: list[int], job: str, options: Mapping[str, Any], *, workers: int,
+    progress: Callable[[int], None] | None = None,
+) -> dict[int, Any]:
+    """``{op_id: job(op_id)}`` computed by ``workers`` processes, each opening the rank itself.
+
+    ``job`` names a class and method, ``"module:Class.method"``, built once per worker as
+    ``Class(rank, **options)`` (:class:`Replayer` and ``replay``, say). The ops go out as
+    contiguous ranges (neighbours share inputs, so each worker's cache keeps working), several
+    per worker to balance the load; each worker runs ``torch.get_num_threads() // workers``
+    threads. Processes are spawned, not forked: forking after torch started its thread pools can hang.
+    """
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     files = _rank_files(rank)
-    if not files["ops"]:
-        workers = 1
     ranges = max(workers * 8, 1)
-    size = max(1, math.ceil(len(wanted) / ranges))
-    parts = [wanted[i : i + size] for i in range(0, len(wanted), size)]
+    size = max(1, math.ceil(len(op_ids) / ranges))
+    parts = [op_ids[i : i + size] for i in range(0, len(op_ids), size)]
     threads = max(1, torch.get_num_threads() // workers)
-    results: dict[int, OwnError | Skipped] = {}
-    context = multiprocessing.get_context("spawn")  # fork after torch's thread pools start can hang
+    results: dict[int, Any] = {}
+    context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool:
-        pending = {pool.submit(_worker_run, files, part, reduced, detail, cache_bytes): part for part in parts}
+        pending = {pool.submit(_worker_run, files, job, dict(options), part): part for part in parts}
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)

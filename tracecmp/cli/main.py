@@ -13,7 +13,7 @@ from typing import Sequence
 
 from tracecmp.errors import TracecmpError
 
-SUBCOMMANDS = ("demo", "compare", "inspect", "overflow")
+SUBCOMMANDS = ("demo", "compare", "check", "inspect", "overflow")
 
 
 def build_parser() -> argparse.ArgumentParser:
