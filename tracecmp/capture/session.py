@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -15,6 +15,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import DropoutOff, Rewrites
+from tracecmp.capture.select import Selection
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.errors import CaptureError, OverflowDetected, TracecmpError
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
@@ -52,7 +53,10 @@ class TraceCompare:
 
     ``steps`` selects the recorded steps (``None``: all); in the others nothing is installed,
     so they run at full speed. ``data="tensors"`` also saves every recorded value (safetensors);
-    ``stack=True`` keeps each op's whole user stack. Give ``model`` to get parameter, buffer and
+    ``stack=True`` keeps each op's whole user stack. ``only`` (with ``data="tensors"``) saves
+    tensors for the matching ops alone, e.g. ``only={"modules": ["transformer.h.3"], "steps": [1]}``
+    (see :mod:`tracecmp.capture.select`; ``CompareResult.selection()`` and ``CheckResult.selection()``
+    write one around their suspects); every op still gets its statistics. Give ``model`` to get parameter, buffer and
     input names and module paths as ``model.named_modules()`` spells them.
 
     Options that change what the traced program computes, for debugging (off by default):
@@ -118,6 +122,7 @@ class TraceCompare:
         overflow: str | None = None,
         sync: bool = False,
         flush_secs: float = 1.0,
+        only: Selection | Mapping[str, Any] | str | None = None,
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -137,6 +142,9 @@ class TraceCompare:
                 raise CaptureError(f"steps must be an iterable of step numbers or None ({exc})") from None
             if any(s < 0 for s in selected):
                 raise CaptureError("steps must not be negative")
+        selection = None if only is None else Selection.of(only)
+        if selection is not None and data != "tensors":
+            raise CaptureError('only= chooses the ops whose tensors are saved: use it with data="tensors"')
         if max_ops < 1 or max_bytes < 1:
             raise CaptureError("max_ops and max_bytes must be positive")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not 0 <= flush_secs < math.inf:
@@ -149,6 +157,7 @@ class TraceCompare:
         self.dropout = None if dropout is None else 0.0
         self.overflow = overflow
         self._steps = selected
+        self.only = selection
         self._max_ops = max_ops
         self._max_bytes = max_bytes
         self._step = 0
@@ -190,6 +199,7 @@ class TraceCompare:
             "rng": self.rng,
             "dropout": self.dropout,
             "overflow": self.overflow,
+            "only": None if self.only is None else self.only.to_dict(),
         }
         run_info = {
             "world_size": world_size,
@@ -221,6 +231,7 @@ class TraceCompare:
             no_dropout=self.dropout is not None,
             watch=OverflowWatch() if self.overflow else None,
             on_overflow=self._raise_overflow if self.overflow == "raise" else None,
+            only=self.only,
         )
         TraceCompare._active = self
         self._step = 0

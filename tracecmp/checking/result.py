@@ -4,16 +4,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import pandas as pd
 
-from tracecmp.capture.select import Selection, around
 from tracecmp.checking.standards import Standards
 from tracecmp.comparison.records import Divergence
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
+
+if TYPE_CHECKING:
+    from tracecmp.capture.select import Selection
 
 NODE_COLUMNS = ("rank", "op_id", "step", "phase", "kind", "op", "module", "location", "status", "evidence", "dtype",
                 "finding", "score", "own_error", "honest_error", "error_units", "ratio", "max_ulps", "beyond",
@@ -88,6 +90,8 @@ class CheckResult:
         """A capture filter around the first error and the top suspects (their modules, in their
         steps), or around the ops statistics could not judge when nothing erred: paste it into
         ``TraceCompare(..., data="tensors", only=...)`` to re-run with tensors there only."""
+        from tracecmp.capture.select import around  # only when asked: judging does not load capture
+
         records: list[Any] = [d for d in [self.first_error, *self.suspects] if d is not None]
         if not records:
             warned = self.nodes[self.nodes["status"] == "warning"].sort_values(["step", "op_id"])

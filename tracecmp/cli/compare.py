@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     result = compare(args.target, args.bench, tolerances=tolerances, steps=args.steps, ranks=args.ranks,
                      exact=args.exact, replay=args.replay, progress=args.progress)
     print(result.summary(top=args.top))
+    selection = result.selection()
+    if selection is not None:
+        print(f"\nRe-run the target with tensors around the suspects only:\n  {selection.code(args.target)}")
     if args.out:
         paths = result.write_tables(args.out, xlsx=args.xlsx)
         if not args.no_report:
