@@ -484,7 +484,11 @@ def _opaque(value: Any) -> str:
 
 
 class _Detail:
-    """Accumulates the element-level measurements of one call's outputs (``OwnError`` detail fields)."""
+    """Accumulates the element-level measurements of one call's outputs (``OwnError`` detail fields).
+
+    Written for memory: beyond the reference, one float64 copy of the output and the spacing are
+    alive at a time (in-place arithmetic, no masked copies), so a 40M-element output costs ~1 GB.
+    """
 
     def __init__(self) -> None:
         self.nonfinite = self.honest_nonfinite = self.elements = self.integer_mismatch = 0
@@ -495,15 +499,20 @@ class _Detail:
         ref = scale.ref
         spacing = _ulp(ref, recorded.dtype)
         for name, value in (("", recorded), ("honest_", honest)):
-            out = value.detach().to(torch.float64)
-            both_nan = torch.isnan(out) & torch.isnan(ref)
-            mismatch = ((out != ref) & ~both_nan) & (~torch.isfinite(out) | ~scale.finite)
-            finite = torch.isfinite(out) & scale.finite
-            ulps = (out[finite] - ref[finite]).abs() / spacing[finite]
+            out = value.detach().to(torch.float64, copy=True)
+            bad = torch.isfinite(out).logical_and_(scale.finite).logical_not_()
+            if bool(bad.any()):
+                same = (out == ref).logical_or_(torch.isnan(out).logical_and_(torch.isnan(ref)))
+                mismatch = int(bad.logical_and(same.logical_not_()).sum())
+            else:
+                mismatch = 0
+            ulps = out.sub_(ref).abs_().div_(spacing).masked_fill_(bad, 0.0)
             top = float(ulps.max()) if ulps.numel() else 0.0
-            setattr(self, name + "nonfinite", getattr(self, name + "nonfinite") + int(mismatch.sum()))
+            over = int((ulps > bound).sum())
+            del out, ulps, bad
+            setattr(self, name + "nonfinite", getattr(self, name + "nonfinite") + mismatch)
             setattr(self, name + "max_ulps", max(getattr(self, name + "max_ulps"), top))
-            setattr(self, name + "beyond", getattr(self, name + "beyond") + int((ulps > bound).sum()))
+            setattr(self, name + "beyond", getattr(self, name + "beyond") + over)
         self.elements += recorded.numel()
 
     def fields(self) -> dict[str, Any]:
@@ -517,10 +526,9 @@ class _Detail:
 def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of ``dtype`` at each element's magnitude (its subnormal spacing near zero)."""
     finfo = torch.finfo(dtype) if dtype.is_floating_point else torch.finfo(torch.float64)
-    magnitude = ref.abs().clamp(min=finfo.tiny)
-    magnitude = torch.where(torch.isfinite(magnitude), magnitude, torch.full_like(magnitude, finfo.tiny))
+    magnitude = ref.abs().nan_to_num_(nan=finfo.tiny, posinf=finfo.tiny).clamp_(min=finfo.tiny)
     _, exponent = torch.frexp(magnitude)
-    return torch.ldexp(torch.full_like(magnitude, finfo.eps), (exponent - 1).to(torch.float64))
+    return torch.ldexp(magnitude.fill_(finfo.eps), exponent.sub_(1))
 
 
 def _combine(op_id: int, parts: list[OwnError]) -> OwnError:
@@ -672,6 +680,7 @@ class _Scale:
 
     ref: torch.Tensor
     finite: torch.Tensor
+    all_finite: bool
     amax: float
     norm: float
 
@@ -679,9 +688,11 @@ class _Scale:
     def of(cls, reference: torch.Tensor) -> _Scale:
         ref = reference.detach().to(torch.float64)
         finite = torch.isfinite(ref)
-        amax = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
-        norm = float(torch.linalg.vector_norm(ref[finite])) if amax > 0 else 0.0
-        return cls(ref, finite, amax, norm)
+        all_finite = bool(finite.all())
+        masked = ref if all_finite else torch.where(finite, ref, 0.0)
+        amax = float(torch.linalg.vector_norm(masked, ord=math.inf)) if masked.numel() else 0.0
+        norm = float(torch.linalg.vector_norm(masked)) if amax > 0 else 0.0
+        return cls(ref, finite, all_finite, amax, norm)
 
     def error(self, value: Any, center: torch.Tensor | None = None) -> float:
         """Relative error of ``value`` against the reference, or its distance from ``center`` on
@@ -689,9 +700,10 @@ class _Scale:
         if not isinstance(value, torch.Tensor) or value.shape != self.ref.shape:
             return math.inf
         if center is None:
-            return _relative(value.detach(), self.ref, self.finite, self.amax, self.norm)
+            return _relative(value.detach(), self.ref, self.finite, self.amax, self.norm, self.all_finite)
         middle = center.detach().to(torch.float64)
-        return _relative(value.detach(), middle, torch.isfinite(middle), self.amax, self.norm)
+        finite = torch.isfinite(middle)
+        return _relative(value.detach(), middle, finite, self.amax, self.norm, bool(finite.all()))
 
 
 def _excess(error: float, honest: float) -> float:
@@ -727,19 +739,24 @@ def _errors_on(recorded: torch.Tensor, honest: torch.Tensor, scale: _Scale) -> t
     return error, honest_error
 
 
-def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scale: float, norm: float) -> float:
+def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scale: float, norm: float,
+              all_finite: bool | None = None) -> float:
     """``max(max|v - ref| / max|ref|, ||v - ref|| / ||ref||)`` over the reference's finite
-    positions; inf when NaN/Inf sit where the reference has none (or differ from its own)."""
-    out = value.to(torch.float64)
-    special = ~finite
-    if bool(special.any()):
-        same = (out[special] == ref[special]) | (torch.isnan(out[special]) & torch.isnan(ref[special]))
-        if not bool(same.all()):
+    positions; inf when NaN/Inf sit where the reference has none (or differ from its own).
+    One float64 copy of ``value`` is made and worked on in place."""
+    out = value.to(torch.float64, copy=True)
+    if all_finite is None:
+        all_finite = bool(finite.all())
+    if not all_finite:
+        special = ~finite
+        got, want = out[special], ref[special]
+        if not bool(((got == want) | (torch.isnan(got) & torch.isnan(want))).all()):
             return math.inf
-    out, ref = out[finite], ref[finite]
+        out = torch.where(finite, out, 0.0)  # equal there: no difference
+        ref = torch.where(finite, ref, 0.0)
     if not bool(torch.isfinite(out).all()):
         return math.inf
-    diff = (out - ref).abs()
+    diff = out.sub_(ref).abs_()
     worst = float(diff.max()) if diff.numel() else 0.0
     if worst == 0.0:
         return 0.0

@@ -1,0 +1,177 @@
+"""``tracecmp check`` at scale: ops replayed per second and peak memory on real models' tensors traces.
+
+For each model of the overhead benchmark (``bench_overhead.build``: GPT-2 4x256 and ResNet-50,
+batch 8, both with Adam) one training step is captured with ``data="tensors"`` (in a child
+process), then checked in fresh child processes, one per configuration, so that each peak RSS
+is that configuration's alone: one process at torch's default thread count, one process at one
+thread, and two worker processes. Configurations run in rounds, interleaved, so machine noise
+hits them alike. ``--filtered`` also captures the same step with tensors for one module only
+(``only={"modules": [...]}``) and reports both traces' sizes. ``--gpt2-small`` captures GPT-2
+small (124M parameters, 2 x 128 tokens) with tensors and reports replay's peak RSS on it
+(compare's path: ``replay_rank``), the figure issue 21 asks to keep under 3 GB.
+
+    python benchmarks/bench_check.py --models gpt2 resnet50 --rounds 2 --filtered
+    python benchmarks/bench_check.py --models gpt2-small --only-replay
+
+Traces go to a temporary folder under ``--workdir`` (default /tmp) and are deleted afterwards.
+Run it under ``flock /work/wt/bigmem.lock`` (ResNet-50's trace is ~3 GB, GPT-2 small's ~10 GB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("default-threads", "one-thread", "two-workers")
+FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "resnet50": "resnet.encoder.stages.2"}
+
+
+def _build(name: str) -> tuple[Any, Any]:
+    """(model, step) for ``name``: the overhead benchmark's models, and GPT-2 small."""
+    if name != "gpt2-small":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from bench_overhead import build
+
+        model, _, step = build(name)
+        return model, step
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=128)).train()  # 124M parameters, vocab 50257
+    tokens = torch.randint(0, 50257, (2, 129))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> Any:
+        loss = F.cross_entropy(model(x).logits.reshape(-1, 50257), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, step
+
+
+def capture(name: str, path: Path, only: str | None) -> dict[str, Any]:
+    """Child: one step of ``name`` captured with tensors (after one untraced warm-up step)."""
+    import tracecmp
+
+    model, step = _build(name)
+    step()
+    start = time.perf_counter()
+    extra = {"only": {"modules": [only]}} if only else {}
+    with tracecmp.TraceCompare(path, model=model, data="tensors", dropout=0.0, **extra) as tc:
+        step()
+        tc.step()
+    return {"seconds": time.perf_counter() - start, "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file())}
+
+
+def replay(path: Path, config: str) -> dict[str, Any]:
+    """Child: ``tracecmp.check`` (or compare's ``replay_rank`` with ``config="replay_rank"``) on a trace."""
+    import torch
+
+    import tracecmp
+    from tracecmp.replay import replay_rank
+
+    if config == "one-thread":
+        torch.set_num_threads(1)
+    workers = 2 if config == "two-workers" else 1
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    if config == "replay_rank":
+        trace = tracecmp.load(path)
+        found = replay_rank(trace.rank(0))
+        ops, judged, errors = int((trace.rank(0).ops["kind"] == "op").sum()), len(found), -1
+    else:
+        result = tracecmp.check(path, workers=workers, progress=False)
+        counts = result.counts()
+        ops, judged, errors = counts["ops"], counts["pass"] + counts["warning"] + counts["error"], counts["error"]
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"seconds": seconds, "ops": ops, "judged": judged, "errors": errors, "ops_per_s": ops / seconds,
+            "peak_rss": rss, "peak_worker_rss": children, "threads": threads}
+
+
+def _child(args: list[str], timeout: int) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"child {args} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:,.0f} MB" if value < 2**30 else f"{value / 2**30:.2f} GB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "mlp", "block64"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, "replay_rank"])
+    parser.add_argument("--filtered", action="store_true", help="also capture with tensors for one module and compare sizes")
+    parser.add_argument("--only-replay", action="store_true", help="measure compare's replay_rank only (peak RSS)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        if kind == "capture":
+            print(json.dumps(capture(rest[0], Path(rest[1]), rest[2] if len(rest) > 2 else None)))
+        else:
+            print(json.dumps(replay(Path(rest[0]), rest[1])))
+        return
+    configs = ["replay_rank"] if args.only_replay else args.configs
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; torch threads by default; rounds {args.rounds}")
+    rows = []
+    for name in args.models:
+        folder = Path(tempfile.mkdtemp(prefix=f"bench-check-{name}-", dir=args.workdir))
+        try:
+            trace = folder / "whole"
+            made = _child(["--child", "capture", name, str(trace)], args.timeout)
+            print(f"{name}: captured one step with tensors in {made['seconds']:.1f} s, {_mb(made['bytes'])}")
+            if args.filtered:
+                narrow = folder / "narrow"
+                cut = _child(["--child", "capture", name, str(narrow), FILTERS[name]], args.timeout)
+                print(f"{name}: only={{'modules': ['{FILTERS[name]}']}}: {_mb(cut['bytes'])} "
+                      f"({cut['bytes'] / made['bytes']:.1%} of the whole step), captured in {cut['seconds']:.1f} s")
+                shutil.rmtree(narrow, ignore_errors=True)
+            found: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+            for _ in range(args.rounds):
+                for config in configs:
+                    found[config].append(_child(["--child", "replay", str(trace), config], args.timeout))
+            for config, runs in found.items():
+                seconds = statistics.median(r["seconds"] for r in runs)
+                rss = max(r["peak_rss"] for r in runs)
+                workers = max(r["peak_worker_rss"] for r in runs)
+                first = runs[0]
+                rows.append((name, config, first["ops"], first["judged"], first["errors"], seconds, first["ops"] / seconds, rss, workers,
+                             made["bytes"]))
+                print(f"  {config:16s} {first['ops']} ops ({first['judged']} judged, {first['errors']} errors) "
+                      f"median {seconds:.1f} s = {first['ops'] / seconds:.0f} ops/s, peak RSS {_mb(rss)}"
+                      + (f", workers {_mb(workers)} each" if workers else ""))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    print("\n| model | configuration | ops | judged | errors | median time | ops/s | peak RSS | worker peak RSS | trace |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, config, ops, judged, errors, seconds, rate, rss, workers, size in rows:
+        print(f"| {name} | {config} | {ops} | {judged} | {errors} | {seconds:.1f} s | {rate:.0f} | {_mb(rss)} | "
+              f"{_mb(workers) if workers else '—'} | {_mb(size)} |")
+
+
+if __name__ == "__main__":
+    main()
