@@ -11,7 +11,7 @@ small (124M parameters, 2 x 128 tokens) with tensors and reports replay's peak R
 (compare's path: ``replay_rank``), the figure issue 21 asks to keep under 3 GB.
 
     python benchmarks/bench_check.py --models gpt2 resnet50 --rounds 2 --filtered
-    python benchmarks/bench_check.py --models gpt2-small --only-replay
+    python benchmarks/bench_check.py --models gpt2-small --only-replay --baseline /tmp/before
 
 Traces go to a temporary folder under ``--workdir`` (default /tmp) and are deleted afterwards.
 Run it under ``flock /work/wt/bigmem.lock`` (ResNet-50's trace is ~3 GB, GPT-2 small's ~10 GB).
@@ -33,7 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("default-threads", "one-thread", "two-workers")
-FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "resnet50": "resnet.encoder.stages.2"}
+FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "resnet50": "resnet.encoder.stages.2", "mlp": "2",
+           "block64": "mlp"}
 
 
 def _build(name: str) -> tuple[Any, Any]:
@@ -85,12 +86,17 @@ def replay(path: Path, config: str) -> dict[str, Any]:
     import tracecmp
     from tracecmp.replay import replay_rank
 
+    try:
+        import tracecmp.checking  # noqa: F401 - imports are not replay time
+    except ImportError:  # --baseline: a tracecmp from before check
+        pass
+
     if config == "one-thread":
         torch.set_num_threads(1)
     workers = 2 if config == "two-workers" else 1
     threads = torch.get_num_threads()
     start = time.perf_counter()
-    if config == "replay_rank":
+    if config.startswith("replay_rank"):
         trace = tracecmp.load(path)
         found = replay_rank(trace.rank(0))
         ops, judged, errors = int((trace.rank(0).ops["kind"] == "op").sum()), len(found), -1
@@ -105,8 +111,8 @@ def replay(path: Path, config: str) -> dict[str, Any]:
             "peak_rss": rss, "peak_worker_rss": children, "threads": threads}
 
 
-def _child(args: list[str], timeout: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _child(args: list[str], timeout: int, root: Path = ROOT) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise SystemExit(f"child {args} failed:\n{done.stderr[-3000:]}")
@@ -124,6 +130,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, "replay_rank"])
     parser.add_argument("--filtered", action="store_true", help="also capture with tensors for one module and compare sizes")
     parser.add_argument("--only-replay", action="store_true", help="measure compare's replay_rank only (peak RSS)")
+    parser.add_argument("--baseline", type=Path, help="also run compare's replay_rank with the tracecmp in this folder "
+                        "(say `git archive <commit> | tar -x -C DIR` plus its built extension), interleaved")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -136,6 +144,8 @@ def main() -> None:
             print(json.dumps(replay(Path(rest[0]), rest[1])))
         return
     configs = ["replay_rank"] if args.only_replay else args.configs
+    if args.baseline is not None:
+        configs = [*configs, "replay_rank@baseline"]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; torch threads by default; rounds {args.rounds}")
     rows = []
     for name in args.models:
@@ -153,7 +163,8 @@ def main() -> None:
             found: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
             for _ in range(args.rounds):
                 for config in configs:
-                    found[config].append(_child(["--child", "replay", str(trace), config], args.timeout))
+                    root = args.baseline if config.endswith("@baseline") else ROOT
+                    found[config].append(_child(["--child", "replay", str(trace), config], args.timeout, root))
             for config, runs in found.items():
                 seconds = statistics.median(r["seconds"] for r in runs)
                 rss = max(r["peak_rss"] for r in runs)

@@ -11,13 +11,13 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import pandas as pd
 
 from tracecmp.aten.opclass import classify
 from tracecmp.checking.result import NODE_COLUMNS, CheckResult
-from tracecmp.checking.standards import FIT_BOUND, OpVerdict, Standards, judge_replay, model_fits
+from tracecmp.checking.standards import EPS, FIT_BOUND, OpVerdict, Standards, judge_replay, model_fits
 from tracecmp.checking.statistics import StatisticsChecker
 from tracecmp.comparison.records import Divergence
 from tracecmp.errors import TracecmpError
@@ -202,6 +202,12 @@ def _check_rank(
             else:
                 verdicts[op_id] = OpVerdict(op_id, "skipped", reason="not replayed")
         _explain_precision(rank, verdicts, own, names, reduced, notes)
+        if reduced:
+            full = [o for o, e in own.items() if e.dtype == "float32" and classify(names[o]).precision_variable
+                    and e.error <= std.floor * EPS["float32"]]
+            if full:
+                notes.append(f"rank {rank.rank}: {len(full)} float32 matmul/conv calls are within {std.floor:g} float32 "
+                             "rounding units of float64: the run computed them at full float32 precision")
         if fits and reduced:
             counted = {}
             for name, fit in fits.items():

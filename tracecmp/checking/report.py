@@ -25,12 +25,11 @@ PICTURE_NAME = "check.svg"
 # compare's legend and labels, as check says them.
 _WORDS = (
     (">agrees<", ">pass<"), (">noise<", ">warning<"), (">diverged<", ">error<"), (">unpaired<", ">—<"),
-    (">not compared<", ">skipped<"),
+    ("FIRST DIVERGENCE", "FIRST ERROR"), ("LARGEST ERROR", "LARGEST OWN ERROR"),
     ("err: output error in rounding units (u) of its dtype; own: what the op added itself",
      "err: own error against a float64 replay of its inputs, in rounding units (u) of its dtype"),
     ("First divergence:", "First erring op:"), ("No divergence: the runs agree", "No op errs"),
     ("Could not compare: no divergence found, but not everything was compared", "No op errs among those judged"),
-    ("not compared", "skipped"),
 )
 
 
@@ -138,7 +137,7 @@ def _modules_html(result: Any) -> str:
     for row in table.itertuples():
         rows.append(
             f"<tr><td><code>{escape(row.module or '<top>')}</code></td><td class=\"num\">{row.ops}</td>"
-            f'<td class="num">{row.diverged}</td><td class="num">{format_number(row.max_introduced)}</td>'
+            f'<td class="num">{row.diverged}</td><td class="num">{"" if _nan(row.max_introduced) else format_number(row.max_introduced)}</td>'
             f"<td>{escape(row.introduced_by)}</td><td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
     return ('<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
