@@ -359,3 +359,9 @@ def test_a_statistics_checker_judges_one_op(tmp_path):
     verdict = StatisticsChecker(rank).check(gelu)
     assert verdict.status == "error" and verdict.evidence == "statistics" and "max" in verdict.checks
     assert stats_of(torch.ones(2))["max"] == 1.0
+
+
+def test_progress_is_shown_when_asked(tmp_path, capsys):
+    check(record(tmp_path / "run", data=True), progress=True)
+    err = capsys.readouterr().err
+    assert "tracecmp check [" in err and "100%" in err
