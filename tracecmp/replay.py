@@ -62,6 +62,7 @@ from tracecmp.trace.saved import SavedTensors
 _CACHE_BYTES = 256 << 20  # recent recorded values kept while walking (the next op mostly reads them)
 _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten._empty")
 _COLLECTIVES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
+_RESHAPING_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten._reshape_alias.default")
 _VIEW_DEPTH = 64  # views of views rebuilt from their base at most this deep (then: not replayed)
 _TINY = 1e-300
 _PROGRESS_EVERY = 1000
@@ -278,6 +279,13 @@ class Replayer:
         if args is None:
             return None
         out = _invoke(op.name, args, inputs, golden=False)
+        if out is None and op.name in _RESHAPING_VIEWS and isinstance(args.get("size"), list) and inputs:
+            # Saved values are contiguous copies: a view the run could take of a strided base
+            # (a permuted attention output) may need a reshape of the copy, which holds the same values.
+            try:
+                return inputs[0].reshape(args["size"])
+            except RuntimeError:
+                return None
         if out is None:
             return None
         produced = _returned(op.name, *out)
@@ -451,7 +459,7 @@ def static_skip_reason(op: RecordedOp) -> str:
     what the trace holds (see :class:`Replayer` for missing inputs)."""
     if op.kind != "op":
         return "not a computing op (a view, a source or an alias update)"
-    if op.random:
+    if op.random and not _drops_nothing(op):
         return "random op: a replay would draw other numbers"
     if op.name.startswith(_UNINITIALIZED):
         return "uninitialized memory (empty): nothing to check"
@@ -471,6 +479,17 @@ def static_skip_reason(op: RecordedOp) -> str:
     if opaque:
         return f"it takes an object the trace could only name ({opaque})"
     return ""
+
+
+def _drops_nothing(op: RecordedOp) -> bool:
+    """A random op recorded with its drop probability at "off" (attention or dropout with p=0, as
+    ``TraceCompare(dropout=0.0)`` records them): it draws nothing that changes its result."""
+    func = resolve(op.name)
+    args = op.arguments()
+    if func is None or args is None or not hasattr(func, "_schema"):
+        return False
+    rewrites = op_info(func).dropout
+    return bool(rewrites) and all(name in args and args[name] == off for (_, name), off in rewrites)
 
 
 def _opaque(value: Any) -> str:

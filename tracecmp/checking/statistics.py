@@ -12,7 +12,8 @@ what can be judged is what the recorded output statistics must be *whatever the 
 
 * **pinned statistics**: a statistic of the output that comes out the same in float64 on every
   draw (to 1e-13 of its scale) depends only on what the draws share with the real inputs, so the
-  recorded value must match it: the extremes of a monotone elementwise op (``max gelu(x) =
+  recorded value must match it (extremes only for ops with one varying input: where two
+  tensors' values meet is positional, and a few draws can agree on it by chance): the extremes of a monotone elementwise op (``max gelu(x) =
   gelu(max x)``), a softmax's mean (``1/K``: its rows sum to one), a max or min reduction. The
   recorded value errs when it lies more than ``margin`` times further from the float64 value
   than the honest replays do and beyond the floor (``floor`` units of the value for extremes,
@@ -20,7 +21,8 @@ what can be judged is what the recorded output statistics must be *whatever the 
   rounding);
 * **the precision grid**: a float32/float64 output whose nonzero extremes both lie on the
   float16 (or bfloat16) grid, from inputs that do not and in draws that never do, was computed
-  or rounded at that precision (a float32 kernel lands there by chance once in 2^26, or 2^32);
+  or rounded at that precision (a float32 kernel lands there by chance once in 2^26, or 2^32),
+  unless the output is far smaller than the draws' (a residue where terms cancel has few bits);
 * **NaN/Inf from finite inputs**: an error when no honest replay on inputs of these ranges makes
   any (said with the precision that does: inputs rounded to float16 overflow above 65504).
 
@@ -51,6 +53,7 @@ _FLOATS = {"float64": torch.float64, "float32": torch.float32, "float16": torch.
 _DTYPES = {**_FLOATS, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
            "uint8": torch.uint8, "bool": torch.bool}
 _STATS = ("min", "max", "mean", "norm")
+_RESIDUE = 1e-2  # an output below this fraction of what honest draws give is cancellation residue (grid test off)
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class StatisticsChecker:
         checks: set[str] = set()
         metrics: dict[str, float] = {}
         finite_inputs = all(spec.nan == 0 and spec.inf == 0 for spec in specs if spec.dtype in _FLOATS)
+        positional = sum(1 for spec in specs if spec.numel > 1 and spec.min != spec.max) > 1
         for k, (_, tid, out) in enumerate(judged):
             recorded = (out.min, out.max, out.mean, out.norm)
             numel = max(out.numel, 1)
@@ -248,6 +252,11 @@ class StatisticsChecker:
                 if scale == 0 or max(abs(v - values[0]) for v in values) > _PIN * scale:
                     continue
                 if name == "norm" and not all(spec.exact for spec in specs):
+                    continue
+                if name in ("min", "max") and positional:
+                    # Its extremes depend on where two tensors' values meet (relu's backward: the
+                    # gradient's largest value passes only where the input is positive): a few
+                    # draws may agree by chance, the real run need not.
                     continue
                 checks.add(name)
                 predicted = values[0]
@@ -296,6 +305,13 @@ class StatisticsChecker:
         if out.dtype not in ("float32", "float64") or out.min == out.max:
             return ""
         if not all(math.isfinite(v) and v != 0 for v in (out.min, out.max)):
+            return ""
+        # An output far smaller than an honest kernel makes from inputs of these statistics is
+        # what is left where terms cancel (a gradient through a normalization): a residue of a
+        # few bits lies on any coarse grid, whatever precision computed it.
+        largest = max(abs(out.min), abs(out.max))
+        typical = sorted(max(abs(h[k][0]), abs(h[k][1])) for h in honest_stats)[len(honest_stats) // 2]
+        if not largest >= _RESIDUE * typical:
             return ""
         for name, grid in _GRIDS:
             if not (on_grid(out.min, grid) and on_grid(out.max, grid)):
