@@ -178,3 +178,19 @@ def test_compare_prints_the_filter_around_its_suspects(tmp_path, capsys):
     bench = capture(tmp_path / "bench", data="stats")
     assert main(["compare", str(target), str(bench)]) == 1
     assert 'data="tensors", only={"modules": ["blocks.1.mlp.act"' in capsys.readouterr().out
+
+
+def test_every_op_of_a_transformers_gpt2_step_is_judged_attention_included(tmp_path):
+    from tests import models as M
+
+    model, batch = M.make_model("gpt2", 0), M.example_batch("gpt2", 0)
+    opt = M.make_optimizer(model)
+    with tracecmp.TraceCompare(tmp_path / "run", model=model, data="tensors", dropout=0.0) as tc:
+        M.train_step(model, opt, batch)
+        tc.step()
+    result = tracecmp.check(tmp_path / "run")
+    assert result.first_error is None, result.summary()
+    # Attention with dropout_p=0 draws nothing and is replayed; views of strided outputs are rebuilt.
+    judged = set(result.nodes.loc[result.nodes["status"] != "skipped", "op"])
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in judged
+    assert set(result.skipped()["names"]) <= {"aten._local_scalar_dense.default"}

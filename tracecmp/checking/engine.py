@@ -136,7 +136,7 @@ def check(
     evidence_kinds: set[str] = set()
     try:
         for r, rank, ops in plans:
-            verdicts = _check_rank(rank, ops, data, std, reduced, workers, bar, warnings, notes, trace)
+            verdicts = _check_rank(rank, ops, data, std, reduced, workers, bar, warnings, notes)
             evidence_kinds.update(v.evidence for v in verdicts.values() if v.evidence)
             frame = _frame(r, ops, verdicts)
             frames.append(frame)
@@ -171,7 +171,7 @@ def check(
 
 def _check_rank(
     rank: RankTrace, ops: pd.DataFrame, data: str, std: Standards, reduced: str | None, workers: int | None,
-    bar: _Progress, warnings: list[str], notes: list[str], trace: Trace,
+    bar: _Progress, warnings: list[str], notes: list[str],
 ) -> dict[int, OpVerdict]:
     op_ids = ops["op_id"].tolist()
     names = dict(zip(ops["op_id"].tolist(), ops["op"].tolist()))
@@ -210,7 +210,7 @@ def _check_rank(
                              "rounding units of float64: the run computed them at full float32 precision")
         if fits and reduced:
             counted = {}
-            for name, fit in fits.items():
+            for fit in fits.values():
                 counted.setdefault(REDUCED_MODELS[reduced][fit.model][0], []).append(fit.members)
             for how, members in counted.items():
                 notes.append(f"rank {rank.rank}: {sum(members)} float32 matmul/conv calls are reproduced by inputs rounded "

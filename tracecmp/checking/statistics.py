@@ -230,7 +230,7 @@ class StatisticsChecker:
         metrics: dict[str, float] = {}
         finite_inputs = all(spec.nan == 0 and spec.inf == 0 for spec in specs if spec.dtype in _FLOATS)
         positional = sum(1 for spec in specs if spec.numel > 1 and spec.min != spec.max) > 1
-        for k, (_, tid, out) in enumerate(judged):
+        for k, (_, _, out) in enumerate(judged):
             recorded = (out.min, out.max, out.mean, out.norm)
             numel = max(out.numel, 1)
             # NaN/Inf from finite inputs.
