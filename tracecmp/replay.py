@@ -361,8 +361,9 @@ class Replayer:
     def _measure(self, call: _Call) -> OwnError | str | None:
         """One call's own error (worst output), None when it has no output to compare, or a reason."""
         op, info = call.op, self.info
-        floating = [(i, t) for i, t in enumerate(call.outputs) if info.get(t, (0, 0, "", -1, ""))[4] and _is_float(info[t][2])]
-        integral = [(i, t) for i, t in enumerate(call.outputs) if info.get(t, (0, 0, "", -1, ""))[4] and not _is_float(info[t][2])]
+        saved = [(i, t) for i, t in enumerate(call.outputs) if info.get(t, (0, 0, "", -1, ""))[4]]
+        floating = [(i, t) for i, t in saved if _is_float(info[t][2])]
+        integral = [(i, t) for i, t in saved if not _is_float(info[t][2])]
         if not floating and not (self.detail is not None and integral):
             return None
         inputs = [self.value(t) for t in call.inputs]
@@ -614,7 +615,8 @@ def _calls(op: RecordedOp, args: dict[str, Any]) -> list[_Call]:
             return value
 
         try:
-            sub = {name: (pick([value[i]]) if name in lists and lists[name] == count else pick(value)) for name, value in args.items()}
+            sub = {name: (pick([value[i]]) if name in lists and lists[name] == count else pick(value))
+                   for name, value in args.items()}
         except ValueError:
             return whole
         outputs, offset = [], 0

@@ -264,7 +264,8 @@ def _explain_precision(
                         matched[op_id] = f"{model} ({REDUCED_MODELS[model][best][0]})"
     for op_id, how in matched.items():
         verdicts[op_id].reason += (f"; it matches a replay on inputs rounded to {how}: it computed at reduced precision "
-                                   + ("(10 mantissa bits: TF32/HF32, or float16 inputs)" if how.startswith("tf32") else "(bf16 inputs)")
+                                   + ("(10 mantissa bits: TF32/HF32, or float16 inputs)" if how.startswith("tf32")
+                                      else "(bf16 inputs)")
                                    + " which the run does not declare")
         verdicts[op_id].kind = "computation"
 

@@ -117,9 +117,11 @@ def _suspects_html(result: Any) -> str:
         css = ' class="first"' if first is not None and (d.rank, d.op_id) == (first.rank, first.op_id) else ""
         score = d.score if math.isfinite(d.score) else 1e308
         rows.append(
-            f'<tr{css}><td class="num" data-sort="{index}">{index}</td><td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
+            f'<tr{css}><td class="num" data-sort="{index}">{index}</td>'
+            f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
             f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
-            f'<td class="num" data-sort="{d.step}">{d.step}</td><td class="num" data-sort="{score!r}">{format_number(d.score)}x</td>'
+            f'<td class="num" data-sort="{d.step}">{d.step}</td>'
+            f'<td class="num" data-sort="{score!r}">{format_number(d.score)}x</td>'
             f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
         )
     return ('<table class="sortable" id="suspects-table"><thead><tr><th data-type="num">#</th><th>op</th><th>module</th>'
@@ -129,15 +131,17 @@ def _suspects_html(result: Any) -> str:
 
 def _modules_html(result: Any) -> str:
     nodes = result.render_nodes()
-    nodes = nodes.assign(introduced=pd.to_numeric(result.nodes["score"], errors="coerce").where(result.nodes["status"] == "error"))
+    erring = pd.to_numeric(result.nodes["score"], errors="coerce").where(result.nodes["status"] == "error")
+    nodes = nodes.assign(introduced=erring)
     table = module_rollup(nodes)
     if table.empty:
         return '<p class="note">No modules.</p>'
     rows = []
     for row in table.itertuples():
+        worst = "" if _nan(row.max_introduced) else format_number(row.max_introduced)
         rows.append(
             f"<tr><td><code>{escape(row.module or '<top>')}</code></td><td class=\"num\">{row.ops}</td>"
-            f'<td class="num">{row.diverged}</td><td class="num">{"" if _nan(row.max_introduced) else format_number(row.max_introduced)}</td>'
+            f'<td class="num">{row.diverged}</td><td class="num">{worst}</td>'
             f"<td>{escape(row.introduced_by)}</td><td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
     return ('<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
@@ -149,7 +153,8 @@ def _skipped_html(result: Any) -> str:
     table = result.skipped()
     if table.empty:
         return '<p class="note">Every op was judged.</p>'
-    rows = "".join(f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td><td><code>{escape(row.names)}</code></td></tr>'
+    rows = "".join(f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td>'
+                   f'<td><code>{escape(row.names)}</code></td></tr>'
                    for row in table.itertuples())
     return ('<table class="sortable" id="skipped-table"><thead><tr><th data-type="num">ops</th><th>why skipped</th>'
             f"<th>ops such as</th></tr></thead><tbody>{rows}</tbody></table>")
@@ -187,7 +192,8 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     render_nodes = result.render_nodes()
     focus_rank = result.first_error.rank if result.first_error is not None else (result.ranks[0] if result.ranks else 0)
     chart = _words(error_chart(render_nodes, root=result.first_error.op_id if result.first_error else None, rank=focus_rank))
-    chart = chart.replace("first divergence:", "first error:").replace("output error (rounding units, log)", "own error (rounding units, log)")
+    chart = chart.replace("first divergence:", "first error:")
+    chart = chart.replace("output error (rounding units, log)", "own error (rounding units, log)")
     from tracecmp import __version__
 
     page = f"""<!DOCTYPE html>

@@ -184,7 +184,8 @@ class CheckResult:
         except OSError as exc:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
         paths = []
-        for name, frame in (("check_ops", self.nodes), ("check_suspects", self.suspects_frame()), ("check_skipped", self.skipped())):
+        tables = (("check_ops", self.nodes), ("check_suspects", self.suspects_frame()), ("check_skipped", self.skipped()))
+        for name, frame in tables:
             path = out / f"{name}.csv"
             try:
                 frame.to_csv(path, index=False)

@@ -188,7 +188,8 @@ def judge_replay(
         extra = own.nonfinite - own.honest_nonfinite
         return _set(verdict, "error", "nan", math.inf,
                     f"{extra} NaN/Inf in its output where a float64 replay of its recorded inputs is finite and an honest "
-                    f"{dtype} replay is too" + (f" ({own.honest_nonfinite} positions overflow honestly)" if own.honest_nonfinite else ""))
+                    f"{dtype} replay is too"
+                    + (f" ({own.honest_nonfinite} positions overflow honestly)" if own.honest_nonfinite else ""))
     if own.misrounded:
         return _set(verdict, "error", "computation", math.inf,
                     f"its output is not the correctly rounded {dtype} result of its recorded inputs, which every IEEE 754 "
@@ -204,14 +205,16 @@ def judge_replay(
         return _set(verdict, "error", "computation", excess,
                     f"own error {own.error:.2e} ({own.error / u:.0f} rounding units of {dtype}) against a float64 replay of "
                     f"its recorded inputs is {ratio} what an honest {dtype} replay makes ({own.honest:.1e})"
-                    + (f"; {own.beyond:.1%} of its elements lie beyond {s.element_ulps.get(dtype, 4):.0f} ulp" if own.beyond else ""))
+                    + (f"; {own.beyond:.1%} of its elements lie beyond {s.element_ulps.get(dtype, 4):.0f} ulp"
+                       if own.beyond else ""))
     if reduced_matmul and fit is not None and fit.model < len(own.fits):
         misfit = own.fits[fit.model] / (s.margin * fit.misfit)
         if misfit > 1.0:
             return _set(verdict, "error", "computation", misfit,
                         f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
                         f"inputs rounded to {reduced} ({model_name}), a replay that matches this run's other {fit.members - 1} "
-                        f"calls of the op to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+                        f"calls of the op to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's "
+                        f"{own.honest:.1e})")
     if own.nonfinite and own.nonfinite <= own.honest_nonfinite:
         return _set(verdict, "warning", "nan", 0.0,
                     f"{own.nonfinite} NaN/Inf in its output where the float64 reference is finite: {dtype} cannot hold the "

@@ -12,9 +12,10 @@ what can be judged is what the recorded output statistics must be *whatever the 
 
 * **pinned statistics**: a statistic of the output that comes out the same in float64 on every
   draw (to 1e-13 of its scale) depends only on what the draws share with the real inputs, so the
-  recorded value must match it (extremes only for ops with one varying input: where two
-  tensors' values meet is positional, and a few draws can agree on it by chance): the extremes of a monotone elementwise op (``max gelu(x) =
-  gelu(max x)``), a softmax's mean (``1/K``: its rows sum to one), a max or min reduction. The
+  recorded value must match it: the extremes of a monotone elementwise op (``max gelu(x) =
+  gelu(max x)``), a softmax's mean (``1/K``: its rows sum to one), a max or min reduction
+  (extremes only for ops with one varying input: where two tensors' values meet is positional,
+  and a few draws can agree on it by chance). The
   recorded value errs when it lies more than ``margin`` times further from the float64 value
   than the honest replays do and beyond the floor (``floor`` units of the value for extremes,
   ``mean_floor`` units of the output's rms for mean and norm, which average their elements'
@@ -111,7 +112,8 @@ class StatisticsChecker:
         self.standards = standards or Standards()
         self.seed = seed
         table = rank.tensors_table.select(
-            ["tensor_id", "op_id", "shape", "dtype", "view_of", "has_stats", "min", "max", "mean", "norm", "nan_count", "inf_count"]
+            ["tensor_id", "op_id", "shape", "dtype", "view_of", "has_stats", "min", "max", "mean", "norm", "nan_count",
+             "inf_count"]
         ).to_pydict()
         self.rows: dict[int, tuple] = {
             t: row for t, *row in zip(
@@ -122,7 +124,9 @@ class StatisticsChecker:
         ops = rank.ops_table.select(["op_id", "kind", "op", "args", "inputs", "outputs", "random"]).to_pydict()
         self.ops: dict[int, RecordedOp] = {
             o: RecordedOp(o, k, n, a or "{}", list(i or ()), list(out or ()), bool(r))
-            for o, k, n, a, i, out, r in zip(ops["op_id"], ops["kind"], ops["op"], ops["args"], ops["inputs"], ops["outputs"], ops["random"])
+            for o, k, n, a, i, out, r in zip(
+                ops["op_id"], ops["kind"], ops["op"], ops["args"], ops["inputs"], ops["outputs"], ops["random"]
+            )
         }
 
     # -- what the trace says of a tensor -------------------------------------------------------
@@ -270,7 +274,8 @@ class StatisticsChecker:
                     findings.append(("error", "computation", deviation / bar if bar else math.inf,
                                      f"its output's {name} {recorded[index]:.9g} should be {predicted:.9g} whatever its input "
                                      f"values were (it is the same on every draw matching their statistics): off by "
-                                     f"{deviation / unit:.0f} rounding units of {out.dtype}, where an honest {out.dtype} replay is "
+                                     f"{deviation / unit:.0f} rounding units of {out.dtype}, where an honest {out.dtype} "
+                                     "replay is "
                                      f"off by {honest_dev / unit:.1f}"))
                 elif deviation > max(s.warn_margin * honest_dev, floor):
                     findings.append(("warning", "computation", deviation / bar if bar else 0.0,
