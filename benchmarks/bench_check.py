@@ -6,7 +6,8 @@ process), then checked in fresh child processes, one per configuration, so that 
 is that configuration's alone: one process at torch's default thread count, one process at one
 thread, and two worker processes. Configurations run in rounds, interleaved, so machine noise
 hits them alike. ``--filtered`` also captures the same step with tensors for one module only
-(``only={"modules": [...]}``) and reports both traces' sizes. ``--gpt2-small`` captures GPT-2
+(``only={"modules": [...]}``), under a device fault inside that module (its matmuls, convolutions
+and attention read float16-rounded inputs), reports both traces' sizes and what ``check`` names. ``--gpt2-small`` captures GPT-2
 small (124M parameters, 2 x 128 tokens) with tensors and reports replay's peak RSS on it
 (compare's path: ``replay_rank``), the figure issue 21 asks to keep under 3 GB.
 
@@ -65,18 +66,57 @@ def _build(name: str) -> tuple[Any, Any]:
     return model, step
 
 
+class _Fp16Inputs:
+    """A device fault for the filtered captures: inside one module's forward, matmuls, convolutions
+    and attention read their float32 inputs rounded to float16 (and write float32), as a unit fed
+    half precision would; outside it everything runs as usual."""
+
+    def __init__(self, model: Any, module: str) -> None:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default}
+        owner = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if owner.active and func in ops:
+                    args = [a.half().float() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args]
+                return func(*args, **kwargs)
+
+        self.active = False
+        self.mode = Mode()
+        target = model.get_submodule(module)
+        target.register_forward_pre_hook(lambda *_: setattr(self, "active", True))
+        target.register_forward_hook(lambda *_: setattr(self, "active", False))
+
+
 def capture(name: str, path: Path, only: str | None) -> dict[str, Any]:
-    """Child: one step of ``name`` captured with tensors (after one untraced warm-up step)."""
+    """Child: one step of ``name`` captured with tensors (after one untraced warm-up step); with
+    ``only``, tensors for that module alone and a float16-input fault inside it (``_Fp16Inputs``)."""
+    import contextlib
+
     import tracecmp
 
     model, step = _build(name)
     step()
     start = time.perf_counter()
     extra = {"only": {"modules": [only]}} if only else {}
-    with tracecmp.TraceCompare(path, model=model, data="tensors", dropout=0.0, **extra) as tc:
+    fault = _Fp16Inputs(model, only).mode if only else contextlib.nullcontext()
+    with fault, tracecmp.TraceCompare(path, model=model, data="tensors", dropout=0.0, **extra) as tc:
         step()
         tc.step()
-    return {"seconds": time.perf_counter() - start, "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file())}
+    seconds = time.perf_counter() - start
+    found: dict[str, Any] = {}
+    if only:
+        result = tracecmp.check(path, progress=False)
+        d = result.first_error
+        found = {"first_error": None if d is None else f"{d.op} in {d.module} ({d.phase})",
+                 "errors": result.counts()["error"], "by_tensors": result.counts().get("by tensors", 0)}
+    return {"seconds": seconds, "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()), **found}
 
 
 def replay(path: Path, config: str) -> dict[str, Any]:
@@ -158,7 +198,9 @@ def main() -> None:
                 narrow = folder / "narrow"
                 cut = _child(["--child", "capture", name, str(narrow), FILTERS[name]], args.timeout)
                 print(f"{name}: only={{'modules': ['{FILTERS[name]}']}}: {_mb(cut['bytes'])} "
-                      f"({cut['bytes'] / made['bytes']:.1%} of the whole step), captured in {cut['seconds']:.1f} s")
+                      f"({cut['bytes'] / made['bytes']:.1%} of the whole step), captured in {cut['seconds']:.1f} s; "
+                      f"with float16 inputs to its matmuls/convolutions/attention, check names {cut['first_error']} "
+                      f"({cut['errors']} erring ops, {cut['by_tensors']} judged on tensors)")
                 shutil.rmtree(narrow, ignore_errors=True)
             found: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
             for _ in range(args.rounds):
