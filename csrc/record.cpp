@@ -91,7 +91,7 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback) X(layout)
+  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(_awaiting) X(_complete_inputs)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -118,6 +118,7 @@ struct OpEntry {
   PyObject* inplace;   // Py_True / Py_False
   PyObject* random;
   bool record, rewritable, uninitialized;
+  bool collective;       // c10d / _c10d_functional: the reference records it (capture/collectives.py)
   bool all_fresh;        // a schema whose every return is new, and no other writes
   Py_ssize_t n_returns;
   Shape shape;
@@ -175,10 +176,11 @@ const OpEntry* entry_for(PyObject* func) {
       returns(PyObject_GetAttr(info, s.returns)), extra(PyObject_GetAttr(info, s.extra_writes)),
       uninit(PyObject_GetAttr(info, s.uninitialized)), inplace(PyObject_GetAttr(info, s.inplace)),
       random(PyObject_GetAttr(info, s.random)), name(PyObject_GetAttr(info, s.name)),
-      kind(PyObject_GetAttr(info, s.kind));
+      kind(PyObject_GetAttr(info, s.kind)), collective(PyObject_GetAttr(info, s.collective));
   if (!record || !rewritable || !returns || !extra || !uninit || !inplace || !random || !name ||
-      !kind || !PyTuple_Check(returns.p) || !PyTuple_Check(extra.p))
+      !kind || !collective || !PyTuple_Check(returns.p) || !PyTuple_Check(extra.p))
     return nullptr;
+  e.collective = collective.p == Py_True;
   e.record = record.p == Py_True;
   e.rewritable = rewritable.p == Py_True;
   e.uninitialized = uninit.p == Py_True;
@@ -1009,7 +1011,7 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (found == nullptr && PyErr_Occurred()) return nullptr;
   int plain = truth(md.p, s._plain), stack = truth(md.p, s._stack);
   if (plain < 0 || stack < 0) return nullptr;
-  if (found == nullptr || !found->record || (!plain && found->rewritable) || stack)
+  if (found == nullptr || !found->record || found->collective || (!plain && found->rewritable) || stack)
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   const OpEntry& e = *found;
   Ref owned_kwargs;
@@ -1107,6 +1109,13 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
       if (tid == nullptr) return nullptr;
     }
     PyTuple_SET_ITEM(inputs.p, i, tid);
+  }
+  PyObject* awaiting = item(md.p, s._awaiting);
+  if (awaiting == nullptr) return nullptr;
+  if (PyDict_Check(awaiting) && PyDict_GET_SIZE(awaiting) > 0) {
+    // It reads a collective's output: the program waited for it (capture/collectives.py).
+    Ref done(call_method(mode, s._complete_inputs, {inputs.p}));
+    if (!done) return nullptr;
   }
 
   Ref out(PyObject_Call(e.call, args, kwargs));

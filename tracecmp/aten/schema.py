@@ -26,6 +26,8 @@ SCRATCH = 3  # a new tensor holding kernel scratch space, partly uninitialized (
 
 # record_function ranges (the optimizer's "Optimizer.step#Adam.step") reach the dispatcher as ops.
 _SKIPPED_NAMESPACES = ("profiler.",)
+# Collectives: their outputs are ready only once the returned Work completes.
+_COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 # Allocators whose results hold whatever was in memory: their statistics would differ run to run.
 _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 # Returns that are a kernel's workspace for its backward: their bytes differ between identical
@@ -54,6 +56,7 @@ class OpInfo:
     writes: tuple[ArgRef, ...] = ()  # every argument the op writes
     dropout: tuple[tuple[ArgRef, float], ...] = ()  # ``dropout=0.0``: the arguments to set, and to what
     rewritable: bool = False  # host_rng or dropout: the only ops the session's rewrites look at
+    collective: bool = False  # c10d / _c10d_functional: recorded by capture/collectives.py
 
 
 def _alias_sets(alias_info: Any) -> set[str]:
@@ -148,6 +151,7 @@ def _build(func: Any) -> OpInfo:
         writes=tuple(refs[i] for i in writes),
         dropout=dropout,
         rewritable=host_rng or bool(dropout),
+        collective=name.startswith(_COLLECTIVE_NAMESPACES),
     )
 
 

@@ -44,6 +44,7 @@ from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tracecmp.capture.collectives import CollectiveRecorder
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture import stats as _stats
@@ -106,7 +107,7 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
     return False
 
 
-class CaptureMode(TorchDispatchMode):
+class CaptureMode(CollectiveRecorder, TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
 
     def __init__(
@@ -123,8 +124,11 @@ class CaptureMode(TorchDispatchMode):
         no_dropout: bool = False,
         watch: OverflowWatch | None = None,
         on_overflow: Callable[[], None] | None = None,
+        rank: int = 0,
+        ddp: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self._init_collectives(rank, ddp)
         self.scope = scope
         self.step = 0
         self.chunk = 0  # index of the chunk being filled (names saved tensors "<chunk>/<id>")
@@ -154,6 +158,8 @@ class CaptureMode(TorchDispatchMode):
         self._next_tensor = 0
         self._known: dict[int, _Rec] = {}  # id(tensor) -> what we know of that tensor
         self._writes: dict[int, list[list[Any]]] = {}  # group -> [[version after, tensor id]]
+        # id(base) -> (group, version, base) of bases not in the trace whose views are (_family)
+        self._bases: dict[int, tuple[int, int | None, weakref.ref[torch.Tensor]]] = {}
         self._unsettled: list[tuple[_Rec, list[Any]]] = []  # writes whose version is not bumped yet
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
@@ -184,6 +190,8 @@ class CaptureMode(TorchDispatchMode):
         info = _OP_INFOS.get(id(func)) or op_info(func)
         if not info.record:
             return func(*args, **kwargs)
+        if info.collective:
+            return self._collective(func, info, args, kwargs)
         call = func
         if not self._plain and info.rewritable:
             # The rewritten arguments are what the trace records (a ``p`` of 0.0, say), so a
@@ -222,6 +230,8 @@ class CaptureMode(TorchDispatchMode):
                 inputs.append(rec.tid)
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack))
+        if self._awaiting:  # reads a collective's output: it completed (collectives.py)
+            self._complete_inputs(inputs)
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -345,7 +355,21 @@ class CaptureMode(TorchDispatchMode):
             group = rec.group  # written behind our back: a source, still in its view family
         else:
             version = None if t.is_inference() else t._version
-            group = tid
+            group, since = self._family(t, tid, version)
+            if since is not None and version is not None:
+                # Views of it made outside the trace were written (a DDP bucket, through its
+                # per-parameter views): its value is what they wrote, if they account for every write.
+                writes = self._writes.get(group)
+                written = [w for v, w in writes if v > since] if writes and writes[-1][0] == version else []
+                if written and len(written) == version - since:
+                    self.rows.append(
+                        (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", tuple(written), (tid,))
+                        + _NOT_AN_OP
+                        + (stack,)
+                    )
+                    self._value(t, tid, op_id, 0, written[-1])
+                    self._remember(t, tid, version, group)
+                    return tid
         source, name = self.scope.source(t, (self.step, phase))
         self.rows.append(
             (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,)) + _NOT_AN_OP + (stack,)
@@ -353,6 +377,28 @@ class CaptureMode(TorchDispatchMode):
         self._value(t, tid, op_id, 0, -1)
         self._remember(t, tid, version, group)
         return tid
+
+    def _family(self, t: torch.Tensor, tid: int, version: int | None) -> tuple[int, int | None]:
+        """View family of a tensor new to the trace, and the version its family had when first seen.
+
+        A view made outside the trace joins its base's family (views share their base's version
+        counter), so writes through it count for the base and its other views; a base not in the
+        trace is remembered by its views, with the counter's value then, until it enters itself.
+        """
+        base = t._base
+        if base is not None:
+            rec = self._known.get(id(base))
+            if rec is not None and rec() is base:
+                return rec.group, None
+            hit = self._bases.get(id(base))
+            if hit is not None and hit[2]() is base:
+                return hit[0], None
+            self._bases[id(base)] = (tid, version, weakref.ref(base))
+            return tid, None
+        hit = self._bases.get(id(t))
+        if hit is not None and hit[2]() is t:
+            return hit[0], hit[1]
+        return tid, None
 
     def _outputs(
         self,
@@ -441,7 +487,7 @@ class CaptureMode(TorchDispatchMode):
             self._bare(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
-    def _written(self, t: torch.Tensor, op_id: int, outputs: list[int]) -> None:
+    def _written(self, t: torch.Tensor, op_id: int, outputs: list[int], stats: bool = True) -> None:
         tid = self._next_tensor
         self._next_tensor = tid + 1
         rec = self._known.get(id(t))
@@ -461,7 +507,10 @@ class CaptureMode(TorchDispatchMode):
                 history.append(entry)
                 if len(history) > _WRITE_HISTORY:
                     del history[0]
-        self._value(t, tid, op_id, len(outputs), -1)
+        if stats:
+            self._value(t, tid, op_id, len(outputs), -1)
+        else:
+            self._bare(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
     def _remember(self, t: torch.Tensor, tid: int, version: int | None, group: int) -> _Rec:
@@ -513,24 +562,7 @@ class CaptureMode(TorchDispatchMode):
         else:
             device, kind = self.devices.get(t.device) or self._device(t.device)
         dtype = t.dtype
-        stats: tuple[Any, ...] | None = _NO_STATS
-        native = _stats._native_stats
-        code = _NATIVE_CODES.get(dtype)
-        if kind == _NONE:
-            stats = None
-        elif kind == _CPU and native is not None and code is not None and type(t) in PLAIN_TYPES and t.layout is STRIDED and not t.is_neg():
-            # Only a plain dense strided tensor reaches the kernel, and only with storage behind
-            # its pointer: a functional tensor's is 0, a sparse one's raises (tensorkinds.py).
-            n = t.numel()
-            try:
-                ptr = t.data_ptr()
-                if not ptr and n:
-                    raise ValueError("no storage behind the data pointer")
-                stats = native(ptr, t.shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
-            except (RuntimeError, ValueError):  # nested tensors have no strides: the reference decides
-                stats = self._reference_stats(t, kind)
-        else:
-            stats = self._reference_stats(t, kind)
+        stats = self._stats_of(t, kind)
         has_stats = stats is not None
         key = self._save(t, tid) if self._save_data and has_stats else ""
         self.tensor_rows.append(
@@ -539,14 +571,48 @@ class CaptureMode(TorchDispatchMode):
             + (key,)
         )
 
-    def _reference_stats(self, t: torch.Tensor, kind: int) -> tuple[Any, ...] | None:
-        """Statistics by the torch reference (deferred on accelerators), or None, the reason counted."""
+    def _stats_of(self, t: torch.Tensor, kind: int) -> tuple[Any, ...] | None:
+        """The statistics of ``t`` (placeholders when deferred to the hand-over), None if it has none."""
+        if kind == _NONE:
+            return None
+        native = _stats._native_stats
+        code = _NATIVE_CODES.get(t.dtype)
+        if kind == _CPU and native is not None and code is not None and type(t) in PLAIN_TYPES and t.layout is STRIDED and not t.is_neg():
+            # Only a plain dense strided tensor reaches the kernel, and only with storage behind
+            # its pointer: a functional tensor's is 0, a sparse one's raises (tensorkinds.py).
+            n = t.numel()
+            try:
+                ptr = t.data_ptr()
+                if not ptr and n:
+                    raise ValueError("no storage behind the data pointer")
+                return native(ptr, t.shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
+            except (RuntimeError, ValueError):  # nested tensors have no strides: the reference decides
+                pass
+        return self._reference_stats(t, kind)
+
+    def _fill(self, row: int, t: torch.Tensor, tid: int) -> None:
+        """Give tensor row ``row`` (recorded bare) the statistics ``t`` holds now: a completed collective's output."""
+        kind = _CPU if t.is_cpu else (self.devices.get(t.device) or self._device(t.device))[1]
+        stats = self._reference_stats(t, kind, row) if kind == _DEFERRED else self._stats_of(t, kind)
+        if stats is None:
+            return
+        rows = self.tensor_rows
+        if kind == _CPU:  # accelerators: filled in at the hand-over with the other deferred statistics
+            for name, value in zip(STAT_COLUMNS, stats):
+                rows.set(row, name, value)
+        rows.set(row, "has_stats", True)
+        if self._save_data:
+            rows.set(row, "data_key", self._save(t, tid))
+
+    def _reference_stats(self, t: torch.Tensor, kind: int, row: int | None = None) -> tuple[Any, ...] | None:
+        """Statistics by the torch reference (deferred on accelerators to tensor row ``row``, by
+        default the next one), or None, the reason counted."""
         reason = unreadable(t)
         if reason is None:
             try:
                 if kind == _CPU:
                     return tensor_stats_row(t)
-                self._pending.append((len(self.tensor_rows), stats_tensor_reference(t)))
+                self._pending.append((len(self.tensor_rows) if row is None else row, stats_tensor_reference(t)))
                 return _NO_STATS
             except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError) as exc:
                 reason = f"{str(t.dtype).removeprefix('torch.')}: the statistics do not cover it ({type(exc).__name__})"
@@ -583,9 +649,11 @@ class CaptureMode(TorchDispatchMode):
         """Called before the mode is entered for a recorded step."""
         self.step = step
         self.in_optimizer = False
+        self.begin_collectives()
 
     def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor]]:
         """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""
+        self.settle_collectives()
         self._gather_deferred_stats()
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
@@ -612,7 +680,8 @@ class CaptureMode(TorchDispatchMode):
     def _sweep(self) -> None:
         """Forget the write history of view families nobody holds any more."""
         recs = list(self._known.values())
-        groups = {rec.group for rec in recs}
+        self._bases = {key: hit for key, hit in self._bases.items() if hit[2]() is not None}
+        groups = {rec.group for rec in recs} | {hit[0] for hit in self._bases.values()}
         self._writes = {g: w for g, w in self._writes.items() if g in groups}
         if self.watch is not None:
             self.watch.restart({rec.tid for rec in recs})

@@ -39,6 +39,15 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def _ddp_module(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The DistributedDataParallel module in ``model`` (itself or a submodule), if any."""
+    if model is None or not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+
+
 def _model_device(model: torch.nn.Module | None) -> str | None:
     if model is None:
         return None
@@ -221,6 +230,8 @@ class TraceCompare:
             no_dropout=self.dropout is not None,
             watch=OverflowWatch() if self.overflow else None,
             on_overflow=self._raise_overflow if self.overflow == "raise" else None,
+            rank=rank,
+            ddp=_ddp_module(self.model),
         )
         TraceCompare._active = self
         self._step = 0
@@ -356,10 +367,8 @@ class TraceCompare:
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
-        if mode.skipped != writer.writer.manifest["info"].get("capture_skipped", {}):
-            # What was not recorded, or recorded without statistics, and why (capture/tensorkinds.py).
-            writer.writer.update_info(capture_skipped=dict(mode.skipped))
         if not mode.rows and not mode.tensor_rows:
+            self._update_info()
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
             print(f"tracecmp: writing {len(mode.rows):,} ops up to step {self._step} ...", file=sys.stderr, flush=True)
@@ -368,6 +377,7 @@ class TraceCompare:
         if self.model is None and manifest["device"] == "cpu":
             manifest["device"] = mode.accelerator() or "cpu"
         mode.chunk = writer.submit(rows, tensor_rows, saved or None) + 1
+        self._update_info()
         watch = mode.watch
         found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
         if self.sync_steps or found:
@@ -375,6 +385,25 @@ class TraceCompare:
         if found:
             assert watch is not None and watch.found is not None
             writer.writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
+
+    def _update_info(self) -> None:
+        """Note in the rank manifest what capture learnt that the tables do not say, when it changed:
+        what was skipped and why (capture/tensorkinds.py), the process groups collectives used,
+        the parameters of each DDP bucket (capture/collectives.py)."""
+        mode, writer = self._mode, self._writer
+        assert mode is not None and writer is not None
+        info = writer.writer.manifest["info"]
+        news = {
+            key: value
+            for key, value in (
+                ("capture_skipped", dict(mode.skipped)),
+                ("process_groups", dict(mode.process_groups)),
+                ("ddp_buckets", mode.ddp_buckets),
+            )
+            if value and info.get(key) != value
+        }
+        if news:
+            writer.writer.update_info(**news)
 
     def _overflow_record(self, op_id: int) -> Overflow:
         """The overflow at ``op_id``, described from the committed chunks as ``tracecmp overflow`` would."""
