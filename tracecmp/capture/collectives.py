@@ -43,14 +43,13 @@ import torch
 from torch._C import _current_autograd_node
 
 from tracecmp.aten.args import scan, scan_value
-from tracecmp.aten.schema import OpInfo
+from tracecmp.aten.schema import OpInfo, arg_value
 
 if TYPE_CHECKING:
     from tracecmp.capture.mode import CaptureMode
 
 NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
-IN_FLIGHT = "a collective still in flight when its chunk was handed over: no statistics of what it received"
-DEAD = "a collective's output freed before it completed: no statistics of what it received"
+IN_FLIGHT = "a collective still in flight when its step ended: no statistics of what it received"
 
 _KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
@@ -252,15 +251,40 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def _work_of(out: Any) -> Any:
-    """The ``Work`` a c10d op returned (alone or last in a tuple), unboxed; None if there is none."""
+def _future_of(out: Any) -> Any:
+    """What tells when the c10d op that returned ``out`` completed: its ``Work``'s future, or the
+    Work where it has none (gloo's all-gather into a tensor); None if it returned no Work.
+
+    The future first: DDP waits on the future, and a gloo Work may report ``is_completed()`` only
+    once someone called its ``wait()``.
+    """
     value = out[-1] if isinstance(out, (tuple, list)) and out else out
-    if isinstance(value, torch.ScriptObject):
-        try:
-            return torch.distributed.Work.unbox(value)
-        except (RuntimeError, AttributeError):
-            return None
-    return None
+    if not isinstance(value, torch.ScriptObject):
+        return None
+    try:
+        work = torch.distributed.Work.unbox(value)
+    except (RuntimeError, AttributeError):
+        return None
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return work
+
+
+def _completed(handle: Any) -> bool:
+    """Whether a collective completed, without an error (then what it received is unknown).
+
+    ``handle`` is its Work's future, or the Work where it has none.
+    """
+    try:
+        if isinstance(handle, torch.distributed.Work):
+            return bool(handle.is_completed()) and bool(handle.is_success())
+        if not handle.done():
+            return False
+        handle.value()  # does not block once done; raises the collective's error
+    except RuntimeError:
+        return False
+    return True
 
 
 class DDPBuckets:
@@ -315,7 +339,12 @@ class CollectiveRecorder:
     """The part of the capture mode that records collectives (mixed into ``CaptureMode``)."""
 
     def _init_collectives(self, rank: int, ddp: torch.nn.Module | None) -> None:
-        self._awaiting: dict[int, tuple[int, weakref.ref[torch.Tensor], Any]] = {}  # tid -> (row, tensor, Work)
+        # Outputs whose statistics wait for their collective: tid -> (tensor row, tensor, its Work's
+        # future or None, view family). Held until then (at most to the end of the step): the
+        # program may keep only views of them (FSDP2's reduce-scatter output).
+        self._awaiting: dict[int, tuple[int, torch.Tensor, Any, int]] = {}
+        # View family -> awaited c10d outputs in it: an op that reads any member may complete them.
+        self._awaited_groups: dict[int, list[int]] = {}
         self._groups: dict[Any, Group] = {}
         self._counters: dict[str, int] = {}
         self._rank = rank
@@ -329,7 +358,7 @@ class CollectiveRecorder:
         if sig.kind == "wait":
             return self._wait(func, args, kwargs)
         if not sig.kind:
-            return func(*args, **kwargs)  # _wrap_tensor_autograd and the like: they move no data
+            return self._alias(func, args, kwargs)
         if self._unsettled:
             self.settle()
         tensors: list[torch.Tensor] = []
@@ -350,8 +379,8 @@ class CollectiveRecorder:
                 inputs.append(rec.tid)
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack))
-        if self._awaiting:
-            self._complete_inputs(inputs)
+        if self._awaited_groups:
+            self._complete_inputs(info, args, kwargs, tensors)
         meta = describe(sig, args, kwargs, self._groups, self._rank)
         if meta["group"] and meta["group"] not in self.process_groups:
             self.process_groups[meta["group"]] = {"ranks": meta["ranks"]}
@@ -362,7 +391,7 @@ class CollectiveRecorder:
         out = func(*args, **kwargs)
         op_id = self._next_op
         self._next_op = op_id + 1
-        work = None if sig.functional else _work_of(out)
+        future = None if sig.functional else _future_of(out)
         outputs: list[int] = []
         inplace = False
         if sig.functional:
@@ -379,7 +408,10 @@ class CollectiveRecorder:
                 inplace = True
             else:
                 self._fresh(t, op_id, outputs, False)
-            self._awaiting[outputs[-1]] = (len(self.tensor_rows) - 1, weakref.ref(t), work)
+            tid, group = outputs[-1], self._known[id(t)].group
+            self._awaiting[tid] = (len(self.tensor_rows) - 1, t, future, group)
+            if future is not None:  # functional collectives complete at wait_tensor only
+                self._awaited_groups.setdefault(group, []).append(tid)
         meta["received"] = list(range(len(outputs)))
         name = match_key(meta, self._counters)
         text = self._args.encode(info, key, args, kwargs)
@@ -413,10 +445,25 @@ class CollectiveRecorder:
             self.ddp_buckets = [names for _, names in self._ddp.layout]
         return k
 
-    def begin_collectives(self) -> None:
-        """A recorded step begins (outside any backward): DDP may have rebuilt its buckets."""
+    def begin_collectives(self: CaptureMode) -> None:
+        """A recorded step begins (outside any backward): the last step's collectives are settled,
+        and DDP may have rebuilt its buckets."""
+        if self._awaiting:
+            self.settle_collectives()
         if self._ddp is not None:
             self._ddp.refresh()
+
+    def _alias(self: CaptureMode, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``_wrap_tensor_autograd`` and the like move no data: unrecorded, but an awaited output
+        they wrap stays awaited as the wrapper (the tensor its wait_tensor will be called on)."""
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and self._awaiting:
+            for t in _tensors((args, kwargs)):
+                rec = self._known.get(id(t))
+                if rec is not None and rec() is t and rec.tid in self._awaiting and out is not t:
+                    self._remember(out, rec.tid, rec.version, self._awaiting[rec.tid][3])
+                    break
+        return out
 
     def _wait(self: CaptureMode, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``wait_tensor``: the completion point of a functional collective, not a node of its own."""
@@ -424,39 +471,53 @@ class CollectiveRecorder:
         if self._awaiting:
             for t in _tensors((args, kwargs)):
                 rec = self._known.get(id(t))
-                if rec is not None and rec() is t and rec.tid in self._awaiting:
-                    self._complete(rec.tid)
+                if rec is None or rec() is not t:
+                    continue
+                # The tensor waited on may be a view of what the collective returned (DTensor's).
+                for tid in [tid for tid, hit in self._awaiting.items() if hit[3] == rec.group]:
+                    self._complete(tid)
         return out
 
-    def _complete_inputs(self: CaptureMode, inputs: list[int] | tuple[int, ...]) -> None:
-        """An op reads collective outputs: the program has waited for them, take their statistics."""
-        awaiting = self._awaiting
-        for tid in inputs:
-            if tid in awaiting:
+    def _complete_inputs(self: CaptureMode, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         tensors: list[torch.Tensor]) -> None:
+        """An op reads a tensor of an awaited c10d output's view family: the output completed.
+
+        A correct program waits before it reads what a collective received (DDP waits on the
+        future, FSDP2 on the Work, a plain call returns once done), so the first read is when
+        its statistics are taken. Views read nothing, and neither does an op that only writes
+        the output: gloo's reduce-scatter copies the reduced shard into it while its Work
+        completes, and its Work never reports completion to anyone but its waiter.
+        """
+        if info.kind == "view":
+            return
+        groups = self._awaited_groups
+        known = self._known
+        written = [t for ref in info.writes for t in _tensors(arg_value(ref, args, kwargs))] if info.writes else ()
+        for t in tensors:
+            rec = known.get(id(t))
+            if rec is None or rec() is not t or rec.group not in groups or any(t is w for w in written):
+                continue
+            for tid in list(groups.get(rec.group, ())):
                 self._complete(tid)
 
     def _complete(self: CaptureMode, tid: int) -> None:
         """Fill in the statistics of a collective's output, now that it completed."""
-        row, ref, _ = self._awaiting.pop(tid)
-        t = ref()
-        if t is None:
-            self.skipped[DEAD] = self.skipped.get(DEAD, 0) + 1
-            return
+        row, t, _, group = self._awaiting.pop(tid)
+        members = self._awaited_groups.get(group)
+        if members is not None and tid in members:
+            members.remove(tid)
+            if not members:
+                del self._awaited_groups[group]
         self._fill(row, t, tid)
 
     def settle_collectives(self: CaptureMode) -> None:
-        """Before a hand-over: read what completed; what is still in flight keeps no statistics."""
+        """At the end of a step and before a hand-over: read what completed; what is still in
+        flight keeps no statistics (capture never waits)."""
         for tid in list(self._awaiting):
-            _, ref, work = self._awaiting[tid]
-            done = False
-            if work is not None:
-                try:
-                    done = bool(work.is_completed())
-                except RuntimeError:
-                    done = False
-            if done and ref() is not None:
+            future = self._awaiting[tid][2]
+            if future is not None and _completed(future):
                 self._complete(tid)
             else:
                 del self._awaiting[tid]
-                reason = IN_FLIGHT if ref() is not None else DEAD
-                self.skipped[reason] = self.skipped.get(reason, 0) + 1
+                self.skipped[IN_FLIGHT] = self.skipped.get(IN_FLIGHT, 0) + 1
+        self._awaited_groups.clear()

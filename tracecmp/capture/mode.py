@@ -50,6 +50,7 @@ from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture import stats as _stats
 from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
 from tracecmp.aten.schema import (
+    BUFFER,
     FRESH,
     ONE_FRESH,
     OP_INFOS as _OP_INFOS,
@@ -65,7 +66,7 @@ from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unp
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.trace.columns import Columns
-from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA
+from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA, UNREAD_SOURCE
 
 _NO_STATS = (None,) * 7
 _NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
@@ -100,7 +101,19 @@ class _Rec(weakref.ref):  # type: ignore[type-arg]
     key: int  # id() of the tensor, its key in the map
 
 
-def _among(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+def _write_only(info: OpInfo, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op only writes (its ``out=`` arguments)."""
+    found: list[torch.Tensor] = []
+    for name in info.write_only:
+        value = kwargs.get(name)
+        if isinstance(value, _Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, _Tensor))
+    return found
+
+
+def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> bool:
     for other in tensors:
         if other is t:
             return True
@@ -161,6 +174,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         # id(base) -> (group, version, base) of bases not in the trace whose views are (_family)
         self._bases: dict[int, tuple[int, int | None, weakref.ref[torch.Tensor]]] = {}
         self._unsettled: list[tuple[_Rec, list[Any]]] = []  # writes whose version is not bumped yet
+        self._held: list[torch.Tensor] = []  # views written by the last op, alive until settle looks at them
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
@@ -224,14 +238,15 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         stack = self._locator.stack(1) if self._stack else ""
         known = self._known
         inputs: list[int] = []
+        unread = _write_only(info, kwargs) if info.write_only else ()
         for t in tensors:
             rec = known.get(id(t))
             if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
                 inputs.append(rec.tid)
             else:
-                inputs.append(self._enter(t, rec, phase, module, location, stack))
-        if self._awaiting:  # reads a collective's output: it completed (collectives.py)
-            self._complete_inputs(inputs)
+                inputs.append(self._enter(t, rec, phase, module, location, stack, unread=_among(t, unread)))
+        if self._awaited_groups:  # reads a collective's output: it completed (collectives.py)
+            self._complete_inputs(info, args, kwargs, tensors)
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -327,16 +342,20 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         return hit[0], hit[1] or self._locator.location(2), seq
 
     def _enter(
-        self, t: torch.Tensor, rec: _Rec | None, phase: str, module: str, location: str, stack: str
+        self, t: torch.Tensor, rec: _Rec | None, phase: str, module: str, location: str, stack: str,
+        unread: bool = False,
     ) -> int:
-        """Id of an input the map does not vouch for: a refreshed alias or a new source node."""
+        """Id of an input the map does not vouch for: a refreshed alias or a new source node
+        (``unread``: one the op only writes, recorded without statistics)."""
         if rec is not None and rec() is not t:
             rec = None  # a dead tensor's entry whose id() was reused before its callback ran
         op_id = self._next_op
         self._next_op = op_id + 1
         tid = self._next_tensor
         self._next_tensor = tid + 1
-        if rec is not None:
+        if rec is not None and unread:
+            version, group = t._version, rec.group  # what the op overwrites needs no value
+        elif rec is not None:
             version = t._version
             writes = self._writes.get(rec.group)
             written = [w for v, w in writes if v > rec.version] if writes and writes[-1][0] == version else []
@@ -356,7 +375,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         else:
             version = None if t.is_inference() else t._version
             group, since = self._family(t, tid, version)
-            if since is not None and version is not None:
+            if since is not None and version is not None and not unread:
                 # Views of it made outside the trace were written (a DDP bucket, through its
                 # per-parameter views): its value is what they wrote, if they account for every write.
                 writes = self._writes.get(group)
@@ -371,10 +390,15 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                     self._remember(t, tid, version, group)
                     return tid
         source, name = self.scope.source(t, (self.step, phase))
+        if unread:
+            source = UNREAD_SOURCE
         self.rows.append(
             (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,)) + _NOT_AN_OP + (stack,)
         )
-        self._value(t, tid, op_id, 0, -1)
+        if unread:
+            self._bare(t, tid, op_id, 0, -1)
+        else:
+            self._value(t, tid, op_id, 0, -1)
         self._remember(t, tid, version, group)
         return tid
 
@@ -464,6 +488,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         op_id: int,
         outputs: list[int],
     ) -> None:
+        if kind == BUFFER:
+            return  # an argument handed back, partly written: it keeps its value (aten/schema.py)
         if kind == FRESH:
             self._fresh(t, op_id, outputs, not info.uninitialized)
         elif kind == SCRATCH:
@@ -499,6 +525,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             # Autograd bumps the version counter only after the op returns: settled at the next op.
             entry = [rec.version, tid]
             self._unsettled.append((rec, entry))
+            if t._base is not None:
+                self._held.append(t)  # an out= view the caller drops at once (FSDP2's): settle must see it
             group = rec.group
             history = self._writes.get(group)
             if history is None:
@@ -525,11 +553,39 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
 
     def settle(self) -> None:
         """Read the versions of the tensors the last op wrote, once it has returned (bumped them)."""
-        for rec, entry in self._unsettled:
+        unsettled, self._unsettled = self._unsettled, []
+        held, self._held = self._held, []  # noqa: F841 - kept alive until the loop has looked at them
+        for rec, entry in unsettled:
             t = rec()
             if t is not None:
-                rec.version = entry[0] = t._version
-        self._unsettled = []
+                version = t._version
+                if version == entry[0]:
+                    self._unbumped(t, entry[1])
+                rec.version = entry[0] = version
+
+    def _unbumped(self, t: torch.Tensor, tid: int) -> None:
+        """The last op wrote ``t`` (value ``tid``) without moving its version counter.
+
+        Custom ops registered without an autograd kernel (FSDP2's ``fsdp.chunk_cat`` ...) write
+        their ``out=`` views so; the view's base would then look unchanged to the next op that
+        reads it. Its new value is recorded at once, as an alias update of the write.
+        """
+        base = t._base
+        rec = self._known.get(id(base)) if base is not None else None
+        if rec is None or rec() is not base or rec.tid == tid or tid in self._awaiting:
+            return
+        row = next(self.rows.rows(len(self.rows) - 1))  # the writing op's context
+        op_id = self._next_op
+        self._next_op = op_id + 1
+        new = self._next_tensor
+        self._next_tensor = new + 1
+        self.rows.append(
+            (op_id, self.step, row[2], "view", ALIAS_UPDATE_OP, "", row[6], row[7], "{}", (rec.tid, tid), (new,))
+            + _NOT_AN_OP
+            + (row[14],)
+        )
+        self._value(base, new, op_id, 0, tid)
+        rec.tid = new
 
     def _view(self, t: torch.Tensor, base: Any, op_id: int, outputs: list[int]) -> None:
         tid = self._next_tensor

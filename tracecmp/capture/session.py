@@ -254,6 +254,8 @@ class TraceCompare:
                 self._stop()
                 self._leave_dropout_off()
                 self._flush()
+                if exc_type is not None:  # what stopped the run, so compare can tell it from a killed rank
+                    self._writer.writer.update_info(stopped=f"{exc_type.__name__}: {str(exc)[:200]}")
             finally:
                 # Waits for the writer thread; incomplete when the body raised or a chunk was lost.
                 self._writer.close(complete=exc_type is None and not self._overflowed)
