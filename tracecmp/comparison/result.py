@@ -45,6 +45,7 @@ class CompareResult:
     exact: bool = False
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    job: Any = None  # several ranks: tracecmp.comparison.ranks.JobReport (ranks side by side, paths)
 
     @property
     def agrees(self) -> bool:
@@ -119,6 +120,8 @@ class CompareResult:
         elif counts.get("noise") and not self.exact:
             lines.append(f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
                          'that noise cannot be told apart from statistics: capture the target with data="tensors"')
+        if self.job is not None:
+            lines += ["", self.job.summary()]
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
