@@ -82,6 +82,21 @@ def _stats(t: torch.Tensor) -> list[float]:
     return list(reference_stats(t.detach()))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def plain(setup: str, rank: int) -> list[torch.Tensor]:
+    """The same training without capture: its parameters, to hold the captured run's to."""
+    model = build(setup, "", rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        model(batch(setup, rank, step)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [_local(p).detach().clone() for p in model.parameters()]
+
+
 def run(out: Path, setup: str, variant: str, rank: int, facts: dict[str, Any]) -> None:
     fault = variant if variant in ("forward", "backward", "overflow") else ""
     model = build(setup, fault, rank)
@@ -98,6 +113,9 @@ def run(out: Path, setup: str, variant: str, rank: int, facts: dict[str, Any]) -
             opt.step()
             opt.zero_grad()
             tc.step()
+    if variant == "bench":  # capture changed nothing the program computed
+        reference = plain(setup, rank)
+        facts["transparent"] = all(torch.equal(_local(p).detach(), q) for p, q in zip(model.parameters(), reference))
 
 
 def killed(out: Path, rank: int) -> None:

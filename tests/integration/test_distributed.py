@@ -83,6 +83,12 @@ def test_a_fault_on_rank_1_is_named_there_and_rank_0_inherits_it_through_a_colle
     assert path[-1].role == "received" and path[-1].rank == 0 and path[-1].op == path[-2].op
 
 
+def test_capture_changes_nothing_the_ranks_compute(runs: Path) -> None:
+    for rank in (0, 1):
+        facts = json.loads((runs / f"facts-{rank}.json").read_text())
+        assert {setup: facts[setup]["transparent"] for setup in SETUPS} == dict.fromkeys(SETUPS, True)
+
+
 def test_the_recorded_all_reduce_statistics_are_the_reduced_gradients(runs: Path) -> None:
     trace = tracecmp.load(runs / "ddp" / "bench")
     for rank in trace.ranks:

@@ -130,6 +130,26 @@ class JobReport:
             lines.append(f"layout: {note}")
         return "\n".join(lines)
 
+    def html(self) -> str:
+        """The report's "Ranks" section: the ranks side by side, the path through the collectives."""
+        from html import escape
+
+        rows = "".join(
+            f"<tr class=\"{escape(line.status)}\"><td>{line.rank}</td><td>{escape(line.status)}</td><td>{escape(line.first)}</td>"
+            f"<td>{escape(line.source)}</td><td>{'yes' if line.complete else 'no: ' + escape(line.ended)}</td></tr>"
+            for line in self.ranks
+        )
+        parts = ['<h2 id="ranks">Ranks</h2>',
+                 '<p class="note">Each rank\'s first divergence, and where it came from: its own root, or another '
+                 "rank's, carried in by a collective.</p>",
+                 "<table><thead><tr><th>rank</th><th>status</th><th>first divergence</th><th>from</th>"
+                 f"<th>complete</th></tr></thead><tbody>{rows}</tbody></table>"]
+        for rank, path in sorted(self.paths.items()):
+            steps = " &rarr; ".join(escape(_step_text(s)) for s in _elide(path))
+            parts.append(f'<p class="note">Path to rank {rank}: {steps}</p>')
+        parts += [f'<div class="warn">{escape(note)}</div>' for note in self.layout]
+        return "\n".join(parts)
+
     def to_frame(self) -> pd.DataFrame:
         """One row per rank: status, first divergence, where it came from, completeness."""
         return pd.DataFrame([vars(line) for line in self.ranks],

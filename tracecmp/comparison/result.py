@@ -150,7 +150,8 @@ class CompareResult:
         return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
 
     def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
-        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv (and compare.xlsx); returns the paths."""
+        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv (ranks.csv for several ranks,
+        and compare.xlsx); returns the paths."""
         out = Path(out_dir)
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +159,8 @@ class CompareResult:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
         tables = {"nodes": self.nodes, "tensors": self.tensors, "suspects": self.suspects_frame(),
                   "unpaired_bench": self.unpaired_bench}
+        if self.job is not None:
+            tables["ranks"] = self.job.to_frame()
         paths = []
         for name, frame in tables.items():
             path = out / f"{name}.csv"
