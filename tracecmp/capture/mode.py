@@ -574,15 +574,19 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         rec = self._known.get(id(base)) if base is not None else None
         if rec is None or rec() is not base or rec.tid == tid or tid in self._awaiting:
             return
-        row = next(self.rows.rows(len(self.rows) - 1))  # the writing op's context
+        if self.rows:
+            row = next(self.rows.rows(len(self.rows) - 1))  # the writing op's context
+            phase, module, location, stack = row[2], row[6], row[7], row[14]
+        else:  # the writing op went out with the last hand-over
+            phase, module, location, stack = "optimizer" if self.in_optimizer else "forward", self.scope.current, "", ""
         op_id = self._next_op
         self._next_op = op_id + 1
         new = self._next_tensor
         self._next_tensor = new + 1
         self.rows.append(
-            (op_id, self.step, row[2], "view", ALIAS_UPDATE_OP, "", row[6], row[7], "{}", (rec.tid, tid), (new,))
+            (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", (rec.tid, tid), (new,))
             + _NOT_AN_OP
-            + (row[14],)
+            + (stack,)
         )
         self._value(base, new, op_id, 0, tid)
         rec.tid = new
