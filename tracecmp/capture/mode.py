@@ -123,6 +123,14 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
 class CaptureMode(CollectiveRecorder, TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A mode that says False makes Dynamo skip every frame while it is active, and a module
+        # first called then stays uncompiled after the mode exits: the traced program would not
+        # be the user's. With True, compilation is untouched and the mode sees what compiled
+        # code dispatches at run time (capture/compiled.py records the regions themselves).
+        return True
+
     def __init__(
         self,
         scope: ModuleScope,
