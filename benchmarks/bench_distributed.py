@@ -8,7 +8,7 @@ one launch (medians; the ratio is what to read on a noisy machine), and what a c
 captured: a synchronous all-reduce, one with ``async_op=True`` waited on, and a functional one
 whose wait is implicit (its AsyncCollectiveTensor's first use).
 
-``compare`` captures the same per-rank run (DDP, a fault on rank 1) with 1, 2 and 4 ranks, then
+``compare`` captures the same per-rank run (DDP, a fault on the last rank) with 1, 2 and 4 ranks, then
 times ``tracecmp.compare`` on each in a fresh process: in that process alone (``workers=1``)
 and with one worker per rank; peak RSS of the comparing process and of its largest worker.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -159,7 +158,8 @@ def capture_worker(out: str, steps: int, width: int, blocks: int) -> None:
     rank = dist.get_rank()
     for variant in ("bench", "target"):
         torch.manual_seed(0)
-        ddp = torch.nn.parallel.DistributedDataParallel(_model(width, blocks, variant == "target" and rank == 1))
+        last = rank == dist.get_world_size() - 1  # the fault's rank: the last, so one rank has it too
+        ddp = torch.nn.parallel.DistributedDataParallel(_model(width, blocks, variant == "target" and last))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         with tracecmp.TraceCompare(Path(out) / variant, model=ddp) as tc:
             for step in range(steps):
