@@ -1,6 +1,7 @@
 """Many ranks: capture overhead of a DDP step, and compare time and memory for 1, 2 and 4 ranks.
 
     python benchmarks/bench_distributed.py overhead            # torchrun, 2 ranks over gloo
+    python benchmarks/bench_distributed.py calls               # one process: what recording a collective costs
     python benchmarks/bench_distributed.py compare --ranks 1,2,4
 
 ``overhead`` times a 2-rank DDP training step of an MLP stack plain and captured, alternating in
@@ -169,6 +170,61 @@ def capture_worker(out: str, steps: int, width: int, blocks: int) -> None:
     dist.destroy_process_group()
 
 
+def calls_alone(n: int) -> None:
+    """What recording a collective costs, without a second rank to wait for (world size 1)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import tracecmp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    t = torch.ones(1024)
+    cases = {
+        "sync": lambda: dist.all_reduce(t),
+        "async_op": lambda: dist.all_reduce(t, async_op=True).wait(),
+        "functional": lambda: funcol.all_reduce(t, "sum", dist.group.WORLD).mul(1.0),
+    }
+    folder = Path(tempfile.mkdtemp(prefix="tracecmp-calls-"))
+    for name, call in cases.items():
+        for _ in range(20):
+            call()
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        plain = (time.perf_counter() - start) / n
+        with tracecmp.TraceCompare(folder / name):
+            for _ in range(20):
+                call()
+            start = time.perf_counter()
+            for _ in range(n):
+                call()
+            captured = (time.perf_counter() - start) / n
+        print(f"  {name:<11} plain {1e6 * plain:8.1f} us  captured {1e6 * captured:8.1f} us  (+{1e6 * (captured - plain):.1f} us)")
+    # The floor of any dispatch mode: an empty one, with and without ignore_compile_internals.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Empty(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    class EmptyIgnoringCompile(Empty):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+    for mode in (Empty, EmptyIgnoringCompile):
+        with mode():
+            for _ in range(5):
+                cases["sync"]()
+            start = time.perf_counter()
+            for _ in range(50):
+                cases["sync"]()
+            print(f"  sync under an empty {mode.__name__}: {1e6 * (time.perf_counter() - start) / 50:.1f} us")
+    dist.destroy_process_group()
+
+
 # ---- driver -------------------------------------------------------------------------------------
 
 def _compare_in_fresh_process(folder: Path, workers: int) -> dict[str, Any]:
@@ -195,6 +251,7 @@ def main() -> None:
     over = sub.add_parser("overhead")
     over.add_argument("--reps", type=int, default=7)
     over.add_argument("--steps", type=int, default=10)
+    sub.add_parser("calls").add_argument("--calls", type=int, default=300)
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("--ranks", default="1,2,4")
     cmp_.add_argument("--steps", type=int, default=30)
@@ -209,6 +266,8 @@ def main() -> None:
     elif args.what == "capture-worker":
         out, steps, width, blocks = args.args
         capture_worker(out, int(steps), int(width), int(blocks))
+    elif args.what == "calls":
+        calls_alone(args.calls)
     elif args.what == "overhead":
         folder = tempfile.mkdtemp(prefix="tracecmp-bench-")  # one trace folder for both ranks, as under any torchrun
         found = json.loads(_torchrun(2, "overhead-worker", folder, str(args.reps), str(args.steps)).strip().splitlines()[-1])
