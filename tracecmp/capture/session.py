@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp._compat import announce_references
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope
@@ -180,6 +181,7 @@ class TraceCompare:
         if self._used:
             raise CaptureError("this TraceCompare was already used; make a new one", path=self.path)
         self._used = True
+        announce_references()
         rank, world_size = _distributed()
         device = _model_device(self.model) or "cpu"
         options = {

@@ -70,7 +70,7 @@ def _tokens(text: str) -> list[str | tuple[str, str]]:
     while pos < len(text):
         match = _TOKEN.match(text, pos)
         if match is None:
-            raise TracecmpError(f"cannot read the DOT text at {text[pos:pos + 30]!r}")
+            raise TracecmpError(f"DOT text: cannot read {text[pos:pos + 30]!r}")
         pos = match.end()
         if match.group("arrow") or match.group("punct"):
             out.append(match.group(0))
@@ -135,6 +135,10 @@ def parse_dot(text: str) -> DotGraph:
             nodes[name] = dict(defaults)
             cluster_of[name] = cluster
             cluster.nodes.append(name)
+        elif cluster.depth > cluster_of[name].depth:  # named again inside a cluster: it moves there
+            cluster_of[name].nodes.remove(name)
+            cluster_of[name] = cluster
+            cluster.nodes.append(name)
         nodes[name].update(attrs)
 
     def body(cluster: Cluster, own: dict[str, str], node_defaults: dict[str, str], edge_defaults: dict[str, str]) -> None:
@@ -189,6 +193,8 @@ def parse_dot(text: str) -> DotGraph:
     if isinstance(peek(), tuple):
         value()
     body(root, graph_attrs, {}, {})
+    if peek() is not None:
+        raise TracecmpError(f"DOT text: unexpected {peek()!r} after the graph")
     return DotGraph(graph_attrs, nodes, edges, root, cluster_of)
 
 
@@ -516,7 +522,11 @@ class _Layout:
         self.items: dict[str, _Item] = {}
         self.ranks: list[list[_Item]] = []
         self.chains: list[tuple[str, str, dict[str, str], list[str]]] = []  # edge -> its item chain
-        self.clusters = list(self._walk(graph.root))
+        # Clusters without nodes are not drawn (graphviz draws them as empty boxes somewhere).
+        self.clusters = [c for c in self._walk(graph.root) if c.parent is None or self._holds_nodes(c)]
+
+    def _holds_nodes(self, cluster: Cluster) -> bool:
+        return bool(cluster.nodes) or any(self._holds_nodes(c) for c in cluster.children)
 
     def _walk(self, cluster: Cluster) -> Iterable[Cluster]:
         yield cluster
@@ -881,10 +891,10 @@ class _Layout:
         bottom_offset: dict[str, float] = {}
         for cluster in sorted(clusters, key=lambda c: -c.depth):
             lo, hi = self.span[id(cluster)]
-            inner = max((top_offset[c.name] for c in cluster.children if self.span[id(c)][0] == lo), default=0.0)
+            inner = max((top_offset[c.name] for c in cluster.children if self._holds_nodes(c) and self.span[id(c)][0] == lo), default=0.0)
             top_offset[cluster.name] = inner + label_height[cluster.name] + _CLUSTER_PAD
             above[lo] = max(above[lo], top_offset[cluster.name])
-            inner = max((bottom_offset[c.name] for c in cluster.children if self.span[id(c)][1] == hi), default=0.0)
+            inner = max((bottom_offset[c.name] for c in cluster.children if self._holds_nodes(c) and self.span[id(c)][1] == hi), default=0.0)
             bottom_offset[cluster.name] = inner + _CLUSTER_PAD
             below[hi] = max(below[hi], bottom_offset[cluster.name])
         graph_label = parse_label(self.g.attrs["label"], self.font, self.g.attrs.get("fontcolor", "#000000")) if self.g.attrs.get("label") else None
