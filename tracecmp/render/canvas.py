@@ -162,7 +162,7 @@ def _outline(shape: Shape) -> list[tuple[float, float]]:
     return out + [out[0]]
 
 
-def to_png(drawing: Drawing, scale: float = 2.0, supersample: int = 2) -> bytes:
+def to_png(drawing: Drawing, scale: float = 1.5, supersample: int = 2) -> bytes:
     """The drawing as PNG bytes, ``scale`` pixels per point (needs Pillow)."""
     try:
         from PIL import Image, ImageDraw
@@ -206,5 +206,5 @@ def to_png(drawing: Drawing, scale: float = 2.0, supersample: int = 2) -> bytes:
             pen.text((x * k, y * k), shape.text, fill=shape.fill or "#000000", font=font, anchor="ls")
     image = image.resize((max(1, round(size[0] / supersample)), max(1, round(size[1] / supersample))), Image.LANCZOS)
     out = io.BytesIO()
-    image.save(out, format="PNG", optimize=True)
+    image.save(out, format="PNG")
     return out.getvalue()

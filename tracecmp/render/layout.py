@@ -345,10 +345,8 @@ class _LabelParser(HTMLParser):
         if tag in ("font", "b", "i", "u", "s", "sub", "sup", "o") and len(self.styles) > 1:
             self.styles.pop()
         elif tag == "td":
-            cell = self.stack.pop()
+            self.stack.pop()
             self.blocks.pop()
-            if isinstance(cell, Cell) and isinstance(cell.content, TextBlock) and cell.content.lines == [[]] and getattr(cell, "_table", None):
-                cell.content = cell._table  # type: ignore[attr-defined]
         elif tag == "tr":
             self.stack.pop()
         elif tag == "table":
@@ -919,7 +917,7 @@ class _Layout:
         for cluster in sorted(clusters, key=lambda c: c.depth):
             left, right = self.bounds[cluster.name]
             lo, hi = self.span[id(cluster)]
-            top = centers[lo] - heights[lo] / 2 - top_offset[cluster.name] + (above[lo] - above[lo])
+            top = centers[lo] - heights[lo] / 2 - top_offset[cluster.name]
             bottom = centers[hi] + heights[hi] / 2 + bottom_offset[cluster.name]
             attrs = cluster.attrs
             styles = _styles(attrs)
@@ -971,17 +969,14 @@ class _Layout:
         points = []
         for k, item in enumerate(items):
             x, y = item.x + shift, centers[item.rank]
-            if item.kind == "node":
+            if item.kind == "node":  # leave and arrive toward the next point, on the bottom/top edge
                 y += item.height / 2 if k == 0 else -item.height / 2
                 near = items[1] if k == 0 else items[-2]
-                if item.kind == "node":  # leave toward the next point, within the node's bottom/top edge
-                    half = (item.left + item.right) / 2 - 6.0
-                    x += max(-half, min(half, (near.x + shift - x) * 0.3))
+                half = (item.left + item.right) / 2 - 6.0
+                x += max(-half, min(half, (near.x + shift - x) * 0.3))
             points.append((x, y))
-        if len(points) > 2:  # pass through virtual nodes, not around them
-            points = [points[0]] + [(x, y) for (x, y) in points[1:-1]] + [points[-1]]
         arrow = _float(attrs, "arrowsize", 1.0) * 7.0
-        (x0, y0), (x1, y1) = points[-2], points[-1]
+        x1, y1 = points[-1]
         # Stop the line where the arrowhead starts.
         end = (x1, y1 - arrow)
         path = [points[0]]
