@@ -234,7 +234,7 @@ def capture_run(path: Path, fault: Fault | None, steps: int, seed: int) -> list[
     torch.set_float32_matmul_precision("high" if fault is not None else "highest")
     try:
         # The fault context is entered first so that capture, entered last, sees every call first.
-        with context, tracecmp.TraceCompare(path, model=model, stack=True) as tc:
+        with context, tracecmp.TraceCompare(path, model=model, stack=True, overwrite=True) as tc:
             return train(model, steps, seed, on_step=tc.step)
     finally:
         torch.set_float32_matmul_precision(precision)

@@ -47,9 +47,13 @@ def summarize(path: str | Path) -> str:
     tensors = trace.tensors_frame()
     lines: list[str] = [f"trace     {trace.path}"]
     incomplete = [r for r in trace.ranks if not trace.rank(r).complete]
-    lines.append(
-        "complete  yes" if not incomplete else f"complete  NO: rank(s) {incomplete} did not finish (a crash or kill)"
-    )
+    if not incomplete:
+        lines.append("complete  yes")
+    elif len(trace.ranks) == 1:
+        lines.append(f"complete  NO: {trace.rank(incomplete[0]).ending()}")
+    else:
+        lines.append(f"complete  NO: rank(s) {incomplete} did not finish")
+        lines.extend(f"  rank {r}: {trace.rank(r).ending()}" for r in incomplete)
     devices = sorted({trace.rank(r).device for r in trace.ranks})
     lines.append(f"ranks     {trace.ranks} of world size {manifest.get('world_size', len(trace.ranks))}")
     lines.append(f"device    {', '.join(devices)}")
