@@ -72,6 +72,7 @@ class ModuleScope:
         self._handles: list[Any] = []
         self._marks: list[int] = []
         self._stale = False  # the model may have new modules or parameters since it was named
+        self.roots: list[str] = []  # class names of the outermost modules found running (no model given)
         if model is not None:
             self.add_root(model)
 
@@ -200,6 +201,7 @@ class ModuleScope:
             # No model given: each top-level module is a root, named "" like named_modules() does.
             if path is None:
                 self.add_root(module)
+                self.roots.append(type(module).__name__)
                 path = ""
             if path == "":
                 self.name_inputs(args, {})
@@ -209,6 +211,10 @@ class ModuleScope:
             path = self.current
         self._stack.append((path, _get_sequence_nr(), self.claims))
         self.current, self.depth = path, len(self._stack)
+
+    def enter_call(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        """Follow a module call already under way, as its forward pre-hook would have."""
+        self._pre(module, args)
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self._stack:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp.capture.folders import default_root, default_trace_dir
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope
@@ -29,7 +30,7 @@ from tracecmp.errors import (
 )
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.seeding import last_seed_settings
-from tracecmp.trace.reader import load_rank
+from tracecmp.trace.reader import load_rank, step_ranges
 from tracecmp.trace.writer import (
     BackgroundWriter,
     RankWriter,
@@ -54,6 +55,10 @@ def _distributed() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    # Under torchrun before (or without) a process group: every worker must still write its own rank.
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if rank.isdigit() and world.isdigit() and int(rank) < int(world):
+        return int(rank), int(world)
     return 0, 1
 
 
@@ -68,10 +73,17 @@ def _model_device(model: torch.nn.Module | None) -> str | None:
 class TraceCompare:
     """Record every op of the enclosed code (forward, backward, optimizer) into a trace folder.
 
-    ``steps`` selects the recorded steps (``None``: all); in the others nothing is installed,
-    so they run at full speed. ``data="tensors"`` also saves every recorded value (safetensors);
-    ``stack=True`` keeps each op's whole user stack. Give ``model`` to get parameter, buffer and
-    input names and module paths as ``model.named_modules()`` spells them.
+    ``path=None`` writes to a new folder under ``$TRACECMP_DIR`` (default ``./tracecmp-traces``,
+    see :mod:`tracecmp.capture.folders`) and prints where the trace went at exit. ``steps``
+    selects the recorded steps (``None``: all); in the others nothing is installed, so they run at
+    full speed, and once the last of them ends the trace is committed and marked complete.
+    ``data="tensors"`` also saves every recorded value (safetensors); ``stack=True`` keeps each
+    op's whole user stack. Module paths, parameter and input names read as
+    ``model.named_modules()`` spells them; without ``model``, the outermost modules that run are
+    the model (give it when several models run side by side).
+
+    Each ``optimizer.step()`` ends a step until the program calls :meth:`step` itself (see there);
+    a run that never steps an optimizer (inference) is step 0 throughout.
 
     Options that change what the traced program computes, for debugging (off by default):
 
@@ -134,7 +146,7 @@ class TraceCompare:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         model: torch.nn.Module | None = None,
         *,
         steps: Iterable[int] | None = None,
@@ -174,7 +186,10 @@ class TraceCompare:
             raise CaptureError("max_ops and max_bytes must be positive")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not 0 <= flush_secs < math.inf:
             raise CaptureError(f"flush_secs must be a number of seconds >= 0, not {flush_secs!r}")
-        self.path = Path(path)
+        # None: a fresh folder under $TRACECMP_DIR (capture/folders.py), made when the session starts.
+        self.path: Path | None = None if path is None else Path(path)
+        self.auto_named = path is None
+        self.announce = True  # say where an auto-named trace went, at exit
         self.model = model
         self.data = data
         self.stack = bool(stack)
@@ -205,11 +220,25 @@ class TraceCompare:
         self._last_finished: int | None = None  # the last recorded step ended by step()
         self._sigterm: Any = None  # the SIGTERM handler we replaced (SIG_DFL), while ours is in place
         self._stopped: dict[str, Any] | None = None  # the rank manifest's account of an abnormal end
+        # Step boundaries: each optimizer.step() ends a step until the program calls step() itself.
+        self._auto_steps = True
+        self._auto_boundaries = 0  # steps ended by an optimizer.step()
+        # The optimizer whose step() is running at the outermost level: a wrapper (ZeRO, a
+        # lookahead) steps an inner optimizer inside its own step, which ends no step of its own.
+        self._outer_optimizer: torch.optim.Optimizer | None = None
+        self._finished = False  # the last selected step ended: the trace is closed and complete
+        self._step_start: int | None = 0  # the buffered row where the current step begins (None: handed over)
+        self._rank = 0
 
     @property
     def current_step(self) -> int:
         """The step being run now (0 until the first :meth:`step`)."""
         return self._step
+
+    @property
+    def optimizer_steps(self) -> int:
+        """How many steps an ``optimizer.step()`` ended (0 for an inference-only run)."""
+        return self._auto_boundaries
 
     def _selected(self, step: int) -> bool:
         return self._failure is None and (self._steps is None or step in self._steps)
@@ -222,6 +251,12 @@ class TraceCompare:
             raise CaptureError("this TraceCompare was already used; make a new one", path=self.path)
         self._used = True
         rank, world_size = _distributed()
+        self._rank = rank
+        if self.path is None:
+            try:
+                self.path = default_trace_dir(rank, world_size)
+            except (OSError, RuntimeError) as exc:  # RuntimeError: the store timed out waiting for rank 0
+                raise CaptureWriteError(f"cannot make a trace folder under {default_root()}: {exc}") from exc
         device = _model_device(self.model) or "cpu"
         options = {
             "data": self.data,
@@ -282,8 +317,13 @@ class TraceCompare:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
             self._catch_sigterm()
+            self._hooks = [
+                register_optimizer_step_pre_hook(self._optimizer_pre),
+                register_optimizer_step_post_hook(self._optimizer_post),
+            ]
             self._begin_step()
         except BaseException:
+            self._remove_optimizer_hooks()
             self._leave_dropout_off()
             self._release_sigterm()
             TraceCompare._active = None
@@ -294,12 +334,15 @@ class TraceCompare:
         assert self._writer is not None
         try:
             self._release_sigterm()
+            self._remove_optimizer_hooks()
             self._stop()
             self._leave_dropout_off()
-            if exc is not None and self._mode is not None:
-                self._mode.trim_unfinished()  # an interrupt may have cut an op short inside the mode
-            self._flush()
             if not self._closed:
+                if exc is not None and self._mode is not None:
+                    self._mode.trim_unfinished()  # an interrupt may have cut an op short inside the mode
+                if _stopped_by(exc, self._step, self._overflowed) is None and self._auto_steps and self._auto_boundaries:
+                    self._fold_trailing_ops()
+                self._flush()
                 self._close(_stopped_by(exc, self._step, self._overflowed))
             self._report_failure(raising=exc is None)
         except TracecmpError as err:
@@ -309,6 +352,8 @@ class TraceCompare:
         finally:
             TraceCompare._active = None
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
+        if self.auto_named and self.announce and self._rank == 0 and self._stopped is None:
+            print(f"tracecmp: {self.summary()}", file=sys.stderr, flush=True)
         if exc is not None and self._stopped is not None and not isinstance(exc, (OverflowDetected, CaptureWriteError)):
             note = self._kept_note()
             if isinstance(exc, _Terminated):
@@ -320,6 +365,8 @@ class TraceCompare:
         """Let the writer commit what it holds and mark the rank finished (or why it stopped)."""
         assert self._writer is not None
         self._closed = True
+        if self.model is None and self._scope is not None and self._scope.roots:
+            self._writer.writer.manifest["info"]["models"] = list(self._scope.roots)
         failure = self._failure or self._writer.error
         if failure is not None:
             stopped = {"kind": "write-error", "reason": _cannot_write(failure), "step": self._step}
@@ -333,17 +380,46 @@ class TraceCompare:
     def _kept_note(self) -> str:
         """One line: where the trace is, why it stopped, which steps it keeps."""
         why = (self._stopped or {}).get("reason", "stopped")
-        return f"tracecmp: {self.path} is incomplete ({why}, in step {self._step}); it keeps {self._kept()}"
+        return f"tracecmp: {self.path} is incomplete ({why}, in step {self._step}); it keeps {self.kept()}"
 
-    def _kept(self) -> str:
+    @property
+    def stopped(self) -> dict[str, Any] | None:
+        """Why the session ended early (``kind``, ``reason``, ``step``, ``last_step``), as its trace says; None."""
+        return self._stopped
+
+    def kept(self) -> str:
+        """Which steps the trace keeps whole, in words."""
         last = (self._stopped or {}).get("last_step")
         return "no whole step" if last is None else f"the steps up to {last}"
 
     def step(self) -> None:
-        """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step."""
+        """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step.
+
+        Without calls to ``step()``, each ``optimizer.step()`` ends a step. The first call turns that
+        off: from then on steps end here only, and a call right after an ``optimizer.step()`` that
+        already ended the step ends no second one.
+        """
         if TraceCompare._active is not self:
             raise CaptureError("step() called outside the TraceCompare context", path=self.path)
+        if self._auto_steps:
+            self._auto_steps = False
+            if self._auto_boundaries:
+                return  # the optimizer.step() before this call ended the step already
+        self._boundary()
+
+    def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        """Follow a module call that began before the session did (its hooks were already chosen)."""
+        if self._recording and self._scope is not None:
+            self._scope.enter_call(module, args)
+
+    def _boundary(self) -> None:
+        """End the current step and start the next (recorded or not)."""
         assert self._writer is not None
+        if self._finished:
+            self._step += 1
+            self._stop()
+            self._begin_step()
+            return
         if self._writer.error is not None or self._failure is not None:
             self._give_up()  # the trace cannot be written: stop recording (warn, or raise)
         if self._recording:
@@ -354,6 +430,7 @@ class TraceCompare:
             # mode first, since taking the buffers may run torch ops of its own.
             assert self._mode is not None and self._scope is not None
             self._step += 1
+            self._step_start = len(self._mode.rows)
             self._scope.begin_step()
             self._mode.begin(self._step)
             return
@@ -361,7 +438,50 @@ class TraceCompare:
         if self._handover_due():
             self._flush()
         self._step += 1
+        self._step_start = len(self._mode.rows) if self._mode is not None else None
+        finishing = self._steps is not None and self._step > max(self._steps) and not self._closed
+        if finishing:
+            self._finish()
         self._begin_step()
+        if finishing:
+            self._after_last_step()
+
+    def _finish(self) -> None:
+        """The last selected step ended: commit the trace and mark it complete now, so that nothing
+        the program does afterwards (a crash, a kill) can take that from it."""
+        self._flush()
+        self._close(None)
+        self._release_sigterm()
+        self._finished = True
+        self._report_failure(raising=True)
+
+    def _after_last_step(self) -> None:
+        """Called once the trace is complete, before the next step begins (``tracecmp record`` ends
+        its session here)."""
+
+    def summary(self) -> str:
+        """Where the trace went and what it holds, in one line (printed at exit for auto-named folders)."""
+        writer = self._writer
+        if writer is None:
+            return f"{self.path}: nothing recorded yet"
+        steps = sorted(writer.writer.steps)
+        held = f"steps {step_ranges(steps)}" if steps else "no step"
+        if self._auto_steps and not self._auto_boundaries and steps:
+            held += " (no optimizer.step() ran, so everything is step 0, as in an inference-only run)"
+        return f"trace written to {self.path}, {held}; see `tracecmp inspect {self.path}`"
+
+    def _fold_trailing_ops(self) -> None:
+        """After the last optimizer.step(), ops outside any module (``loss.item()``, a detach for
+        logging) belong to that step: they would otherwise make a step of their own at the end."""
+        mode, start = self._mode, self._step_start
+        if mode is None or start is None or not self._step or not self._selected(self._step - 1):
+            return
+        rows = mode.rows
+        if len(rows) <= start or any(rows.values("module", start)):
+            return
+        for index in range(start, len(rows)):
+            rows.set(index, "step", self._step - 1)
+        self._step -= 1
 
     def _handover_due(self) -> bool:
         mode = self._mode
@@ -389,6 +509,8 @@ class TraceCompare:
         if TraceCompare._active is not self:
             raise CaptureError("sync() called outside the TraceCompare context", path=self.path)
         assert self._writer is not None
+        if self._closed:
+            return
         self._flush()
         if self._failure is None:
             try:
@@ -415,10 +537,6 @@ class TraceCompare:
     def _start(self) -> None:
         assert self._mode is not None and self._scope is not None
         self._scope.install()
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._optimizer_pre),
-            register_optimizer_step_post_hook(self._optimizer_post),
-        ]
         self._mode.begin(self._step)
         self._mode.__enter__()
         self._recording = True
@@ -434,24 +552,52 @@ class TraceCompare:
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
+    # -- optimizer steps: the optimizer phase, and step boundaries when step() is never called --
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        assert self._mode is not None and self._scope is not None
-        self._mode.in_optimizer = True
-        self._scope.optimizers.add(optimizer)
+        if TraceCompare._active is not self:
+            return
+        if self._outer_optimizer is None or optimizer is self._outer_optimizer:
+            self._outer_optimizer = optimizer  # (the same optimizer again: its last step raised)
+        if self._recording:
+            assert self._mode is not None and self._scope is not None
+            self._mode.in_optimizer = True
+            self._scope.optimizers.add(optimizer)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        assert self._mode is not None
-        self._mode.in_optimizer = False
+        if TraceCompare._active is not self:
+            return  # a hook that could not be removed yet (see _remove_optimizer_hooks)
+        if optimizer is not self._outer_optimizer:
+            return  # an inner optimizer of a wrapper: the step ends with the outer one
+        self._outer_optimizer = None
+        if self._recording:
+            assert self._mode is not None
+            self._mode.in_optimizer = False
+        if self._auto_steps:
+            self._auto_boundaries += 1
+            _IN_OPTIMIZER_HOOK[0] += 1
+            try:
+                self._boundary()
+            finally:
+                _IN_OPTIMIZER_HOOK[0] -= 1
+
+    def _remove_optimizer_hooks(self) -> None:
+        """Remove the optimizer hooks, or, inside one (torch is iterating over them), leave them
+        inert until a later session can remove them."""
+        if _IN_OPTIMIZER_HOOK[0]:
+            _INERT_HOOKS.extend(self._hooks)
+        else:
+            for handle in (*self._hooks, *_INERT_HOOKS):
+                handle.remove()
+            _INERT_HOOKS.clear()
+        self._hooks = []
 
     def _flush(self) -> None:
         """Hand the buffered rows to the writer as one chunk (committed atomically on its thread)."""
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
+        self._step_start = None
         if not mode.rows and not mode.tensor_rows:
             return
         if self._failure is not None:
@@ -510,7 +656,7 @@ class TraceCompare:
         self._failure_raised = True
         message = (
             f"{_cannot_write(self._failure)}; recording stopped in step {self._step} "
-            f"and the run goes on. The trace keeps {self._kept()} and is marked incomplete"
+            f"and the run goes on. The trace keeps {self.kept()} and is marked incomplete"
         )
         if self.on_error == "raise" and raising:
             raise CaptureWriteError(message, path=self.path) from self._failure
@@ -569,6 +715,31 @@ def _determinism_flags() -> dict[str, Any]:
         "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
         "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
     }
+
+
+# Optimizer hooks cannot be removed while torch iterates over them (in a hook): they stay, inert
+# (their session is no longer active), and go when a later session starts or ends.
+_IN_OPTIMIZER_HOOK = [0]
+_INERT_HOOKS: list[Any] = []
+
+
+def _disown_after_fork() -> None:
+    """In a child forked while a session runs (DataLoader workers, multiprocessing): stop
+    capturing. The child has no writer thread and its ops are not the run's; recording them
+    would only cost time and memory, and a full buffer would wait forever for the writer."""
+    session = TraceCompare._active
+    if session is None:
+        return
+    TraceCompare._active = None
+    try:
+        session._stop()
+    except Exception:  # noqa: BLE001 - the child must go on whatever state the fork caught
+        pass
+    session._mode = session._scope = session._writer = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 class _Terminated(BaseException):

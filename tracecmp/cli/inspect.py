@@ -62,6 +62,10 @@ def summarize(path: str | Path) -> str:
     lines.append(f"format    {manifest.get('format')} v{manifest.get('format_version')}, created {manifest.get('created', '?')}")
     options = ", ".join(f"{k}={v}" for k, v in sorted(trace.options.items()))
     lines.append(f"options   {options or '-'}")
+    lists = [trace.rank(r).manifest.get("info", {}).get("models") for r in trace.ranks]
+    found = sorted({str(m)[:80] for models in lists if isinstance(models, list) for m in models[:20]})
+    if found:
+        lines.append(f"models    {', '.join(found)} (not given: the outermost modules that ran)")
     seeded = manifest.get("seed_all") or {}
     determinism = manifest.get("determinism") or {}
     if seeded:

@@ -95,8 +95,12 @@ def _check_fields(manifest: dict[str, Any], fields: dict[str, tuple[type, ...]],
             raise TraceFormatError(f"manifest field {name!r} is negative", path=path)
 
 
-def _ranges(numbers: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+def step_ranges(numbers: list[int]) -> str:
+    """Sorted step numbers as ranges.
+
+    >>> step_ranges([0, 1, 2, 5])
+    '0-2, 5'
+    """
     parts, start = [], None
     for i, n in enumerate(numbers):
         if start is None:
@@ -211,11 +215,11 @@ class RankTrace:
         last = stopped.get("last_step")
         whole = [s for s in steps if not _is_int(last) or s <= last] if stopped else steps
         partial = [s for s in steps if s not in whole]
-        kept = f"steps {_ranges(whole)} whole" if whole else "no whole step"
+        kept = f"steps {step_ranges(whole)} whole" if whole else "no whole step"
         if partial:
-            kept += f", step {_ranges(partial)} in part"
+            kept += f", step {step_ranges(partial)} in part"
         if not stopped:
-            kept = f"steps {_ranges(steps)}" if steps else "no step"
+            kept = f"steps {step_ranges(steps)}" if steps else "no step"
         return f"{reason}; it keeps {kept}"
 
     @cached_property

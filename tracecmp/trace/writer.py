@@ -239,6 +239,7 @@ class RankWriter:
             "info": dict(info or {}),
         }
         self.chunks = 0
+        self.steps: set[int] = set()  # the steps committed chunks hold (in whole or in part)
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -309,6 +310,7 @@ class RankWriter:
         if self.fsync:
             _fsync_dir(self.dir)
         self.chunks = index + 1
+        self.steps.update(entry["steps"])
 
     def update_info(self, **info: Any) -> None:
         """Merge ``info`` into the rank manifest (e.g. the first overflow found)."""
