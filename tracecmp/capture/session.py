@@ -14,10 +14,11 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp.capture.compiled import HiddenHooks
 from tracecmp.capture.folders import default_root, default_trace_dir
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
-from tracecmp.capture.modules import ModuleScope
+from tracecmp.capture.modules import ModuleScope, is_compiling
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.errors import (
@@ -229,6 +230,7 @@ class TraceCompare:
         self._finished = False  # the last selected step ended: the trace is closed and complete
         self._step_start: int | None = 0  # the buffered row where the current step begins (None: handed over)
         self._rank = 0
+        self._hidden = HiddenHooks(self._hook_handles)  # out of Dynamo's sight while it compiles
 
     @property
     def current_step(self) -> int:
@@ -313,6 +315,7 @@ class TraceCompare:
         self._step = 0
         self._handed = time.monotonic()
         try:
+            self._hidden.install()
             if self.dropout is not None:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
@@ -326,6 +329,7 @@ class TraceCompare:
             self._remove_optimizer_hooks()
             self._leave_dropout_off()
             self._release_sigterm()
+            self._hidden.remove()
             TraceCompare._active = None
             raise
         return self
@@ -350,6 +354,7 @@ class TraceCompare:
                 raise
             exc.add_note(f"tracecmp: {err}")  # the body's own exception is the one to see
         finally:
+            self._hidden.remove()
             TraceCompare._active = None
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
         if self.auto_named and self.announce and self._rank == 0 and self._stopped is None:
@@ -521,6 +526,9 @@ class TraceCompare:
             self._give_up()
 
     # -- recording on/off ----------------------------------------------------------------------
+    def _hook_handles(self) -> list[Any]:
+        return [*(self._scope.hook_handles if self._scope is not None else ()), *self._hooks]
+
     def _begin_step(self) -> None:
         if self._selected(self._step):
             self._start()
@@ -555,6 +563,8 @@ class TraceCompare:
 
     # -- optimizer steps: the optimizer phase, and step boundaries when step() is never called --
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_compiling():  # traced by Dynamo (a compiled optimizer step): no side effects to replay
+            return
         if TraceCompare._active is not self:
             return
         if self._outer_optimizer is None or optimizer is self._outer_optimizer:
@@ -565,8 +575,8 @@ class TraceCompare:
             self._scope.optimizers.add(optimizer)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if TraceCompare._active is not self:
-            return  # a hook that could not be removed yet (see _remove_optimizer_hooks)
+        if is_compiling() or TraceCompare._active is not self:
+            return  # traced by Dynamo, or a hook that could not be removed yet (see _remove_optimizer_hooks)
         if optimizer is not self._outer_optimizer:
             return  # an inner optimizer of a wrapper: the step ends with the outer one
         self._outer_optimizer = None
@@ -598,6 +608,12 @@ class TraceCompare:
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
         self._step_start = None
+        if self._failure is None and mode.skipped != writer.writer.manifest["info"].get("capture_skipped", {}):
+            # What was not recorded, or recorded without statistics, and why (capture/tensorkinds.py).
+            try:
+                writer.writer.update_info(capture_skipped=dict(mode.skipped))
+            except OSError as err:
+                self._write_failed(err)
         if not mode.rows and not mode.tensor_rows:
             return
         if self._failure is not None:
@@ -619,12 +635,15 @@ class TraceCompare:
                 assert watch is not None and watch.found is not None
                 writer.writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
         except (TracecmpError, OSError) as err:
-            # Called inside an op (a full buffer) as well as between steps: only note it here;
-            # recording stops at the next step boundary. on_error="raise" raises at once.
-            self._failure = err.__cause__ or err if isinstance(err, TracecmpError) else err
-            if self.on_error == "raise" and not self._failure_raised:
-                self._failure_raised = True
-                raise CaptureWriteError(f"{_cannot_write(self._failure)}; recording stopped", path=self.path) from self._failure
+            self._write_failed(err)
+
+    def _write_failed(self, err: BaseException) -> None:
+        """Note a failed write. Called inside an op (a full buffer) as well as between steps, so
+        recording stops at the next step boundary; on_error="raise" raises at once."""
+        self._failure = err.__cause__ or err if isinstance(err, TracecmpError) else err
+        if self.on_error == "raise" and not self._failure_raised:
+            self._failure_raised = True
+            raise CaptureWriteError(f"{_cannot_write(self._failure)}; recording stopped", path=self.path) from self._failure
 
     # -- when the trace cannot be written -------------------------------------------------------
     def _give_up(self) -> None:
