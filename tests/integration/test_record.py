@@ -56,7 +56,8 @@ TRAIN = textwrap.dedent(
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     from torch.nn.modules import module
     print("clean", not _get_current_dispatch_mode_stack(), not module._global_forward_pre_hooks,
-          not module._global_forward_hooks, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+          not module._global_forward_hooks, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+          nn.Module.__call__ is nn.Module._wrapped_call_impl)
     if status == 99:
         raise RuntimeError("the program failed")
     sys.exit(status)
@@ -104,7 +105,7 @@ def test_a_plain_loop_is_recorded_for_steps_0_and_1_and_runs_as_without_tracecmp
     plain = _plain(script)
     assert recorded.returncode == plain.returncode == 0, recorded.stderr
     assert recorded.stdout == plain.stdout  # argv, __name__, __file__, sys.path[0], losses, "clean True ..."
-    assert "clean True True True True" in recorded.stdout
+    assert "clean True True True True True" in recorded.stdout
     assert _own_lines_removed(recorded.stderr) == plain.stderr
     assert "tracecmp: recording steps 0-1 of train.py into" in recorded.stderr
     _bitwise_equal(script.parent / "recorded.safetensors", script.parent / "plain.safetensors")
@@ -190,6 +191,7 @@ def _free_port() -> int:
 
 DDP = textwrap.dedent(
     """
+    import sys
     import torch, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -206,7 +208,8 @@ DDP = textwrap.dedent(
         loss.backward()
         opt.step()
         opt.zero_grad()
-        print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+        sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\\n")  # one write: lines of two ranks never mix
+        sys.stdout.flush()
     dist.destroy_process_group()
     """
 )

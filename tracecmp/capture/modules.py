@@ -241,10 +241,6 @@ class ModuleScope:
         self._stack.append((path, _get_sequence_nr(), self.claims))
         self.current, self.depth = path, len(self._stack)
 
-    def enter_call(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        """Follow a module call already under way, as its forward pre-hook would have."""
-        self._pre(module, args)
-
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if is_compiling() or not self._stack:
             return

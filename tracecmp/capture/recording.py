@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 
+from tracecmp.capture.modules import is_compiling
 from tracecmp.capture.session import TraceCompare, _distributed
 from tracecmp.errors import CaptureWriteError, TraceExistsError, TracecmpError
 from tracecmp.trace.reader import step_ranges
@@ -48,7 +48,7 @@ class Recording:
         self.quiet = quiet
         self.program = program
         self.session: _ProgramSession | None = None
-        self._handle: Any = None
+        self._original_call: Any = None  # Module.__call__ while ours stands in for it
         self._rank = _distributed()[0]
         self._made = False  # check_folder made the folder (removed again if nothing is recorded)
 
@@ -74,12 +74,29 @@ class Recording:
             raise CaptureWriteError(f"cannot make the trace folder: {exc.strerror or exc}", path=self.path) from exc
 
     def arm(self) -> None:
-        """Start capture at the first forward of any ``torch.nn.Module``."""
-        self._handle = register_module_forward_pre_hook(self._first_forward)
+        """Start capture at the first call of any ``torch.nn.Module``.
 
-    def _first_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        self._handle.remove()  # torch iterates over a copy of the hooks: removing ours here is safe
-        self._handle = None
+        ``Module.__call__`` is wrapped until that call rather than a global module hook installed:
+        ``torch.compile``'s wrapper warns about global hooks whenever one exists.
+        """
+        original = torch.nn.Module.__call__
+
+        def first_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if not is_compiling():  # Dynamo tracing a call: it sees the plain call
+                self.disarm()
+                self._start()
+            return original(module, *args, **kwargs)
+
+        self._original_call = original
+        torch.nn.Module.__call__ = first_call  # type: ignore[method-assign]
+
+    def disarm(self) -> None:
+        """Put ``Module.__call__`` back (once armed and not yet called)."""
+        if self._original_call is not None:
+            torch.nn.Module.__call__ = self._original_call  # type: ignore[method-assign]
+            self._original_call = None
+
+    def _start(self) -> None:
         session = _ProgramSession(self.path, **self.options)
         session.recording = self
         session.announce = False
@@ -88,7 +105,6 @@ class Recording:
         except TracecmpError as exc:  # the program goes on, unrecorded
             warnings.warn(f"tracecmp: not recording: {exc}", stacklevel=2)
             return
-        session.enter_module(module, args)  # this call's hooks were chosen before ours existed
         self.session = session
         steps = self.options.get("steps")
         which = "every step" if steps is None else f"step{'s' if len(steps) > 1 else ''} {step_ranges(sorted(steps))}"
@@ -103,9 +119,7 @@ class Recording:
 
     def finish(self, error: BaseException | None) -> None:
         """The program ended (``error``: the exception that ended it): end capture, say what it holds."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.disarm()
         session = self.session
         if session is None:
             if self._made and self.path is not None:

@@ -412,11 +412,6 @@ class TraceCompare:
                 return  # the optimizer.step() before this call ended the step already
         self._boundary()
 
-    def enter_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        """Follow a module call that began before the session did (its hooks were already chosen)."""
-        if self._recording and self._scope is not None:
-            self._scope.enter_call(module, args)
-
     def _boundary(self) -> None:
         """End the current step and start the next (recorded or not)."""
         assert self._writer is not None
