@@ -31,6 +31,11 @@ _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 # Returns that are a kernel's workspace for its backward: their bytes differ between identical
 # runs, so statistics of them would make every determinism check fail.
 _SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::miopen_rnn": 3}
+# Returns of fused attention kernels that are bookkeeping, not results: a random generator's seed
+# and offset, the varlen batch offsets and the debug mask. Where a kernel has no use for them they
+# are uninitialized memory (all of them on the CPU in torch 2.1; the generator's without dropout on
+# CUDA), so statistics of them would differ between identical runs.
+_SCRATCH_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"})
 
 ArgRef = tuple[int, str]  # (position in args, name in kwargs): where a schema argument arrives
 ONE_FRESH: tuple[tuple[int, ArgRef | None], ...] = ((FRESH, None),)
@@ -110,7 +115,7 @@ def _build(func: Any) -> OpInfo:
     for position, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is None:
-            returns.append((SCRATCH if position == scratch else FRESH, None))
+            returns.append((SCRATCH if position == scratch or ret.name in _SCRATCH_NAMES else FRESH, None))
             continue
         sets = _alias_sets(info)
         # A list return (`Tensor(a)[]`) carries its alias set on the elements; fall back to the

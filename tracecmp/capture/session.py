@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp._compat import announce_references
 from tracecmp.capture.compiled import HiddenHooks
 from tracecmp.capture.folders import default_root, default_trace_dir
 from tracecmp.capture.location import Locator
@@ -252,6 +253,7 @@ class TraceCompare:
         if self._used:
             raise CaptureError("this TraceCompare was already used; make a new one", path=self.path)
         self._used = True
+        announce_references()
         rank, world_size = _distributed()
         self._rank = rank
         if self.path is None:
