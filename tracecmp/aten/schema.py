@@ -33,8 +33,12 @@ _COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 # Returns that are a kernel's workspace for its backward: their bytes differ between identical
 # runs, so statistics of them would make every determinism check fail.
-_SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::miopen_rnn": 3,
-}
+_SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::miopen_rnn": 3}
+# Returns of fused attention kernels that are bookkeeping, not results: a random generator's seed
+# and offset, the varlen batch offsets and the debug mask. Where a kernel has no use for them they
+# are uninitialized memory (all of them on the CPU in torch 2.1; the generator's without dropout on
+# CUDA), so statistics of them would differ between identical runs.
+_SCRATCH_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"})
 # Returns that are an argument handed back after the op wrote part of it, with no alias
 # annotation: FSDP2's all-gather buffer holds only this rank's shard (the other return, a view of
 # it) until the all-gather fills the rest, so it stays the uninitialised value it was.
@@ -121,7 +125,8 @@ def _build(func: Any) -> OpInfo:
     for position, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is None:
-            returns.append((SCRATCH if position == scratch else BUFFER if position == buffer else FRESH, None))
+            returns.append((SCRATCH if position == scratch or ret.name in _SCRATCH_NAMES
+                            else BUFFER if position == buffer else FRESH, None))
             continue
         sets = _alias_sets(info)
         # A list return (`Tensor(a)[]`) carries its alias set on the elements; fall back to the

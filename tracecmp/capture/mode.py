@@ -731,6 +731,32 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         self._sweep()
         return taken
 
+    def trim_unfinished(self) -> None:
+        """Drop the rows of an op that an exception cut short inside the mode.
+
+        An interrupt (KeyboardInterrupt, a SIGTERM turned into an exception) can land between an
+        op's tensor rows and its op row. Ops and tensors get ids in execution order, so only the
+        tail can be unfinished: tensor rows of an op with no op row, or an op row whose outputs
+        have no tensor rows yet. Without this a reader would refuse the whole rank.
+        """
+        ops, tensors = self.rows, self.tensor_rows
+        last = ops.values("op_id", len(ops) - 1)[0] if len(ops) else -1
+        producers = tensors.values("op_id")
+        keep = len(producers)
+        while keep and producers[keep - 1] > last:
+            keep -= 1
+        if len(ops):
+            outputs = set(ops.values("outputs", len(ops) - 1)[0])
+            first = keep
+            while first and producers[first - 1] == last:
+                first -= 1
+            if not outputs <= set(tensors.values("tensor_id", first)[: keep - first]):
+                ops.truncate(len(ops) - 1)
+                keep = first
+        if keep < len(producers):
+            tensors.truncate(keep)
+            self._pending = [(index, packed) for index, packed in self._pending if index < keep]
+
     def _gather_deferred_stats(self) -> None:
         """Bring the statistics computed on accelerators to the host: one transfer per device."""
         if not self._pending:

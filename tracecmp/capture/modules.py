@@ -97,6 +97,7 @@ class ModuleScope:
         self._marks: list[int] = []
         self._stale = False  # the model may have new modules or parameters since it was named
         self._unnamed: dict[int, weakref.ref[Any]] = {}  # parameters looked for in vain, not to look again
+        self.roots: list[str] = []  # class names of the outermost modules found running (no model given)
         if model is not None:
             self.add_root(model)
 
@@ -244,6 +245,7 @@ class ModuleScope:
             # No model given: each top-level module is a root, named "" like named_modules() does.
             if path is None:
                 self.add_root(module)
+                self.roots.append(type(module).__name__)
                 path = ""
             if path == "":
                 self.name_inputs(args, {})

@@ -31,7 +31,6 @@ execution order is the first divergence; all roots, ranked by introduced error, 
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import OpClass, base_name, classify, is_copy
 from tracecmp.comparison.records import Divergence
 from tracecmp.replay import REDUCED_MODELS, OwnError
@@ -148,7 +148,7 @@ def _norm_args(text: str) -> Any:
     if not text:
         return None
     try:
-        value = json.loads(text)
+        value = boundedjson.loads(text, max_bytes=boundedjson.ARGS_MAX_BYTES)
     except (TypeError, ValueError):
         return text
 

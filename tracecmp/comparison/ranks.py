@@ -195,13 +195,8 @@ def rank_outcome(result: Any, rank: int, t_rank: RankTrace) -> RankOutcome:
 
 
 def _ended(t_rank: RankTrace) -> str:
-    if t_rank.complete:
-        return ""
-    info = t_rank.manifest.get("info", {})
-    stopped = info.get("stopped") if isinstance(info, dict) else None
-    if stopped:
-        return f"the program raised {stopped}"
-    return "its process never closed the trace (killed, or crashed hard)"
+    """How an incomplete rank's capture ended ("" when complete), as the trace says it."""
+    return "" if t_rank.complete else t_rank.ending()
 
 
 def _call_facts(calls: list[Collective], nodes: pd.DataFrame, ops: pd.DataFrame, tensors: pd.DataFrame) -> list[CallFacts]:
@@ -592,7 +587,7 @@ def cross_rank(
             status = ("incomplete" if not complete else
                       "agrees" if o.nodes["status"].isin(["agrees", "noise"]).all() else "uncompared")
             text = "no divergence in what it holds" if not complete else ""
-            lines.append(RankLine(r, status, text, "", complete, "" if complete else f"{o.ended}; trace ends at {o.last}"))
+            lines.append(RankLine(r, status, text, "", complete, "" if complete else f"{o.ended}; its last op: {o.last}"))
             continue
         op_id, text = first
         own = [d for d in own_roots[r] if (r, d.op_id) not in inherited]
@@ -608,7 +603,7 @@ def cross_rank(
         elif any(d.op_id == op_id for d in own_roots[r]):
             root = next(d for d in own_roots[r] if d.op_id == op_id)
             status, source = "root", f"own root ({root.kind})"
-        lines.append(RankLine(r, status, text, source, complete, "" if complete else f"{o.ended}; trace ends at {o.last}"))
+        lines.append(RankLine(r, status, text, source, complete, "" if complete else f"{o.ended}; its last op: {o.last}"))
     return JobReport(origin=origin, ranks=lines, paths=paths, inherited=inherited,
                      layout=_layout(outcomes, t_manifest or {}, b_manifest or {}, list(t_ranks), list(b_ranks),
                                     b_rank_manifests or {}),
