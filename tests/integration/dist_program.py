@@ -63,7 +63,7 @@ def build(setup: str, fault: str, rank: int) -> torch.nn.Module:
         fully_shard(model)
         return model
     if setup == "tp":
-        from torch.distributed.tensor import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))

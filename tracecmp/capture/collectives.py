@@ -213,6 +213,10 @@ def describe(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], grou
         meta["async"] = True  # the wait is implicit (wait_tensor)
     else:
         meta.setdefault("async", True)  # the schema's default: the Python API passes False when it waits
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A torch that cannot unbox the group (or a group it does not know): the whole world, as
+        # for the default group, so the ranks still link (the name stays empty: "#<n>" keys).
+        group = Group("", tuple(range(torch.distributed.get_world_size())))
     meta["group"] = group.name if group is not None else ""
     meta["ranks"] = list(group.ranks) if group is not None else []
     for key in ("root", "peer"):
@@ -271,13 +275,16 @@ def _future_of(out: Any) -> Any:
         return work
 
 
+_WORK = getattr(torch.distributed, "Work", ()) if torch.distributed.is_available() else ()
+
+
 def _completed(handle: Any) -> bool:
     """Whether a collective completed, without an error (then what it received is unknown).
 
     ``handle`` is its Work's future, or the Work where it has none.
     """
     try:
-        if isinstance(handle, torch.distributed.Work):
+        if isinstance(handle, _WORK):
             return bool(handle.is_completed()) and bool(handle.is_success())
         if not handle.done():
             return False
