@@ -64,6 +64,15 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def _ddp_module(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The DistributedDataParallel module in ``model`` (itself or a submodule), if any."""
+    if model is None or not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+
+
 def _model_device(model: torch.nn.Module | None) -> str | None:
     if model is None:
         return None
@@ -312,6 +321,8 @@ class TraceCompare:
             no_dropout=self.dropout is not None,
             watch=OverflowWatch() if self.overflow else None,
             on_overflow=self._raise_overflow if self.overflow == "raise" else None,
+            rank=rank,
+            ddp=_ddp_module(self.model),
         )
         TraceCompare._active = self
         self._step = 0
@@ -605,13 +616,8 @@ class TraceCompare:
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
         self._step_start = None
-        if self._failure is None and mode.skipped != writer.writer.manifest["info"].get("capture_skipped", {}):
-            # What was not recorded, or recorded without statistics, and why (capture/tensorkinds.py).
-            try:
-                writer.writer.update_info(capture_skipped=dict(mode.skipped))
-            except OSError as err:
-                self._write_failed(err)
         if not mode.rows and not mode.tensor_rows:
+            self._update_info()
             return
         if self._failure is not None:
             mode.take()  # the trace cannot take them: drop them, memory stays bounded
@@ -624,6 +630,7 @@ class TraceCompare:
             manifest["device"] = mode.accelerator() or "cpu"
         try:
             mode.chunk = writer.submit(rows, tensor_rows, saved or None, self._last_finished) + 1
+            self._update_info()
             watch = mode.watch
             found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
             if self.sync_steps or found:
@@ -702,6 +709,28 @@ class TraceCompare:
         except (ValueError, OSError):
             pass
         self._sigterm = None
+
+    def _update_info(self) -> None:
+        """Note in the rank manifest what capture learnt that the tables do not say, when it changed:
+        what was skipped and why (capture/tensorkinds.py), the process groups collectives used,
+        the parameters of each DDP bucket (capture/collectives.py)."""
+        mode, writer = self._mode, self._writer
+        assert mode is not None and writer is not None
+        info = writer.writer.manifest["info"]
+        news = {
+            key: value
+            for key, value in (
+                ("capture_skipped", dict(mode.skipped)),
+                ("process_groups", dict(mode.process_groups)),
+                ("ddp_buckets", mode.ddp_buckets),
+            )
+            if value and info.get(key) != value
+        }
+        if news and self._failure is None:
+            try:
+                writer.writer.update_info(**news)
+            except OSError as err:
+                self._write_failed(err)
 
     def _overflow_record(self, op_id: int) -> Overflow:
         """The overflow at ``op_id``, described from the committed chunks as ``tracecmp overflow`` would."""

@@ -44,6 +44,7 @@ from tracecmp.aten.opclass import OpClass, base_name, classify, is_copy
 from tracecmp.comparison.records import Divergence
 from tracecmp.replay import REDUCED_MODELS, OwnError
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
+from tracecmp.trace.schema import UNREAD_SOURCE
 
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 
@@ -450,6 +451,11 @@ def _localize_rank(
         verdict = NodeVerdict(op_id)
         verdicts[op_id] = verdict
         if kind == "view" and all(t in base for t in outputs):
+            judged.append(None)
+            continue
+        if op == UNREAD_SOURCE:  # only written by its first use (an out= buffer): its content means nothing
+            for tid in outputs:
+                state[tid] = TensorState(known=True, exact=True, uninit=True)
             judged.append(None)
             continue
         # Sources have no inputs; a view node whose output carries statistics of its own (capture's

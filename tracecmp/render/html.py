@@ -307,6 +307,7 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
 {_counts_html(_counts_with_replay(result))}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
+{result.job.html() if getattr(result, "job", None) is not None else ""}
 <h2 id="subgraph">Suspicious subgraph</h2>
 <p class="note">The root with its producers and consumers ({depth} hops), grouped by module; colour is the status
 and, for diverged ops, the size of the error. Edges carry tensor shapes; chains of views are folded into edges.</p>
