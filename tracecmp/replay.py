@@ -43,7 +43,6 @@ each opening the trace itself.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import OrderedDict
@@ -53,6 +52,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from tracecmp.trace import boundedjson
 from tracecmp.aten.args import decode_call
 from tracecmp.aten.opclass import classify
 from tracecmp.aten.schema import op_info, outputs_in_order, resolve
@@ -125,7 +125,7 @@ class RecordedOp:
         """The recorded non-tensor arguments as a dict, or None when they are not readable."""
         if self.parsed is None:
             try:
-                value = json.loads(self.args)
+                value = boundedjson.loads(self.args, max_bytes=boundedjson.ARGS_MAX_BYTES)
             except ValueError:
                 value = None
             self.parsed = value if isinstance(value, dict) else False

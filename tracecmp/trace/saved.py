@@ -14,7 +14,6 @@ finds those from the files' headers.
 """
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,6 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from tracecmp.errors import TraceFormatError
+from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -56,8 +56,8 @@ class _DataFile:
         if length > _HEADER_LIMIT:
             raise TraceFormatError(f"safetensors header of {length} bytes is implausible", path=self.path)
         try:
-            header = json.loads(self.handle.read(length))
-        except (UnicodeDecodeError, ValueError) as exc:
+            header = boundedjson.loads(self.handle.read(length), max_bytes=_HEADER_LIMIT)
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included
             raise TraceFormatError(f"safetensors header is not valid JSON ({exc})", path=self.path) from exc
         if not isinstance(header, dict):
             raise TraceFormatError("safetensors header is not a JSON object", path=self.path)
@@ -93,14 +93,15 @@ class _DataFile:
         return buffer.view(dtype).reshape(shape)
 
     def _read_through_library(self, key: str) -> torch.Tensor:
-        from safetensors import SafetensorError
         from safetensors.torch import safe_open
 
         try:
             with safe_open(str(self.path), framework="pt") as fh:
                 return fh.get_tensor(key).clone()  # out of the mapping, which closes with the file
-        except (SafetensorError, OSError, KeyError) as exc:
-            raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=self.path) from exc
+        except Exception as exc:  # noqa: BLE001 - whatever safetensors raises on bad bytes (offsets
+            # past the end, an unknown dtype) is a bad trace
+            detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise TraceFormatError(f"cannot read tensor {key[:80]!r} ({detail})", path=self.path) from exc
 
     def close(self) -> None:
         self.handle.close()
@@ -142,12 +143,12 @@ class SavedTensors:
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor saved under ``key``."""
-        try:
-            chunk = int(key.split("/")[0])
-        except ValueError:
-            raise TraceFormatError(f"malformed data key {key!r}", path=self.rank.path) from None
+        head = key.split("/")[0] if isinstance(key, str) else ""
+        if not (head.isascii() and head.isdigit()):
+            raise TraceFormatError(f"malformed data key {str(key)[:80]!r}", path=self.rank.path)
+        chunk = int(head)
         if chunk not in self.rank.data_files:
-            raise TraceFormatError(f"data key {key!r} refers to missing data chunk {chunk}", path=self.rank.path)
+            raise TraceFormatError(f"data key {key[:80]!r} refers to missing data chunk {chunk}", path=self.rank.path)
         return self._file(chunk).read(key)
 
     def keys(self) -> dict[int, str]:
