@@ -13,6 +13,10 @@ small (124M parameters, 2 x 128 tokens) with tensors and reports replay's peak R
 
     python benchmarks/bench_check.py --models gpt2 resnet50 --rounds 2 --filtered
     python benchmarks/bench_check.py --models gpt2-small --only-replay --baseline /tmp/before
+    python benchmarks/bench_check.py --margins
+
+``--margins`` measures no time: it checks the integration tests' clean and faulty runs of the demo
+transformer and prints how far each sits from the standards (the figures behind them).
 
 Traces go to a temporary folder under ``--workdir`` (default /tmp) and are deleted afterwards.
 Run it under ``flock /work/wt/bigmem.lock`` (ResNet-50's trace is ~3 GB, GPT-2 small's ~10 GB).
@@ -119,6 +123,52 @@ def capture(name: str, path: Path, only: str | None) -> dict[str, Any]:
     return {"seconds": seconds, "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()), **found}
 
 
+def margins() -> list[dict[str, Any]]:
+    """Child: how far the standards sit from clean runs and from faults, on the demo transformer's
+    Adam step (the integration tests' runs: ``tests/integration/test_check_models.py``).
+
+    For a clean run: the largest ratio of an op's own error to an honest replay's among the ops
+    whose error exceeds the floor (there the ratio decides; an op errs beyond ``margin`` = 4), and
+    the largest error in rounding units. For a fault: the faulty op's ratio, its error in rounding
+    units, and its score (how many times beyond the standard; > 1 errs)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.test_check_models import capture as capture_demo
+
+    import tracecmp
+
+    torch.set_num_threads(1)
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("clean float32", {}), ("clean whole-bf16", {"dtype": torch.bfloat16}),
+        ("clean autocast-bf16", {"autocast": True}), ("clean TF32 (declared)", {"tf32": True}),
+        ("clean float32, statistics only", {"data": "stats"}),
+        *((f"fault {f}", {"fault": f}) for f in ("gelu-tanh", "layer-norm-eps", "matmul-fp16-inputs", "softmax-fp16")),
+        *((f"fault {f}, statistics only", {"fault": f, "data": "stats"}) for f in ("gelu-tanh", "matmul-fp16", "softmax-fp16")),
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for index, (name, options) in enumerate(runs):
+            fault = options.pop("fault", None)
+            result = tracecmp.check(capture_demo(Path(folder) / str(index), fault, **options), progress=False)
+            nodes = result.nodes
+            judged = nodes[nodes["status"] != "skipped"]
+            d = result.first_error
+            row: dict[str, Any] = {"run": name, "ops": len(nodes), "judged": len(judged),
+                                   "errors": int((nodes["status"] == "error").sum()),
+                                   "warnings": int((nodes["status"] == "warning").sum())}
+            if d is None:
+                above = judged[judged["error_units"] > 4]
+                row["worst_ratio"] = float(above["ratio"].max()) if len(above) else 0.0
+                row["worst_units"] = float(judged["error_units"].max())
+            else:
+                hit = nodes[(nodes["op_id"] == d.op_id) & (nodes["rank"] == d.rank)].iloc[0]
+                row.update(first_error=f"{d.op} in {d.module}", ratio=float(hit["ratio"]),
+                           units=float(hit["error_units"]), score=float(d.score))
+            rows.append(row)
+    return rows
+
+
 def replay(path: Path, config: str) -> dict[str, Any]:
     """Child: ``tracecmp.check`` (or compare's ``replay_rank`` with ``config="replay_rank"``) on a trace."""
     import torch
@@ -163,6 +213,18 @@ def _mb(value: float) -> str:
     return f"{value / 2**20:,.0f} MB" if value < 2**30 else f"{value / 2**30:.2f} GB"
 
 
+def _print_margins(rows: list[dict[str, Any]]) -> None:
+    print("| run | ops | judged | errors | warnings | first error | its own/honest error | its rounding units | "
+          "its score | clean: largest own/honest above the floor | clean: largest rounding units |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "first_error" in r:
+            tail = f"{r['first_error']} | {r['ratio']:.3g} | {r['units']:.3g} | {r['score']:.3g} | | "
+        else:
+            tail = f"— | | | | {r['worst_ratio']:.2f} | {r['worst_units']:.3g}"
+        print(f"| {r['run']} | {r['ops']} | {r['judged']} | {r['errors']} | {r['warnings']} | {tail} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "mlp", "block64"])
@@ -174,6 +236,8 @@ def main() -> None:
                         "(say `git archive <commit> | tar -x -C DIR` plus its built extension), interleaved")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--margins", action="store_true", help="only: how far the standards sit from clean runs and "
+                        "faults on the demo transformer (no timing)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -182,6 +246,9 @@ def main() -> None:
             print(json.dumps(capture(rest[0], Path(rest[1]), rest[2] if len(rest) > 2 else None)))
         else:
             print(json.dumps(replay(Path(rest[0]), rest[1])))
+        return
+    if args.margins:
+        _print_margins(margins())
         return
     configs = ["replay_rank"] if args.only_replay else args.configs
     if args.baseline is not None:

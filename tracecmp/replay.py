@@ -810,8 +810,50 @@ def _invoke(name: str, recorded: dict[str, Any], inputs: list[torch.Tensor], *, 
             result = target(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - an op that will not run on the CPU or in float64 is simply not replayed
         _LAST_ERROR[0] = f"{type(exc).__name__}: {exc}"
-        return None
+        if golden or not any(isinstance(t, torch.Tensor) and t.dtype in _HALVES for t in inputs):
+            return None
+        return _invoke_widened(func, target, recorded, inputs)
     return result, tuple(args), kwargs
+
+
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _invoke_widened(func: Any, target: Any, recorded: dict[str, Any], inputs: list[torch.Tensor]) -> tuple[Any, tuple, dict] | None:
+    """An honest float16/bfloat16 kernel where this CPU has none (torch 2.1 lacks float16 matmul
+    and softmax, for one): the op computed in float32 on the recorded inputs and each output
+    rounded once to the dtype the op gives (read from its meta kernel), which is what such kernels
+    do (they accumulate in float32). None when the output dtypes cannot be known."""
+    from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+    def meta(v: Any) -> Any:
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+
+    wide = [t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALVES else t for t in inputs]
+    low = decode_call(func, recorded, inputs, golden=False)
+    call = decode_call(func, recorded, wide, golden=False)
+    if low is None or call is None:
+        return None
+    args, kwargs = call
+    try:
+        with torch.no_grad():
+            shapes = func(*tree_map(meta, low[0]), **tree_map(meta, low[1]))  # dtypes of the low-precision call
+            result = target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not even in float32: not replayed (the first error is the reason)
+        return None
+    expected, _ = tree_flatten(shapes)
+    flat, spec = tree_flatten(result)
+    if len(expected) != len(flat):
+        return None
+    rounded = [v.to(m.dtype) if isinstance(v, torch.Tensor) and isinstance(m, torch.Tensor) else v
+               for v, m in zip(flat, expected)]
+    # Arguments the op wrote (in-place, out=) go back to their recorded dtypes too.
+    back = {id(w): t.dtype for w, t in zip(wide, inputs) if isinstance(t, torch.Tensor) and w is not t}
+
+    def narrow(v: Any) -> Any:
+        return v.to(back[id(v)]) if isinstance(v, torch.Tensor) and id(v) in back else v
+
+    return tree_unflatten(rounded, spec), tuple(tree_map(narrow, tuple(args))), tree_map(narrow, kwargs)
 
 
 def _returned(name: str, result: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -73,6 +73,23 @@ def test_matmuls_at_tf32_pass_when_declared_and_err_when_the_run_says_highest(tm
     assert "rounded to tf32" in d.reason and "does not declare" in d.reason
 
 
+def test_matmuls_on_bf16_inputs_pass_under_medium_and_are_named_bf16_when_the_run_says_highest(tmp_path):
+    b = TraceBuilder(data=True)
+    g = torch.Generator().manual_seed(3)
+    x = b.source("input.0", torch.randn(32, 64, generator=g))
+    for i in range(4):  # a device at "medium" multiplies float32 tensors rounded to bf16
+        w = b.param(f"l{i}.weight", torch.randn(64, 64, generator=g) / 8)
+        x = b.call(A.mm.default, x, w, module=f"l{i}",
+                   fault=lambda _, x=x, w=w: torch.mm(b.value(x).bfloat16().float(), b.value(w).bfloat16().float()))
+    path = b.write(tmp_path / "run")
+    declared = check(_declare(path, "medium"))
+    assert declared.first_error is None and declared.counts()["pass"] == 4
+    assert any("'medium'" in n and "bf16" in n for n in declared.notes)
+    d = check(_declare(path, "highest")).first_error
+    assert d is not None and d.op == "aten.mm.default" and d.module == "l0"
+    assert "rounded to bf16" in d.reason and "(bf16 inputs) which the run does not declare" in d.reason
+
+
 def test_nan_that_an_honest_kernel_does_not_make_is_an_error_and_an_honest_overflow_a_warning(tmp_path):
     b = TraceBuilder(data=True)
     x = b.source("input.0", torch.tensor([1.0, 2.0, 60000.0], dtype=torch.float16))
@@ -136,11 +153,17 @@ def test_statistics_find_a_monotone_op_off_at_its_extremes_and_say_the_evidence_
     assert clean.first_error is None and clean.counts()["skipped"] > 0  # what statistics cannot pin is not passed
 
 
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to float16 and back: a float16 kernel emulated in float32 (it reads float16
+    inputs, accumulates in float32 and rounds its output once), on any torch's CPU."""
+    return t.half().float()
+
+
 def test_statistics_find_a_softmax_computed_in_float16(tmp_path):
     def run(path: Path, fault: bool) -> tracecmp.CheckResult:
         b = TraceBuilder()
         x = b.source("input.0", torch.randn(32, 24, generator=torch.Generator().manual_seed(2)) * 3)
-        fp16 = (lambda t: A._softmax.default(b.value(x).half(), -1, False).float()) if fault else None
+        fp16 = (lambda t: _fp16(A._softmax.default(_fp16(b.value(x)), -1, False))) if fault else None
         b.call(A._softmax.default, x, -1, False, module="attn", fault=fp16)
         return check(b.write(path))
 
@@ -154,7 +177,7 @@ def test_statistics_find_an_output_on_the_float16_grid(tmp_path):
         g = torch.Generator().manual_seed(3)
         b = TraceBuilder()
         x, w = b.source("input.0", torch.randn(16, 32, generator=g)), b.param("fc.weight", torch.randn(32, 8, generator=g))
-        half = (lambda t: (b.value(x).half() @ b.value(w).half()).float()) if fault else None
+        half = (lambda t: _fp16(_fp16(b.value(x)) @ _fp16(b.value(w)))) if fault else None
         b.call(A.mm.default, x, w, module="fc", fault=half)
         return check(b.write(path))
 
@@ -168,7 +191,7 @@ def test_statistics_nan_from_finite_inputs_is_put_down_to_float16_range(tmp_path
     b = TraceBuilder()
     g = torch.Generator().manual_seed(4)
     x, w = b.source("input.0", torch.randn(8, 8, generator=g) * 3e4), b.param("fc.weight", torch.randn(8, 8, generator=g) * 4)
-    half = lambda t: (b.value(x).half() @ b.value(w).half()).float()  # noqa: E731
+    half = lambda t: _fp16(_fp16(b.value(x)) @ _fp16(b.value(w)))  # noqa: E731
     b.call(A.mm.default, x, w, module="head", fault=half)
     d = check(b.write(tmp_path / "run")).first_error
     assert d is not None and d.kind == "nan" and "rounded to float16 reproduces it" in d.reason
@@ -237,6 +260,28 @@ def test_a_custom_op_with_a_cpu_kernel_or_a_registered_reference_is_replayed(tmp
     result = check(b.write(tmp_path / "run"))
     status = dict(zip(result.nodes["module"], result.nodes["status"]))
     assert status == {"s": "pass", "f": "error"}
+
+
+def test_a_float16_op_this_cpu_has_no_kernel_for_is_replayed_in_float32_and_rounded_once(tmp_path):
+    # As torch 2.1's CPU lacks float16 matmul and softmax: the honest replay computes in float32 on
+    # the recorded float16 inputs and rounds each output once to the dtype the op's meta kernel gives.
+    lib = torch.library.Library("tcchk3", "DEF")  # noqa: TOR901
+    lib.define("halfless(Tensor x) -> Tensor")
+
+    def cpu(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float16:
+            raise RuntimeError('"halfless" not implemented for \'Half\'')
+        return torch.exp(x) / 3
+
+    lib.impl("halfless", cpu, "CPU")
+    lib.impl("halfless", lambda x: torch.empty_like(x), "Meta")
+    b = TraceBuilder(data=True)
+    x = b.source("input.0", torch.randn(64, generator=torch.Generator().manual_seed(9)).half())
+    honest = (torch.exp(b.value(x).float()) / 3).half()
+    b.op("tcchk3.halfless.default", [x], honest, args={"x": {"tensor": 0}}, module="good")
+    b.op("tcchk3.halfless.default", [x], honest * 1.01, args={"x": {"tensor": 0}}, module="bad")
+    result = check(b.write(tmp_path / "run"))
+    assert dict(zip(result.nodes["module"], result.nodes["status"])) == {"good": "pass", "bad": "error"}
 
 
 def test_foreach_ops_are_replayed_one_element_at_a_time_with_the_same_verdict(tmp_path):

@@ -88,7 +88,7 @@ class CheckResult:
 
     def selection(self, top: int = 3) -> Selection | None:
         """A capture filter around the first error and the top suspects (their modules, in their
-        steps), or around the ops statistics could not judge when nothing erred: paste it into
+        steps), or around the ops with warnings when nothing erred: paste it into
         ``TraceCompare(..., data="tensors", only=...)`` to re-run with tensors there only."""
         from tracecmp.capture.select import around  # only when asked: judging does not load capture
 
@@ -171,6 +171,9 @@ class CheckResult:
         columns = ["rank", "op_id", "step", "phase", "op", "module", "location", "kind", "score", "reason"]
         rows = [{c: getattr(s, c) for c in columns} for s in self.suspects]
         frame = pd.DataFrame(rows, columns=columns)
+        # Whether each finding stands on a replay of recorded inputs or on statistics (weaker).
+        evidence = dict(zip(zip(self.nodes["rank"], self.nodes["op_id"]), self.nodes["evidence"]))
+        frame.insert(len(columns) - 2, "evidence", [evidence.get((r, o), "") for r, o in zip(frame["rank"], frame["op_id"])])
         first = self.first_error
         frame.insert(0, "first", [first is not None and (r, o) == (first.rank, first.op_id)
                                   for r, o in zip(frame["rank"], frame["op_id"])])
