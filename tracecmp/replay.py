@@ -55,7 +55,7 @@ import torch
 from tracecmp.trace import boundedjson
 from tracecmp.aten.args import decode_call
 from tracecmp.aten.opclass import classify
-from tracecmp.aten.schema import op_info, outputs_in_order, resolve
+from tracecmp.aten.schema import _SCRATCH_NAMES, op_info, outputs_in_order, resolve
 from tracecmp.errors import TracecmpError, TraceFormatError
 from tracecmp.trace.saved import SavedTensors
 
@@ -198,6 +198,7 @@ class Replayer:
         keys = self.saved.keys()
         tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "shape"]).to_pydict()
         self.sizes: dict[int, int] = {t: math.prod(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])}
+        self.shapes: dict[int, tuple[int, ...]] = {t: tuple(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])}
         # tensor id -> (producer op, output index, dtype, base tensor id or -1, data key or "")
         self.info: dict[int, tuple[int, int, str, int, str]] = {
             t: (op, idx, dtype, -1 if view is None else view, keys.get(t, ""))
@@ -308,7 +309,8 @@ class Replayer:
         assert args is not None  # skip_reason checked it
         if not op.outputs:
             return Skipped(op_id, "it returns no tensor (a Python number): nothing recorded to compare")
-        missing = [t for t in op.inputs if not self.saved_value(t)]
+        stand_ins = self._stand_ins(op)
+        missing = [t for t in op.inputs if not self.saved_value(t) and t not in stand_ins]
         if missing:
             return Skipped(op_id, f"its inputs were not saved (tensor {missing[0]})", data_missing=True)
         if not any(self.info.get(t, (0, 0, "", -1, ""))[4] for t in op.outputs):
@@ -322,6 +324,26 @@ class Replayer:
         if not measured:
             return Skipped(op_id, "no output to compare (none saved, or none floating)")
         return _combine(op_id, measured)
+
+    def _stand_ins(self, op: RecordedOp) -> dict[int, torch.Tensor]:
+        """Zeros for the unsaved bookkeeping inputs of a fused attention backward run without
+        dropout (generator seed and offset, varlen offsets: capture keeps no statistics or data of
+        them, being uninitialized memory where unused, as on the CPU in torch 2.1); the kernel does
+        not read them then."""
+        args = op.arguments()
+        if not args or args.get("dropout_p", 0.0) != 0.0 or not _SCRATCH_NAMES.intersection(args):
+            return {}
+        out = {}
+        for name in _SCRATCH_NAMES.intersection(args):
+            ref = args[name]
+            if not (isinstance(ref, dict) and isinstance(ref.get("tensor"), int) and 0 <= ref["tensor"] < len(op.inputs)):
+                continue
+            tid = op.inputs[ref["tensor"]]
+            row = self.info.get(tid)
+            dtype = getattr(torch, row[2], None) if row is not None else None
+            if isinstance(dtype, torch.dtype) and not self.saved_value(tid):
+                out[tid] = torch.zeros(self.shapes.get(tid, ()), dtype=dtype)
+        return out
 
     def _elements(self, op: RecordedOp) -> int:
         """Elements an op reads and writes, from the recorded shapes (to pick its thread count)."""
@@ -366,7 +388,8 @@ class Replayer:
         integral = [(i, t) for i, t in saved if not _is_float(info[t][2])]
         if not floating and not (self.detail is not None and integral):
             return None
-        inputs = [self.value(t) for t in call.inputs]
+        stand_ins = self._stand_ins(op)
+        inputs = [self.value(t) if t not in stand_ins else stand_ins[t] for t in call.inputs]
         if any(v is None for v in inputs):
             return "an input could not be read or rebuilt from its base"
         models = _reduced_models(op.name, inputs, self.reduced)
