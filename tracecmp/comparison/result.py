@@ -187,6 +187,21 @@ class CompareResult:
         rows = [{c: getattr(s, c) for c in columns} for s in self.suspects]
         return pd.DataFrame(rows, columns=columns)
 
+    def selection(self, top: int = 3) -> Any:
+        """A capture filter (:class:`tracecmp.capture.select.Selection`) around the first divergence
+        and the top suspects: their modules in their steps, or None without a divergence. Paste
+        ``str()`` of it into ``TraceCompare(..., data="tensors", only=...)`` to re-run the target
+        with tensors there only (statistics everywhere, tensors for the region: replay then finds
+        what statistics hide).
+
+        >>> print(result.selection().code("runs/target"))   # doctest: +SKIP
+        tracecmp.TraceCompare("runs/target", model=model, data="tensors", only={"modules": ["blocks.1.mlp"], "steps": [0]})
+        """
+        from tracecmp.capture.select import around  # only when asked: judging does not load capture
+
+        ranked = sorted(self.suspects, key=lambda s: -s.score)
+        return around([d for d in [self.first_divergence, *ranked] if d is not None], top=top)
+
     def render(self, path: str | Path, depth: int = 2) -> Path:
         """Draw the suspicious subgraph to ``path`` (.svg / .png / .dot by suffix)."""
         from tracecmp.render import render_subgraph
