@@ -20,7 +20,7 @@ each rounded replay in float32 accumulation errors, so that localize can learn w
 run used from its other calls and hold each call to it.
 
 Views carry no data of their own and are recomputed from their base by replaying the view op.
-Ops that are not replayed: random ops (they would draw other numbers), uninitialized allocations,
+Ops that are not replayed: random ops that drew numbers (they would draw others), uninitialized allocations,
 ops whose arguments the trace could not record (opaque objects), ops without a schema, ops whose
 inputs were not saved, and ops that refuse float64 (some vendor kernels): the caller treats those
 as "not replayed", never as "correct".
@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from tracecmp.aten.args import decode_call
-from tracecmp.aten.opclass import classify
+from tracecmp.aten.opclass import classify, draws_random
 from tracecmp.aten.schema import outputs_in_order, resolve
 from tracecmp.trace.saved import SavedTensors
 
@@ -90,6 +90,11 @@ class _Op:
             self.parsed = value if isinstance(value, dict) else False
         return self.parsed if self.parsed is not False else None
 
+    def draws(self) -> bool:
+        """Whether this call drew random numbers (``dropout_p=0.0`` draws none), see
+        :func:`tracecmp.aten.opclass.draws_random`."""
+        return self.random and draws_random(self.name, self.arguments())
+
 
 def replay_rank(
     rank: Any, op_ids: Iterable[int] | None = None, *, reduced: str | None = None,
@@ -129,7 +134,7 @@ def replay_rank(
             if progress is not None and count % 1000 == 0:
                 progress(1000)
             op = ops[op_id]
-            if op.kind != "op" or op.random or op.name.startswith(_UNINITIALIZED):
+            if op.kind != "op" or op.draws() or op.name.startswith(_UNINITIALIZED):
                 continue
             own = _replay_one(op, values, info, reduced)
             if own is not None:

@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from tracecmp.aten.opclass import OpClass, base_name, classify, is_copy
-from tracecmp.comparison.records import Divergence
+from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy
+from tracecmp.comparison.records import Divergence, Region
 from tracecmp.replay import REDUCED_MODELS, OwnError
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
 
@@ -120,6 +120,7 @@ class NodeVerdict:
     root_kind: str = ""
     reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    region: int | None = None  # the region (RankInput.regions) the node belongs to
 
 
 @dataclass
@@ -133,13 +134,18 @@ class RankInput:
     own: Mapping[int, tuple[bool, bool, str]]  # target tensor id -> (is_float, nonfinite, dtype) from the target alone
     view_base: Mapping[int, int]
     bench_args: Mapping[int, str]
-    bench_inputs: Mapping[int, list[int]]  # bench op_id -> input tensor ids
-    bench_producer: Mapping[int, int]  # bench tensor id -> producer op_id
-    bench_ops: Mapping[int, tuple[str, str]]  # bench op_id -> (op, module), for unpaired bench ops
-    partner: Mapping[int, int]  # target tensor id -> bench tensor id
     first_step: int = 0
     own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (replay.py)
     reduced_precision: str | None = None  # "tf32"/"bf16": float32 matmul/conv may run at it (replay.py)
+    # Regions (tracecmp.comparison.align.find_regions): judged at their boundary, see _judge_region.
+    regions: Mapping[int, Region] = field(default_factory=dict)  # region id -> region
+    member_of: Mapping[int, int] = field(default_factory=dict)  # target op id -> region id
+    bench_only: Mapping[tuple[int, int], int] = field(default_factory=dict)  # (target op, input position) -> bench-only region
+    # (side "t"/"b", op id) -> (kind, op, args, inputs, outputs) of every region member
+    region_ops: Mapping[tuple[str, int], tuple[str, str, str, list[int], list[int]]] = field(default_factory=dict)
+    # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
+    region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
+    region_replays: Mapping[int, OwnError] = field(default_factory=dict)  # region id -> its replay (replay.py)
 
 
 def _norm_args(text: str) -> Any:
@@ -442,6 +448,7 @@ def _localize_rank(
         # A value produced outside the compared steps is known only as measured.
         return state.get(tid) or ri.measured.get(tid)
 
+
     # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
     for index, node in enumerate(ri.nodes):
         if progress is not None and index % _PROGRESS_EVERY == 0 and index:
@@ -456,6 +463,8 @@ def _localize_rank(
         # alias.update: a tensor after writes through its views) assembles its inputs' values.
         cls = OpClass("factory") if kind == "source" else OpClass("copy") if kind == "view" else classify(op)
         ins_all = [(pos, lookup(t) if t not in base else _through_view(lookup(t))) for pos, t in enumerate(inputs)]
+        if ri.bench_only:
+            ins_all = [(pos, _past_bench_cast(s, ri, ri.bench_only.get((op_id, pos)))) for pos, s in ins_all]
         # Inputs whose values the op never reads (nll_loss_backward's log-probs) count for nothing.
         ins = [(pos, s) for pos, s in ins_all if s is not None and not s.uninit and cls.input_rule(pos) != "ignore"]
         unknown_input = any(s is None and cls.input_rule(pos) != "ignore" for pos, s in ins_all) or any(not s.known for _, s in ins)
@@ -475,19 +484,26 @@ def _localize_rank(
                 # No partner: carry the inputs' error through (an extra copy, a fused op's piece).
                 worst = max((s for _, s in float_ins), key=lambda s: s.level, default=None)
                 est = TensorState(known=not unknown_input and worst is not None or (not ins and not inputs),
-                                  exact=inputs_exact and kind != "source", nonfinite=nonfinite, is_float=is_float)
+                                  exact=inputs_exact and (kind != "source" or op_id in ri.member_of), nonfinite=nonfinite,
+                                  is_float=is_float)
                 if worst is not None:
                     est.e_ext, est.e_sys, est.e_rms = worst.e_ext, worst.e_sys, worst.e_rms
                     est.c_ext, est.c_sys, est.c_rms = worst.c_ext, worst.c_sys, worst.c_rms
                     est.amax, est.rms, est.numel = worst.amax, worst.rms, worst.numel
                     est.lo, est.hi, est.mean = worst.lo, worst.hi, worst.mean
-                est.known = est.known and kind != "source"
+                # A source inside a region is a constant of its implementation (the eager side's
+                # causal-mask buffer, which the fused op has built in).
+                est.known = est.known and (kind != "source" or op_id in ri.member_of)
                 est.tainted = any(s.tainted for _, s in ins)
                 est.nonfinite_mismatch = any(s.nonfinite_mismatch for _, s in ins)
                 state[tid] = est
                 continue
             state[tid] = m
             out_states.append(m)
+        if op_id in ri.member_of:
+            # Judged with its region at the boundary, never on its own against the other side.
+            judged.append(None)
+            continue
         if not out_states:
             judged.append(None)
             continue
@@ -545,6 +561,11 @@ def _localize_rank(
         judged.append(_Judged(index, op_id, (op, dtype), cls, judgeable, inputs_exact, outputs_exact, best_e, best_x,
                               best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa))
 
+    for op_id, region_id in ri.member_of.items():
+        verdicts[op_id].region = region_id
+    region_judged = {region_id: _judge_region(region, ri, lookup, tol)
+                     for region_id, region in ri.regions.items() if region.target_ops}
+
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
     exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
     # Matmuls/convs allowed to run at TF32 have their own rule and do not decide the regime.
@@ -577,20 +598,40 @@ def _localize_rank(
                 verdict.introduced = units if not verdict.introduced >= units else verdict.introduced
         verdict.root_kind = root_kind
         verdict.reason = reason
+        if root_kind == "nan":
+            # NaN/Inf made from finite values: no count of rounding units measures that, and it
+            # outranks every root of a few units.
+            verdict.introduced = math.inf
         divergence = Divergence(
             op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
             bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=root_kind, reason=reason,
-            score=float(verdict.introduced if math.isfinite(verdict.introduced) else 0.0), metrics=verdict.metrics,
+            score=float(verdict.introduced if not math.isnan(verdict.introduced) else 0.0), metrics=verdict.metrics,
             stack=stack,
         )
         roots.append(((int(step), int(op_id), ri.rank), divergence))
+    root_regions = _region_roots(ri, region_judged, verdicts, tol, exact_matmul, roots)
 
     # ---- pass 3: taint (error that comes from a root) and statuses ----------------------------
     producer_status: dict[int, str] = {}
+    region_status: dict[int, str] = {}
     for node in ri.nodes:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         paired = op_id in ri.pairs
+        region_id = ri.member_of.get(op_id)
+        if region_id is not None:
+            # Members share their region's status; a root region taints what it makes.
+            if region_id not in region_status:
+                region_status[region_id] = _region_status(ri.regions[region_id], region_judged.get(region_id),
+                                                          region_id in root_regions, lookup)
+            tainted = region_id in root_regions or region_status[region_id] == "diverged"
+            for t in outputs:
+                s = state.get(base.get(t, t))
+                if s is not None and not s.exact and tainted:
+                    s.tainted = True
+                producer_status[base.get(t, t)] = region_status[region_id]
+            verdict.status = region_status[region_id]
+            continue
         if kind == "view" and all(t in base for t in outputs):
             src = base.get(outputs[0], inputs[0] if inputs else -1) if outputs else -1
             verdict.status = producer_status.get(src, "uncompared") if paired else "unpaired"
@@ -674,7 +715,7 @@ def _decide(
     outs = [s for s in outs if s is not None]
     # NaN/Inf from finite inputs: judged from the target's own statistics, whatever else is known.
     nonfinite_out = [s for s in outs if s.nonfinite and s.nonfinite_mismatch]
-    if nonfinite_out:
+    if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
             return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count"
@@ -846,18 +887,331 @@ def _replayed_root(
 
 
 def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:
-    """Non-empty when the paired bench op reads a value the target op does not (a bench-only op in between)."""
-    bench_op = ri.pairs.get(op_id)
-    if bench_op is None:
-        return ""
-    b_inputs = ri.bench_inputs.get(bench_op, [])
-    paired_bench = set(ri.pairs.values())
-    for pos, tid in enumerate(inputs):
-        if pos >= len(b_inputs):
-            break
-        partner = ri.partner.get(ri.view_base.get(tid, tid))
-        producer = ri.bench_producer.get(b_inputs[pos])
-        if partner is not None and partner != b_inputs[pos] and producer is not None and producer not in paired_bench:
-            bop, bmodule = ri.bench_ops.get(producer, ("?", ""))
-            return f"the bench applies {bop} ({bmodule or '<top>'}) to input {pos} and the target does not"
+    """Non-empty when the bench reads, at one of this op's inputs, what bench-only ops made of it
+    (ops the target lacks, other than casts and copies)."""
+    for pos in range(len(inputs)):
+        region_id = ri.bench_only.get((op_id, pos))
+        region = ri.regions.get(region_id) if region_id is not None else None
+        if region is not None and region.kind != "pass-through":
+            names = [n for n in region.bench_names if not n.startswith("source.")] or list(region.bench_names)
+            return f"the bench applies {names[-1]} ({region.module or '<top>'}) to input {pos} and the target does not"
     return ""
+
+
+# ---- regions -----------------------------------------------------------------------------------
+#
+# A region (tracecmp.comparison.align.find_regions) is judged like one op at its boundary: its
+# outputs' error against the bench tensors they stand for, beside what its inputs carried in and
+# what an honest implementation of the composite computation rounds. Both come from walking the
+# side that spells the computation out op by op (the bench's decomposition when there is one, else
+# the target's ops) with that side's recorded magnitudes: each op passes on its inputs' error the
+# way its class does (the inherited error) and adds its own rounding, amplified by its condition
+# (the honest budget), both carried on through the ops after it.
+
+
+@dataclass
+class _RegionJudged:
+    """What the region's boundary shows (pass 1), for the verdict and the statuses."""
+
+    region: Region
+    judgeable: bool
+    inputs_exact: bool
+    outputs: list[tuple[int, TensorState]]  # (target tensor id, measured state)
+    e: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the worst output's measured error per channel
+    x: tuple[float, float, float] = (0.0, 0.0, 0.0)  # inherited error
+    r: tuple[float, float, float] = (0.0, 0.0, 0.0)  # honest rounding budget
+    worst: int | None = None  # target tensor id of the worst output
+    inputs_finite: bool = True
+    given: bool = False  # a member was handed a NaN/Inf as an argument
+
+
+def _past_bench_cast(s: TensorState | None, ri: RankInput, region_id: int | None) -> TensorState | None:
+    """The error an input shows against what the bench op really reads when a bench-only cast
+    (autocast's ``_to_copy``) sits between: the input's own, plus that dtype's rounding."""
+    if s is None or region_id is None:
+        return s
+    region = ri.regions.get(region_id)
+    if region is None or region.kind != "pass-through":
+        return s
+    unit = max((v.unit for (side, _), v in _region_made(ri, region, "b")), default=0.0)
+    if unit <= 0.0:
+        return s
+    seen = copy.copy(s)
+    seen.exact = False
+    seen.c_ext, seen.c_sys = s.c_ext + unit, s.c_sys + unit
+    seen.c_rms = s.c_rms + unit if not math.isnan(s.c_rms) else unit
+    return seen
+
+
+def _region_made(ri: RankInput, region: Region, side: str) -> list[tuple[tuple[str, int], TensorState]]:
+    ops = region.bench_ops if side == "b" else region.target_ops
+    out = []
+    for o in ops:
+        entry = ri.region_ops.get((side, o))
+        if entry is None:
+            continue
+        for tid in entry[4]:
+            value = ri.region_values.get((side, tid))
+            if value is not None:
+                out.append(((side, tid), value))
+    return out
+
+
+def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances) -> _RegionJudged:
+    """Pass-1 numbers of a region: its outputs' error, what its inputs carried in, its honest budget."""
+    base = ri.view_base
+    outputs = []
+    for T, _ in region.outputs:
+        m = ri.measured.get(base.get(T, T))
+        if m is not None:
+            outputs.append((T, m))
+    ins = [(T, lookup(T)) for T, _ in region.inputs if T is not None]
+    unknown = any(s is None or not s.known for _, s in ins)
+    known = [s for _, s in ins if s is not None and not s.uninit]
+    judged = _RegionJudged(
+        region, judgeable=bool(outputs) and not unknown, inputs_exact=not unknown and all(s.exact for s in known),
+        outputs=outputs, inputs_finite=not any(s.nonfinite for s in known),
+        given=any(given_nonfinite(ri.region_ops[(side, o)][2]) for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+                  for o in ops if (side, o) in ri.region_ops),
+    )
+    if any(s.nonfinite_mismatch for s in known) or any(not s.exact for s in known if not s.is_float):
+        judged.judgeable = False  # NaN or a changed index/mask reaching it: its arithmetic is not on trial
+    if not judged.judgeable:
+        return judged
+    predicted = _region_prediction(region, ri, lookup, tol)
+    best = -math.inf
+    for T, m in outputs:
+        if not m.is_float:
+            continue
+        x, r = predicted.get(T, ((math.inf,) * 3, (math.inf,) * 3))
+        e = (m.e_ext, m.e_sys, m.e_rms)
+        ratio = max(((ec - tol.margin * xc) / max(tol.local * rc, _TINY) for ec, xc, rc in zip(e, x, r)
+                     if not math.isnan(ec) and math.isfinite(xc)), default=-math.inf)
+        if ratio > best:
+            best, judged.e, judged.x, judged.r, judged.worst = ratio, e, x, r, T
+    if judged.worst is None:
+        judged.judgeable = False
+    return judged
+
+
+def _region_prediction(
+    region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances,
+) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:
+    """Per target output of ``region``: (inherited error, honest rounding budget) per channel."""
+    # The side that spells the computation out in more ops (the decomposition) models it best.
+    computing = {side: sum(1 for o in ops if ri.region_ops.get((side, o), ("",))[0] == "op")
+                 for side, ops in (("t", region.target_ops), ("b", region.bench_ops))}
+    side = "b" if computing["b"] >= computing["t"] and computing["b"] else "t"
+    ops = region.bench_ops if side == "b" else region.target_ops
+    base = ri.view_base
+    # The region's output dtypes: a fused kernel rounds at least to them, whatever the bench used.
+    floor = max((ri.measured[base.get(T, T)].unit for T, _ in region.outputs if base.get(T, T) in ri.measured), default=0.0)
+    inherited: dict[int, TensorState] = {}
+    budget: dict[int, TensorState] = {}
+    for T, B in region.inputs:
+        key = B if side == "b" else T
+        if key is None:
+            continue
+        s = lookup(T) if T is not None else None
+        if s is None:
+            s = ri.region_values.get((side, key)) or TensorState(known=True, exact=True)
+        inherited[key] = s
+        budget[key] = _with_error(s, (0.0, 0.0, 0.0))
+    for o in ops:
+        entry = ri.region_ops.get((side, o))
+        if entry is None:
+            continue
+        kind, op, _, inputs, outputs = entry
+        if kind != "op":
+            # A view (or a source inside the region): shows its input's values, or is a constant.
+            src = inherited.get(inputs[0]) if inputs else None
+            for tid in outputs:
+                inherited[tid] = _through_view(src) if src is not None else TensorState(known=True, exact=True)
+                budget[tid] = budget.get(inputs[0], inherited[tid]) if inputs else inherited[tid]
+            continue
+        cls = classify(op)
+        ins_x = [(pos, inherited[t]) for pos, t in enumerate(inputs) if t in inherited and cls.input_rule(pos) != "ignore"]
+        ins_r = [(pos, budget[t]) for pos, t in enumerate(inputs) if t in budget and cls.input_rule(pos) != "ignore"]
+        float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
+        float_r = [(pos, s) for pos, s in ins_r if s.is_float and not s.uninit]
+        for tid in outputs:
+            out = ri.region_values.get((side, tid))
+            if out is None or cls.kind == "uninit":
+                continue
+            if not out.is_float:
+                exact = all(s.exact for _, s in ins_x)
+                inherited[tid] = _with_error(out, (0.0 if exact else 1.0,) * 3, exact=exact)
+                budget[tid] = _with_error(out, (0.0,) * 3)
+                continue
+            x = _expected(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            carried = _expected(cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
+            if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_x):
+                unit, lam, tf32 = TF32_EPS, 0.5, True
+            fresh = unit * lam * (_local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
+            neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
+            own = (fresh, fresh if tf32 else fresh / math.sqrt(neff), fresh)
+            inherited[tid] = _with_error(out, x)
+            budget[tid] = _with_error(out, tuple(c + f for c, f in zip(carried, own)))
+    result = {}
+    for T, B in region.outputs:
+        key = B if side == "b" else T
+        if key in inherited and key in budget:
+            x, r = inherited[key], budget[key]
+            result[T] = ((x.e_ext, x.e_sys, x.e_rms if not math.isnan(x.e_rms) else x.e_ext),
+                         (r.e_ext, r.e_sys, r.e_rms if not math.isnan(r.e_rms) else r.e_ext))
+    return result
+
+
+def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None) -> TensorState:
+    out = copy.copy(s)
+    out.e_ext, out.e_sys, out.e_rms = (float(v) for v in e)
+    out.c_ext, out.c_sys, out.c_rms = out.e_ext, out.e_sys, out.e_rms
+    out.exact = all(v == 0.0 for v in e) if exact is None else exact
+    out.known = True
+    return out
+
+
+def _region_roots(
+    ri: RankInput, judged: Mapping[int, _RegionJudged], verdicts: dict[int, NodeVerdict], tol: Tolerances,
+    exact_matmul: bool, roots: list[tuple[tuple, Divergence]],
+) -> set[int]:
+    """Decide every judged region (and replay roots among target members); returns the root regions."""
+    nodes = {node[0]: node for node in ri.nodes if node[0] in ri.member_of}
+    root_regions: set[int] = set()
+    for region_id, j in judged.items():
+        region = j.region
+        kind, reason, op_id, score = _decide_region(j, ri, tol)
+        if not kind:
+            continue
+        root_regions.add(region_id)
+        _add_region_root(ri, region, nodes, verdicts, roots, op_id, kind, reason, score, j)
+    # A member op whose own replay is far from an honest kernel's is named itself.
+    for op_id, node in nodes.items():
+        own = ri.own_errors.get(op_id)
+        region_id = ri.member_of[op_id]
+        if own is None or node[3] != "op" or region_id in root_regions:
+            continue
+        cls = classify(node[4])
+        probe = _Judged(0, op_id, (node[4], own.dtype), cls, False, False, False, (0.0,) * 3, (0.0,) * 3, (1.0,) * 3,
+                        1.0, False, True, True, 1.0)
+        reason = _replayed_root(probe, node, ri, tol, exact_matmul, None)
+        if not reason:
+            continue
+        root_regions.add(region_id)
+        score = own.error / EPS.get(own.dtype, _FP32)
+        _add_region_root(ri, ri.regions[region_id], nodes, verdicts, roots, op_id, "computation", reason, score, None,
+                         own=own)
+    return root_regions
+
+
+def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[str, str, int | None, float]:
+    """(root kind or "", reason, the target op to name, score in rounding units)."""
+    region = j.region
+    name = _region_name(region)
+    worst_nan = [(T, s) for T, s in j.outputs if s.nonfinite and s.nonfinite_mismatch]
+    if worst_nan and j.inputs_finite and not j.given:
+        return ("nan", f"NaN/Inf appear in the output of {name} although every input is finite (the bench's is not)",
+                _producer(ri, region, worst_nan[0][0]), math.inf)
+    if not j.outputs or all(s.exact for _, s in j.outputs):
+        return "", "", None, 0.0
+    replay = ri.region_replays.get(region.region_id)
+    if replay is not None:
+        excess = replay.error / max(tol.replay_margin * replay.honest, tol.replay_local * EPS.get(replay.dtype, _FP32))
+        if excess > 1.0:
+            return ("computation", f"{name}: own error {replay.error:.2e} against a float64 replay of its recorded "
+                    f"inputs is {replay.error / max(replay.honest, _TINY):.0f}x what an honest replay makes "
+                    f"({replay.honest:.1e})", _producer(ri, region, j.worst), replay.error / EPS.get(replay.dtype, _FP32))
+    if not j.judgeable:
+        return "", "", None, 0.0
+    channels = ("max/min", "norm/mean", "rms")
+    excess = [((e - tol.margin * x) / max(tol.local * r, _TINY), c, e, x)
+              for c, (e, x, r) in enumerate(zip(j.e, j.x, j.r)) if not math.isnan(e) and math.isfinite(x)]
+    if not excess:
+        return "", "", None, 0.0
+    score, c, e, x = max(excess)
+    if score <= 1.0:
+        return "", "", None, 0.0
+    what = f"relative error {e:.2e} ({channels[c]})"
+    unit = max(j.r[c], _TINY)
+    if not region.bench_ops and region.kind != "pass-through":
+        reason = f"target-only ops ({name}) change the values: {what}"
+        return "structure", reason, _producer(ri, region, j.worst), (e - x) / unit
+    if j.inputs_exact:
+        reason = f"{name}: output differs ({what}) while every input agrees bitwise"
+    elif x > 0:
+        reason = f"{name}: output error {e:.2e} ({channels[c]}) is {e / x:.0f}x what its inputs carried in ({x:.1e})"
+    else:
+        reason = f"{name}: output error {e:.2e} ({channels[c]}) beyond an honest implementation's rounding ({j.r[c]:.1e})"
+    return "computation", reason, _producer(ri, region, j.worst), (e - x) / unit
+
+
+def _region_name(region: Region) -> str:
+    def ops(names: tuple[str, ...]) -> str:
+        computing = [n for n in names if not n.startswith("source.")]
+        shown = ", ".join(dict.fromkeys(base_name(n) for n in computing[:6]))
+        return shown + (", ..." if len(computing) > 6 else "")
+
+    if not region.bench_ops:
+        return ops(region.target_names)
+    if not region.target_ops:
+        return f"bench-only {ops(region.bench_names)}"
+    return f"region {region.region_id} ({region.kind}: {ops(region.target_names)} against the bench's {ops(region.bench_names)})"
+
+
+def _producer(ri: RankInput, region: Region, tid: int | None) -> int | None:
+    """The target op that made ``tid`` (or the region's one computing op)."""
+    computing = [o for o in region.target_ops if ri.region_ops.get(("t", o), ("",))[0] == "op"]
+    if len(computing) == 1:
+        return computing[0]
+    wanted = {tid, ri.view_base.get(tid, tid)} if tid is not None else set()
+    for o in computing:
+        if wanted & set(ri.region_ops[("t", o)][4]):
+            return o  # the op that computed the worst output's values, not a view of them
+    return computing[-1] if computing else (region.target_ops[-1] if region.target_ops else None)
+
+
+def _add_region_root(
+    ri: RankInput, region: Region, nodes: Mapping[int, tuple], verdicts: dict[int, NodeVerdict],
+    roots: list[tuple[tuple, Divergence]], op_id: int | None, kind: str, reason: str, score: float,
+    j: _RegionJudged | None, own: OwnError | None = None,
+) -> None:
+    if op_id is None or op_id not in nodes:
+        return
+    op_id_, step, phase, node_kind, op, name, module, location, args, inputs, outputs, random, stack = nodes[op_id]
+    verdict = verdicts[op_id]
+    metrics: dict[str, float] = {}
+    if j is not None:
+        for label, e, x, r in zip(("ext", "sys", "rms"), j.e, j.x, j.r):
+            if not math.isnan(e):
+                metrics[f"rel_err_{label}"] = float(e)
+                if math.isfinite(x):
+                    metrics[f"expected_{label}"] = float(x)
+                metrics[f"budget_{label}"] = float(r)
+    replay = own or ri.region_replays.get(region.region_id)
+    if replay is not None:
+        metrics.update(own_error=replay.error, honest_error=replay.honest)
+    verdict.root_kind, verdict.reason, verdict.metrics = kind, reason, metrics
+    verdict.introduced = score
+    bench_op = region.bench_ops[-1] if region.bench_ops else None
+    roots.append(((int(step), int(op_id), ri.rank), Divergence(
+        op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
+        bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=kind, reason=reason,
+        score=float(score), metrics=metrics, stack=stack, region=region.region_id,
+    )))
+
+
+def _region_status(region: Region, j: _RegionJudged | None, root: bool, lookup: Callable[[int], TensorState | None]) -> str:
+    if j is None or not j.outputs:
+        return "uncompared"
+    states = [s for _, s in j.outputs]
+    if any(s.nonfinite_mismatch for s in states):
+        return "nan" if not j.given else "noise"
+    if len(j.outputs) < len(region.outputs):
+        return "uncompared"
+    if all(s.exact for s in states):
+        return "agrees"
+    ins = [lookup(T) for T, _ in region.inputs if T is not None]
+    if root or any(s is not None and s.tainted for s in ins):
+        return "diverged"
+    return "noise"

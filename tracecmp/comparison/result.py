@@ -9,12 +9,12 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence
+from tracecmp.comparison.records import Divergence, Region
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
 
-NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "step", "phase", "kind", "op", "name", "module", "location", "status",
+NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "region", "step", "phase", "kind", "op", "name", "module", "location", "status",
                 "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
 
 
@@ -45,6 +45,7 @@ class CompareResult:
     exact: bool = False
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)  # many-to-many correspondences, by region_id
 
     @property
     def agrees(self) -> bool:

@@ -96,6 +96,8 @@ def _num(value: Any) -> float:
 
 def _sort_value(value: Any) -> str:
     x = _num(value)
+    if math.isinf(x):
+        return "1e308" if x > 0 else "-1e308"  # what the page's sort can read
     return "" if math.isnan(x) else repr(x)
 
 
