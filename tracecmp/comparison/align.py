@@ -246,6 +246,7 @@ class SideGraph:
     base: dict[int, int]  # view tensor id -> the non-view tensor it shows
     numel: dict[int, int]
     consumers: dict[int, list[int]]  # tensor id -> op ids that read it
+    shape: dict[int, tuple[int, ...]]
 
     @classmethod
     def of(cls, ops: pd.DataFrame, inputs: list[list[int]], outputs: list[list[int]], tensors: pd.DataFrame,
@@ -261,9 +262,10 @@ class SideGraph:
                 producer[t] = op_id
             for t in ins:
                 consumers[t].append(op_id)
-        shapes = dict(zip(tensors["tensor_id"].tolist(), tensors["shape"].tolist()))
-        numel = {t: int(np.prod(s)) if s is not None else 0 for t, s in shapes.items()}
-        return cls(nodes, list(nodes), producer, dict(base), numel, consumers)
+        shapes = {t: tuple(int(d) for d in s) if s is not None else () for t, s in
+                  zip(tensors["tensor_id"].tolist(), tensors["shape"].tolist())}
+        numel = {t: math.prod(s) for t, s in shapes.items()}
+        return cls(nodes, list(nodes), producer, dict(base), numel, consumers, shapes)
 
     def root(self, tid: int) -> int:
         return self.base.get(tid, tid)
@@ -357,6 +359,7 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
 
     # Clusters that met nothing join their scope's region (dead ends: detach, .item() reads).
     _join_residue(t, b, groups, in_t, in_b, linked)
+    _absorb_constants(t, b, pairs, groups, in_t, in_b)
 
     # Step 4: the regions.
     members: dict[tuple[str, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
@@ -381,13 +384,29 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
             bench_member_of[o] = region_id
         for T, B in region.outputs:
             rt, rb = t.root(T), b.root(B)
-            if t.numel.get(rt) == b.numel.get(rb):
+            if t.numel.get(rt) == b.numel.get(rb) or _broadcasts(t.shape.get(rt), b.shape.get(rb)):
                 partners.setdefault(rt, rb)
     for (t_op, position), B in one_b.items():
         region_id = bench_member_of.get(b.producer.get(B, -1))
         if region_id is not None:
             bench_only[(t_op, position)] = region_id
     return RegionMatch(pairs, regions, partners, bench_only, member_of, bench_member_of)
+
+
+def _broadcasts(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
+    """One shape is the other broadcast (a [T, T] mask and the bench's [B, 1, T, T] one): their
+    statistics (extremes, mean, rms) compare, element by element they do not.
+
+    >>> _broadcasts((8, 8), (4, 1, 8, 8)), _broadcasts((8, 8), (4, 8))
+    (True, False)
+    """
+    if a is None or b is None or a == b:
+        return False
+    small, large = sorted((a, b), key=len)
+    padded = (1,) * (len(large) - len(small)) + small
+    stretched = any(x != y for x, y in zip(padded, large))
+    return stretched and all(x == y or x == 1 or y == 1 for x, y in zip(padded, large)) and (
+        all(x in (y, 1) for x, y in zip(padded, large)) or all(y in (x, 1) for x, y in zip(padded, large)))
 
 
 def _consistent_pairs(t: SideGraph, b: SideGraph, pairs: dict[int, int]) -> dict[int, int]:
@@ -526,64 +545,105 @@ def _join_residue(t: SideGraph, b: SideGraph, groups: _Union, in_t: set[int], in
             groups.union(roots[0], root)
 
 
+def _absorb_constants(t: SideGraph, b: SideGraph, pairs: dict[int, int], groups: _Union, in_t: set[int],
+                      in_b: set[int]) -> None:
+    """A pair that only feeds one region, on both sides, and either reads no tensor (a constant:
+    ``scalar_tensor(-inf)`` against ``scalar_tensor(finfo.min)``) or was called with other
+    arguments, is part of that region's computation: a key match, not a counterpart."""
+    for t_op in sorted(pairs, reverse=True):  # consumers first, so a chain of such pairs goes in whole
+        b_op = pairs[t_op]
+        tn, bn = t.nodes[t_op], b.nodes[b_op]
+        if tn.kind == "source" or (tn.inputs and tn.args == bn.args):
+            continue
+        uses_t = {c for x in tn.outputs for c in t.consumers.get(x, ())}
+        uses_b = {c for x in bn.outputs for c in b.consumers.get(x, ())}
+        if not uses_t or not uses_b or not uses_t <= in_t or not uses_b <= in_b:
+            continue
+        roots = {groups.find(("t", c)) for c in uses_t} | {groups.find(("b", c)) for c in uses_b}
+        if len(roots) != 1:
+            continue
+        del pairs[t_op]
+        in_t.add(t_op)
+        in_b.add(b_op)
+        groups.union(("t", t_op), roots.pop())
+        groups.union(("t", t_op), ("b", b_op))
+
+
 def _merge_compensating(
     t: SideGraph, b: SideGraph, pairs: dict[int, int], groups: _Union, in_t: set[int], in_b: set[int],
     one_t: Mapping[int, int], one_b: Mapping[tuple[int, int], int], meet: dict[int, int],
 ) -> set[int]:
-    """Link a target-only change of values with the bench-only change that makes up for it a few
-    ops downstream, and the pairs between them (step 3). Returns the target op ids whose pairs
-    were dissolved into a region (they joined ``in_t``; their partners joined ``in_b``)."""
+    """Link a one-sided change of values with the other side's change that makes up for it within a
+    few ops, and the pairs between them (step 3): the target scales q and k by sqrt(scale) where the
+    bench scales the scores once, and in the backward the bench scales the scores' gradient where
+    the target scales the gradients of q and k. Returns the target op ids whose pairs were dissolved
+    into a region (they joined ``in_t``; their partners joined ``in_b``)."""
     changing_t = {t.producer[T] for T in one_t if not _cluster_passes(t, groups, ("t", t.producer[T]), in_t)}
-    if not changing_t or not one_b:
-        return set()
-    # Bench-only changes by the target consumer that reads past them.
-    waiting: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    changing_b: dict[int, list[tuple[int, int]]] = defaultdict(list)  # target consumer -> (position, bench op)
     for (t_op, position), B in one_b.items():
         pb = b.producer.get(B)
         if pb is not None and not _cluster_passes(b, groups, ("b", pb), in_b):
-            waiting[t_op].append((position, pb))
-    if not waiting:
-        return set()
+            changing_b[t_op].append((position, pb))
     dissolved: set[int] = set()
-    for start in sorted(changing_t):
-        origin = t.nodes[start]
-        # Walk downstream over paired ops of the same step and phase, remembering the path.
-        previous: dict[int, int | None] = {}
-        frontier = [(c, 1) for T in t.nodes[start].outputs for c in t.consumers.get(T, ()) if c in pairs]
-        for c, _ in frontier:
-            previous.setdefault(c, None)
-        found: list[int] = []
+    if not changing_t or not changing_b:
+        return dissolved
+
+    def walk(starts: list[int], origin: _Node) -> dict[int, int | None]:
+        """Paired target ops downstream of ``starts`` within ``_NEAR`` ops of the same step and
+        phase, each with the op it was reached from."""
+        previous: dict[int, int | None] = {s: None for s in starts}
+        frontier = [(s, 1) for s in starts]
         while frontier:
             op_id, depth = frontier.pop(0)
-            node = t.nodes[op_id]
-            if (node.step, node.phase) != (origin.step, origin.phase):
-                continue
-            if op_id in waiting:
-                found.append(op_id)
-                continue
             if depth >= _NEAR:
                 continue
-            for T in node.outputs:
+            for T in t.nodes[op_id].outputs:
                 for c in t.consumers.get(T, ()):
-                    if c in pairs and c not in previous:
+                    node = t.nodes[c]
+                    if (c in pairs or c in dissolved) and c not in previous and (node.step, node.phase) == (origin.step, origin.phase):
                         previous[c] = op_id
                         frontier.append((c, depth + 1))
-        for consumer in found:
-            for position, pb in waiting[consumer]:
+        return previous
+
+    def dissolve(path_end: int | None, previous: Mapping[int, int | None], anchor: tuple[str, int]) -> None:
+        step = path_end
+        while step is not None:
+            if step in pairs:
+                b_op = pairs.pop(step)
+                in_t.add(step)
+                in_b.add(b_op)
+                groups.union(anchor, ("t", step))
+                groups.union(anchor, ("b", b_op))
+                dissolved.add(step)
+            step = previous.get(step)
+
+    # A target-only change, then the bench's further down.
+    for start in sorted(changing_t):
+        origin = t.nodes[start]
+        starts = [c for T in origin.outputs for c in t.consumers.get(T, ()) if c in pairs or c in dissolved]
+        previous = walk(starts, origin)
+        for consumer in [c for c in previous if c in changing_b]:
+            for position, pb in changing_b[consumer]:
                 groups.union(("t", start), ("b", pb))
                 # The compensated value is where the two sides meet again.
                 meet.setdefault(t.nodes[consumer].inputs[position], one_b[(consumer, position)])
-            # The pairs on the way carry values that differ by design: they join the region.
-            step = previous.get(consumer)
-            while step is not None:
-                if step in pairs:
-                    b_op = pairs.pop(step)
-                    in_t.add(step)
-                    in_b.add(b_op)
-                    groups.union(("t", start), ("t", step))
-                    groups.union(("t", start), ("b", b_op))
-                    dissolved.add(step)
-                step = previous.get(step)
+            dissolve(previous[consumer], previous, ("t", start))
+    # A bench-only change, then the target's further down (the backward of the case above).
+    for consumer, changes in sorted(changing_b.items()):
+        if consumer not in pairs and consumer not in dissolved:
+            continue
+        previous = walk([consumer], t.nodes[consumer])
+        for op_id in list(previous):
+            for T in t.nodes[op_id].outputs:
+                for c in t.consumers.get(T, ()):
+                    if c not in changing_t:
+                        continue
+                    for _, pb in changes:
+                        groups.union(("t", c), ("b", pb))
+                    for out in t.nodes[c].outputs:
+                        if out in one_t:
+                            meet.setdefault(out, one_t[out])
+                    dissolve(op_id, previous, ("t", c))
     return dissolved
 
 

@@ -83,6 +83,9 @@ class TensorState:
     unit: float = 0.0
     same_dtype: bool = True
     tainted: bool = False  # carries error from a root
+    # Its NaN/Inf differ from the bench's only where the program handed an op a NaN/Inf (a causal
+    # mask of -inf against the bench's finfo.min): given, not computed.
+    given: bool = False
 
     # Error carried on to consumers: the measurement, raised towards what the inputs predicted when a
     # measurement came out lucky (statistics are single samples of a random error), see _carry.
@@ -448,6 +451,9 @@ def _localize_rank(
         # A value produced outside the compared steps is known only as measured.
         return state.get(tid) or ri.measured.get(tid)
 
+    # Target ops of regions where some member, on either side, was handed a NaN/Inf.
+    given_regions = {o for region in ri.regions.values() if _region_given(region, ri) for o in region.target_ops}
+
 
     # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
     for index, node in enumerate(ri.nodes):
@@ -472,6 +478,8 @@ def _localize_rank(
         discrete_changed = any(not s.exact for _, s in ins if not s.is_float)
         inputs_exact = not unknown_input and all(s.exact for _, s in ins)
         out_states: list[TensorState] = []
+        given_in = any(s.given for _, s in ins)
+        hands_nonfinite = op_id in given_regions or given_nonfinite(args)
         for tid in outputs:
             if tid in base:  # an op returning a view of an input (e.g. an in-place op's alias)
                 continue
@@ -496,8 +504,11 @@ def _localize_rank(
                 est.known = est.known and (kind != "source" or op_id in ri.member_of)
                 est.tainted = any(s.tainted for _, s in ins)
                 est.nonfinite_mismatch = any(s.nonfinite_mismatch for _, s in ins)
+                est.given = est.nonfinite_mismatch and (given_in or hands_nonfinite)
                 state[tid] = est
                 continue
+            if m.nonfinite_mismatch and (given_in or hands_nonfinite):
+                m.given = True
             state[tid] = m
             out_states.append(m)
         if op_id in ri.member_of:
@@ -645,7 +656,7 @@ def _localize_rank(
                 s.tainted = True
         if not paired:
             status = "unpaired"
-        elif any(s.nonfinite_mismatch for s in measured):
+        elif any(s.nonfinite_mismatch and not s.given for s in measured):
             status = "nan"
         elif not outs:
             status = "agrees" if all(s is not None and s.exact for s in ins) or not ins else "uncompared"
@@ -726,6 +737,9 @@ def _decide(
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)
         if diff:
             return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
+    if any(s.nonfinite_mismatch and s.given for s in outs):
+        # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
+        return "", "", "nan_count"
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
     replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op))
     if not j.judgeable:
@@ -971,8 +985,7 @@ def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorS
     judged = _RegionJudged(
         region, judgeable=bool(outputs) and not unknown, inputs_exact=not unknown and all(s.exact for s in known),
         outputs=outputs, inputs_finite=not any(s.nonfinite for s in known),
-        given=any(given_nonfinite(ri.region_ops[(side, o)][2]) for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
-                  for o in ops if (side, o) in ri.region_ops),
+        given=_region_given(region, ri),
     )
     if any(s.nonfinite_mismatch for s in known) or any(not s.exact for s in known if not s.is_float):
         judged.judgeable = False  # NaN or a changed index/mask reaching it: its arithmetic is not on trial
@@ -981,8 +994,8 @@ def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorS
     predicted = _region_prediction(region, ri, lookup, tol)
     best = -math.inf
     for T, m in outputs:
-        if not m.is_float:
-            continue
+        if not m.is_float or (m.nonfinite_mismatch and (m.given or judged.given)):
+            continue  # NaN/Inf the program handed in, which differ from the bench's: no statistic reads through them
         x, r = predicted.get(T, ((math.inf,) * 3, (math.inf,) * 3))
         e = (m.e_ext, m.e_sys, m.e_rms)
         ratio = max(((ec - tol.margin * xc) / max(tol.local * rc, _TINY) for ec, xc, rc in zip(e, x, r)
@@ -992,6 +1005,11 @@ def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorS
     if judged.worst is None:
         judged.judgeable = False
     return judged
+
+
+def _region_given(region: Region, ri: RankInput) -> bool:
+    return any(given_nonfinite(ri.region_ops[(side, o)][2]) for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+               for o in ops if (side, o) in ri.region_ops)
 
 
 def _region_prediction(
@@ -1205,8 +1223,8 @@ def _region_status(region: Region, j: _RegionJudged | None, root: bool, lookup: 
     if j is None or not j.outputs:
         return "uncompared"
     states = [s for _, s in j.outputs]
-    if any(s.nonfinite_mismatch for s in states):
-        return "nan" if not j.given else "noise"
+    if any(s.nonfinite_mismatch and not (s.given or j.given) for s in states):
+        return "nan"
     if len(j.outputs) < len(region.outputs):
         return "uncompared"
     if all(s.exact for s in states):
