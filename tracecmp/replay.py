@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from tracecmp.aten.args import decode_call
-from tracecmp.aten.opclass import classify, draws_random
+from tracecmp.aten.opclass import base_name, classify, draws_random
 from tracecmp.aten.schema import outputs_in_order, resolve
 from tracecmp.trace.saved import SavedTensors
 
@@ -67,6 +67,11 @@ class OwnError:
     # accumulation error a plain float32 replay makes (at least one float32 rounding unit); the
     # worst output decides. Near 1 where that model is what the run computed.
     fits: tuple[float, ...] = ()
+    # The same per rounding model, then for float32 itself, elementwise in units of the bound on
+    # what accumulating this call's products in float32 can add (see _accumulation_bound): at most
+    # 1 where the recorded output is a float32 sum of those products in any order, whatever the
+    # device. Only for ops whose outputs are sums of products (matmul, conv).
+    bounds: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -234,7 +239,67 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
             worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
     if worst is None:
         return None
-    return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits))
+    bounds = _bound_fits(op, [*models, inputs], [(p, values.get(t)) for p, t in checked]) if models else ()
+    return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
+                    bounds=bounds)
+
+
+# Ops whose every output element is a sum of products of one element of each operand (a bias
+# added in): replayed on the operands' absolute values they give the sum of the terms' sizes,
+# and on ones the number of terms.
+_SUMS_OF_PRODUCTS = frozenset({
+    "mm", "bmm", "addmm", "addmm_", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "outer",
+    "ger", "einsum", "tensordot", "convolution", "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+})
+
+
+def _bound_fits(op: _Op, sets: list[list[torch.Tensor]], recorded: list[tuple[int, torch.Tensor | None]]) -> tuple[float, ...]:
+    """Per input set (each rounding of the operands, then the operands as they are): the largest
+    ratio, over the recorded outputs' elements, of the distance from a float64 replay on that set
+    to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails."""
+    if base_name(op.name) not in _SUMS_OF_PRODUCTS or any(r is None for _, r in recorded):
+        return ()
+    ones = _call(op, [torch.ones_like(x) if x.is_floating_point() else x for x in sets[-1]], golden=True)
+    if ones is None:
+        return ()
+    counts = _returned(op.name, *ones)
+    fits = []
+    for inputs in sets:
+        exact = _call(op, inputs, golden=True)
+        sizes = _call(op, [x.abs() if x.is_floating_point() else x for x in inputs], golden=True)
+        if exact is None or sizes is None:
+            return ()
+        exact_out, size_out = _returned(op.name, *exact), _returned(op.name, *sizes)
+        worst = 0.0
+        for position, value in recorded:
+            if max(position, 0) >= min(len(exact_out), len(size_out), len(counts)):
+                return ()
+            center = exact_out[position]
+            if value.shape != center.shape:
+                return ()
+            bound = _accumulation_bound(counts[position], size_out[position], center)
+            gap = (value.to(torch.float64) - center).abs()
+            finite = torch.isfinite(center) & torch.isfinite(gap)
+            if bool((~torch.isfinite(value) & torch.isfinite(center)).any()):
+                return tuple([math.inf] * len(sets))
+            if bool(finite.any()):
+                ratio = gap[finite] / bound[finite].clamp_min(_TINY)
+                worst = max(worst, float(ratio.max()))
+        fits.append(worst)
+    return tuple(fits)
+
+
+def _accumulation_bound(count: torch.Tensor, size: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """How far a float32 result may lie from the exact sum of ``count`` products whose sizes add up
+    to ``size``, whatever order and blocking a device sums them in: gamma(n) * size with gamma(n)
+    = n * 2u / (1 - n * 2u), u float32's unit (2u: rounding toward zero, as some accumulators do,
+    errs up to a whole unit), plus rounding the result itself. (The products of TF32- or
+    bf16-rounded operands are exact in float32: 11 + 11 and 8 + 8 significant bits.)"""
+    n = count.to(torch.float64).abs()
+    unit = 2.0 * _FP32_UNIT
+    gamma = (n * unit) / (1.0 - (n * unit).clamp_max(0.5))
+    return gamma * size.abs() + _FP32_UNIT * exact.abs()
 
 
 def _reduced_models(op: _Op, inputs: list[torch.Tensor], reduced: str | None) -> list[list[torch.Tensor]]:
@@ -281,6 +346,13 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x)
 
 
+def _round_tf32_away(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to TF32 to nearest with ties away from zero (``cvt.rna.tf32.f32``)."""
+    bits = x.contiguous().view(torch.int32)
+    rounded = ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
 def _truncate_tf32(x: torch.Tensor) -> torch.Tensor:
     """``x`` with the 13 mantissa bits TF32 lacks cleared (round toward zero), as some hardware feeds its units."""
     return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
@@ -299,7 +371,7 @@ def _truncate_bf16(x: torch.Tensor) -> torch.Tensor:
 # bf16 ("medium"): the first is the honest replay; the others are tried only to find which one
 # a run used (OwnError.fits).
 REDUCED_MODELS: dict[str, tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...]] = {
-    "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32)),
+    "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32), ("to nearest, ties away", _round_tf32_away)),
     "bf16": (("to nearest even", _round_bf16), ("toward zero", _truncate_bf16)),
 }
 _FP32_UNIT = float(torch.finfo(torch.float32).eps)
@@ -413,3 +485,196 @@ def _call(op: _Op, inputs: list[torch.Tensor], *, golden: bool) -> tuple[Any, tu
 def _returned(name: str, result: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The op's tensors in the order capture numbered its outputs."""
     return outputs_in_order(resolve(name), result, args, kwargs)
+
+
+# ---- regions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegionReplay:
+    """A region's own error (tracecmp.comparison.records.Region): its recorded outputs against a
+    float64 replay of its computation on its recorded inputs.
+
+    The reference is the target's own ops replayed in order where the CPU can run them all (the
+    fused op itself), else the bench's ops fed the target's inputs. ``sides_differ`` is how far the
+    float64 replays of the two sides lie apart on the same inputs, when both ran: beyond float64's
+    rounding it means the target computes another function than the bench (a fused kernel with
+    another ``eps`` or scale), NaN when not both could run.
+    """
+
+    error: float
+    honest: float  # the same for the replay in the recorded dtypes: an honest implementation's error
+    dtype: str  # dtype of the output that decided it
+    output: int  # target tensor id of that output
+    reference: str  # "target" or "bench": whose ops the float64 reference ran
+    sides_differ: float = math.nan
+
+
+def replay_regions(target: Any, bench: Any | None, regions: Iterable[Any]) -> dict[int, RegionReplay]:
+    """Replays of ``regions`` (tracecmp.comparison.records.Region) on the target's recorded inputs,
+    by region id (see :class:`RegionReplay`); regions neither side can run are absent. ``bench``
+    (its rank trace) is read only for values the bench's ops read that the target has no
+    counterpart of, such as a mask buffer.
+
+    >>> replays = replay_regions(tracecmp.load("runs/target").rank(0), tracecmp.load("runs/bench").rank(0), result.regions)  # doctest: +SKIP
+    >>> replays[0].error, replays[0].honest, replays[0].sides_differ                                            # doctest: +SKIP
+    (3.1e-08, 2.9e-08, 1.2e-16)
+    """
+    found: dict[int, RegionReplay] = {}
+    with _Chain(target) as t_side, (_Chain(bench) if bench is not None else _NoChain()) as b_side:
+        for region in regions:
+            replay = _replay_region(t_side, b_side, region)
+            if replay is not None:
+                found[region.region_id] = replay
+    return found
+
+
+def _replay_region(t_side: "_Chain", b_side: "_Chain | _NoChain", region: Any) -> RegionReplay | None:
+    outputs = [(T, B) for T, B in region.outputs]
+    if not outputs or not region.target_ops:
+        return None
+    given = {T: t_side.values.get(T) for T, _ in region.inputs if T is not None}
+    recorded = {T: t_side.values.get(T) for T, _ in outputs}
+    if any(v is None for v in recorded.values()):
+        return None
+    golden_t = honest_t = golden_b = honest_b = None
+    if all(v is not None for v in given.values()):
+        golden_t = t_side.run(region.target_ops, given, [T for T, _ in outputs], golden=True)
+        honest_t = t_side.run(region.target_ops, given, [T for T, _ in outputs], golden=False) if golden_t else None
+    if region.bench_ops and isinstance(b_side, _Chain):
+        fed = {B: given[T] for T, B in region.inputs if T is not None and B is not None and given.get(T) is not None}
+        for T, B in region.inputs:
+            if B is not None and B not in fed:
+                value = b_side.values.get(B)  # a value only the bench reads here (a mask buffer)
+                if value is not None:
+                    fed[B] = value
+        if len(fed) == len({B for _, B in region.inputs if B is not None}):
+            # The bench's own dtypes: the target's values (bf16, say) cast to what the bench read.
+            fed_cast = {B: v.to(b_side.dtype(B)) if b_side.dtype(B) and v.is_floating_point() else v for B, v in fed.items()}
+            golden_b = b_side.run(region.bench_ops, fed_cast, [B for _, B in outputs], golden=True)
+            if golden_b is not None and golden_t is None:
+                honest_b = b_side.run(region.bench_ops, fed_cast, [B for _, B in outputs], golden=False)
+    if golden_t is not None and honest_t is not None:
+        reference, honest, source = golden_t, honest_t, "target"
+        keys = {T: T for T, _ in outputs}
+    elif golden_b is not None and honest_b is not None:
+        reference, honest, source = golden_b, honest_b, "bench"
+        keys = {T: B for T, B in outputs}
+    else:
+        return None
+    worst: RegionReplay | None = None
+    for T, _ in outputs:
+        ref, hon, rec = reference.get(keys[T]), honest.get(keys[T]), recorded[T]
+        if ref is None or hon is None or not rec.is_floating_point() or rec.numel() != ref.numel():
+            continue
+        ref, hon = ref.reshape(rec.shape), hon.reshape(rec.shape).to(rec.dtype)
+        scale = _Scale.of(ref)
+        error, honest_error = _errors_on(rec, hon, scale)
+        if worst is None or _excess(error, honest_error) > _excess(worst.error, worst.honest):
+            worst = RegionReplay(error, honest_error, str(rec.dtype).removeprefix("torch."), T, source)
+    if worst is None:
+        return None
+    differ = math.nan
+    if golden_t is not None and golden_b is not None and _same_inputs(t_side, b_side, region):
+        gaps = []
+        for T, B in outputs:
+            a, b = golden_t.get(T), golden_b.get(B)
+            if a is not None and b is not None and a.numel() == b.numel() and a.is_floating_point():
+                gaps.append(_Scale.of(a).error(b.reshape(a.shape)))
+        differ = max(gaps) if gaps else math.nan
+    return RegionReplay(worst.error, worst.honest, worst.dtype, worst.output, worst.reference, differ)
+
+
+def _same_inputs(t_side: "_Chain", b_side: "_Chain", region: Any) -> bool:
+    """Both sides' ops read the same floating values from outside the region. A fused attention
+    backward reads the forward's output and log-sum-exp where the eager chain reads the saved
+    probabilities: both are rounded intermediates, and their float64 replays differ by that
+    rounding whatever the functions."""
+    def read(chain: _Chain, ops: Iterable[int]) -> set[int]:
+        made = {t for o in ops for t in chain.ops[o].outputs}
+        return {t for o in ops for t in chain.ops[o].inputs
+                if t not in made and _is_float(chain.info.get(t, (0, 0, "", -1, ""))[2])}
+
+    partner = {T: B for T, B in region.inputs if T is not None and B is not None}
+    t_read, b_read = read(t_side, region.target_ops), read(b_side, region.bench_ops)
+    return all(T in partner for T in t_read) and {partner[T] for T in t_read} == b_read
+
+
+class _Chain:
+    """One trace's ops, re-run in order on given values (a region's side)."""
+
+    def __init__(self, rank: Any) -> None:
+        self.rank = rank
+        tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]).to_pydict()
+        self.info = {
+            t: (op, idx, dtype, -1 if view is None else view, key)
+            for t, op, idx, dtype, view, key in zip(
+                tensors["tensor_id"], tensors["op_id"], tensors["index"], tensors["dtype"], tensors["view_of"], tensors["data_key"]
+            )
+        }
+        table = rank.ops_table.select(["op_id", "kind", "op", "args", "inputs", "outputs", "random"]).to_pydict()
+        self.ops = {
+            o: _Op(o, k, n, a or "{}", list(i or ()), list(out or ()), bool(r))
+            for o, k, n, a, i, out, r in zip(
+                table["op_id"], table["kind"], table["op"], table["args"], table["inputs"], table["outputs"], table["random"]
+            )
+        }
+        self.saved = SavedTensors(rank)
+        self.values = _Values(self.saved, self.info, self.ops)
+
+    def __enter__(self) -> "_Chain":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.saved.__exit__(*exc)
+
+    def dtype(self, tid: int) -> torch.dtype | None:
+        name = self.info.get(tid, (0, 0, "", -1, ""))[2]
+        value = getattr(torch, name, None) if name else None
+        return value if isinstance(value, torch.dtype) else None
+
+    def run(self, op_ids: Iterable[int], given: Mapping[int, torch.Tensor], wanted: list[int], *, golden: bool) -> dict[int, torch.Tensor] | None:
+        """The values of ``wanted`` after running ``op_ids`` in order on ``given`` (in float64 with
+        ``golden``, else in the recorded dtypes); None when an op cannot run (it draws random
+        numbers, takes an opaque argument, or the CPU has no kernel for it)."""
+        store: dict[int, torch.Tensor] = dict(given)
+        for op_id in sorted(op_ids):
+            op = self.ops.get(op_id)
+            if op is None:
+                return None
+            if op.kind == "source":
+                for t in op.outputs:
+                    if t not in store:
+                        value = self.values.get(t)
+                        if value is None:
+                            return None
+                        store[t] = value
+                continue
+            if op.draws():
+                return None
+            inputs = []
+            for t in op.inputs:
+                value = store.get(t)
+                if value is None:
+                    value = self.values.get(t)  # read from outside the region as recorded
+                if value is None:
+                    return None
+                inputs.append(value)
+            call = _call(op, inputs, golden=golden)
+            if call is None:
+                return None
+            produced = _returned(op.name, *call)
+            for t, value in zip(op.outputs, produced):
+                store[t] = value
+        out = {t: store[t] for t in wanted if t in store}
+        return out if len(out) == len(wanted) else None
+
+
+class _NoChain:
+    """Stands in for the bench's side when there is no bench trace to read."""
+
+    def __enter__(self) -> "_NoChain":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -15,7 +15,7 @@ from tracecmp.aten.opclass import draws_random
 from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
-from tracecmp.replay import OwnError, replay_rank
+from tracecmp.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances, eps_of, is_float_dtype
 from tracecmp.errors import CompareError
@@ -25,6 +25,8 @@ from tracecmp.trace.reader import RankTrace, Trace, load
 _STAT_COLUMNS = ["tensor_id", "op_id", "index", "shape", "dtype", "has_stats", "min", "max", "mean", "norm",
                  "nan_count", "inf_count", "checksum", "data_key"]
 _PROGRESS_NODES = 20_000
+# Regions whose computation a replay checks (casts and copies need none).
+_REPLAYED_REGIONS = ("fused", "rewritten", "extra")
 
 
 class _Progress:
@@ -238,6 +240,7 @@ def _prepare_rank(
     own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
     measured = _states(measured_frame, own)
     own_errors: dict[int, OwnError] = {}
+    region_replays: dict[int, RegionReplay] = {}
     has_data = bool(t_ten["data_key"].astype(bool).any())
     if replay and not has_data:
         warnings.append(f"rank {rank}: no replay: the target trace holds no tensors (capture it with data=\"tensors\")")
@@ -245,6 +248,7 @@ def _prepare_rank(
         bar.update(f"rank {rank}: replaying")
         own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), reduced=reduced,
                                  progress=lambda n: bar.update(f"rank {rank}: replaying"))
+        region_replays = replay_regions(t_rank, b_rank, [r for r in match.regions if r.kind in _REPLAYED_REGIONS])
 
     in_region = set(match.bench_member_of)
     unpaired_mask = ~b_ops["op_id"].isin(set(pairs.values()) | in_region)
@@ -261,7 +265,7 @@ def _prepare_rank(
         rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
         bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), first_step=min(steps), own_errors=own_errors,
         reduced_precision=reduced, regions={r.region_id: r for r in match.regions}, member_of=match.member_of,
-        bench_only=match.bench_only, region_ops=region_ops, region_values=region_values,
+        bench_only=match.bench_only, region_ops=region_ops, region_values=region_values, region_replays=region_replays,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)

@@ -34,7 +34,7 @@ import copy
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
@@ -42,7 +42,7 @@ import numpy as np
 
 from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy
 from tracecmp.comparison.records import Divergence, Region
-from tracecmp.replay import REDUCED_MODELS, OwnError
+from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
 
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
@@ -148,7 +148,7 @@ class RankInput:
     region_ops: Mapping[tuple[str, int], tuple[str, str, str, list[int], list[int]]] = field(default_factory=dict)
     # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
     region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
-    region_replays: Mapping[int, OwnError] = field(default_factory=dict)  # region id -> its replay (replay.py)
+    region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (replay.py)
 
 
 def _norm_args(text: str) -> Any:
@@ -587,6 +587,7 @@ def _localize_rank(
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
     ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
+    bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
 
     roots: list[tuple[tuple, Divergence]] = []
     for j in judged:
@@ -596,7 +597,8 @@ def _localize_rank(
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
-        root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits)
+        root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits,
+                                              bounds_hold)
         verdict.metric = deciding
         if not root_kind:
             continue
@@ -718,7 +720,7 @@ def _metric_dict(j: _Judged) -> dict[str, float]:
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
-    fits: Mapping[str, _ModelFit],
+    fits: Mapping[str, _ModelFit], bounds_hold: bool = False,
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name."""
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -741,7 +743,7 @@ def _decide(
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
         return "", "", "nan_count"
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
-    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op))
+    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold)
     if not j.judgeable:
         return ("computation", replayed, "replay") if replayed else ("", "", deciding)
     # Which channel is furthest beyond what the inputs explain.
@@ -769,6 +771,12 @@ def _decide(
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
         return ("computation", replayed, "replay") if replayed else ("", "", channels[channel])
+    if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
+        # Its inputs already differ from the bench's, and a replay of the op on its own recorded
+        # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
+        # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
+        # replay decides; the statistics only estimated.
+        return "", "", "replay"
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
         label = op.removeprefix("source.")
@@ -835,6 +843,27 @@ def _model_fits(ri: RankInput) -> dict[str, _ModelFit]:
     return out
 
 
+def _reproduced(own: OwnError | None, j: _Judged, ri: RankInput, exact_matmul: bool) -> bool:
+    """A replay shows the op computed what its recorded inputs give: a reduced-precision
+    matmul/conv within the accumulation bound of one of its replays, any other op within
+    ``replay_margin`` times an honest kernel's error (the ratio rule's own test)."""
+    if own is None:
+        return False
+    if ri.reduced_precision and own.bounds and _reduced_matmul(own, j, exact_matmul, ri.reduced_precision):
+        return min(own.bounds) <= 1.0
+    return not own.misrounded and (own.honest > 0 or own.error == 0)
+
+
+def _bounds_hold(ri: RankInput) -> bool:
+    """Whether this rank's reduced-precision matmul/conv calls are reproduced within their
+    accumulation bounds by some rounding of their operands (most of them, at least three): then
+    the device's arithmetic is known, and a call no rounding reproduces is wrong."""
+    names = {node[0]: node[4] for node in ri.nodes}
+    best = [min(own.bounds) for op_id, own in ri.own_errors.items()
+            if own.bounds and own.dtype == "float32" and classify(names.get(op_id, "")).precision_variable]
+    return len(best) >= _FIT_MEMBERS and _quantile(best) <= 1.0
+
+
 def _quantile(values: list[float]) -> float:
     """The 75th percentile, lower of the two neighbours (the median for three values)."""
     ordered = sorted(values)
@@ -878,12 +907,31 @@ def _reduced_matmul(own: OwnError, j: _Judged, exact_matmul: bool, reduced: str 
 
 def _replayed_root(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: _ModelFit | None,
+    bounds_hold: bool = False,
 ) -> str:
-    """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error)."""
+    """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).
+
+    A reduced-precision matmul/conv call that one of its replays reproduces within the
+    accumulation bound is noise, even its op's only call. One that none reproduces is a root when
+    the run's other such calls are reproduced (``bounds_hold``: the device's rounding is known);
+    on an unknown device the ratio rule decides instead.
+    """
     own = ri.own_errors.get(node[0])
     reduced = ri.reduced_precision
     if own is None or node[3] != "op":
         return ""
+    reduced_call = bool(reduced and _reduced_matmul(own, j, exact_matmul, reduced))
+    if reduced_call and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
+        how = REDUCED_MODELS[reduced][fit.model][0]
+        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
+                f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    if reduced_call and own.bounds and min(own.bounds) <= 1.0:
+        return ""  # a float32 sum of its rounded operands' products gives this: noise, even as the only call
+    if reduced_call and own.bounds and bounds_hold:
+        return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
+                f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
+                f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
             return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
@@ -892,11 +940,6 @@ def _replayed_root(
             return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
         return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
                 f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
-    if reduced and _reduced_matmul(own, j, exact_matmul, reduced) and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
-        how = REDUCED_MODELS[reduced][fit.model][0]
-        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
-                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
-                f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
     return ""
 
 
@@ -1039,7 +1082,7 @@ def _region_prediction(
         entry = ri.region_ops.get((side, o))
         if entry is None:
             continue
-        kind, op, _, inputs, outputs = entry
+        kind, op, args, inputs, outputs = entry
         if kind != "op":
             # A view (or a source inside the region): shows its input's values, or is a constant.
             src = inherited.get(inputs[0]) if inputs else None
@@ -1048,21 +1091,25 @@ def _region_prediction(
                 budget[tid] = budget.get(inputs[0], inherited[tid]) if inputs else inherited[tid]
             continue
         cls = classify(op)
-        ins_x = [(pos, inherited[t]) for pos, t in enumerate(inputs) if t in inherited and cls.input_rule(pos) != "ignore"]
-        ins_r = [(pos, budget[t]) for pos, t in enumerate(inputs) if t in budget and cls.input_rule(pos) != "ignore"]
-        float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
-        float_r = [(pos, s) for pos, s in ins_r if s.is_float and not s.uninit]
-        for tid in outputs:
+        # Rounding is relative to each element: a denominator's unit is the quotient's unit, not
+        # max|x| / min|x| of them (that factor is for an error spread evenly over small and large).
+        budget_cls = replace(cls, inverse_inputs=())
+        for index, tid in enumerate(outputs):
             out = ri.region_values.get((side, tid))
             if out is None or cls.kind == "uninit":
                 continue
+            read = _read_by(op, args, inputs, index)
+            ins_x = [(pos, inherited[t]) for pos, t in read if t in inherited and cls.input_rule(pos) != "ignore"]
+            ins_r = [(pos, budget[t]) for pos, t in read if t in budget and cls.input_rule(pos) != "ignore"]
+            float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
+            float_r = [(pos, s) for pos, s in ins_r if s.is_float and not s.uninit]
             if not out.is_float:
                 exact = all(s.exact for _, s in ins_x)
                 inherited[tid] = _with_error(out, (0.0 if exact else 1.0,) * 3, exact=exact)
                 budget[tid] = _with_error(out, (0.0,) * 3)
                 continue
             x = _expected(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
-            carried = _expected(cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            carried = _expected(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
             unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
             if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_x):
                 unit, lam, tf32 = TF32_EPS, 0.5, True
@@ -1079,6 +1126,32 @@ def _region_prediction(
             result[T] = ((x.e_ext, x.e_sys, x.e_rms if not math.isnan(x.e_rms) else x.e_ext),
                          (r.e_ext, r.e_sys, r.e_rms if not math.isnan(r.e_rms) else r.e_ext))
     return result
+
+
+def _read_by(op: str, args: str, inputs: list[int], index: int) -> list[tuple[int, int]]:
+    """(position, tensor id) of the inputs output ``index`` is computed from. A multi-tensor op
+    (``_foreach_addcdiv_``, ``_fused_adamw_``) takes lists of n tensors and computes element k of
+    each list it returns from element k of each list it reads: positions then count lists."""
+    if not base_name(op).startswith(("_foreach_", "_fused_")):
+        return list(enumerate(inputs))
+    n = _list_length(args)
+    if n < 2 or len(inputs) < n:
+        return list(enumerate(inputs))
+    lists, k = len(inputs) // n, index % n
+    read = [(j, inputs[j * n + k]) for j in range(lists)]
+    return read + [(lists + i, t) for i, t in enumerate(inputs[lists * n:])]  # single tensors after the lists
+
+
+def _list_length(args: str) -> int:
+    """How many tensors the first tensor-list argument of a recorded call holds (0 if none)."""
+    try:
+        parsed = json.loads(args) if args else {}
+    except ValueError:
+        return 0
+    for value in parsed.values() if isinstance(parsed, dict) else ():
+        if isinstance(value, list) and value and all(isinstance(v, dict) and "tensor" in v for v in value):
+            return len(value)
+    return 0
 
 
 def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None) -> TensorState:
@@ -1135,11 +1208,17 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
         return "", "", None, 0.0
     replay = ri.region_replays.get(region.region_id)
     if replay is not None:
-        excess = replay.error / max(tol.replay_margin * replay.honest, tol.replay_local * EPS.get(replay.dtype, _FP32))
+        unit = EPS.get(replay.dtype, _FP32)
+        if replay.sides_differ > _SIDES_DIFFER:
+            return ("computation", f"{name}: the target's ops and the bench's compute different functions: on the "
+                    f"target's recorded inputs their float64 replays differ by {replay.sides_differ:.2e}",
+                    _producer(ri, region, replay.output), replay.sides_differ / unit)
+        excess = replay.error / max(tol.replay_margin * replay.honest, tol.replay_local * unit)
         if excess > 1.0:
-            return ("computation", f"{name}: own error {replay.error:.2e} against a float64 replay of its recorded "
-                    f"inputs is {replay.error / max(replay.honest, _TINY):.0f}x what an honest replay makes "
-                    f"({replay.honest:.1e})", _producer(ri, region, j.worst), replay.error / EPS.get(replay.dtype, _FP32))
+            against = "its own ops" if replay.reference == "target" else "the bench's ops"
+            return ("computation", f"{name}: own error {replay.error:.2e} against a float64 replay of {against} on "
+                    f"its recorded inputs is {replay.error / max(replay.honest, _TINY):.0f}x what an honest replay "
+                    f"makes ({replay.honest:.1e})", _producer(ri, region, replay.output), replay.error / unit)
     if not j.judgeable:
         return "", "", None, 0.0
     channels = ("max/min", "norm/mean", "rms")
@@ -1162,6 +1241,11 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
     else:
         reason = f"{name}: output error {e:.2e} ({channels[c]}) beyond an honest implementation's rounding ({j.r[c]:.1e})"
     return "computation", reason, _producer(ri, region, j.worst), (e - x) / unit
+
+
+# Two float64 replays of the same function by different ops differ by float64 rounding times the
+# computation's condition (1e-13 for attention); a different eps or scale moves them by 1e-7 or more.
+_SIDES_DIFFER = 1e-9
 
 
 def _region_name(region: Region) -> str:
@@ -1209,6 +1293,8 @@ def _add_region_root(
     replay = own or ri.region_replays.get(region.region_id)
     if replay is not None:
         metrics.update(own_error=replay.error, honest_error=replay.honest)
+        if isinstance(replay, RegionReplay) and not math.isnan(replay.sides_differ):
+            metrics["sides_differ"] = replay.sides_differ
     verdict.root_kind, verdict.reason, verdict.metrics = kind, reason, metrics
     verdict.introduced = score
     bench_op = region.bench_ops[-1] if region.bench_ops else None
