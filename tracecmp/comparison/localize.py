@@ -574,8 +574,6 @@ def _localize_rank(
 
     for op_id, region_id in ri.member_of.items():
         verdicts[op_id].region = region_id
-    region_judged = {region_id: _judge_region(region, ri, lookup, tol)
-                     for region_id, region in ri.regions.items() if region.target_ops}
 
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
     exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
@@ -585,6 +583,8 @@ def _localize_rank(
     # A matmul/conv that turned identical, non-zero inputs into identical outputs shows that this
     # target does not run them at reduced (TF32) precision.
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
+    region_judged = {region_id: _judge_region(region, ri, lookup, tol, exact_matmul)
+                     for region_id, region in ri.regions.items() if region.target_ops}
     ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
     bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
@@ -1014,7 +1014,8 @@ def _region_made(ri: RankInput, region: Region, side: str) -> list[tuple[tuple[s
     return out
 
 
-def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances) -> _RegionJudged:
+def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances,
+                  exact_matmul: bool = False) -> _RegionJudged:
     """Pass-1 numbers of a region: its outputs' error, what its inputs carried in, its honest budget."""
     base = ri.view_base
     outputs = []
@@ -1034,7 +1035,7 @@ def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorS
         judged.judgeable = False  # NaN or a changed index/mask reaching it: its arithmetic is not on trial
     if not judged.judgeable:
         return judged
-    predicted = _region_prediction(region, ri, lookup, tol)
+    predicted = _region_prediction(region, ri, lookup, tol, exact_matmul)
     best = -math.inf
     for T, m in outputs:
         if not m.is_float or (m.nonfinite_mismatch and (m.given or judged.given)):
@@ -1056,7 +1057,7 @@ def _region_given(region: Region, ri: RankInput) -> bool:
 
 
 def _region_prediction(
-    region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances,
+    region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances, exact_matmul: bool = False,
 ) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:
     """Per target output of ``region``: (inherited error, honest rounding budget) per channel."""
     # The side that spells the computation out in more ops (the decomposition) models it best.
@@ -1111,7 +1112,7 @@ def _region_prediction(
             x = _expected(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
             carried = _expected(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
             unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
-            if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_x):
+            if cls.precision_variable and tol.allow_tf32 and not exact_matmul and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_x):
                 unit, lam, tf32 = TF32_EPS, 0.5, True
             fresh = unit * lam * (_local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
             neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0

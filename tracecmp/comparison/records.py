@@ -5,6 +5,7 @@ They hold ids, names and numbers, never tensors, so a result can be built by han
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 # Status of one target node after localization, worst last; render colours by it.
 STATUSES = ("agrees", "noise", "uncompared", "unpaired", "diverged", "nan")
@@ -104,3 +105,30 @@ class Region:
 
         where = f"{self.module or '<top>'} ({self.phase})"
         return f"{self.kind}: {count(len(self.target_ops), 'target')} against {count(len(self.bench_ops), 'bench')} in {where}"
+
+
+# Ops that only re-label or alias values; left out of a region's summary unless it has nothing else.
+VIEW_OPS = frozenset({"view", "transpose", "expand", "permute", "t", "alias", "detach", "unsqueeze", "squeeze", "slice",
+                      "select", "split", "as_strided", "_reshape_alias", "unbind", "reshape", "narrow"})
+
+
+def op_counts(names: Iterable[str], *, views: bool = False, limit: int | None = None) -> str:
+    """``bmm x2, mul, _softmax``: a region side's op names, short, counted, in order of first
+    appearance (sources and, unless ``views``, view ops left out; past ``limit`` names, "...").
+
+    >>> op_counts(["aten.bmm.default", "aten.view.default", "aten.mul.Tensor", "aten.bmm.default"])
+    'bmm x2, mul'
+    """
+    counts: dict[str, int] = {}
+    for name in names:
+        parts = str(name).split(".")
+        if parts[0] == "source" or len(parts) < 2:
+            continue
+        short = parts[1] if parts[0] == "aten" else ".".join(parts[:-1] if len(parts) > 2 else parts)
+        if short in VIEW_OPS and not views:
+            continue
+        counts[short] = counts.get(short, 0) + 1
+    items = [f"{n} x{c}" if c > 1 else n for n, c in counts.items()]
+    if limit is not None and len(items) > limit:
+        items = items[:limit] + ["..."]
+    return ", ".join(items)

@@ -22,7 +22,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from tracecmp.comparison.records import STATUSES
+from tracecmp.comparison.records import STATUSES, op_counts
 from tracecmp.errors import TracecmpError
 
 FORMATS = ("svg", "png", "dot", "gv")
@@ -584,8 +584,8 @@ def _region_cluster(region: Any, statements: list[str], is_root: bool) -> str:
     """A box around a region's target ops, titled with its kind, and a note naming the bench ops
     it stands against (tracecmp.comparison.records.Region)."""
     counter = next(_REGION_BOXES)
-    bench = _op_counts(region.bench_names) or (
-        f"views only ({_op_counts(region.bench_names, views=True)})" if region.bench_names else "nothing (target-only ops)")
+    bench = op_counts(region.bench_names, limit=6) or (
+        f"views only ({op_counts(region.bench_names, views=True, limit=6)})" if region.bench_names else "nothing (target-only ops)")
     title = f"region {region.region_id} · {region.kind}"
     note = (f'region{region.region_id}_{counter} [shape=note, style="filled", fillcolor="#ffffff", color="#999999", '
             f'fontsize=8, label="{_dot_escape("bench: " + bench)}"];')
@@ -597,22 +597,6 @@ def _region_cluster(region: Any, statements: list[str], is_root: bool) -> str:
 
 
 _REGION_BOXES = iter(range(1 << 62))
-
-
-def _op_counts(names: Any, limit: int = 6, views: bool = False) -> str:
-    """``bmm ×2, _softmax, mul`` for a list of op names (sources and, unless ``views``, views left out)."""
-    counts: dict[str, int] = {}
-    for name in names:
-        short = short_op(str(name))
-        if short.startswith("source") or (short in _VIEW_NAMES and not views):
-            continue
-        counts[short] = counts.get(short, 0) + 1
-    shown = [f"{n} ×{c}" if c > 1 else n for n, c in list(counts.items())[:limit]]
-    return ", ".join(shown) + (", …" if len(counts) > limit else "")
-
-
-_VIEW_NAMES = {"view", "transpose", "expand", "permute", "t", "alias", "detach", "unsqueeze", "squeeze", "slice",
-               "select", "split", "as_strided", "_reshape_alias", "unbind"}
 
 
 def run_dot(text: str, fmt: str) -> bytes | None:
