@@ -291,7 +291,8 @@ def test_result_tables_and_statuses(tmp_path):
     assert {"tensor_id", "bench_tensor_id", "e_ext", "e_sys", "exact", "status", "cosine"} <= set(frame.columns)
     assert len(frame) == len(frame["tensor_id"].unique())
     paths = result.write_tables(tmp_path / "out", xlsx=True)
-    assert {p.name for p in paths} == {"nodes.csv", "tensors.csv", "suspects.csv", "unpaired_bench.csv", "compare.xlsx"}
+    assert {p.name for p in paths} == {"nodes.csv", "tensors.csv", "suspects.csv", "unpaired_bench.csv", "regions.csv",
+                                       "compare.xlsx"}
     text = result.summary()
     assert text.splitlines()[0].startswith("DIVERGED") and "aten.gelu.default" in text
 

@@ -588,6 +588,7 @@ def _localize_rank(
     ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
     bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
+    tf32_spread = _tf32_spread(judged) if not exact_matmul else None
 
     roots: list[tuple[tuple, Divergence]] = []
     for j in judged:
@@ -598,7 +599,7 @@ def _localize_rank(
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
         root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits,
-                                              bounds_hold)
+                                              bounds_hold, tf32_spread)
         verdict.metric = deciding
         if not root_kind:
             continue
@@ -720,7 +721,7 @@ def _metric_dict(j: _Judged) -> dict[str, float]:
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
-    fits: Mapping[str, _ModelFit], bounds_hold: bool = False,
+    fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name."""
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -749,10 +750,16 @@ def _decide(
     # Which channel is furthest beyond what the inputs explain.
     amb = ambient.get(j.group) or ambient.get((j.cls.kind, j.group[1]))
     excess = []
+    tf32 = j.uses_tf32 and not exact_matmul
     for c, (e, x, f) in enumerate(zip(j.e, j.x, j.f1)):
         if math.isnan(e):
             continue
-        threshold = tol.local * j.lam * f
+        lam = j.lam
+        if tf32 and tf32_spread is not None:
+            # How far this run's TF32 calls typically stray beyond their inputs' error: a fault
+            # a unit out is found where the device's own rounding stays well inside one.
+            lam = max(_TF32_LAM_MIN, min(j.lam, tf32_spread[c])) if not math.isnan(tf32_spread[c]) else j.lam
+        threshold = tol.local * lam * f
         margin = tol.margin
         if amb is not None:
             threshold = max(threshold, tol.ambient * amb[0][c] * f)
@@ -763,7 +770,9 @@ def _decide(
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
     # then any difference is this op's own doing, however small. A float32 matmul/conv may still
     # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
-    tf32_like = j.uses_tf32 and not exact_matmul and j.e[0] >= TF32_EPS / 100
+    # A call TF32 rounding of its own operands can explain (from their statistics: K and sizes,
+    # at most) is not held to the bitwise rule, even its op's only call; one beyond that can't be TF32.
+    tf32_like = tf32 and _within_tf32(j, node, lookup, tol)
     strict = exact_mode or (bitwise and j.inputs_exact and j.same_dtype and not tf32_like)
     if strict and not exact_mode and j.kappa_local > _STRICT_KAPPA:
         # A sum whose terms cancel moves by many of its own units when merely reordered (thread
@@ -852,6 +861,46 @@ def _reproduced(own: OwnError | None, j: _Judged, ri: RankInput, exact_matmul: b
     if ri.reduced_precision and own.bounds and _reduced_matmul(own, j, exact_matmul, ri.reduced_precision):
         return min(own.bounds) <= 1.0
     return not own.misrounded and (own.honest > 0 or own.error == 0)
+
+
+_TF32_LAM_MIN = 0.25  # a TF32 call's threshold never drops below one TF32 unit (times its condition)
+_TF32_SPREAD_MIN = 8  # calls needed to learn how far a run's TF32 matmuls stray
+
+
+def _tf32_spread(judged: list[_Judged | None]) -> tuple[float, ...] | None:
+    """Per channel, the 90th percentile of what this rank's TF32-allowed matmul/conv calls
+    introduce beyond their inputs' error, in units of their own TF32 allowance (half the ``lam``
+    scale): where the device rounds to nearest it is a fraction of a unit, toward zero more."""
+    rows = [j for j in judged if j is not None and j.uses_tf32 and j.judgeable]
+    if len(rows) < _TF32_SPREAD_MIN:
+        return None
+    spread = []
+    for c in range(3):
+        values = sorted(max(0.0, e - x) / f for j in rows for e, x, f in [(j.e[c], j.x[c], j.f1[c])]
+                        if not math.isnan(e) and math.isfinite(x) and f > 0)
+        spread.append(values[int(0.9 * (len(values) - 1))] if len(values) >= _TF32_SPREAD_MIN else math.nan)
+    return tuple(spread)
+
+
+def _within_tf32(j: _Judged, node: tuple, lookup: Callable[[int], TensorState | None], tol: Tolerances) -> bool:
+    """Whether TF32 rounding of this matmul/conv's operands can account for its output error at
+    most: each product moves by at most 2 TF32 units (2^-10 each, truncation's), so an output
+    element by 2u (|A||B|)_ij <= 2u K max|a| max|b|, and the output's norm by 2u ||A|| ||B||."""
+    ins = [(pos, lookup(t)) for pos, t in enumerate(node[9])]
+    floats = [(pos, s) for pos, s in ins if s is not None and s.is_float and not s.uninit]
+    operands = _operands(j.cls, floats)
+    outs = [s for s in (lookup(t) for t in node[10]) if s is not None and s.measured and s.is_float]
+    if len(operands) != 2 or not outs:
+        return True  # nothing to bound it by: as before, TF32-like
+    (_, a), (_, b) = operands
+    unit = 2.0 * TF32_EPS
+    for out in outs:
+        k = math.sqrt(max(a.numel * b.numel / max(out.numel, 1), 1.0))
+        bound_ext = unit * k * a.amax * b.amax / max(out.amax, _TINY)
+        bound_sys = unit * k * a.rms * b.rms / max(out.rms, _TINY)
+        if out.e_ext > tol.margin * j.x[0] + bound_ext or out.e_sys > tol.margin * j.x[1] + bound_sys:
+            return False
+    return True
 
 
 def _bounds_hold(ri: RankInput) -> bool:
