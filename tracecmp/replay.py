@@ -72,6 +72,9 @@ class OwnError:
     # 1 where the recorded output is a float32 sum of those products in any order, whatever the
     # device. Only for ops whose outputs are sums of products (matmul, conv).
     bounds: tuple[float, ...] = ()
+    # Every recorded output equals the replay in its recorded dtypes bit for bit: where a run's
+    # calls of an op all do, the device computes that op as this CPU does (see localize).
+    bitwise: bool = False
 
 
 @dataclass(slots=True)
@@ -214,6 +217,7 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
     accumulated = _returned(op.name, *plain) if plain is not None else []
     basic = _correctly_rounded(op, inputs)
     misrounded = False
+    bitwise = not models
     worst: OwnError | None = None
     fits = [0.0] * len(models)
     for position, tid in checked:
@@ -226,7 +230,9 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
             return None
         scale = _Scale.of(reference[position])
         errors = _errors_on(recorded, honest[position], scale)
-        if basic and not torch.equal(recorded, honest[position]):
+        same = _same_bits(recorded, honest[position])
+        bitwise = bitwise and same
+        if basic and not same:
             misrounded = True
         if models:
             unit = max(scale.error(accumulated[position]), _FP32_UNIT)
@@ -241,7 +247,19 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
         return None
     bounds = _bound_fits(op, [*models, inputs], [(p, values.get(t)) for p, t in checked]) if models else ()
     return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
-                    bounds=bounds)
+                    bounds=bounds, bitwise=bitwise)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN where NaN is, same signed zeros)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
 
 
 # Ops whose every output element is a sum of products of one element of each operand (a bias

@@ -188,6 +188,15 @@ _FACTORY = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "s
 _UNINIT = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted", "_empty_affine_quantized",
            "resize_", "resize_as_", "_resize_output_", "empty_quantized", "_empty_per_channel_affine_quantized"}
 
+# Argument positions a matmul/conv multiplies (a bias is added, not multiplied: a device at
+# reduced precision rounds only these); ops not listed multiply every floating input.
+_OPERANDS = {name: (1, 2) for name in ("addmm", "addmm_", "baddbmm", "addbmm", "addmv")}
+_OPERANDS.update({name: (0, 1) for name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                                            "conv_transpose2d", "conv_transpose3d", "cudnn_convolution",
+                                            "mkldnn_convolution", "_slow_conv2d_forward", "slow_conv3d_forward",
+                                            "thnn_conv2d", "linear")})
+
+
 def base_name(op: str) -> str:
     """``"aten.add_.Tensor"`` -> ``"add_"``; ``"npu.fast_gelu.default"`` -> ``"fast_gelu"``.
 
@@ -217,7 +226,7 @@ def classify(op: str) -> OpClass:
     if name in _SELECT:
         return OpClass("select")
     if name in _CONTRACT:
-        operands = (1, 2) if name in ("addmm", "addmm_", "baddbmm", "addbmm", "addmv") else ()
+        operands = _OPERANDS.get(name, ())
         return OpClass("contract", precision_variable=True, accumulates=True, operands=operands)
     if name in _NORMALIZE:
         forward = not name.endswith(("_backward", "backward")) and name not in _NORM_STATS

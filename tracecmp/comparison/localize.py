@@ -589,6 +589,7 @@ def _localize_rank(
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
     bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
     tf32_spread = _tf32_spread(judged) if not exact_matmul else None
+    bitwise_ops = _bitwise_ops(ri)
 
     roots: list[tuple[tuple, Divergence]] = []
     for j in judged:
@@ -599,7 +600,7 @@ def _localize_rank(
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
         root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits,
-                                              bounds_hold, tf32_spread)
+                                              bounds_hold, tf32_spread, bitwise_ops)
         verdict.metric = deciding
         if not root_kind:
             continue
@@ -722,6 +723,7 @@ def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
     fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
+    bitwise_ops: Mapping[str, int] | None = None,
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name."""
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -744,7 +746,7 @@ def _decide(
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
         return "", "", "nan_count"
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
-    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold)
+    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
     if not j.judgeable:
         return ("computation", replayed, "replay") if replayed else ("", "", deciding)
     # Which channel is furthest beyond what the inputs explain.
@@ -903,6 +905,28 @@ def _within_tf32(j: _Judged, node: tuple, lookup: Callable[[int], TensorState | 
     return True
 
 
+_BITWISE_MEMBERS = 3  # calls of an op its replay must give bit for bit before any other call must too
+
+
+def _bitwise_ops(ri: RankInput) -> dict[str, int]:
+    """Ops whose replay in their recorded dtypes gives this rank's calls bit for bit (at least
+    three, and all but one in ten): the device computes them as this CPU does, so a call that
+    differs in one bit (a fault far below any rounding budget) is wrong. Op name -> such calls.
+    Reduced-precision matmul/conv calls are left to their rounding models."""
+    names = {node[0]: node[4] for node in ri.nodes}
+    same: dict[str, int] = defaultdict(int)
+    other: dict[str, int] = defaultdict(int)
+    for op_id, own in ri.own_errors.items():
+        name = names.get(op_id)
+        if name is None or own.fits:
+            continue
+        if own.bitwise:
+            same[name] += 1
+        else:
+            other[name] += 1
+    return {name: n for name, n in same.items() if n >= _BITWISE_MEMBERS and other[name] <= max(1, 0.1 * (n + other[name]))}
+
+
 def _bounds_hold(ri: RankInput) -> bool:
     """Whether this rank's reduced-precision matmul/conv calls are reproduced within their
     accumulation bounds by some rounding of their operands (most of them, at least three): then
@@ -956,7 +980,7 @@ def _reduced_matmul(own: OwnError, j: _Judged, exact_matmul: bool, reduced: str 
 
 def _replayed_root(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: _ModelFit | None,
-    bounds_hold: bool = False,
+    bounds_hold: bool = False, bitwise_ops: Mapping[str, int] | None = None,
 ) -> str:
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).
 
@@ -981,6 +1005,10 @@ def _replayed_root(
         return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
                 f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
                 f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    same_cpu = (bitwise_ops or {}).get(node[4], 0)
+    if same_cpu and not own.bitwise and not reduced_call:
+        return (f"its output differs from a replay in {own.dtype} on its recorded inputs, which gives this run's other "
+                f"{same_cpu} calls of {node[4]} bit for bit (own error {own.error:.2e})")
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
             return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
