@@ -72,9 +72,13 @@ class OwnError:
     # 1 where the recorded output is a float32 sum of those products in any order, whatever the
     # device. Only for ops whose outputs are sums of products (matmul, conv).
     bounds: tuple[float, ...] = ()
-    # Every recorded output equals the replay in its recorded dtypes bit for bit: where a run's
-    # calls of an op all do, the device computes that op as this CPU does (see localize).
+    # Every recorded output equals the replay in its recorded dtypes bit for bit (at reduced
+    # precision: one of the roundings' replays): where a run's calls of an op all do, the device
+    # computes that op as this CPU does (see localize).
     bitwise: bool = False
+    # The honest replay rounds something (not a copy, a max, or one correctly rounded IEEE
+    # operation, which every device gives bit for bit): its bits say how the device computes.
+    informative: bool = False
 
 
 @dataclass(slots=True)
@@ -217,7 +221,7 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
     accumulated = _returned(op.name, *plain) if plain is not None else []
     basic = _correctly_rounded(op, inputs)
     misrounded = False
-    bitwise = not models
+    bitwise = True
     worst: OwnError | None = None
     fits = [0.0] * len(models)
     for position, tid in checked:
@@ -231,7 +235,7 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
         scale = _Scale.of(reference[position])
         errors = _errors_on(recorded, honest[position], scale)
         same = _same_bits(recorded, honest[position])
-        bitwise = bitwise and same
+        bitwise = bitwise and (same or any(_same_bits(recorded, r[position]) for r in replays[1:]))
         if basic and not same:
             misrounded = True
         if models:
@@ -247,7 +251,7 @@ def _replay_one(op: _Op, values: _Values, info: Mapping[int, tuple], reduced: st
         return None
     bounds = _bound_fits(op, [*models, inputs], [(p, values.get(t)) for p, t in checked]) if models else ()
     return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
-                    bounds=bounds, bitwise=bitwise)
+                    bounds=bounds, bitwise=bitwise, informative=not basic and worst.honest > 0)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -906,25 +906,38 @@ def _within_tf32(j: _Judged, node: tuple, lookup: Callable[[int], TensorState | 
 
 
 _BITWISE_MEMBERS = 3  # calls of an op its replay must give bit for bit before any other call must too
+_BITWISE_RANK = 8  # informative calls a rank needs before they speak for ops with fewer calls of their own
 
 
 def _bitwise_ops(ri: RankInput) -> dict[str, int]:
-    """Ops whose replay in their recorded dtypes gives this rank's calls bit for bit (at least
-    three, and all but one in ten): the device computes them as this CPU does, so a call that
-    differs in one bit (a fault far below any rounding budget) is wrong. Op name -> such calls.
-    Reduced-precision matmul/conv calls are left to their rounding models."""
+    """Ops whose replay gives this rank's calls bit for bit: the device computes them as this CPU
+    does, so a call that differs in one bit (a fault far below any rounding budget) is wrong.
+    Op name -> the calls that speak for it. An op speaks for itself with at least three calls, all
+    but one in ten reproduced; an op with fewer calls is covered when nine in ten of the rank's
+    informative calls (ops that round, at least eight: no copy, max or single IEEE operation, which
+    every device gives bit for bit) are reproduced: then this is the machine the run ran on."""
     names = {node[0]: node[4] for node in ri.nodes}
     same: dict[str, int] = defaultdict(int)
     other: dict[str, int] = defaultdict(int)
+    rank_same = rank_other = 0
     for op_id, own in ri.own_errors.items():
         name = names.get(op_id)
-        if name is None or own.fits:
+        if name is None:
             continue
         if own.bitwise:
             same[name] += 1
         else:
             other[name] += 1
-    return {name: n for name, n in same.items() if n >= _BITWISE_MEMBERS and other[name] <= max(1, 0.1 * (n + other[name]))}
+        if own.informative:
+            rank_same += own.bitwise
+            rank_other += not own.bitwise
+    held = {name: n for name, n in same.items()
+            if n >= _BITWISE_MEMBERS and other[name] <= max(1, 0.1 * (n + other[name]))}
+    if rank_same >= _BITWISE_RANK and rank_other <= 0.1 * (rank_same + rank_other):
+        for name in set(same) | set(other):
+            if same[name] + other[name] < _BITWISE_MEMBERS:
+                held[name] = rank_same
+    return held
 
 
 def _bounds_hold(ri: RankInput) -> bool:
@@ -1006,9 +1019,10 @@ def _replayed_root(
                 f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
                 f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
     same_cpu = (bitwise_ops or {}).get(node[4], 0)
-    if same_cpu and not own.bitwise and not reduced_call:
-        return (f"its output differs from a replay in {own.dtype} on its recorded inputs, which gives this run's other "
-                f"{same_cpu} calls of {node[4]} bit for bit (own error {own.error:.2e})")
+    if same_cpu and not own.bitwise:
+        how = f"rounded to {reduced} " if reduced_call else ""
+        return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
+                f"other calls bit for bit ({same_cpu} of them: the run computed as this CPU does; own error {own.error:.2e})")
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
             return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
