@@ -335,7 +335,16 @@ def _reduced_models(op: _Op, inputs: list[torch.Tensor], reduced: str | None) ->
     positions = [i for i, x in enumerate(inputs) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands)]
     if not positions:
         return []
-    return [[rounding(x) if i in positions else x for i, x in enumerate(inputs)] for _, rounding in REDUCED_MODELS[reduced]]
+    return [[_laid_out_as(x, rounding(x)) if i in positions else x for i, x in enumerate(inputs)]
+            for _, rounding in REDUCED_MODELS[reduced]]
+
+
+def _laid_out_as(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in ``x``'s memory layout: a kernel may sum in another order for a transposed
+    operand (a weight's ``t()``), and the replay must take the path the run took."""
+    out = torch.empty_like(x)
+    out.copy_(values.reshape(x.shape))
+    return out
 
 
 # One correctly rounded IEEE 754 operation per element (alpha, when given, must be 1): on every

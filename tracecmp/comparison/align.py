@@ -355,7 +355,7 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
         groups.union(("t", t.producer[T]), ("b", b.producer[B]))
         linked.update((("t", t.producer[T]), ("b", b.producer[B])))
         meet.setdefault(T, B)
-    dissolved = _merge_compensating(t, b, pairs, groups, in_t, in_b, one_t, one_b, meet)
+    _merge_compensating(t, b, pairs, groups, in_t, in_b, one_t, one_b, meet)
 
     # Clusters that met nothing join their scope's region (dead ends: detach, .item() reads).
     _join_residue(t, b, groups, in_t, in_b, linked)
@@ -376,7 +376,7 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
         t_ops.sort()
         b_ops.sort()
         region_id = first_id + len(regions)
-        region = _region(region_id, rank, t, b, t_ops, b_ops, corr, meet, one_t, dissolved, bench_to_target)
+        region = _region(region_id, rank, t, b, t_ops, b_ops, corr, meet, one_t, bench_to_target)
         regions.append(region)
         for o in t_ops:
             member_of[o] = region_id
@@ -572,12 +572,12 @@ def _absorb_constants(t: SideGraph, b: SideGraph, pairs: dict[int, int], groups:
 def _merge_compensating(
     t: SideGraph, b: SideGraph, pairs: dict[int, int], groups: _Union, in_t: set[int], in_b: set[int],
     one_t: Mapping[int, int], one_b: Mapping[tuple[int, int], int], meet: dict[int, int],
-) -> set[int]:
+) -> None:
     """Link a one-sided change of values with the other side's change that makes up for it within a
     few ops, and the pairs between them (step 3): the target scales q and k by sqrt(scale) where the
     bench scales the scores once, and in the backward the bench scales the scores' gradient where
-    the target scales the gradients of q and k. Returns the target op ids whose pairs were dissolved
-    into a region (they joined ``in_t``; their partners joined ``in_b``)."""
+    the target scales the gradients of q and k. The pairs on the way are dissolved into the region
+    (their ops join ``in_t`` and ``in_b``)."""
     changing_t = {t.producer[T] for T in one_t if not _cluster_passes(t, groups, ("t", t.producer[T]), in_t)}
     changing_b: dict[int, list[tuple[int, int]]] = defaultdict(list)  # target consumer -> (position, bench op)
     for (t_op, position), B in one_b.items():
@@ -586,7 +586,7 @@ def _merge_compensating(
             changing_b[t_op].append((position, pb))
     dissolved: set[int] = set()
     if not changing_t or not changing_b:
-        return dissolved
+        return
 
     def walk(starts: list[int], origin: _Node) -> dict[int, int | None]:
         """Paired target ops downstream of ``starts`` within ``_NEAR`` ops of the same step and
@@ -644,7 +644,6 @@ def _merge_compensating(
                         if out in one_t:
                             meet.setdefault(out, one_t[out])
                     dissolve(op_id, previous, ("t", c))
-    return dissolved
 
 
 def _cluster_passes(graph: SideGraph, groups: _Union, key: tuple[str, int], members: set[int]) -> bool:
@@ -657,8 +656,7 @@ def _cluster_passes(graph: SideGraph, groups: _Union, key: tuple[str, int], memb
 
 def _region(
     region_id: int, rank: int, t: SideGraph, b: SideGraph, t_ops: list[int], b_ops: list[int],
-    corr: Mapping[int, int], meet: Mapping[int, int], one_t: Mapping[int, int], dissolved: set[int],
-    bench_to_target: Mapping[int, int],
+    corr: Mapping[int, int], meet: Mapping[int, int], one_t: Mapping[int, int], bench_to_target: Mapping[int, int],
 ) -> Region:
     set_t, set_b = set(t_ops), set(b_ops)
     made_t = {x for o in t_ops for x in t.nodes[o].outputs}

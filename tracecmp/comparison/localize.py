@@ -912,10 +912,11 @@ _BITWISE_RANK = 8  # informative calls a rank needs before they speak for ops wi
 def _bitwise_ops(ri: RankInput) -> dict[str, int]:
     """Ops whose replay gives this rank's calls bit for bit: the device computes them as this CPU
     does, so a call that differs in one bit (a fault far below any rounding budget) is wrong.
-    Op name -> the calls that speak for it. An op speaks for itself with at least three calls, all
-    but one in ten reproduced; an op with fewer calls is covered when nine in ten of the rank's
-    informative calls (ops that round, at least eight: no copy, max or single IEEE operation, which
-    every device gives bit for bit) are reproduced: then this is the machine the run ran on."""
+    Op name -> the calls that speak for it. An op speaks for itself with at least three calls
+    reproduced, all but one in ten; an op with fewer is covered, unless its own calls say
+    otherwise, when nine in ten of the rank's informative calls (ops that round, at least eight: no
+    copy, max or single IEEE operation, which every device gives bit for bit) are reproduced: then
+    this is the machine the run ran on."""
     names = {node[0]: node[4] for node in ri.nodes}
     same: dict[str, int] = defaultdict(int)
     other: dict[str, int] = defaultdict(int)
@@ -931,12 +932,15 @@ def _bitwise_ops(ri: RankInput) -> dict[str, int]:
         if own.informative:
             rank_same += own.bitwise
             rank_other += not own.bitwise
-    held = {name: n for name, n in same.items()
-            if n >= _BITWISE_MEMBERS and other[name] <= max(1, 0.1 * (n + other[name]))}
-    if rank_same >= _BITWISE_RANK and rank_other <= 0.1 * (rank_same + rank_other):
-        for name in set(same) | set(other):
-            if same[name] + other[name] < _BITWISE_MEMBERS:
-                held[name] = rank_same
+    rank_held = rank_same >= _BITWISE_RANK and rank_other <= 0.1 * (rank_same + rank_other)
+    held = {}
+    for name in set(same) | set(other):
+        if other[name] > max(1, 0.1 * (same[name] + other[name])):
+            continue  # its own calls say the device computes it otherwise
+        if same[name] >= _BITWISE_MEMBERS:
+            held[name] = same[name]
+        elif rank_held:
+            held[name] = rank_same
     return held
 
 

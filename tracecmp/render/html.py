@@ -13,6 +13,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from tracecmp.errors import TracecmpError
@@ -229,13 +230,16 @@ def _modules_html(result: Any) -> str:
     table = module_rollup(result.nodes)
     if table.empty:
         return '<p class="note">No modules.</p>'
-    top = table["max_introduced"].max()
+    finite = table["max_introduced"][np.isfinite(table["max_introduced"].astype(float))]
+    top = finite.max() if len(finite) else 0.0  # NaN/Inf made from finite values (infinite) get the full bar
     first = result.first_divergence
     rows = []
     for row in table.itertuples():
         introduced = _num(row.max_introduced)
         width = 0.0
-        if top > 0 and introduced > 0:
+        if math.isinf(introduced) and introduced > 0:
+            width = 120.0
+        elif top > 0 and introduced > 0:
             # Log scale over eight decades below the largest: errors span orders of magnitude.
             width = max(2.0, 120 * (1 + math.log10(introduced / top) / 8))
         css = ' class="first"' if first is not None and row.module == first.module else ""
