@@ -27,9 +27,10 @@ and only its inputs were off. That depends on what the op does with its inputs:
 from __future__ import annotations
 
 from dataclasses import dataclass
-import json
 from functools import lru_cache
 from typing import Any, Mapping
+
+from tracecmp.trace import boundedjson
 
 KINDS = ("copy", "lipschitz", "product", "exp", "contract", "reduce", "normalize", "select", "factory", "uninit", "other")
 
@@ -323,7 +324,7 @@ def given_nonfinite(args: str | None) -> bool:
     if not args or not any(mark in args for mark in _NONFINITE_TEXT):
         return False
     try:
-        value = json.loads(args)
+        value = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES)
     except ValueError:
         return False
     return _holds_nonfinite(value)

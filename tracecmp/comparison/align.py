@@ -21,7 +21,6 @@ align in seconds.
 from __future__ import annotations
 
 import difflib
-import json
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import pandas as pd
 
 from tracecmp.aten.opclass import base_name, is_copy
 from tracecmp.comparison.records import Region
+from tracecmp.trace import boundedjson
 
 # Above this many DP cells a stretch is matched with difflib's longest-block recursion instead,
 # and above the second (two long sequences with nothing in common to anchor on) window by window.
@@ -215,7 +215,7 @@ def is_pass_through(op: str, args: str, kind: str) -> bool:
     if rule is None:
         return False
     try:
-        parsed = json.loads(args) if args else {}
+        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
     except ValueError:
         return False
     value = parsed.get(rule[0]) if isinstance(parsed, dict) else None
@@ -449,7 +449,7 @@ def _written(graph: SideGraph, node: _Node) -> list[tuple[int, int]]:
 
     func = resolve(node.op)
     try:
-        args = json.loads(node.args) if node.args else {}
+        args = boundedjson.loads(node.args, max_bytes=boundedjson.ARGS_MAX_BYTES) if node.args else {}
     except ValueError:
         args = {}
     if func is None or not hasattr(func, "_schema") or not isinstance(args, dict):

@@ -31,7 +31,6 @@ execution order is the first divergence; all roots, ranked by introduced error, 
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -40,10 +39,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy
 from tracecmp.comparison.records import Divergence, Region
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
+from tracecmp.trace.schema import UNREAD_SOURCE
 
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 
@@ -156,7 +157,7 @@ def _norm_args(text: str) -> Any:
     if not text:
         return None
     try:
-        value = json.loads(text)
+        value = boundedjson.loads(text, max_bytes=boundedjson.ARGS_MAX_BYTES)
     except (TypeError, ValueError):
         return text
 
@@ -463,6 +464,11 @@ def _localize_rank(
         verdict = NodeVerdict(op_id)
         verdicts[op_id] = verdict
         if kind == "view" and all(t in base for t in outputs):
+            judged.append(None)
+            continue
+        if op == UNREAD_SOURCE:  # only written by its first use (an out= buffer): its content means nothing
+            for tid in outputs:
+                state[tid] = TensorState(known=True, exact=True, uninit=True)
             judged.append(None)
             continue
         # Sources have no inputs; a view node whose output carries statistics of its own (capture's
@@ -1241,7 +1247,7 @@ def _read_by(op: str, args: str, inputs: list[int], index: int) -> list[tuple[in
 def _list_length(args: str) -> int:
     """How many tensors the first tensor-list argument of a recorded call holds (0 if none)."""
     try:
-        parsed = json.loads(args) if args else {}
+        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
     except ValueError:
         return 0
     for value in parsed.values() if isinstance(parsed, dict) else ():

@@ -46,6 +46,7 @@ class CompareResult:
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)  # many-to-many correspondences, by region_id
+    job: Any = None  # several ranks: tracecmp.comparison.ranks.JobReport (ranks side by side, paths)
 
     @property
     def agrees(self) -> bool:
@@ -125,6 +126,8 @@ class CompareResult:
         elif counts.get("noise") and not self.exact:
             lines.append(f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
                          'that noise cannot be told apart from statistics: capture the target with data="tensors"')
+        if self.job is not None:
+            lines += ["", self.job.summary()]
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
@@ -179,8 +182,8 @@ class CompareResult:
         return pd.DataFrame(rows, columns=columns)
 
     def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
-        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv, regions.csv (and
-        compare.xlsx); returns the paths."""
+        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv, regions.csv (ranks.csv for
+        several ranks, and compare.xlsx); returns the paths."""
         out = Path(out_dir)
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +191,8 @@ class CompareResult:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
         tables = {"nodes": self.nodes, "tensors": self.tensors, "suspects": self.suspects_frame(),
                   "unpaired_bench": self.unpaired_bench, "regions": self.regions_frame()}
+        if self.job is not None:
+            tables["ranks"] = self.job.to_frame()
         paths = []
         for name, frame in tables.items():
             path = out / f"{name}.csv"
