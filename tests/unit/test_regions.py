@@ -27,6 +27,24 @@ def _qkv(b: TraceBuilder) -> tuple[Ref, Ref, Ref, Ref]:
     return x, q, k, v
 
 
+FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+def _flash(b: TraceBuilder, q: Ref, k: Ref, v: Ref, module: str, fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           **kwargs: object) -> Ref:
+    """Flash attention for the CPU, recorded as capture records it (``dropout_p=0.0``; the schema
+    says random, but it draws nothing). Torch before 2.2 has no such op: its two outputs are then
+    computed here, as a vendor's op would be recorded, and replay runs the bench's side instead."""
+    if hasattr(torch.ops.aten, FLASH.split(".")[1]):
+        return b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, dropout_p=0.0, module=module,
+                      random=True, fault=fault, **kwargs)[0]
+    qv, kv, vv = b.value(q), b.value(k), b.value(v)
+    scores = qv @ kv.transpose(-2, -1) * qv.shape[-1] ** -0.5
+    value = torch.softmax(scores, dim=-1) @ vv
+    outputs = [fault(value) if fault else value, torch.logsumexp(scores, dim=-1)]
+    return b.op(FLASH, [q, k, v], outputs, module=module, args={"dropout_p": 0.0}, random=True)[0]
+
+
 def _tail(b: TraceBuilder, out: Ref) -> None:
     y = b.call(A.gelu.default, out, module="act")
     b.call(A.sum.default, y, module="")
@@ -38,8 +56,7 @@ def _fused(path: Path, *, fault: Callable[[torch.Tensor], torch.Tensor] | None =
     b = TraceBuilder(data=data)
     _, q, k, v = _qkv(b)
     if name is None:
-        out = b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, dropout_p=0.0, module="attn",
-                     random=True, fault=fault)[0]  # the schema says random; dropout_p=0 draws nothing
+        out = _flash(b, q, k, v, "attn", fault)
     else:
         qv, kv, vv = b.value(q), b.value(k), b.value(v)
         value = torch.softmax(qv @ kv.transpose(-2, -1) * SCALE, dim=-1) @ vv
@@ -82,7 +99,7 @@ def test_fused_attention_against_eager_agrees_and_is_one_region(tmp_path):
 def test_a_fault_inside_the_fused_part_is_named_at_its_region(tmp_path, direction):
     if direction == "fused-target":
         target, bench = _fused(tmp_path / "t", fault=_scale(1 + 1e-3)), _eager(tmp_path / "b")
-        expected = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+        expected = FLASH
     else:
         target, bench = _eager(tmp_path / "t", fault=_scale(1 + 1e-3)), _fused(tmp_path / "b")
         expected = "aten.matmul.default"  # the op of the eager side that made the region's output
@@ -215,6 +232,43 @@ def test_a_real_change_behind_a_cast_is_still_named(tmp_path):
     d = result.first_divergence
     assert d is not None and (d.op, d.module) == ("aten.relu.default", "act"), result.suspects
     assert target.exists()
+
+
+def _saving_attention(path: Path, fused: bool, fault: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Path:
+    """Attention whose sequence length equals its head size, keeping for its backward what autograd
+    keeps: the fused op's output, or the eager side's softmax probabilities (same shape), each
+    through a ``detach``."""
+    b = TraceBuilder()
+    g = torch.Generator().manual_seed(5)
+    x = b.source("input.0", torch.randn(2, 2, 8, 8, generator=g))
+    q = b.call(A.matmul.default, x, b.param("proj.weight", torch.randn(8, 8, generator=g) / 3, module="proj"), module="proj")
+    k, v = b.call(A.mul.Tensor, q, 0.5, module="proj"), b.call(A.tanh.default, q, module="proj")
+    if fused:
+        out = _flash(b, q, k, v, "attn")
+        b.call(A.detach.default, out, module="attn")
+    else:
+        s = b.call(A.mul.Tensor, b.call(A.matmul.default, q, b.call(A.transpose.int, k, -2, -1, module="attn"),
+                                        module="attn"), 8 ** -0.5, module="attn")
+        p = b.call(A._softmax.default, s, -1, False, module="attn")
+        b.call(A.detach.default, p, module="attn")
+        out = b.call(A.matmul.default, p, v, module="attn")
+    y = b.call(A.mm.default, b.call(A.view.default, out, [32, 8], module="out"),
+               b.param("out.weight", torch.randn(8, 8, generator=g) / 3, module="out"), module="out")
+    b.call(A.sum.default, b.call(A.gelu.default, y, module="act", fault=fault), module="")
+    return b.write(path)
+
+
+def test_a_value_kept_for_backward_never_pairs_a_fused_output_with_another_tensor(tmp_path):
+    # The two detaches pair by name and shape, and would say the attention output is the softmax
+    # probabilities; the view read by the output projection says what it is.
+    bench = _saving_attention(tmp_path / "b", fused=False)
+    clean = tracecmp.compare(_saving_attention(tmp_path / "t", fused=True), bench)
+    assert clean.agrees and not clean.suspects, clean.summary()
+    (region,) = clean.regions
+    assert "aten.detach.default" in region.target_names and "aten.detach.default" in region.bench_names
+    faulty = tracecmp.compare(_saving_attention(tmp_path / "t1", fused=True, fault=_scale(1 + 1e-3)), bench)
+    assert faulty.first_divergence is not None and faulty.first_divergence.op == "aten.gelu.default"
+    assert [s.op for s in faulty.suspects] == ["aten.gelu.default"]
 
 
 def test_a_nan_root_outranks_roots_of_a_few_rounding_units(tmp_path):

@@ -318,6 +318,7 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
     if not free_t and not free_b:
         return RegionMatch(pairs, [], {}, {}, {}, {})
     in_t, in_b = set(free_t), set(free_b)
+    _unpair_contradicted(t, b, pairs, corr, in_t, in_b)
     groups = _Union()
     for side, graph, free in (("t", t, free_t), ("b", b, free_b)):
         members = in_t if side == "t" else in_b
@@ -391,6 +392,74 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
         if region_id is not None:
             bench_only[(t_op, position)] = region_id
     return RegionMatch(pairs, regions, partners, bench_only, member_of, bench_member_of)
+
+
+def _unpair_contradicted(t: SideGraph, b: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int],
+                         in_b: set[int]) -> None:
+    """Undo pairs of pass-through ops that say one region-made target value is two different bench
+    values, where the other route carries it to a paired computation and theirs never does.
+
+    The fused attention's output is saved for its backward through a ``detach``; the eager side
+    saves its softmax probabilities the same way. With equal shapes the two detaches pair, and
+    would say the attention output *is* the probabilities, while the transpose that leads to the
+    output projection says what it really is. Only paired ops that go on to compute show how
+    values correspond; a saved-for-backward chain ends in the other region and shows nothing. The
+    undone ops join the regions around them (their ops are added to ``in_t`` and ``in_b``)."""
+    evidence: dict[int, list[tuple[int, int]]] = defaultdict(list)  # target root -> (bench root, pair's target op)
+    for t_op in t.order:
+        b_op = pairs.get(t_op)
+        if b_op is None:
+            continue
+        for T, B in zip(t.nodes[t_op].inputs, b.nodes[b_op].inputs):
+            if t.producer.get(T) in in_t and b.producer.get(B) in in_b:
+                evidence[t.root(T)].append((b.root(B), t_op))
+    for routes in evidence.values():
+        if len({bench for bench, _ in routes}) < 2:
+            continue
+        reach = {t_op: not _passes(t, t_op) or _reaches_computation(t, pairs, t_op) for _, t_op in routes}
+        if not any(reach.values()):
+            continue
+        for _, t_op in routes:
+            if not reach[t_op]:
+                _dissolve_chain(t, pairs, corr, in_t, in_b, t_op)
+
+
+def _passes(graph: SideGraph, op_id: int) -> bool:
+    node = graph.nodes[op_id]
+    return is_pass_through(node.op, node.args, node.kind)
+
+
+def _reaches_computation(t: SideGraph, pairs: Mapping[int, int], start: int) -> bool:
+    """Whether ``start``'s outputs, moved only by pass-through ops, are read by a paired op that computes."""
+    frontier, seen = [start], {start}
+    while frontier:
+        op_id = frontier.pop()
+        for T in t.nodes[op_id].outputs:
+            for c in t.consumers.get(T, ()):
+                if c in seen:
+                    continue
+                seen.add(c)
+                if not _passes(t, c):
+                    if c in pairs:
+                        return True
+                    continue
+                frontier.append(c)
+    return False
+
+
+def _dissolve_chain(t: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int], in_b: set[int],
+                    start: int) -> None:
+    """Unpair ``start`` and the paired pass-through ops that move its outputs on."""
+    frontier = [start]
+    while frontier:
+        op_id = frontier.pop()
+        if op_id not in pairs:
+            continue
+        in_b.add(pairs.pop(op_id))
+        in_t.add(op_id)
+        for T in t.nodes[op_id].outputs:
+            corr.pop(T, None)
+            frontier.extend(c for c in t.consumers.get(T, ()) if c in pairs and _passes(t, c))
 
 
 def _broadcasts(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
