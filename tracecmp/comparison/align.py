@@ -313,10 +313,12 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
     pairs = dict(pairs)
     corr = _consistent_pairs(t, b, pairs)
     paired_b = set(pairs.values())
-    free_t = [o for o in t.order if o not in pairs]
-    free_b = [o for o in b.order if o not in paired_b]
+    # A source only paired ops read (a parameter that enters the first compared step as a source on
+    # one side and as the optimizer's output on the other) is compared as a source, not a region.
+    free_t = [o for o in t.order if o not in pairs and not _read_by_pairs_only(t, o, pairs)]
+    free_b = [o for o in b.order if o not in paired_b and not _read_by_pairs_only(b, o, paired_b)]
     if not free_t and not free_b:
-        return RegionMatch(pairs, [], {}, {}, {}, {})
+        return RegionMatch(pairs, [], _source_partners(t, b, pairs, set()), {}, {}, {})
     in_t, in_b = set(free_t), set(free_b)
     _unpair_contradicted(t, b, pairs, corr, in_t, in_b)
     groups = _Union()
@@ -387,11 +389,42 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
             rt, rb = t.root(T), b.root(B)
             if t.numel.get(rt) == b.numel.get(rb) or _broadcasts(t.shape.get(rt), b.shape.get(rb)):
                 partners.setdefault(rt, rb)
+    for rt, rb in _source_partners(t, b, pairs, in_t).items():
+        partners.setdefault(rt, rb)
     for (t_op, position), B in one_b.items():
         region_id = bench_member_of.get(b.producer.get(B, -1))
         if region_id is not None:
             bench_only[(t_op, position)] = region_id
     return RegionMatch(pairs, regions, partners, bench_only, member_of, bench_member_of)
+
+
+def _source_partners(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], in_regions: set[int]) -> dict[int, int]:
+    """For target sources outside regions and pairs: the bench tensor a paired reader reads in the
+    same argument position, where the shapes are equal (a parameter entering the first compared
+    step, which the bench made in an earlier one)."""
+    found: dict[int, int] = {}
+    for o in t.order:
+        if o in pairs or o in in_regions or t.nodes[o].kind != "source":
+            continue
+        for T in t.nodes[o].outputs:
+            for c in t.consumers.get(T, ()):
+                if c not in pairs:
+                    continue
+                for position, read in enumerate(t.nodes[c].inputs):
+                    if read == T and position < len(b.nodes[pairs[c]].inputs):
+                        rt, rb = t.root(T), b.root(b.nodes[pairs[c]].inputs[position])
+                        if t.shape.get(rt) == b.shape.get(rb):
+                            found.setdefault(rt, rb)
+    return found
+
+
+def _read_by_pairs_only(graph: SideGraph, op_id: int, paired: Mapping[int, int] | set[int]) -> bool:
+    """Whether ``op_id`` is a source whose values only paired ops read."""
+    node = graph.nodes[op_id]
+    if node.kind != "source":
+        return False
+    readers = [c for x in node.outputs for c in graph.consumers.get(x, ())]
+    return bool(readers) and all(c in paired for c in readers)
 
 
 def _unpair_contradicted(t: SideGraph, b: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int],
