@@ -24,7 +24,7 @@ the run used from its other calls and hold each call to it.
 
 Views carry no data of their own and are recomputed from their base by replaying the view op.
 Ops that are not replayed come back as :class:`Skipped` with the reason (:func:`replay_ops`):
-random ops (they would draw other numbers), uninitialized allocations, collectives (they need the
+random ops that drew numbers (they would draw others; ``dropout_p=0.0`` draws none), uninitialized allocations, collectives (they need the
 other ranks), operators this torch does not have or cannot run on the CPU (device-only custom ops;
 :func:`register_reference` gives one a CPU reference), ops whose arguments the trace could not
 record (opaque objects), ops whose inputs were not saved, and ops that refuse float64: the caller
@@ -52,11 +52,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from tracecmp.trace import boundedjson
 from tracecmp.aten.args import decode_call
-from tracecmp.aten.opclass import classify
+from tracecmp.aten.opclass import base_name, classify, draws_random
 from tracecmp.aten.schema import _SCRATCH_NAMES, op_info, outputs_in_order, resolve
 from tracecmp.errors import TracecmpError, TraceFormatError
+from tracecmp.trace import boundedjson
 from tracecmp.trace.saved import SavedTensors
 
 _CACHE_BYTES = 256 << 20  # recent recorded values kept while walking (the next op mostly reads them)
@@ -88,6 +88,18 @@ class OwnError:
     # accumulation error a plain float32 replay makes (at least one float32 rounding unit); the
     # worst output decides. Near 1 where that model is what the run computed.
     fits: tuple[float, ...] = ()
+    # The same per rounding model, then for float32 itself, elementwise in units of the bound on
+    # what accumulating this call's products in float32 can add (see _accumulation_bound): at most
+    # 1 where the recorded output is a float32 sum of those products in any order, whatever the
+    # device. Only for ops whose outputs are sums of products (matmul, conv).
+    bounds: tuple[float, ...] = ()
+    # Every recorded output equals the replay in its recorded dtypes bit for bit (at reduced
+    # precision: one of the roundings' replays): where a run's calls of an op all do, the device
+    # computes that op as this CPU does (see localize).
+    bitwise: bool = False
+    # The honest replay rounds something (not a copy, a max, or one correctly rounded IEEE
+    # operation, which every device gives bit for bit): its bits say how the device computes.
+    informative: bool = False
     # With ``detail`` only (else 0), over every checked output:
     nonfinite: int = 0  # positions where the recorded output holds NaN/Inf the reference does not (or the reverse)
     honest_nonfinite: int = 0  # the same for the honest replay
@@ -130,6 +142,11 @@ class RecordedOp:
                 value = None
             self.parsed = value if isinstance(value, dict) else False
         return self.parsed if self.parsed is not False else None
+
+    def draws(self) -> bool:
+        """Whether this call drew random numbers (``dropout_p=0.0`` draws none), see
+        :func:`tracecmp.aten.opclass.draws_random`."""
+        return self.random and draws_random(self.name, self.arguments())
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +204,14 @@ class Replayer:
 
     def __init__(
         self, rank: Any, *, reduced: str | None = None, detail: Mapping[str, float] | None = None,
-        cache_bytes: int = _CACHE_BYTES,
+        cache_bytes: int = _CACHE_BYTES, small_on_one_thread: bool = False,
     ) -> None:
         if reduced not in (None, *REDUCED_MODELS):
             raise ValueError(f"reduced must be None or one of {sorted(REDUCED_MODELS)}, not {reduced!r}")
         self.rank = rank
+        # Faster, but a reduction's bits follow the thread count: only where no judgement rests on
+        # a replay giving the recorded bits (check's; not compare's, see OwnError.bitwise).
+        self.small_on_one_thread = small_on_one_thread
         self.reduced = reduced
         self.detail = dict(detail) if detail is not None else None
         self.saved = SavedTensors(rank)
@@ -315,7 +335,7 @@ class Replayer:
             return Skipped(op_id, f"its inputs were not saved (tensor {missing[0]})", data_missing=True)
         if not any(self.info.get(t, (0, 0, "", -1, ""))[4] for t in op.outputs):
             return Skipped(op_id, "its outputs were not saved", data_missing=True)
-        with _threads_for(self._elements(op)):
+        with _threads_for(self._elements(op) if self.small_on_one_thread else _PARALLEL_ELEMENTS):
             results = [self._measure(call) for call in _calls(op, args)]
         failed = next((r for r in results if isinstance(r, str)), None)
         if failed is not None:
@@ -411,6 +431,7 @@ class Replayer:
         accumulated = _returned(op.name, *plain) if plain is not None else []
         basic = _correctly_rounded(op.name, call.args, inputs)
         misrounded = False
+        bitwise = True
         worst: OwnError | None = None
         fits = [0.0] * len(models)
         detail = _Detail() if self.detail is not None else None
@@ -424,7 +445,9 @@ class Replayer:
                 return "its replay gave outputs of another shape or kind than recorded"
             scale = _Scale.of(reference[position])
             errors = _errors_on(recorded, honest[position], scale)
-            if basic and not torch.equal(recorded, honest[position]):
+            same = _same_bits(recorded, honest[position])
+            bitwise = bitwise and (same or any(_same_bits(recorded, r[position]) for r in replays[1:]))
+            if basic and not same:
                 misrounded = True
             if models:
                 unit = max(scale.error(accumulated[position]), _FP32_UNIT)
@@ -451,7 +474,10 @@ class Replayer:
         if worst is None:
             return None
         extra = detail.fields() if detail is not None else {}
-        return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits), **extra)
+        bounds = _bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating]) if models else ()
+        return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
+                        bounds=bounds, bitwise=bitwise and bool(floating), informative=not basic and worst.honest > 0,
+                        **extra)
 
 
 # Below this many elements an op runs on one thread: its work is too small to split, and entering
@@ -483,7 +509,7 @@ def static_skip_reason(op: RecordedOp) -> str:
     what the trace holds (see :class:`Replayer` for missing inputs)."""
     if op.kind != "op":
         return "not a computing op (a view, a source or an alias update)"
-    if op.random and not _drops_nothing(op):
+    if op.draws():
         return "random op: a replay would draw other numbers"
     if op.name.startswith(_UNINITIALIZED):
         return "uninitialized memory (empty): nothing to check"
@@ -503,17 +529,6 @@ def static_skip_reason(op: RecordedOp) -> str:
     if opaque:
         return f"it takes an object the trace could only name ({opaque})"
     return ""
-
-
-def _drops_nothing(op: RecordedOp) -> bool:
-    """A random op recorded with its drop probability at "off" (attention or dropout with p=0, as
-    ``TraceCompare(dropout=0.0)`` records them): it draws nothing that changes its result."""
-    func = resolve(op.name)
-    args = op.arguments()
-    if func is None or args is None or not hasattr(func, "_schema"):
-        return False
-    rewrites = op_info(func).dropout
-    return bool(rewrites) and all(name in args and args[name] == off for (_, name), off in rewrites)
 
 
 def _opaque(value: Any) -> str:
@@ -581,15 +596,89 @@ def _combine(op_id: int, parts: list[OwnError]) -> OwnError:
     worst = max(parts, key=lambda p: _excess(p.error, p.honest))
     width = max(len(p.fits) for p in parts)
     fits = tuple(max((p.fits[m] for p in parts if m < len(p.fits)), default=0.0) for m in range(width))
+    reach = max(len(p.bounds) for p in parts)
+    bounds = tuple(max((p.bounds[m] for p in parts if m < len(p.bounds)), default=0.0) for m in range(reach))
     elements = sum(p.elements for p in parts)
     share = (lambda f: sum(getattr(p, f) * p.elements for p in parts) / elements) if elements else (lambda f: 0.0)
     return OwnError(
         op_id, worst.error, worst.honest, worst.dtype, misrounded=any(p.misrounded for p in parts), fits=fits,
+        bounds=bounds, bitwise=all(p.bitwise for p in parts), informative=any(p.informative for p in parts),
         nonfinite=sum(p.nonfinite for p in parts), honest_nonfinite=sum(p.honest_nonfinite for p in parts),
         max_ulps=max(p.max_ulps for p in parts), honest_max_ulps=max(p.honest_max_ulps for p in parts),
         beyond=share("beyond"), honest_beyond=share("honest_beyond"), elements=elements,
         integer_mismatch=sum(p.integer_mismatch for p in parts),
     )
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN where NaN is, same signed zeros)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
+
+
+# Ops whose every output element is a sum of products of one element of each operand (a bias
+# added in): replayed on the operands' absolute values they give the sum of the terms' sizes,
+# and on ones the number of terms.
+_SUMS_OF_PRODUCTS = frozenset({
+    "mm", "bmm", "addmm", "addmm_", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "outer",
+    "ger", "einsum", "tensordot", "convolution", "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+})
+
+
+def _bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
+                recorded: list[tuple[int, torch.Tensor | None]]) -> tuple[float, ...]:
+    """Per input set (each rounding of the operands, then the operands as they are): the largest
+    ratio, over the recorded outputs' elements, of the distance from a float64 replay on that set
+    to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails."""
+    if base_name(name) not in _SUMS_OF_PRODUCTS or any(r is None for _, r in recorded):
+        return ()
+    ones = _invoke(name, args, [torch.ones_like(x) if x.is_floating_point() else x for x in sets[-1]], golden=True)
+    if ones is None:
+        return ()
+    counts = _returned(name, *ones)
+    fits = []
+    for inputs in sets:
+        exact = _invoke(name, args, inputs, golden=True)
+        sizes = _invoke(name, args, [x.abs() if x.is_floating_point() else x for x in inputs], golden=True)
+        if exact is None or sizes is None:
+            return ()
+        exact_out, size_out = _returned(name, *exact), _returned(name, *sizes)
+        worst = 0.0
+        for position, value in recorded:
+            if max(position, 0) >= min(len(exact_out), len(size_out), len(counts)):
+                return ()
+            center = exact_out[position]
+            if value.shape != center.shape:
+                return ()
+            bound = _accumulation_bound(counts[position], size_out[position], center)
+            gap = (value.to(torch.float64) - center).abs()
+            finite = torch.isfinite(center) & torch.isfinite(gap)
+            if bool((~torch.isfinite(value) & torch.isfinite(center)).any()):
+                return tuple([math.inf] * len(sets))
+            if bool(finite.any()):
+                ratio = gap[finite] / bound[finite].clamp_min(_TINY)
+                worst = max(worst, float(ratio.max()))
+        fits.append(worst)
+    return tuple(fits)
+
+
+def _accumulation_bound(count: torch.Tensor, size: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """How far a float32 result may lie from the exact sum of ``count`` products whose sizes add up
+    to ``size``, whatever order and blocking a device sums them in: gamma(n) * size with gamma(n)
+    = n * 2u / (1 - n * 2u), u float32's unit (2u: rounding toward zero, as some accumulators do,
+    errs up to a whole unit), plus rounding the result itself. (The products of TF32- or
+    bf16-rounded operands are exact in float32: 11 + 11 and 8 + 8 significant bits.)"""
+    n = count.to(torch.float64).abs()
+    unit = 2.0 * _FP32_UNIT
+    gamma = (n * unit) / (1.0 - (n * unit).clamp_max(0.5))
+    return gamma * size.abs() + _FP32_UNIT * exact.abs()
 
 
 def _calls(op: RecordedOp, args: dict[str, Any]) -> list[_Call]:
@@ -662,7 +751,16 @@ def _reduced_models(name: str, inputs: list[torch.Tensor], reduced: str | None) 
     positions = [i for i, x in enumerate(inputs) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands)]
     if not positions:
         return []
-    return [[rounding(x) if i in positions else x for i, x in enumerate(inputs)] for _, rounding in REDUCED_MODELS[reduced]]
+    return [[_laid_out_as(x, rounding(x)) if i in positions else x for i, x in enumerate(inputs)]
+            for _, rounding in REDUCED_MODELS[reduced]]
+
+
+def _laid_out_as(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in ``x``'s memory layout: a kernel may sum in another order for a transposed
+    operand (a weight's ``t()``), and the replay must take the path the run took."""
+    out = torch.empty_like(x)
+    out.copy_(values.reshape(x.shape))
+    return out
 
 
 # One correctly rounded IEEE 754 operation per element (alpha, when given, must be 1): on every
@@ -694,6 +792,13 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x)
 
 
+def _round_tf32_away(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to TF32 to nearest with ties away from zero (``cvt.rna.tf32.f32``)."""
+    bits = x.contiguous().view(torch.int32)
+    rounded = ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
 def _truncate_tf32(x: torch.Tensor) -> torch.Tensor:
     """``x`` with the 13 mantissa bits TF32 lacks cleared (round toward zero), as some hardware feeds its units."""
     return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
@@ -712,7 +817,7 @@ def _truncate_bf16(x: torch.Tensor) -> torch.Tensor:
 # bf16 ("medium"): the first is the honest replay; the others are tried only to find which one
 # a run used (OwnError.fits).
 REDUCED_MODELS: dict[str, tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...]] = {
-    "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32)),
+    "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32), ("to nearest, ties away", _round_tf32_away)),
     "bf16": (("to nearest even", _round_bf16), ("toward zero", _truncate_bf16)),
 }
 _FP32_UNIT = float(torch.finfo(torch.float32).eps)
@@ -902,7 +1007,7 @@ def replay_rank(
 def replay_ops(
     rank: Any, op_ids: Iterable[int] | None = None, *, reduced: str | None = None,
     detail: Mapping[str, float] | None = None, progress: Callable[[int], None] | None = None,
-    workers: int | None = 1, cache_bytes: int = _CACHE_BYTES,
+    workers: int | None = 1, cache_bytes: int = _CACHE_BYTES, small_on_one_thread: bool = False,
 ) -> dict[int, OwnError | Skipped]:
     """Replay the computing ops ``op_ids`` (default: all) of a rank: ``{op_id: OwnError | Skipped}``.
 
@@ -923,10 +1028,11 @@ def replay_ops(
     if workers is None:
         workers = auto_workers(len(wanted))
     if workers > 1 and len(wanted) > 1 and rank.manifest.get("chunks"):
-        options = {"reduced": reduced, "detail": None if detail is None else dict(detail), "cache_bytes": cache_bytes}
+        options = {"reduced": reduced, "detail": None if detail is None else dict(detail), "cache_bytes": cache_bytes,
+                   "small_on_one_thread": small_on_one_thread}
         return run_in_workers(rank, wanted, "tracecmp.replay:Replayer.replay", options, workers=workers, progress=progress)
     results: dict[int, OwnError | Skipped] = {}
-    with Replayer(rank, reduced=reduced, detail=detail, cache_bytes=cache_bytes) as replayer:
+    with Replayer(rank, reduced=reduced, detail=detail, cache_bytes=cache_bytes, small_on_one_thread=small_on_one_thread) as replayer:
         if not replayer.has_data:
             return {}
         done = 0
@@ -1063,3 +1169,185 @@ def iter_ops(rank: Any, op_ids: Iterable[int] | None = None) -> Iterator[Recorde
     ):
         if wanted is None or o in wanted:
             yield RecordedOp(o, k, n, a or "{}", list(i or ()), list(out or ()), bool(r))
+
+
+# ---- regions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegionReplay:
+    """A region's own error (tracecmp.comparison.records.Region): its recorded outputs against a
+    float64 replay of its computation on its recorded inputs.
+
+    The reference is the target's own ops replayed in order where the CPU can run them all (the
+    fused op itself), else the bench's ops fed the target's inputs. ``sides_differ`` is how far the
+    float64 replays of the two sides lie apart on the same inputs, when both ran: beyond float64's
+    rounding it means the target computes another function than the bench (a fused kernel with
+    another ``eps`` or scale), NaN when not both could run.
+    """
+
+    error: float
+    honest: float  # the same for the replay in the recorded dtypes: an honest implementation's error
+    dtype: str  # dtype of the output that decided it
+    output: int  # target tensor id of that output
+    reference: str  # "target" or "bench": whose ops the float64 reference ran
+    sides_differ: float = math.nan
+
+
+def replay_regions(target: Any, bench: Any | None, regions: Iterable[Any]) -> dict[int, RegionReplay]:
+    """Replays of ``regions`` (tracecmp.comparison.records.Region) on the target's recorded inputs,
+    by region id (see :class:`RegionReplay`); regions neither side can run are absent. ``bench``
+    (its rank trace) is read only for values the bench's ops read that the target has no
+    counterpart of, such as a mask buffer.
+
+    >>> replays = replay_regions(tracecmp.load("runs/target").rank(0), tracecmp.load("runs/bench").rank(0), result.regions)  # doctest: +SKIP
+    >>> replays[0].error, replays[0].honest, replays[0].sides_differ                                            # doctest: +SKIP
+    (3.1e-08, 2.9e-08, 1.2e-16)
+    """
+    found: dict[int, RegionReplay] = {}
+    with _Chain(target) as t_side, (_Chain(bench) if bench is not None else _NoChain()) as b_side:
+        for region in regions:
+            replay = _replay_region(t_side, b_side, region)
+            if replay is not None:
+                found[region.region_id] = replay
+    return found
+
+
+def _replay_region(t_side: _Chain, b_side: _Chain | _NoChain, region: Any) -> RegionReplay | None:
+    outputs = [(T, B) for T, B in region.outputs]
+    if not outputs or not region.target_ops:
+        return None
+    given = {T: t_side.value(T) for T, _ in region.inputs if T is not None}
+    recorded = {T: t_side.value(T) for T, _ in outputs}
+    if any(v is None for v in recorded.values()):
+        return None
+    golden_t = honest_t = golden_b = honest_b = None
+    if all(v is not None for v in given.values()):
+        golden_t = t_side.run(region.target_ops, given, [T for T, _ in outputs], golden=True)
+        honest_t = t_side.run(region.target_ops, given, [T for T, _ in outputs], golden=False) if golden_t else None
+    if region.bench_ops and isinstance(b_side, _Chain):
+        fed = {B: given[T] for T, B in region.inputs if T is not None and B is not None and given.get(T) is not None}
+        for T, B in region.inputs:
+            if B is not None and B not in fed:
+                value = b_side.value(B)  # a value only the bench reads here (a mask buffer)
+                if value is not None:
+                    fed[B] = value
+        if len(fed) == len({B for _, B in region.inputs if B is not None}):
+            # The bench's own dtypes: the target's values (bf16, say) cast to what the bench read.
+            fed_cast = {B: v.to(b_side.dtype(B)) if b_side.dtype(B) and v.is_floating_point() else v for B, v in fed.items()}
+            golden_b = b_side.run(region.bench_ops, fed_cast, [B for _, B in outputs], golden=True)
+            if golden_b is not None and golden_t is None:
+                honest_b = b_side.run(region.bench_ops, fed_cast, [B for _, B in outputs], golden=False)
+    if golden_t is not None and honest_t is not None:
+        reference, honest, source = golden_t, honest_t, "target"
+        keys = {T: T for T, _ in outputs}
+    elif golden_b is not None and honest_b is not None:
+        reference, honest, source = golden_b, honest_b, "bench"
+        keys = {T: B for T, B in outputs}
+    else:
+        return None
+    worst: RegionReplay | None = None
+    for T, _ in outputs:
+        ref, hon, rec = reference.get(keys[T]), honest.get(keys[T]), recorded[T]
+        if ref is None or hon is None or not rec.is_floating_point() or rec.numel() != ref.numel():
+            continue
+        ref, hon = ref.reshape(rec.shape), hon.reshape(rec.shape).to(rec.dtype)
+        scale = _Scale.of(ref)
+        error, honest_error = _errors_on(rec, hon, scale)
+        if worst is None or _excess(error, honest_error) > _excess(worst.error, worst.honest):
+            worst = RegionReplay(error, honest_error, str(rec.dtype).removeprefix("torch."), T, source)
+    if worst is None:
+        return None
+    differ = math.nan
+    if golden_t is not None and golden_b is not None and _same_inputs(t_side, b_side, region):
+        gaps = []
+        for T, B in outputs:
+            a, b = golden_t.get(T), golden_b.get(B)
+            if a is not None and b is not None and a.numel() == b.numel() and a.is_floating_point():
+                gaps.append(_Scale.of(a).error(b.reshape(a.shape)))
+        differ = max(gaps) if gaps else math.nan
+    return RegionReplay(worst.error, worst.honest, worst.dtype, worst.output, worst.reference, differ)
+
+
+def _same_inputs(t_side: _Chain, b_side: _Chain, region: Any) -> bool:
+    """Both sides' ops read the same floating values from outside the region. A fused attention
+    backward reads the forward's output and log-sum-exp where the eager chain reads the saved
+    probabilities: both are rounded intermediates, and their float64 replays differ by that
+    rounding whatever the functions."""
+    def read(chain: _Chain, ops: Iterable[int]) -> set[int]:
+        made = {t for o in ops for t in chain.ops[o].outputs}
+        return {t for o in ops for t in chain.ops[o].inputs
+                if t not in made and _is_float(chain.info.get(t, (0, 0, "", -1, ""))[2])}
+
+    partner = {T: B for T, B in region.inputs if T is not None and B is not None}
+    t_read, b_read = read(t_side, region.target_ops), read(b_side, region.bench_ops)
+    return all(T in partner for T in t_read) and {partner[T] for T in t_read} == b_read
+
+
+class _Chain:
+    """One trace's ops, re-run in order on given values (a region's side), through a :class:`Replayer`
+    (its bounded cache of recorded values and its way of running an op)."""
+
+    def __init__(self, rank: Any) -> None:
+        self.replayer = Replayer(rank)
+        self.ops, self.info = self.replayer.ops, self.replayer.info
+
+    def __enter__(self) -> _Chain:
+        self.replayer.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.replayer.__exit__(*exc)
+
+    def value(self, tid: int) -> torch.Tensor | None:
+        """A recorded value (None when the trace did not save it)."""
+        return self.replayer.value(tid)
+
+    def dtype(self, tid: int) -> torch.dtype | None:
+        name = self.info.get(tid, (0, 0, "", -1, ""))[2]
+        value = getattr(torch, name, None) if name else None
+        return value if isinstance(value, torch.dtype) else None
+
+    def run(self, op_ids: Iterable[int], given: Mapping[int, torch.Tensor], wanted: list[int], *, golden: bool) -> dict[int, torch.Tensor] | None:
+        """The values of ``wanted`` after running ``op_ids`` in order on ``given`` (in float64 with
+        ``golden``, else in the recorded dtypes); None when an op cannot run (it draws random
+        numbers, takes an opaque argument, or the CPU has no kernel for it)."""
+        store: dict[int, torch.Tensor] = dict(given)
+        for op_id in sorted(op_ids):
+            op = self.ops.get(op_id)
+            if op is None:
+                return None
+            if op.kind == "source":
+                for t in op.outputs:
+                    if t not in store:
+                        value = self.value(t)
+                        if value is None:
+                            return None
+                        store[t] = value
+                continue
+            if op.draws():
+                return None
+            inputs = []
+            for t in op.inputs:
+                value = store.get(t)
+                if value is None:
+                    value = self.value(t)  # read from outside the region as recorded
+                if value is None:
+                    return None
+                inputs.append(value)
+            produced = self.replayer.run(op_id, inputs, golden=golden)
+            if produced is None:
+                return None
+            store.update(zip(op.outputs, produced))
+        out = {t: store[t] for t in wanted if t in store}
+        return out if len(out) == len(wanted) else None
+
+
+class _NoChain:
+    """Stands in for the bench's side when there is no bench trace to read."""
+
+    def __enter__(self) -> _NoChain:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -186,7 +186,8 @@ def _check_rank(
     fallback: list[int] = []
     if data != "statistics" and has_tensors:
         bar.stage(f"rank {rank.rank}: replaying")
-        found = replay_ops(rank, op_ids, reduced=reduced, detail=std.element_ulps, workers=count, progress=bar.advance)
+        found = replay_ops(rank, op_ids, reduced=reduced, detail=std.element_ulps, workers=count, progress=bar.advance,
+                           small_on_one_thread=True)
         own = {o: f for o, f in found.items() if isinstance(f, OwnError)}
         fits = model_fits(own, names) if reduced else {}
         for op_id in op_ids:
