@@ -62,8 +62,8 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Embedding, ``layers`` pre-norm blocks, final norm, head, cross-entropy loss.
 
-    ``graph_break=True`` breaks Dynamo's graph after the first block and runs ``between`` (eager,
-    outside any compiled region) on the activations there.
+    ``graph_break=True`` breaks Dynamo's graph after the first block and runs ``between`` there
+    on the activations, eagerly (``torch.compiler.disable``): outside any compiled region.
     """
 
     def __init__(self, layers: int = 2, dim: int = 32, heads: int = 4, graph_break: bool = False,
@@ -74,13 +74,15 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB)
         self.graph_break = graph_break
-        self.between = between
+        self.between = torch.compiler.disable(between) if between is not None else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.blocks[0](self.emb(idx))
         if self.graph_break:  # outside any loop: Dynamo resumes after it in a second graph
-            torch._dynamo.graph_break()
-            x = self.between(x) if self.between is not None else x
+            if self.between is not None:
+                x = self.between(x)
+            else:
+                torch._dynamo.graph_break()
         for block in self.blocks[1:]:
             x = block(x)
         logits = self.head(self.ln(x))
@@ -95,11 +97,13 @@ def tiny_batch(seed: int = 0, batch: int = 2, length: int = 8) -> tuple[torch.Te
 class CountingBackend:
     """A ``torch.compile`` backend that hands every graph to ``inner`` and counts compiles and runs.
 
-    ``runs`` counts calls of compiled code: a step that ran eagerly leaves it unchanged.
+    ``runs`` counts calls of compiled code: a step that ran eagerly leaves it unchanged. It is
+    named after the backend it hands graphs to (``__name__``, what torch and tracecmp read).
     """
 
     def __init__(self, inner: str) -> None:
         self.inner = inner
+        self.__name__ = inner
         self.compiles = 0
         self.runs = 0
 

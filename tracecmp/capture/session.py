@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from tracecmp.capture.compiled import HiddenHooks
+from tracecmp.capture.compiled import HiddenHooks, RegionCapture
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope, is_compiling
@@ -26,6 +26,7 @@ from tracecmp.trace.writer import BackgroundWriter, RankWriter, write_run_manife
 DATA_MODES = ("stats", "tensors")
 RNG_MODES = ("device", "host")
 OVERFLOW_MODES = (None, "record", "raise")
+COMPILED_MODES = ("boundary", "graph")
 _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
 # A step boundary hands the buffer over once it holds this much, whatever flush_secs says: chunks
 # stay a few MB and the memory held for the writer stays bounded.
@@ -119,6 +120,7 @@ class TraceCompare:
         overflow: str | None = None,
         sync: bool = False,
         flush_secs: float = 1.0,
+        compiled: str = "boundary",
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -128,6 +130,8 @@ class TraceCompare:
             raise CaptureError(f"dropout must be None (leave dropout alone) or 0.0 (turn it off), not {dropout!r}")
         if overflow not in OVERFLOW_MODES:
             raise CaptureError(f"overflow must be one of {OVERFLOW_MODES}, not {overflow!r}")
+        if compiled not in COMPILED_MODES:
+            raise CaptureError(f"compiled must be one of {COMPILED_MODES}, not {compiled!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         selected: frozenset[int] | None = None
@@ -149,6 +153,7 @@ class TraceCompare:
         self.rng = rng
         self.dropout = None if dropout is None else 0.0
         self.overflow = overflow
+        self.compiled = compiled
         self._steps = selected
         self._max_ops = max_ops
         self._max_bytes = max_bytes
@@ -166,6 +171,7 @@ class TraceCompare:
         self._unrecorded: Rewrites | None = None  # rng/dropout rewrites in steps that are not recorded
         self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
         self._hidden = HiddenHooks(self._hook_handles)  # out of Dynamo's sight while it compiles
+        self._regions: RegionCapture | None = None  # torch.compile'd regions (capture/compiled.py)
 
     @property
     def current_step(self) -> int:
@@ -192,6 +198,7 @@ class TraceCompare:
             "rng": self.rng,
             "dropout": self.dropout,
             "overflow": self.overflow,
+            "compiled": self.compiled,
         }
         run_info = {
             "world_size": world_size,
@@ -224,11 +231,13 @@ class TraceCompare:
             watch=OverflowWatch() if self.overflow else None,
             on_overflow=self._raise_overflow if self.overflow == "raise" else None,
         )
+        self._regions = RegionCapture(self._mode, self._scope, locator, self.compiled)
         TraceCompare._active = self
         self._step = 0
         self._handed = time.monotonic()
         try:
             self._hidden.install()
+            self._regions.install()
             if self.dropout is not None:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
@@ -236,6 +245,7 @@ class TraceCompare:
         except BaseException:
             self._leave_dropout_off()
             self._hidden.remove()
+            self._regions.remove()
             TraceCompare._active = None
             raise
         return self
@@ -247,6 +257,9 @@ class TraceCompare:
                 self._stop()
                 self._leave_dropout_off()
                 self._flush()
+                assert self._regions is not None
+                if self._regions.notes:
+                    self._writer.writer.update_info(compiled_notes=self._regions.notes)
             finally:
                 # Waits for the writer thread; incomplete when the body raised or a chunk was lost.
                 self._writer.close(complete=exc_type is None and not self._overflowed)
@@ -256,8 +269,10 @@ class TraceCompare:
             exc.add_note(f"tracecmp: {err}")  # the body's own exception is the one to see
         finally:
             self._hidden.remove()
+            if self._regions is not None:
+                self._regions.remove()
             TraceCompare._active = None
-            self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
+            self._mode = self._scope = self._regions = None  # drop the weak records: dying tensors stop calling back
 
     def step(self) -> None:
         """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step."""
@@ -334,6 +349,8 @@ class TraceCompare:
         self._mode.begin(self._step)
         self._mode.__enter__()
         self._recording = True
+        if self._regions is not None:
+            self._regions.recording = True
 
     def _stop(self) -> None:
         if self._unrecorded is not None:
@@ -343,6 +360,8 @@ class TraceCompare:
             return
         assert self._mode is not None and self._scope is not None
         self._recording = False
+        if self._regions is not None:
+            self._regions.recording = False
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
@@ -373,10 +392,11 @@ class TraceCompare:
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
             print(f"tracecmp: writing {len(mode.rows):,} ops up to step {self._step} ...", file=sys.stderr, flush=True)
         rows, tensor_rows, saved = mode.take()
+        compiled = self._regions.take() if self._regions is not None else None
         manifest = writer.writer.manifest
         if self.model is None and manifest["device"] == "cpu":
             manifest["device"] = mode.accelerator() or "cpu"
-        mode.chunk = writer.submit(rows, tensor_rows, saved or None) + 1
+        mode.chunk = writer.submit(rows, tensor_rows, saved or None, compiled) + 1
         watch = mode.watch
         found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
         if self.sync_steps or found:

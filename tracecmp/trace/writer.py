@@ -181,7 +181,7 @@ class RankWriter:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TracecmpError(f"cannot create the trace folder: {exc.strerror}", path=self.dir) from exc
-        for pattern in ("chunk-*", "ops-*", "tensors-*", "data-*"):
+        for pattern in ("chunk-*", "ops-*", "tensors-*", "data-*", "compiled-*"):
             for stale in self.dir.glob(pattern):
                 stale.unlink()
         self.manifest: dict[str, Any] = {
@@ -210,17 +210,23 @@ class RankWriter:
         tensors: Mapping[str, Sequence[Any]],
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] = (),
+        compiled: Mapping[str, Any] | None = None,
     ) -> None:
-        """Commit one chunk given as column lists for ops and tensors, and optionally whole tensors."""
+        """Commit one chunk given as column lists for ops and tensors, and optionally whole tensors
+        and the record of compiled regions."""
         ops_table = pa.Table.from_pydict({k: ops[k] for k in OPS_SCHEMA.names}, schema=OPS_SCHEMA)
         tensors_table = pa.Table.from_pydict({k: tensors[k] for k in TENSORS_SCHEMA.names}, schema=TENSORS_SCHEMA)
-        self.write_tables(ops_table, tensors_table, data, steps)
+        self.write_tables(ops_table, tensors_table, data, steps, compiled=compiled)
 
     def write_rows(
-        self, op_rows: Columns, tensor_rows: Columns, data: Mapping[str, torch.Tensor] | None = None
+        self,
+        op_rows: Columns,
+        tensor_rows: Columns,
+        data: Mapping[str, torch.Tensor] | None = None,
+        compiled: Mapping[str, Any] | None = None,
     ) -> None:
         """Commit one chunk given as capture's row buffers (``OPS_SCHEMA`` and ``TENSORS_SCHEMA``)."""
-        self.write_tables(op_rows.table(), tensor_rows.table(), data)
+        self.write_tables(op_rows.table(), tensor_rows.table(), data, compiled=compiled)
 
     def write_tables(
         self,
@@ -228,8 +234,12 @@ class RankWriter:
         tensors: pa.Table,
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] | None = None,
+        compiled: Mapping[str, Any] | None = None,
     ) -> None:
         """Commit one chunk: its two tables (``steps``: those its ops belong to, read from them when None).
+
+        ``compiled`` is the chunk's record of compiled regions (:mod:`tracecmp.trace.compiled`),
+        written as ``compiled-<K>.json`` when given.
 
         The chunk's record ``chunk-<K>.json`` (its files' sizes and CRC-32s, row counts, steps) is
         renamed into place last: it is the commit. Each chunk costs the same whatever came before,
@@ -254,6 +264,9 @@ class RankWriter:
 
                 parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()})]
             entry["data"] = self._commit(f"data-{index:05d}.safetensors", parts)
+        if compiled:
+            text = json.dumps(compiled, separators=(",", ":"), allow_nan=False).encode()
+            entry["compiled"] = self._commit(f"compiled-{index:05d}.json", [text])
         write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
         if self.fsync:
             _fsync_dir(self.dir)
@@ -298,13 +311,19 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._reported = False
 
-    def submit(self, op_rows: Columns, tensor_rows: Columns, data: Mapping[str, torch.Tensor] | None = None) -> int:
+    def submit(
+        self,
+        op_rows: Columns,
+        tensor_rows: Columns,
+        data: Mapping[str, torch.Tensor] | None = None,
+        compiled: Mapping[str, Any] | None = None,
+    ) -> int:
         """Hand over one chunk (rows the caller no longer touches); returns its index."""
         self._raise_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tracecmp-writer", daemon=True)
             self._thread.start()
-        self._queue.put((op_rows, tensor_rows, data))
+        self._queue.put((op_rows, tensor_rows, data, compiled))
         index = self.submitted
         self.submitted = index + 1
         return index
