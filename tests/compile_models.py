@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 64
+# Faults the tests switch on without recompiling anything: read at run time by code that
+# torch.compile runs as it is (an eager function between graphs, a custom op's kernel).
+FAULTS = {"between": 2.0, "gelu": 1.0}
 
 
 class Attention(nn.Module):
@@ -64,13 +67,16 @@ class TinyGPT(nn.Module):
 
     ``graph_break=True`` breaks Dynamo's graph after the first block and runs ``between`` there
     on the activations, eagerly (``torch.compiler.disable``): outside any compiled region.
+    ``custom_gelu=True`` computes the last block's GELU with :func:`custom_gelu`.
     """
 
     def __init__(self, layers: int = 2, dim: int = 32, heads: int = 4, graph_break: bool = False,
-                 between: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 between: Callable[[torch.Tensor], torch.Tensor] | None = None, custom_gelu: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        if custom_gelu:  # the last block's GELU as a custom op inductor calls as it is
+            self.blocks[-1].mlp.act = CustomGELU()
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB)
         self.graph_break = graph_break
@@ -116,3 +122,39 @@ class CountingBackend:
             return compiled(*args)
 
         return run
+
+
+def between_blocks(x: torch.Tensor) -> torch.Tensor:
+    """What TinyGPT runs between its graphs: ``tanh(x) * FAULTS["between"]`` (2.0 when correct)."""
+    return torch.tanh(x) * FAULTS["between"]
+
+
+@torch.library.custom_op("tracecmp_tests::gelu", mutates_args=())
+def custom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU as a custom op: a kernel inductor calls as it is. ``FAULTS["gelu"]`` scales its output
+    (1.0 when correct): a wrong kernel inside a compiled region."""
+    return F.gelu(x) * FAULTS["gelu"]
+
+
+@custom_gelu.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _custom_gelu_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _custom_gelu_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return torch.ops.aten.gelu_backward(grad, x)
+
+
+custom_gelu.register_autograd(_custom_gelu_backward, setup_context=_custom_gelu_setup)
+
+
+class CustomGELU(nn.Module):
+    """``nn.GELU`` computed by :func:`custom_gelu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return custom_gelu(x)

@@ -13,13 +13,8 @@ import pytest
 import torch
 
 import tracecmp
-from tests.compile_models import CountingBackend, TinyGPT, tiny_batch
+from tests.compile_models import FAULTS, CountingBackend, TinyGPT, between_blocks, tiny_batch
 from tracecmp.trace.compiled import GRAPH_LABEL
-
-
-def _between(x: torch.Tensor) -> torch.Tensor:
-    """Eager code between the two compiled graphs."""
-    return torch.tanh(x) * 2.0
 
 
 class Compiled:
@@ -27,7 +22,7 @@ class Compiled:
 
     def __init__(self, backend: str, tmp: Path) -> None:
         torch.manual_seed(11)
-        self.model = TinyGPT(layers=2, graph_break=True, between=_between)
+        self.model = TinyGPT(layers=2, graph_break=True, between=between_blocks, custom_gelu=True)
         self.backend = CountingBackend(backend)
         self.compiled = torch.compile(self.model, backend=self.backend)
         self.batch = tiny_batch()
@@ -41,9 +36,14 @@ class Compiled:
         self.model.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def trace(self, path: Path, **options: Any) -> tracecmp.Trace:
+    def trace(self, path: Path, *, eager: bool = False, **options: Any) -> tracecmp.Trace:
+        """One step traced: compiled, or ``eager`` (the bench: the same model, not compiled)."""
         with tracecmp.TraceCompare(path, model=self.model, **options) as tc:
-            self.step()
+            if eager:
+                self.model(*self.batch).backward()
+                self.model.zero_grad(set_to_none=True)
+            else:
+                self.step()
             tc.step()
         return tracecmp.load(path)
 
@@ -123,7 +123,7 @@ def test_eager_code_between_graph_breaks_is_captured(compiled: Compiled, tmp_pat
     eager = ops[~ops["op_id"].isin(covered) & (ops["phase"] == "forward") & (ops["kind"] == "op")]
     assert {"aten.tanh.default", "aten.mul.Tensor"} <= set(eager["op"])
     tanh = eager[eager["op"] == "aten.tanh.default"].iloc[0]
-    assert tanh["location"].startswith("test_compile_regions.py:")
+    assert tanh["location"].startswith("compile_models.py:")
     # Its input is the first region's output, its output the second region's input.
     first, second = sorted((c for c in rank.compiled.calls if c.part == "forward"), key=lambda c: c.first_op)
     assert set(first.outputs) & set(tanh["inputs"])
@@ -154,3 +154,84 @@ def _loss_and_grads(compiled: Compiled) -> dict[str, torch.Tensor]:
     out["loss"] = loss.detach()
     compiled.model.zero_grad(set_to_none=True)
     return out
+
+
+# -- compiled target against an eager bench, and against a compiled one ---------------------------
+
+
+@pytest.fixture(scope="module")
+def benches(compiled: Compiled, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tracecmp.Trace]:
+    root = tmp_path_factory.mktemp("bench")
+    return {data: compiled.trace(root / data, eager=True, data=data) for data in ("stats", "tensors")}
+
+
+@pytest.mark.parametrize("mode,data", [("boundary", "stats"), ("boundary", "tensors"), ("graph", "stats")])
+def test_compiled_against_eager_on_a_clean_model_has_no_root(compiled: Compiled, benches: dict[str, tracecmp.Trace],
+                                                             tmp_path: Path, mode: str, data: str) -> None:
+    target = compiled.trace(tmp_path / "t", compiled=mode, data=data)
+    result = tracecmp.compare(target, benches[data])
+    assert result.first_divergence is None, result.first_divergence
+    nodes = result.nodes
+    regions = nodes[nodes["op"].isin(["compiled.forward", "compiled.backward"])]
+    assert len(regions) == (4 if mode == "boundary" else 0)
+    # The regions were compared, not skipped: their outputs have bench partners.
+    if mode == "boundary":
+        measured = result.tensors[result.tensors["op_id"].isin(regions["op_id"])]
+        assert set(measured["op_id"]) == set(regions["op_id"])
+        assert (regions["status"] != "diverged").all()
+    assert any("eager kernels" in w for w in result.warnings) == (mode == "graph")
+
+
+def test_a_fault_in_eager_code_between_graphs_is_found(compiled: Compiled, benches: dict[str, tracecmp.Trace],
+                                                       tmp_path: Path) -> None:
+    FAULTS["between"] = 2.002
+    try:
+        target = compiled.trace(tmp_path / "t", compiled="boundary")
+    finally:
+        FAULTS["between"] = 2.0
+    first = tracecmp.compare(target, benches["stats"]).first_divergence
+    assert first is not None
+    assert (first.op, first.module, first.phase, first.step) == ("aten.mul.Tensor", "", "forward", 0)
+
+
+def _faulty_gelu_trace(model: Compiled, path: Path, **options: Any) -> tracecmp.Trace:
+    FAULTS["gelu"] = 1.002
+    try:
+        return model.trace(path, **options)
+    finally:
+        FAULTS["gelu"] = 1.0
+
+
+def test_a_fault_inside_a_region_is_found_at_the_region(compiled: Compiled, benches: dict[str, tracecmp.Trace],
+                                                        tmp_path: Path) -> None:
+    target = _faulty_gelu_trace(compiled, tmp_path / "t", compiled="boundary")
+    first = tracecmp.compare(target, benches["stats"]).first_divergence
+    assert first is not None and first.op in ("compiled.forward", "compiled.backward") and first.step == 0
+    record = target.rank(0).compiled
+    faulty = record.graphs[target.rank(0).ops.set_index("op_id").loc[first.op_id, "name"]]
+    assert any(n.op == "tracecmp_tests.gelu.default" for n in faulty.parts["forward"].nodes)
+
+
+def test_a_fault_inside_a_region_is_narrowed_to_its_node(compiled: Compiled, benches: dict[str, tracecmp.Trace],
+                                                         tmp_path: Path) -> None:
+    # Boundary mode with tensors: the region's graph is replayed and the kernel named.
+    target = _faulty_gelu_trace(compiled, tmp_path / "b", compiled="boundary", data="tensors")
+    first = tracecmp.compare(target, benches["tensors"]).first_divergence
+    assert first is not None and first.op.startswith("compiled.")
+    assert "narrowed to FX node gelu" in first.reason and "tracecmp_tests.gelu.default" in first.reason
+    assert "blocks.1.mlp.act" in first.reason
+    # Graph mode: every node is an op of the trace, and localization names it.
+    target = _faulty_gelu_trace(compiled, tmp_path / "g", compiled="graph")
+    first = tracecmp.compare(target, benches["stats"]).first_divergence
+    assert first is not None
+    assert (first.op, first.module, first.phase, first.step) == ("tracecmp_tests.gelu.default", "blocks.1.mlp.act",
+                                                                 "forward", 0)
+
+
+def test_compiled_against_compiled(compiled: Compiled, tmp_path: Path) -> None:
+    bench = compiled.trace(tmp_path / "bench", compiled="boundary")
+    clean = compiled.trace(tmp_path / "clean", compiled="boundary")
+    assert tracecmp.compare(clean, bench).first_divergence is None
+    faulty = _faulty_gelu_trace(compiled, tmp_path / "faulty", compiled="boundary")
+    first = tracecmp.compare(faulty, bench).first_divergence
+    assert first is not None and first.op.startswith("compiled.")

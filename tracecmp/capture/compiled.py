@@ -215,6 +215,7 @@ class _RawNode:
     original: str
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
+    made_by_pass: bool = False  # no trace of user code (a compiler pass made it): its module is inferred
 
 
 @dataclass
@@ -377,6 +378,7 @@ def _raw_node(node: Any) -> _RawNode:
         location=location, seq_nr=seq if isinstance(seq, int) else -1,
         original=op_info(original).name if isinstance(original, torch._ops.OpOverload) else "",
         shapes=shapes, dtypes=dtypes,
+        made_by_pass=node.op == "call_function" and not stack and "stack_trace" not in meta and "seq_nr" not in meta,
     )
 
 
@@ -439,24 +441,23 @@ def _backend_name(fn: Any) -> str:
 
 
 def _input_names(sources: tuple[str, ...], code: Any, frame_self: Any) -> tuple[str | None, ...]:
-    """``input.<i>`` (or the keyword) of the graph inputs that are the compiled forward's arguments."""
+    """``input.<i>`` of the graph inputs that are the compiled module's ``forward`` arguments, by
+    their position in its signature (Dynamo's resume functions keep the argument names)."""
+    import inspect
+
     if code is None or not isinstance(frame_self, torch.nn.Module):
         return (None,) * len(sources)
-    params = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
-    positional = params[1 : code.co_argcount]  # after self
+    try:
+        parameters = list(inspect.signature(type(frame_self).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return (None,) * len(sources)
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keyword = {p.name for p in parameters if p.kind == p.KEYWORD_ONLY}
     names: list[str | None] = []
     for source in sources:
         hit = _ROOT.match(source)
-        rest = source[hit.end():] if hit else ""
-        local = hit.group(1) if hit and source.startswith("L") else None
-        name: str | None = None
-        if local is not None and not rest:
-            name = f"input.{positional.index(local)}" if local in positional else local
-        elif local in ("args", "kwargs") and rest:
-            step = _STEP.match(rest)
-            key = next((g for g in step.groups() if g), "") if step and step.end() == len(rest) else ""
-            name = (f"input.{key}" if local == "args" else key) if key else None
-        names.append(name)
+        local = hit.group(1) if hit and source.startswith("L") and hit.end() == len(source) else None
+        names.append(f"input.{positional.index(local)}" if local in positional else local if local in keyword else None)
     return tuple(names)
 
 
@@ -657,18 +658,19 @@ class RegionCapture:
         else:
             out = region.compiled(*args)
         seq1 = _get_sequence_nr()
-        outs = _unique([t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+        leaves = torch.utils._pytree.tree_leaves(out)
+        outs = _unique([t for t in leaves if isinstance(t, torch.Tensor)])
         if how == "boundary":
             written_at = graph.parts[part].mutated if part in graph.parts else ()
             written = _unique([args[i] for i in written_at if i < len(args) and isinstance(args[i], torch.Tensor)])
             fresh = [t for t in outs if not _among(t, tensors)]
             op_id, ids = mode.append_node(BOUNDARY_OPS[part], graph.id, phase, module, location, in_ids, fresh, written)
-            made = dict(zip(map(id, fresh), ids[len(written):]))
-            out_ids = [made.get(id(t), -1) if not _among(t, tensors) else in_ids[_index(t, tensors)] for t in outs]
+            known = {**{id(t): i for t, i in zip(tensors, in_ids)}, **dict(zip(map(id, fresh), ids[len(written):]))}
             self._tag(call, len(mode.rows) - 1)
         else:
-            op_id = -1
-            out_ids = [_or(mode.current_id(t), -1) for t in outs]
+            op_id, known = -1, {id(t): _or(mode.current_id(t), -1) for t in outs}
+        # One id per returned value, in order (-1: not a tensor), as the graph's outputs are.
+        out_ids = [known.get(id(v), -1) if isinstance(v, torch.Tensor) else -1 for v in leaves]
         self._calls.append(call.record(mode.step, op_id, mode._next_op - 1, out_ids))
         node = _aot_node(outs, seq0, seq1)
         if node is not None:
@@ -729,11 +731,14 @@ class RegionCapture:
             mode = self.mode
             outs = _unique([g for g in grad_inputs if isinstance(g, torch.Tensor)])
             if call.how == "boundary":
-                op_id, out_ids = mode.append_node(BOUNDARY_OPS["backward"], graph.id, "backward", module, call.location,
-                                                  call.inputs, outs)
+                op_id, ids = mode.append_node(BOUNDARY_OPS["backward"], graph.id, "backward", module, call.location,
+                                              call.inputs, outs)
+                known = dict(zip(map(id, outs), ids))
                 self._tag(call, len(mode.rows) - 1)
             else:
-                op_id, out_ids = -1, [_or(mode.current_id(t), -1) for t in outs]
+                op_id, known = -1, {id(t): _or(mode.current_id(t), -1) for t in outs}
+            # One id per gradient the backward returned, None ones as -1: the graph's outputs.
+            out_ids = [known.get(id(g), -1) if isinstance(g, torch.Tensor) else -1 for g in grad_inputs]
             self._calls.append(call.record(mode.step, op_id, mode._next_op - 1, out_ids))
 
         node.register_prehook(begins)
@@ -810,15 +815,16 @@ class RegionCapture:
 
 def _fill_modules(raw: list[_RawNode], nodes: list[GraphNode]) -> tuple[GraphNode, ...]:
     """Nodes a compiler pass made (inductor's pattern replacements) carry no module stack: they
-    take the deepest module shared by the nearest nodes around them that have one."""
-    known = {r.name for r in raw if r.module_key is not None or r.module_name}
+    take the deepest module shared by the nearest nodes around them that have one. (A node of
+    user code outside any module has none either, and keeps the frame's.)"""
+    known = {r.name for r in raw if not r.made_by_pass}
     by_name = {n.name: n for n in nodes}
     users: dict[str, list[str]] = {}
     for n in nodes:
         for i in n.inputs:
             users.setdefault(i, []).append(n.name)
     out = []
-    for r, n in zip(raw, nodes):
+    for n in nodes:
         if n.name in known or n.op in ("placeholder", "output"):
             out.append(n)
             continue
@@ -861,10 +867,6 @@ def _aot_node(outs: list[Any], first: int, end: int) -> Any:
 
 def _among(t: Any, tensors: list[Any]) -> bool:
     return any(t is other for other in tensors)
-
-
-def _index(t: Any, tensors: list[Any]) -> int:
-    return next(i for i, other in enumerate(tensors) if t is other)
 
 
 def _unique(tensors: list[Any]) -> list[Any]:

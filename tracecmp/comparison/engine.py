@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from tracecmp.comparison.align import align_nodes
+from tracecmp.comparison.compiled import GRAPH_MODE_NOTE, Pairing, compiled_units, judge_units, pair_units
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.replay import OwnError, replay_rank
@@ -217,11 +218,26 @@ def _prepare_rank(
     t_ops, b_ops = t_ops.reset_index(drop=True), b_ops.reset_index(drop=True)
     t_ten, b_ten = t_rank.tensors, b_rank.tensors
     bar.update(f"rank {rank}: aligning")
-    pairs = align_nodes(t_ops, t_ten, b_ops, b_ten)
+    # Compiled regions replace eager ops as a whole: their insides are left out of the alignment.
+    units = compiled_units(t_rank, steps)
+    pairs = align_nodes(t_ops[~t_ops["op_id"].isin(units.members)] if units else t_ops, t_ten, b_ops, b_ten)
+    t_base, b_base = view_bases(t_ten), view_bases(b_ten)
+    pairing = Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base) if units else None
+    if pairing is not None:
+        pairs.update(pairing.pair_ops(units))  # graph-mode nodes that are eager ops, by the graph's metadata
     bar.update(f"rank {rank}: measuring", len(t_ops))
 
-    t_base, b_base = view_bases(t_ten), view_bases(b_ten)
     partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, t_ten, b_ten)
+    if pairing is not None:
+        # Values inside a unit have no eager counterpart; its outputs pair by the graph's metadata,
+        # or, where that finds nothing, through their consumers as any value does.
+        leaving = {t for unit in units.units for t, _ in unit.outputs}
+        inside = {t for op_id, outs in zip(t_lists[0], t_lists[2])
+                  if op_id in units.members and op_id not in pairs for t in outs} - leaving
+        partner = {t: b for t, b in partner.items() if t not in inside}
+        partner.update(pair_units(pairing, units))
+    if units.graph_mode:
+        warnings.append(f"rank {rank}: {GRAPH_MODE_NOTE}")
     measured_frame = _measure(t_rank, b_rank, partner, tol)
     bar.update(f"rank {rank}: measured", len(t_ops))
 
@@ -237,6 +253,13 @@ def _prepare_rank(
         bar.update(f"rank {rank}: replaying")
         own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), reduced=reduced,
                                  progress=lambda n: bar.update(f"rank {rank}: replaying"))
+    if units and pairing is not None:
+        if has_data and replay is not False:
+            judge_units(units, t_rank, b_rank, pairing, measured, own_errors, tol)
+        else:
+            warnings.append(f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
+                            f"may add {tol.region_units:g} rounding units; capture it with data=\"tensors\" to measure them")
+        warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
 
     b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
     b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))
@@ -255,7 +278,7 @@ def _prepare_rank(
         rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
         bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), bench_inputs=b_inputs,
         bench_producer=b_producer, bench_ops=bench_ops, partner=partner, first_step=min(steps), own_errors=own_errors,
-        reduced_precision=reduced,
+        reduced_precision=reduced, units=units.by_judged,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)

@@ -140,6 +140,9 @@ class RankInput:
     first_step: int = 0
     own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (replay.py)
     reduced_precision: str | None = None  # "tf32"/"bf16": float32 matmul/conv may run at it (replay.py)
+    # Ops judged for a compiled unit as a whole (comparison/compiled.py): op id -> its Unit, whose
+    # decide() replaces the rules below for them.
+    units: Mapping[int, Any] = field(default_factory=dict)
 
 
 def _norm_args(text: str) -> Any:
@@ -470,6 +473,11 @@ def _localize_rank(
                 state[tid] = TensorState(known=True, exact=True, uninit=True)
                 continue
             m = ri.measured.get(tid)
+            if m is None and op_id in ri.units:
+                # A compiled unit is a whole graph: what it made unmeasured is unknown, not exact.
+                is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
+                state[tid] = TensorState(known=False, exact=False, nonfinite=nonfinite, is_float=is_float)
+                continue
             if m is None:
                 is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
                 # No partner: carry the inputs' error through (an extra copy, a fused op's piece).
@@ -546,14 +554,16 @@ def _localize_rank(
                               best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa))
 
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
-    exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
+    # Compiled units round like whole graphs, not like single ops: they set neither regime nor calibration.
+    own_rules = [j if j is None or j.op_id not in ri.units else None for j in judged]
+    exact_input_nodes = [j for j in own_rules if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
     # Matmuls/convs allowed to run at TF32 have their own rule and do not decide the regime.
     differing = sum(1 for j in exact_input_nodes if not j.outputs_exact and not j.uses_tf32)
     bitwise = exact_mode or differing <= max(2, 0.01 * len(exact_input_nodes))
     # A matmul/conv that turned identical, non-zero inputs into identical outputs shows that this
     # target does not run them at reduced (TF32) precision.
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
-    ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
+    ambient = _ambient(own_rules, ri.nodes) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
 
     roots: list[tuple[tuple, Divergence]] = []
@@ -590,7 +600,7 @@ def _localize_rank(
     for node in ri.nodes:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
-        paired = op_id in ri.pairs
+        paired = op_id in ri.pairs or op_id in ri.units
         if kind == "view" and all(t in base for t in outputs):
             src = base.get(outputs[0], inputs[0] if inputs else -1) if outputs else -1
             verdict.status = producer_status.get(src, "uncompared") if paired else "unpaired"
@@ -680,6 +690,9 @@ def _decide(
             return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count"
     if j.outputs_exact:
         return "", "", "checksum"
+    unit = ri.units.get(op_id)
+    if unit is not None:
+        return unit.decide(node, j.e, ri, tol, lookup)
     bench_op = ri.pairs.get(op_id)
     if bench_op is not None and kind != "source":
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)
