@@ -387,6 +387,9 @@ class TraceCompare:
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
+        if mode.skipped != writer.writer.manifest["info"].get("capture_skipped", {}):
+            # What was not recorded, or recorded without statistics, and why (capture/tensorkinds.py).
+            writer.writer.update_info(capture_skipped=dict(mode.skipped))
         if not mode.rows and not mode.tensor_rows:
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
