@@ -305,7 +305,7 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
     """Run AOT autograd on the Dynamo graph with compilers that keep its parts (see above)."""
     import torch._functorch.config as functorch_config
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._functorch.partitioners import default_partition
     from torch._guards import TracingContext, detect_fake_mode, tracing
 
     decompositions: Any = None
@@ -556,6 +556,7 @@ class _Call:
     forward: int = -1
     node_ops: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
+    @functools.cached_property
     def nodes(self) -> dict[str, GraphNode]:
         part = self.graph.parts.get(self.part)
         return {n.name: n for n in part.nodes} if part is not None else {}
@@ -585,6 +586,8 @@ class RegionCapture:
         self._forward: _Call | None = None
         self._backward: list[_Call] = []
         self._cancel: Callable[[], None] | None = None
+        self._modules: dict[tuple[str, str], str] = {}  # (graph, part) -> the region's module
+        self._matches: dict[tuple[Any, ...], list[int | None]] = {}  # dispatched ops -> their nodes, per graph part
 
     # -- installation ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -690,7 +693,7 @@ class RegionCapture:
 
     def run_node(self, call: _Call, n: Any, run: Callable[[Any], Any]) -> Any:
         """Run one FX node of a graph-mode call, its ops filed under the node's module and line."""
-        node = call.nodes().get(n.name)
+        node = call.nodes.get(n.name)
         mode, scope = self.mode, self.scope
         first, rows, row0 = mode._next_op, mode.rows, len(mode.rows)
         scope.enter(node.module if node is not None and node.module else call.module)
@@ -770,14 +773,13 @@ class RegionCapture:
 
     def _region_module(self, graph: CompiledGraph, part: str) -> str:
         """The compiled frame's module, else the deepest module every node of the part lies in."""
-        if graph.module:
-            return graph.module
-        nodes = graph.parts[part].nodes if part in graph.parts else ()
-        paths = [n.module.split(".") for n in nodes if n.op not in ("placeholder", "output")]
-        if not paths:
-            return ""
-        common = os.path.commonprefix(paths)
-        return ".".join(common)
+        key = (graph.id, part)
+        if key not in self._modules:
+            nodes = graph.parts[part].nodes if part in graph.parts else ()
+            paths = [n.module.split(".") for n in nodes if n.op not in ("placeholder", "output")]
+            common = ".".join(os.path.commonprefix(paths)) if paths else ""
+            self._modules[key] = graph.module or common
+        return self._modules[key]
 
     def _name_inputs(self, raw: RawGraph, args: tuple[Any, ...]) -> None:
         inputs = self.scope.inputs
@@ -796,12 +798,17 @@ class RegionCapture:
         nodes = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem")] if part is not None else []
         recorded = [(index, row[0], row[3], row[4]) for index, row in zip(range(call.row0, end), rows.rows(call.row0))]
         candidates = [r for r in recorded if r[2] == "op" or (r[2] == "view" and r[3] != ALIAS_UPDATE_OP)]
-        matcher = difflib.SequenceMatcher(None, [_op_key(r[3]) for r in candidates], [_op_key(n.op) for n in nodes],
-                                          autojunk=False)
-        node_of: dict[int, GraphNode] = {}
-        for block in matcher.get_matching_blocks():
-            for k in range(block.size):
-                node_of[candidates[block.a + k][0]] = nodes[block.b + k]
+        keys = tuple(_op_key(r[3]) for r in candidates)
+        # Compiled code dispatches the same ops at every call: the matching is made once.
+        match = self._matches.get((call.graph.id, call.part, keys))
+        if match is None:
+            match = [None] * len(candidates)
+            matcher = difflib.SequenceMatcher(None, keys, [_op_key(n.op) for n in nodes], autojunk=False)
+            for block in matcher.get_matching_blocks():
+                for k in range(block.size):
+                    match[block.a + k] = block.b + k
+            self._matches[(call.graph.id, call.part, keys)] = match
+        node_of = {r[0]: nodes[m] for r, m in zip(candidates, match) if m is not None}
         matched: dict[str, list[int]] = {}
         for index, op_id, _, _ in recorded:
             node = node_of.get(index)

@@ -72,7 +72,15 @@ class TraceCompare:
       host synchronisation per op (statistics are otherwise gathered once per hand-over to the writer).
 
     ``rng`` and ``dropout`` hold for every step of the session, recorded or not, so that a
-    recorded step starts from the same history in both runs. The run manifest records the
+    recorded step starts from the same history in both runs.
+
+    ``torch.compile``: tracing never switches compilation off, and a session knows every graph
+    compiled while it is open as a region (:mod:`tracecmp.capture.compiled`). ``compiled``
+    says how a recorded step runs one: ``"boundary"`` as compiled (one ``compiled.forward`` /
+    ``compiled.backward`` node per call, plus what the compiled code dispatches inside; the
+    step computes what it does untraced), or ``"graph"``, its AOT forward and backward graphs
+    node by node with eager kernels, every node an op of the trace (inductor's graph structure
+    with eager kernels: ``aot_eager``'s numbers). The run manifest records the
     options, what the last :func:`tracecmp.seed_all` set, and the determinism switches in force.
 
     Records reach the disk in chunks, written by a background thread so that the training thread

@@ -50,8 +50,10 @@ _FP32 = EPS["float32"]
 GRAPH_MODE_NOTE = (f"the target ran its compiled regions as {GRAPH_LABEL} (compiled=\"graph\"): its numbers inside "
                    "them are eager kernels', not the compiled code's")
 _PROPAGATION = 4.0  # how many times an input's error a region may pass on (localize's rule for unknown ops)
-_VIEWS = ("aten.view.", "aten._unsafe_view.", "aten.permute.", "aten.t.", "aten.transpose.", "aten.reshape.",
-          "aten.expand.", "aten.squeeze.", "aten.unsqueeze.", "aten.alias.", "aten.clone.", "aten.contiguous.")
+# Ops that rearrange or copy a value without computing: a value they make stands for the eager op
+# that computed what they rearrange.
+_SAME_VALUES = ("aten.view.", "aten._unsafe_view.", "aten.permute.", "aten.t.", "aten.transpose.", "aten.reshape.",
+                "aten.expand.", "aten.squeeze.", "aten.unsqueeze.", "aten.alias.", "aten.clone.", "aten.contiguous.")
 
 
 @dataclass
@@ -286,6 +288,13 @@ class Pairing:
         self.t_stats = _stats(t_ten)
         self.b_outputs = dict(zip(b_ops["op_id"].tolist(), (list(o) for o in b_ops["outputs"].tolist())))
         self.b_op = dict(zip(b_ops["op_id"].tolist(), b_ops["op"].tolist()))
+        self.b_args = dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist()))
+        self.t_args = dict(zip(t_ops["op_id"].tolist(), t_ops["args"].tolist()))
+        self.b_inputs = dict(zip(b_ops["op_id"].tolist(), (list(i) for i in b_ops["inputs"].tolist())))
+        self.b_sources = set(b_ops.loc[b_ops["kind"] == "source", "op_id"].tolist())
+        self.b_kind = dict(zip(b_ops["op_id"].tolist(), b_ops["kind"].tolist()))
+        self.b_scope = dict(zip(b_ops["op_id"].tolist(), zip(b_ops["step"].tolist(), b_ops["phase"].tolist(),
+                                                              b_ops["module"].tolist())))
         self.bench = _bench_groups(b_ops)
         self.anchor = {(call.first_op, call.part): anchor for call, _, anchor in units.calls}
         self.ordinals = _ordinals(units, t_ops, self.step_of, self.phase_of)
@@ -302,7 +311,6 @@ class Pairing:
         node, same = self._stands_for(unit, by_name, name, shape)
         if node is None or not same:
             return None
-        op = node.original or node.op
         group = (node.module, node.original or node.op, node.seq_nr)
         # The unit's values that stand for this group's outputs of this shape.
         fellows: dict[str, int | None] = {}
@@ -331,6 +339,10 @@ class Pairing:
         if not found:
             node = _producer(by_name, name)
             found = self._group_outputs(unit, node, shape)
+            if not found:  # a reshape of what it computed: the same elements, as its statistics are
+                size = math.prod(shape)
+                found = [b for op in self._group(unit.call, node) for b in self.b_outputs.get(op, [])
+                         if math.prod(self.b_shape.get(b, (-1,))) == size]
         return node, found
 
     def _group_outputs(self, unit: Unit, node: GraphNode | None, shape: tuple[int, ...]) -> list[int]:
@@ -356,14 +368,55 @@ class Pairing:
         used: set[int] = set()
         for op_id, node, call in units.node_ops:
             shapes = [self.t_shape.get(t) for t in self.t_outputs.get(op_id, [])]
-            for bench_op in self._group(call, node):
-                if bench_op in used or self.b_op.get(bench_op) != node.op:
-                    continue
-                if [self.b_shape.get(b) for b in self.b_outputs.get(bench_op, [])] == shapes:
-                    pairs[op_id] = bench_op
-                    used.add(bench_op)
-                    break
+            fits = [b for b in self._group(call, node) if b not in used and self.b_op.get(b) == node.op
+                    and [self.b_shape.get(t) for t in self.b_outputs.get(b, [])] == shapes]
+            # Of several (a backward's muls of one shape), the one called with the same arguments.
+            same_args = [b for b in fits if self.b_args.get(b) == self.t_args.get(op_id)]
+            chosen = (same_args or fits or [None])[0]
+            if chosen is not None:
+                pairs[op_id] = chosen
+                used.add(chosen)
         return pairs
+
+    def covered_bench(self, units: CompiledUnits, b_base: Mapping[int, int], paired: set[int]) -> set[int]:
+        """Bench op ids the units stand for (every node of a region; a decomposition's nodes, see
+        below): none of them is left unpaired by a compiled target. ``paired``: bench ops the
+        alignment paired, which stay outside."""
+        covered: set[int] = set()
+        grouped = {(u.call.first_op, u.call.part, n) for u in units.units if u.kind == "decomposition"
+                   for n in _member_nodes(u)}
+        region_scopes: set[tuple[Any, ...]] = set()
+        for call, graph, anchor in units.calls:
+            part = graph.parts.get(call.part)
+            if part is None:
+                continue
+            for n in part.nodes:
+                if call.mode == "boundary" or (call.first_op, call.part, n.name) in grouped:
+                    covered.update(self._group(call, n))
+                if call.mode == "boundary" and n.op not in ("placeholder", "output"):
+                    region_scopes.add((self.step_of.get(anchor), self.phase_of.get(anchor), n.module))
+        # A region runs its modules whole: their unpaired eager ops are its (the matmuls a fused
+        # attention kernel replaced).
+        covered |= {op for op, scope in self.b_scope.items() if scope in region_scopes and op not in paired
+                    and op not in self.b_sources}
+        # Then the unpaired eager ops that read nothing but their values (the views a matmul makes,
+        # the autograd engine's sums of the gradients a region's ops return), and the views only
+        # they read (of the token ids, say).
+        consumers: dict[int, set[int]] = defaultdict(set)
+        for op, ins in self.b_inputs.items():
+            for t in ins:
+                consumers[t].add(op)
+        for _ in range(8):
+            made = {b_base.get(b, b) for op in covered for b in self.b_outputs.get(op, [])}
+            grown = {op for op, ins in self.b_inputs.items() if op not in covered and op not in paired
+                     and op not in self.b_sources and ins and all(b_base.get(t, t) in made for t in ins)}
+            grown |= {op for op, outs in self.b_outputs.items() if op not in covered and op not in paired
+                      and self.b_kind.get(op) == "view" and outs
+                      and all(consumers.get(t) and consumers[t] <= covered for t in outs)}
+            if not grown:
+                break
+            covered |= grown
+        return covered
 
     def _nearest(self, tensor: int | None, same: list[int], fellows: dict[str, int | None]) -> int | None:
         if tensor is None or not same or any(t is None for t in fellows.values()):
@@ -404,6 +457,26 @@ def pair_units(pairing: Pairing, units: CompiledUnits) -> dict[int, int]:
     return partner
 
 
+def _member_nodes(unit: Unit) -> set[str]:
+    """Names of the graph nodes whose ops a decomposition unit covers."""
+    return {name for name, ops in unit.call.nodes.items() if set(ops) & unit.members}
+
+
+def covered_by_units(ri: Any, verdicts: dict[tuple[int, int], Any]) -> None:
+    """The ops inside a unit that no rule judged on their own take the unit's status: they were
+    compared as part of it, not left unpaired."""
+    seen: set[int] = set()
+    for judged, unit in ri.units.items():
+        if id(unit) in seen:
+            continue
+        seen.add(id(unit))
+        status = verdicts[(ri.rank, unit.judged[0])].status
+        for member in unit.members:
+            verdict = verdicts.get((ri.rank, member))
+            if verdict is not None and member not in ri.pairs and member not in ri.units and verdict.status == "unpaired":
+                verdict.status = status
+
+
 def _stats(tensors: pd.DataFrame) -> dict[int, tuple[float, float, float, float]]:
     """``{tensor id: (min, max, mean, norm)}`` of the tensors that carry statistics."""
     return {t: (lo, hi, mean, norm) for t, lo, hi, mean, norm, has in zip(
@@ -422,7 +495,7 @@ def _producer(by_name: Mapping[str, GraphNode], name: str) -> GraphNode | None:
     """The node whose eager op made a value: through getitems and views to the computing node."""
     node = by_name.get(name)
     for _ in range(16):
-        if node is None or not (node.op == "getitem" or (node.op.startswith(_VIEWS) and node.original in ("", node.op))):
+        if node is None or not (node.op == "getitem" or (node.op.startswith(_SAME_VALUES) and node.original in ("", node.op))):
             return node
         if not node.inputs or node.inputs[0] not in by_name:
             return node

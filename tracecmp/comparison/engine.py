@@ -11,7 +11,9 @@ import numpy as np
 import pandas as pd
 
 from tracecmp.comparison.align import align_nodes
-from tracecmp.comparison.compiled import GRAPH_MODE_NOTE, Pairing, compiled_units, judge_units, pair_units
+from tracecmp.comparison.compiled import (
+    GRAPH_MODE_NOTE, Pairing, compiled_units, covered_by_units, judge_units, pair_units,
+)
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.replay import OwnError, replay_rank
@@ -169,6 +171,8 @@ def compare(
     bar.update("done")
     bar.close()
 
+    for ri in rank_inputs:
+        covered_by_units(ri, verdicts)
     nodes = pd.concat(node_frames, ignore_index=True)
     keys = list(zip(nodes["rank"].tolist(), nodes["op_id"].tolist()))
     for column in ("status", "error", "introduced", "metric", "root_kind", "reason"):
@@ -264,6 +268,8 @@ def _prepare_rank(
     b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
     b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))
     paired_bench = set(pairs.values())
+    if pairing is not None:
+        paired_bench |= pairing.covered_bench(units, b_base, paired_bench)  # the eager ops compiled regions replace
     unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
     unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     unpaired.insert(0, "rank", rank)
