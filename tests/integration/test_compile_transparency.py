@@ -72,10 +72,13 @@ def test_traced_compiled_steps_stay_compiled_and_bitwise_equal(tmp_path: Path, i
     assert all(runs >= 1 for runs in plain["runs"])
 
     # Compiled before the session (the code above is reused), step 1 traced.
-    before = _run(backend, tmp_path / "before", traced_steps=(1,))
+    with pytest.warns(UserWarning, match="compiled in this process before tracing began"):
+        before = _run(backend, tmp_path / "before", traced_steps=(1,))
     assert before["compiles"] == [0] * STEPS
     assert before["runs"] == plain["runs"]
     assert _same(plain, before) == []
+    notes = tracecmp.load(tmp_path / "before").rank(0).manifest["info"]["compiled_notes"]
+    assert "graph(s) were compiled in this process before tracing began" in notes[0]
 
     # Compiled inside the traced step: the same code, and it keeps running after the session.
     torch._dynamo.reset()

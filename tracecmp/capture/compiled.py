@@ -606,10 +606,11 @@ class RegionCapture:
         unseen = counters["stats"]["unique_graphs"] - _wrapped_graphs
         if unseen > 0:
             note = (
-                f"{unseen} graph(s) were compiled before tracing began: their calls are recorded as the "
-                "dispatcher sees them (no region boundary; inductor's fused kernels unseen, their inputs "
-                "named after nothing). Start TraceCompare before the compiled model's first call (steps= "
-                "picks the recorded steps) to record them as regions."
+                f"{unseen} graph(s) were compiled in this process before tracing began (Dynamo's count; "
+                "it survives torch._dynamo.reset()): a call of one is recorded as the dispatcher sees it "
+                "(no region boundary; inductor's fused kernels unseen, their inputs named after nothing). "
+                "Start TraceCompare before the compiled model's first call (steps= picks the recorded "
+                "steps) to record them as regions."
             )
             self.notes.append(note)
             warnings.warn(f"tracecmp: {note}", stacklevel=4)

@@ -546,14 +546,17 @@ def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, i
             if group in seen:
                 continue
             seen.add(group)
-            # Graph mode: where its first op lies among the target's ops; a region's nodes all lie
-            # at the region, in graph order.
-            if call.mode == "graph":
-                if not call.nodes.get(n.name):
-                    continue
-                at = (min(call.nodes[n.name]), 0)
+            if call.mode == "graph" and not call.nodes.get(n.name):
+                continue
+            if call.part == "backward":
+                # The autograd engine runs the eager backward by decreasing sequence number (the
+                # forward ops' order, reversed); a backward graph is ordered as its partitioner
+                # pleased. Both follow the forward's numbering.
+                at = (call.first_op, -n.seq_nr)
+            elif call.mode == "graph":
+                at = (min(call.nodes[n.name]), 0)  # where its first op lies among the target's ops
             else:
-                at = (call.first_op, position)
+                at = (call.first_op, position)  # a region's nodes all lie at the region, in graph order
             events[(step, phase, group[0], group[1])].append((*at, (call.first_op, call.part, *group)))
     ordinals: dict[tuple, int] = {}
     for items in events.values():
