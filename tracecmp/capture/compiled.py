@@ -194,6 +194,7 @@ class HiddenHooks:
 _ACTIVE: Any = None  # the RegionCapture of the open session, if any
 _ORIGINAL_COMPILER: Any = None
 _wrapped_graphs = 0  # graphs described so far in this process (ids "g0", "g1", ...)
+_warned_unseen = 0  # graphs compiled outside any session that a warning named already
 _ROOT = re.compile(r"^[LG]\[['\"]([^'\"]+)['\"]\]")
 _STEP = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]?([^'\"\]]+)['\"]?\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -596,7 +597,7 @@ class RegionCapture:
         self._cancel = when_imported(self._patch)
 
     def _patch(self) -> None:
-        global _ORIGINAL_COMPILER
+        global _ORIGINAL_COMPILER, _warned_unseen
         from torch._dynamo.output_graph import OutputGraph
         from torch._dynamo.utils import counters
 
@@ -612,8 +613,10 @@ class RegionCapture:
                 "Start TraceCompare before the compiled model's first call (steps= picks the recorded "
                 "steps) to record them as regions."
             )
-            self.notes.append(note)
-            warnings.warn(f"tracecmp: {note}", stacklevel=4)
+            self.notes.append(note)  # every session's manifest says so
+            if unseen > _warned_unseen:  # a warning once per graph, not at every later session
+                _warned_unseen = unseen
+                warnings.warn(f"tracecmp: {note}", stacklevel=4)
 
     def remove(self) -> None:
         global _ACTIVE, _ORIGINAL_COMPILER
