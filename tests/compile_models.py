@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 
 VOCAB = 64
 # Faults the tests switch on without recompiling anything: read at run time by code that
@@ -32,7 +33,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q = q.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
         y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
         return self.proj(y)
@@ -115,7 +119,7 @@ class CountingBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.compiles += 1
-        compiled = torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+        compiled = lookup_backend(self.inner)(gm, example_inputs)
 
         def run(*args: Any) -> Any:
             self.runs += 1
@@ -129,28 +133,29 @@ def between_blocks(x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x) * FAULTS["between"]
 
 
-@torch.library.custom_op("tracecmp_tests::gelu", mutates_args=())
-def custom_gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU as a custom op: a kernel inductor calls as it is. ``FAULTS["gelu"]`` scales its output
-    (1.0 when correct): a wrong kernel inside a compiled region."""
+def _gelu_kernel(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x) * FAULTS["gelu"]
 
 
-@custom_gelu.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _custom_gelu_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+def _gelu_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(inputs[0])
 
 
-def _custom_gelu_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+def _gelu_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
     (x,) = ctx.saved_tensors
     return torch.ops.aten.gelu_backward(grad, x)
 
 
-custom_gelu.register_autograd(_custom_gelu_backward, setup_context=_custom_gelu_setup)
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4; older ones compile no TinyGPT(custom_gelu=True)
+    _op = torch.library.custom_op("tracecmp_tests::gelu", _gelu_kernel, mutates_args=())
+    _op.register_fake(lambda x: torch.empty_like(x))
+    _op.register_autograd(_gelu_backward, setup_context=_gelu_setup)
+
+
+def custom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU as a custom op (``tracecmp_tests::gelu``): a kernel inductor calls as it is.
+    ``FAULTS["gelu"]`` scales its output (1.0 when correct): a wrong kernel inside a compiled region."""
+    return torch.ops.tracecmp_tests.gelu(x)
 
 
 class CustomGELU(nn.Module):

@@ -37,7 +37,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from torch._C._autograd import _get_sequence_nr
+from torch.utils._pytree import tree_flatten
 
+from tracecmp._compat import TORCH_VERSION
 from tracecmp.aten.args import ArgsEncoder
 from tracecmp.aten.schema import op_info
 from tracecmp.trace.schema import ALIAS_UPDATE_OP
@@ -131,6 +133,7 @@ class HiddenHooks:
         self._handler: Any = None
         self._cancel: Callable[[], None] | None = None
         self._filter: Any = None
+        self._unwrap: Callable[[], None] | None = None  # torch < 2.2: puts Dynamo's own compile back
 
     def install(self) -> None:
         if self._cancel is None:
@@ -143,7 +146,25 @@ class HiddenHooks:
     def _register(self) -> None:
         try:
             from torch._dynamo.callback import callback_handler
-        except ImportError:  # a torch without compile callbacks (< 2.2): hooks stay visible to Dynamo
+        except ImportError:  # torch < 2.2 has no compile callbacks: Dynamo's compile of a frame, wrapped
+            from torch._dynamo import convert_frame, skipfiles
+
+            # Its compiled modules call global hooks from a frame Dynamo watches: it would compile
+            # capture's hooks themselves. tracecmp's files are skipped, as torch's own are.
+            skipfiles.add("tracecmp")
+
+            original = convert_frame._compile
+
+            @functools.wraps(original)
+            def compile_hidden(*args: Any, **kwargs: Any) -> Any:
+                self._hide()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._restore()
+
+            convert_frame._compile = compile_hidden
+            self._unwrap = lambda: setattr(convert_frame, "_compile", original)
             return
 
         callback_handler.register_start_callback(self._hide)
@@ -164,6 +185,9 @@ class HiddenHooks:
             self._handler.remove_start_callback(self._hide)
             self._handler.remove_end_callback(self._restore)
             self._handler = None
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
 
     def _hide(self, *_: Any) -> None:
         self._restore()  # never hide twice (a compile that did not end)
@@ -260,11 +284,12 @@ class Region:
         return capture.call(self, args)
 
 
-def _wrapped_call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
-    compiled = _ORIGINAL_COMPILER(self, gm, example_inputs)
+def _wrapped_call_user_compiler(self: Any, gm: Any, *example_inputs: Any) -> Any:
+    # torch < 2.3 passes no example inputs: the method reads them from the OutputGraph itself.
+    compiled = _ORIGINAL_COMPILER(self, gm, *example_inputs)
     if _ACTIVE is None or not callable(compiled):
         return compiled
-    return Region(compiled, _describe(self, gm, example_inputs))
+    return Region(compiled, _describe(self, gm, example_inputs[0] if example_inputs else self.example_inputs()))
 
 
 def _describe(output_graph: Any, gm: Any, example_inputs: Any) -> RawGraph:
@@ -361,7 +386,7 @@ def _raw_node(node: Any) -> _RawNode:
             op = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
             inputs = tuple(a.name for a in node.all_input_nodes)
     elif node.op == "output":
-        flat = torch.utils._pytree.tree_leaves(node.args[0])
+        flat = tree_flatten(node.args[0])[0]
         inputs = tuple(a.name if isinstance(a, torch.fx.Node) else "" for a in flat)
     stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
     key, qualified = None, ""
@@ -593,6 +618,11 @@ class RegionCapture:
     # -- installation ----------------------------------------------------------------------------
     def install(self) -> None:
         global _ACTIVE
+        if TORCH_VERSION < (2, 2):
+            # Dynamo guards compiled code on the global module hooks there: in a session every graph
+            # compiles again, and regions would describe those copies, not the user's code.
+            self.notes.append("torch < 2.2: compiled code is recorded as the dispatcher sees it, without regions")
+            return
         _ACTIVE = self
         self._cancel = when_imported(self._patch)
 
@@ -665,7 +695,7 @@ class RegionCapture:
         else:
             out = region.compiled(*args)
         seq1 = _get_sequence_nr()
-        leaves = torch.utils._pytree.tree_leaves(out)
+        leaves = tree_flatten(out)[0]
         outs = _unique([t for t in leaves if isinstance(t, torch.Tensor)])
         if how == "boundary":
             written_at = graph.parts[part].mutated if part in graph.parts else ()
