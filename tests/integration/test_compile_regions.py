@@ -185,6 +185,14 @@ def test_compiled_against_eager_on_a_clean_model_has_no_root(compiled: Compiled,
         assert set(measured["op_id"]) == set(regions["op_id"])
         assert (regions["status"] != "diverged").all()
     assert any("eager kernels" in w for w in result.warnings) == (mode == "graph")
+    if mode == "graph":
+        # Forward nodes inductor's partitioner computes again in a backward graph have no eager
+        # op (the eager backward reads saved values): none is paired with one.
+        record = target.rank(0).compiled
+        again = {op for c in record.calls if c.part == "backward"
+                 for n in record.graphs[c.graph].parts["backward"].nodes if n.recomputed for op in c.nodes.get(n.name, ())}
+        assert bool(again) == (compiled.backend.inner == "inductor")
+        assert nodes.loc[nodes["op_id"].isin(again), "bench_op_id"].isna().all()
 
 
 def test_a_fault_in_eager_code_between_graphs_is_found(compiled: Compiled, benches: dict[str, tracecmp.Trace],

@@ -21,8 +21,13 @@ def _graph() -> CompiledGraph:
                   "aten.relu.default", ((2,),), ("float32",)),
         GraphNode("output", "output", ("relu",)),
     )
+    backward = (
+        GraphNode("relu", "aten.relu.default", ("primals_1",), '{"self":{"tensor":0}}', "fc", "m.py:3", 4,
+                  "aten.relu.default", ((2,),), ("float32",), recomputed=True),
+        GraphNode("output", "output", ("relu",)),
+    )
     return CompiledGraph("g0", "0/0", "inductor", "m.py:1 forward", "", ("L['x']",),
-                         {"forward": GraphPart("forward", nodes, (), 1)})
+                         {"forward": GraphPart("forward", nodes, (), 1), "backward": GraphPart("backward", backward)})
 
 
 def _call(**changes: Any) -> RegionCall:

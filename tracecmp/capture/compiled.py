@@ -241,6 +241,7 @@ class _RawNode:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     made_by_pass: bool = False  # no trace of user code (a compiler pass made it): its module is inferred
+    recomputed: bool = False  # a forward node copied into the backward graph (GraphNode.recomputed)
 
 
 @dataclass
@@ -344,7 +345,7 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_part(part_gm: Any, _inputs: Any) -> Callable[..., Any]:
-            graph.parts[kind] = _RawPart(kind, [_raw_node(n) for n in part_gm.graph.nodes])
+            graph.parts[kind] = _RawPart(kind, [_raw_node(n, kind == "backward") for n in part_gm.graph.nodes])
             return _boxed(_GraphRunner(part_gm, kind, graph))
 
         return compile_part
@@ -367,7 +368,7 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
         first.user_outputs = int(getattr(meta, "num_outputs", 0))
 
 
-def _raw_node(node: Any) -> _RawNode:
+def _raw_node(node: Any, backward: bool = False) -> _RawNode:
     """A node's record as compiled (module paths are resolved per session, see RegionCapture)."""
     import operator
 
@@ -405,6 +406,7 @@ def _raw_node(node: Any) -> _RawNode:
         original=op_info(original).name if isinstance(original, torch._ops.OpOverload) else "",
         shapes=shapes, dtypes=dtypes,
         made_by_pass=node.op == "call_function" and not stack and "stack_trace" not in meta and "seq_nr" not in meta,
+        recomputed=backward and meta.get("partitioner_tag") == "is_forward",
     )
 
 
@@ -803,7 +805,8 @@ class RegionCapture:
         module = self.scope.path_of(n.module_key) if n.module_key is not None else None
         if module is None:
             module = _qualified_path(n.module_name, frame_path) if n.module_name else frame_path
-        return GraphNode(n.name, n.op, n.inputs, n.args, module, n.location, n.seq_nr, n.original, n.shapes, n.dtypes)
+        return GraphNode(n.name, n.op, n.inputs, n.args, module, n.location, n.seq_nr, n.original, n.shapes, n.dtypes,
+                         n.recomputed)
 
     def _region_module(self, graph: CompiledGraph, part: str) -> str:
         """The compiled frame's module, else the deepest module every node of the part lies in."""

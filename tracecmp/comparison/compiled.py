@@ -352,7 +352,7 @@ class Pairing:
 
     def _group(self, call: RegionCall, node: GraphNode | None) -> list[int]:
         """The bench ops of the eager op (and its autograd group) that ``node`` stands for."""
-        if node is None or node.op in ("placeholder", "output", "getitem"):
+        if node is None or node.op in ("placeholder", "output", "getitem") or node.recomputed:
             return []
         anchor = self.anchor.get((call.first_op, call.part))
         op = node.original or node.op
@@ -540,7 +540,7 @@ def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, i
         step, phase = step_of.get(anchor), phase_of.get(anchor)
         seen: set[tuple] = set()
         for position, n in enumerate(part.nodes):
-            if n.op in ("placeholder", "output", "getitem"):
+            if n.op in ("placeholder", "output", "getitem") or n.recomputed:
                 continue
             group = (n.module, n.original or n.op, n.seq_nr)
             if group in seen:

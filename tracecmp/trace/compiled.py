@@ -64,12 +64,15 @@ class GraphNode:
     original: str = ""  # the eager op the node was decomposed from, "" when unknown
     shapes: tuple[tuple[int, ...], ...] = ()  # output shapes, from the node's example value
     dtypes: tuple[str, ...] = ()
+    # A forward node the partitioner copied into a backward graph, to compute its value again there
+    # instead of saving it: the eager backward has no such op.
+    recomputed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name, "op": self.op, "inputs": list(self.inputs), "args": self.args, "module": self.module,
             "location": self.location, "seq_nr": self.seq_nr, "original": self.original,
-            "shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
+            "shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes), "recomputed": self.recomputed,
         }
 
     @classmethod
@@ -80,7 +83,7 @@ class GraphNode:
             args=_str(raw, "args", "{}"), module=_str(raw, "module", ""), location=_str(raw, "location", ""),
             seq_nr=_int(raw, "seq_nr", -1), original=_str(raw, "original", ""),
             shapes=tuple(tuple(_ints(s, "shape")) for s in _list(raw.get("shapes", []), "shapes")),
-            dtypes=tuple(_strs(raw.get("dtypes", []), "dtypes")),
+            dtypes=tuple(_strs(raw.get("dtypes", []), "dtypes")), recomputed=raw.get("recomputed") is True,
         )
 
 
