@@ -34,9 +34,11 @@ parameters of each bucket (``info.ddp_buckets``), from the reducer's ``GradBucke
 from __future__ import annotations
 
 import json
+import os
+import sys
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,7 +87,7 @@ class Signature:
     received: frozenset[str]  # arguments the collective fills (c10d)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _signature(name: str, arg_names: tuple[str, ...]) -> Signature:
     base = name.split(".")[1] if name.count(".") >= 2 else name
     kind = _KINDS.get(base, "")
@@ -152,7 +154,7 @@ def _group_of(value: Any, cache: dict[Any, Group]) -> Group | None:
             hit = cache.get(id(pg))
             if hit is not None:
                 return hit
-        name = str(pg.group_name)
+        name = _group_name(pg)
         try:
             ranks = tuple(dist.get_process_group_ranks(pg))
         except (RuntimeError, ValueError, KeyError):  # a group torch's registry does not list
@@ -165,6 +167,15 @@ def _group_of(value: Any, cache: dict[Any, Group]) -> Group | None:
     return group
 
 
+def _group_name(pg: Any) -> str:
+    """A process group's name; torch < 2.2 keeps it only in its registry of groups."""
+    name = getattr(pg, "group_name", None)
+    if name is None:
+        world = getattr(torch.distributed.distributed_c10d, "_world", None)
+        name = getattr(world, "pg_names", {}).get(pg, "")
+    return str(name)
+
+
 def _reduction(value: Any) -> str | None:
     if isinstance(value, str):
         return value.lower()
@@ -173,8 +184,37 @@ def _reduction(value: Any) -> str | None:
             return _REDUCTIONS.get(int(value.op()), str(value.op()))
         except (RuntimeError, AttributeError, TypeError, ValueError):
             return None
-    op = getattr(value, "op", None)  # a Python ReduceOp
-    return _REDUCTIONS.get(int(op), None) if op is not None else None
+    op = getattr(value, "op", value)  # a Python ReduceOp, or its RedOpType
+    try:
+        return _REDUCTIONS.get(int(op), None) if op is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+# torch's own Python sources that issue collectives: the c10d API, DDP, FSDP, DTensor.
+_ISSUERS = tuple(os.sep + os.path.join("torch", *parts) + os.sep for parts in (("distributed",), ("nn", "parallel")))
+
+
+def _python_issuer(depth: int = 40) -> tuple[Any, Any] | None:
+    """(process group, reduce op) of the nearest Python frame of torch's distributed code that
+    issued the running collective, for a torch whose opaque arguments cannot be unboxed (2.1).
+
+    The c10d API's functions hold ``group`` (None: the default group) and ``op``; DDP's hold
+    ``process_group`` or ``self.process_group``. None when no such frame issued it (DDP's
+    reducer calls its all-reduce from C++).
+    """
+    frame = sys._getframe(2)
+    while frame is not None and depth > 0:
+        if any(part in frame.f_code.co_filename for part in _ISSUERS):
+            local = frame.f_locals
+            for name in ("group", "pg", "process_group"):
+                if name in local and (local[name] is None or isinstance(local[name], torch.distributed.ProcessGroup)):
+                    return local[name], local.get("op")
+            group = getattr(local.get("self"), "process_group", None)
+            if isinstance(group, torch.distributed.ProcessGroup):
+                return group, local.get("op")
+        frame, depth = frame.f_back, depth - 1
+    return None
 
 
 def _arguments(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -184,10 +224,13 @@ def _arguments(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return named
 
 
-def describe(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], groups: dict[Any, Group], rank: int) -> dict[str, Any]:
+def describe(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], groups: dict[Any, Group], rank: int,
+             issuer: Any = None) -> dict[str, Any]:
     """What a collective call carries, as the node's ``args["collective"]`` (without its match key).
 
     ``sent`` lists the positions, among the call's tensor arguments, of what this rank contributes.
+    ``issuer`` is the process group to take where the call's own cannot be read and no Python
+    caller names it (DDP's, for its reducer's all-reduce).
     """
     group: Group | None = None
     meta: dict[str, Any] = {"kind": sig.kind}
@@ -214,8 +257,17 @@ def describe(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], grou
     else:
         meta.setdefault("async", True)  # the schema's default: the Python API passes False when it waits
     if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        # A torch that cannot unbox the group (or a group it does not know): the whole world, as
-        # for the default group, so the ranks still link (the name stays empty: "#<n>" keys).
+        # A torch that cannot unbox the group: the Python call that issued it names it.
+        called = _python_issuer()
+        pg, op = called if called is not None else (issuer, None)
+        if pg is None:
+            pg = torch.distributed.distributed_c10d._get_default_group()
+        group = _group_of(pg, groups)
+        if meta.get("reduce") is None and "reduce" in meta:
+            meta["reduce"] = _reduction(op)
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A group torch does not know: the whole world, as for the default group, so the ranks
+        # still link (the name stays empty: "#<n>" keys).
         group = Group("", tuple(range(torch.distributed.get_world_size())))
     meta["group"] = group.name if group is not None else ""
     meta["ranks"] = list(group.ranks) if group is not None else []
@@ -309,6 +361,11 @@ class DDPBuckets:
         self._stamp: Any = object()
         self.next = 0  # the bucket the next all-reduce of this backward should be
 
+    def process_group(self) -> Any:
+        """DDP's process group (None once the module is gone)."""
+        ddp = self._ddp()
+        return getattr(ddp, "process_group", None) if ddp is not None else None
+
     def refresh(self) -> None:
         """Read the bucket layout if DDP (re)built its buckets since the last look; a step begins."""
         self.next = 0
@@ -388,13 +445,15 @@ class CollectiveRecorder:
                 inputs.append(self._enter(t, rec, phase, module, location, stack))
         if self._awaited_groups:
             self._complete_inputs(info, args, kwargs, tensors)
-        meta = describe(sig, args, kwargs, self._groups, self._rank)
+        meta = describe(sig, args, kwargs, self._groups, self._rank, self._ddp.process_group() if self._ddp else None)
         if meta["group"] and meta["group"] not in self.process_groups:
             self.process_groups[meta["group"]] = {"ranks": meta["ranks"]}
         if sig.kind == "all_reduce" and phase == "backward" and self._ddp is not None:
             bucket = self._ddp_bucket(tensors)
             if bucket is not None:
                 meta["bucket"] = bucket
+                if meta.get("reduce") is None:  # unreadable on torch 2.1: the reducer's built-in sum
+                    meta["reduce"] = "sum"
         out = func(*args, **kwargs)
         op_id = self._next_op
         self._next_op = op_id + 1
@@ -417,7 +476,7 @@ class CollectiveRecorder:
                 self._fresh(t, op_id, outputs, False)
             tid, group = outputs[-1], self._known[id(t)].group
             self._awaiting[tid] = (len(self.tensor_rows) - 1, t, future, group)
-            if future is not None:  # functional collectives complete at wait_tensor only
+            if not sig.functional:  # functional collectives complete at wait_tensor only
                 self._awaited_groups.setdefault(group, []).append(tid)
         meta["received"] = list(range(len(outputs)))
         name = match_key(meta, self._counters)
