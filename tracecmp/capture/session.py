@@ -472,7 +472,7 @@ class TraceCompare:
             self._flush()
         self._step += 1
         self._step_start = len(self._mode.rows) if self._mode is not None else None
-        finishing = self._steps is not None and self._step > max(self._steps) and not self._closed
+        finishing = self._steps is not None and self._step > max(self._steps, default=-1) and not self._closed
         if finishing:
             self._finish()
         self._begin_step()
