@@ -16,8 +16,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 
 VOCAB = 64
+# Faults the tests switch on without recompiling anything: read at run time by code that
+# torch.compile runs as it is (an eager function between graphs, a custom op's kernel).
+FAULTS = {"between": 2.0, "gelu": 1.0}
 
 
 class Attention(nn.Module):
@@ -29,7 +33,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q = q.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
         y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
         return self.proj(y)
@@ -62,25 +69,30 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Embedding, ``layers`` pre-norm blocks, final norm, head, cross-entropy loss.
 
-    ``graph_break=True`` breaks Dynamo's graph after the first block and runs ``between`` (eager,
-    outside any compiled region) on the activations there.
+    ``graph_break=True`` breaks Dynamo's graph after the first block and runs ``between`` there
+    on the activations, eagerly (``torch.compiler.disable``): outside any compiled region.
+    ``custom_gelu=True`` computes the last block's GELU with :func:`custom_gelu`.
     """
 
     def __init__(self, layers: int = 2, dim: int = 32, heads: int = 4, graph_break: bool = False,
-                 between: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 between: Callable[[torch.Tensor], torch.Tensor] | None = None, custom_gelu: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        if custom_gelu:  # the last block's GELU as a custom op inductor calls as it is
+            self.blocks[-1].mlp.act = CustomGELU()
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB)
         self.graph_break = graph_break
-        self.between = between
+        self.between = torch.compiler.disable(between) if between is not None else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.blocks[0](self.emb(idx))
         if self.graph_break:  # outside any loop: Dynamo resumes after it in a second graph
-            torch._dynamo.graph_break()
-            x = self.between(x) if self.between is not None else x
+            if self.between is not None:
+                x = self.between(x)
+            else:
+                torch._dynamo.graph_break()
         for block in self.blocks[1:]:
             x = block(x)
         logits = self.head(self.ln(x))
@@ -95,20 +107,59 @@ def tiny_batch(seed: int = 0, batch: int = 2, length: int = 8) -> tuple[torch.Te
 class CountingBackend:
     """A ``torch.compile`` backend that hands every graph to ``inner`` and counts compiles and runs.
 
-    ``runs`` counts calls of compiled code: a step that ran eagerly leaves it unchanged.
+    ``runs`` counts calls of compiled code: a step that ran eagerly leaves it unchanged. It is
+    named after the backend it hands graphs to (``__name__``, what torch and tracecmp read).
     """
 
     def __init__(self, inner: str) -> None:
         self.inner = inner
+        self.__name__ = inner
         self.compiles = 0
         self.runs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.compiles += 1
-        compiled = torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+        compiled = lookup_backend(self.inner)(gm, example_inputs)
 
         def run(*args: Any) -> Any:
             self.runs += 1
             return compiled(*args)
 
         return run
+
+
+def between_blocks(x: torch.Tensor) -> torch.Tensor:
+    """What TinyGPT runs between its graphs: ``tanh(x) * FAULTS["between"]`` (2.0 when correct)."""
+    return torch.tanh(x) * FAULTS["between"]
+
+
+def _gelu_kernel(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x) * FAULTS["gelu"]
+
+
+def _gelu_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _gelu_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return torch.ops.aten.gelu_backward(grad, x)
+
+
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4; older ones compile no TinyGPT(custom_gelu=True)
+    _op = torch.library.custom_op("tracecmp_tests::gelu", _gelu_kernel, mutates_args=())
+    _op.register_fake(lambda x: torch.empty_like(x))
+    _op.register_autograd(_gelu_backward, setup_context=_gelu_setup)
+
+
+def custom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU as a custom op (``tracecmp_tests::gelu``): a kernel inductor calls as it is.
+    ``FAULTS["gelu"]`` scales its output (1.0 when correct): a wrong kernel inside a compiled region."""
+    return torch.ops.tracecmp_tests.gelu(x)
+
+
+class CustomGELU(nn.Module):
+    """``nn.GELU`` computed by :func:`custom_gelu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return custom_gelu(x)

@@ -117,6 +117,7 @@ class TraceBuilder:
         self.tensors: list[dict[str, Any]] = []
         self.saved: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}  # real values of tensors given as tensors (for call())
+        self.compiled: dict[str, Any] | None = None  # a record of compiled regions (trace/compiled.py), if any
         self._next_tensor = 0
 
     # -- building ------------------------------------------------------------------------------
@@ -296,6 +297,7 @@ class TraceBuilder:
                     data[t["data_key"]] = self.saved[t["tensor_id"]]
             writer.write_chunk(
                 _columns(ops, OPS_SCHEMA.names), _columns(tensors, TENSORS_SCHEMA.names), data or None, steps=sorted({o["step"] for o in ops}),
+                compiled=self.compiled if index == 0 else None,
             )
         writer.close(complete=self.complete)
         return root

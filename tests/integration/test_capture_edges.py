@@ -331,3 +331,18 @@ def test_a_model_changed_between_recorded_steps_is_named_again(tmp_path: Path) -
     assert set(step2[step2["op"] == "aten.addmm.default"]["module"]) == {"fc", "extra"}
     assert set(step2[step2["phase"] == "backward"]["module"]) >= {"fc", "extra"}
     assert sorted(ops["step"].unique()) == [0, 1, 2]
+
+
+def test_a_session_recording_no_step_lets_the_program_run(tmp_path: Path) -> None:
+    """``steps=[]`` (a session open only so that capture knows what compiles in it): each
+    optimizer.step() ends a step, none is recorded, and the trace is complete and empty."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracecmp.TraceCompare(tmp_path / "t", model=model, steps=[]):
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete and len(trace.rank(0).ops) == 0

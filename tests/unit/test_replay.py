@@ -391,3 +391,19 @@ def test_a_statistics_comparison_full_of_noise_points_to_tensors(tmp_path):
     assert 'capture the target with data="tensors"' in result.summary()
     replayed = tracecmp.compare(record(tmp_path / "t2", tf32=True, data=True), record(tmp_path / "b2", data=True))
     assert "Replay: none" not in replayed.summary() and "re-run on their recorded inputs" in replayed.summary()
+
+
+@pytest.mark.parametrize("golden", [False, True])
+def test_non_finite_scalars_are_decoded_as_numbers(golden: bool) -> None:
+    """A Scalar argument (schema type "number") recorded as "-inf" replays as the float: attention
+    masks fill with it, and a softmax decomposition compares with it."""
+    from tracecmp.aten.args import decode_call
+
+    x = torch.tensor([1.0, 2.0])
+    mask = torch.tensor([True, False])
+    call = decode_call(torch.ops.aten.masked_fill.Scalar, {"self": {"tensor": 0}, "mask": {"tensor": 1}, "value": "-inf"},
+                       [x, mask], golden=golden)
+    assert call is not None
+    assert torch.ops.aten.masked_fill.Scalar(*call[0], **call[1]).tolist() == [-math.inf, 2.0]
+    call = decode_call(torch.ops.aten.ne.Scalar, {"self": {"tensor": 0}, "other": "inf"}, [x], golden=golden)
+    assert call is not None and torch.ops.aten.ne.Scalar(*call[0], **call[1]).all()

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 from torch._C import _current_autograd_node
 from torch._C._autograd import _get_sequence_nr
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from tracecmp.capture.collectives import CollectiveRecorder
@@ -334,6 +334,66 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         if subclasses:
             return NotImplemented
         return _RECORD
+
+    # -- nodes the dispatcher does not see: compiled regions (capture/compiled.py) -------------
+    def tensor_ids(self, tensors: list[torch.Tensor], phase: str, module: str, location: str) -> list[int]:
+        """Ids of ``tensors`` as inputs of a node recorded now; unknown ones enter as source nodes.
+
+        Called from outside ``__torch_dispatch__`` (the mode may be active): the statistics and
+        copies it makes run with the dispatch modes out of the way, as they do inside it.
+        """
+        if self._unsettled:
+            self.settle()
+        stack = self._locator.stack(1) if self._stack else ""
+        known = self._known
+        ids: list[int] = []
+        with _disable_current_modes():
+            for t in tensors:
+                rec = known.get(id(t))
+                if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
+                    ids.append(rec.tid)
+                else:
+                    ids.append(self._enter(t, rec, phase, module, location, stack))
+        return ids
+
+    def append_node(
+        self,
+        op: str,
+        name: str,
+        phase: str,
+        module: str,
+        location: str,
+        inputs: list[int],
+        fresh: list[torch.Tensor],
+        written: list[torch.Tensor] = (),  # type: ignore[assignment]
+    ) -> tuple[int, list[int]]:
+        """Record a node with inputs ``inputs`` (ids), new values ``fresh`` and inputs it
+        ``written``; returns its op id and output ids (written first, then fresh)."""
+        if self._unsettled:
+            self.settle()
+        op_id = self._next_op
+        self._next_op = op_id + 1
+        outputs: list[int] = []
+        with _disable_current_modes():  # as in tensor_ids
+            for t in written:
+                self._written(t, op_id, outputs)
+            for t in fresh:
+                self._fresh(t, op_id, outputs)
+        stack = self._locator.stack(1) if self._stack else ""
+        self.rows.append(
+            (op_id, self.step, phase, "op", op, name, module, location, "{}", tuple(inputs), tuple(outputs),
+             bool(written), False, -1, stack)
+        )
+        if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
+            self._on_limit()
+        return op_id, outputs
+
+    def current_id(self, t: torch.Tensor) -> int | None:
+        """The id of the value ``t`` holds now, if capture knows it (no node is recorded)."""
+        rec = self._known.get(id(t))
+        if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
+            return rec.tid
+        return None
 
     def _after_op(self) -> None:
         """End of every op under ``overflow="raise"``: judge it now, then the usual limits."""

@@ -267,6 +267,38 @@ class ModuleScope:
             # Some nodes made during this call were claimed by no op: walk back from the outputs.
             self._claim_graph(output, first, end, (path, self.locator.location(1)))
 
+    def enter(self, path: str) -> None:
+        """Run the next ops inside module ``path`` until :meth:`leave` (nodes of a compiled graph,
+        whose module comes from the graph's metadata, not from hooks)."""
+        self._stack.append((path, _get_sequence_nr(), self.claims))
+        self.current, self.depth = path, len(self._stack)
+
+    def leave(self) -> None:
+        """End the innermost :meth:`enter`."""
+        self._stack.pop()
+        self.current = self._stack[-1][0] if self._stack else ""
+        self.depth = len(self._stack)
+
+    def path_of(self, module_id: int) -> str | None:
+        """Path of the live module whose ``id()`` is ``module_id`` (graph metadata names modules by id)."""
+        hit = self._modules.get(module_id)
+        if hit is None and self._renamed():
+            hit = self._modules.get(module_id)
+        return hit[0] if hit is not None and hit[1]() is not None else None
+
+    def path_of_module(self, module: Any) -> str | None:
+        """Path of ``module`` in the model, if it is part of it."""
+        path = _lookup(self._modules, module)
+        if path is None and self._renamed():
+            path = _lookup(self._modules, module)
+        return path
+
+    def claim(self, seq: int, module: str, location: str) -> None:
+        """File the autograd node ``seq`` under ``module`` (its backward ops' module) unless claimed."""
+        if seq not in self.seq_info:
+            self.seq_info[seq] = (module, location)
+            self.claims += 1
+
     def _claim_graph(self, output: Any, first: int, end: int, entry: tuple[str, str]) -> None:
         todo = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
         seen: set[int] = set()

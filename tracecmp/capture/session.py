@@ -15,7 +15,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from tracecmp._compat import announce_references
-from tracecmp.capture.compiled import HiddenHooks
+from tracecmp.capture.compiled import HiddenHooks, RegionCapture
 from tracecmp.capture.folders import default_root, default_trace_dir
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
@@ -46,6 +46,7 @@ from tracecmp.trace.writer import (
 DATA_MODES = ("stats", "tensors")
 RNG_MODES = ("device", "host")
 OVERFLOW_MODES = (None, "record", "raise")
+COMPILED_MODES = ("boundary", "graph")
 ERROR_MODES = ("warn", "raise")
 _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
 # A step boundary hands the buffer over once it holds this much, whatever flush_secs says: chunks
@@ -116,7 +117,15 @@ class TraceCompare:
       host synchronisation per op (statistics are otherwise gathered once per hand-over to the writer).
 
     ``rng`` and ``dropout`` hold for every step of the session, recorded or not, so that a
-    recorded step starts from the same history in both runs. The run manifest records the
+    recorded step starts from the same history in both runs.
+
+    ``torch.compile``: tracing never switches compilation off, and a session knows every graph
+    compiled while it is open as a region (:mod:`tracecmp.capture.compiled`). ``compiled``
+    says how a recorded step runs one: ``"boundary"`` as compiled (one ``compiled.forward`` /
+    ``compiled.backward`` node per call, plus what the compiled code dispatches inside; the
+    step computes what it does untraced), or ``"graph"``, its AOT forward and backward graphs
+    node by node with eager kernels, every node an op of the trace (inductor's graph structure
+    with eager kernels: ``aot_eager``'s numbers). The run manifest records the
     options, what the last :func:`tracecmp.seed_all` set, and the determinism switches in force.
 
     Records reach the disk in chunks, written by a background thread so that the training thread
@@ -178,6 +187,7 @@ class TraceCompare:
         overwrite: bool = False,
         on_error: str = "warn",
         only: Selection | Mapping[str, Any] | str | None = None,
+        compiled: str = "boundary",
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -189,6 +199,8 @@ class TraceCompare:
             raise CaptureError(f"overflow must be one of {OVERFLOW_MODES}, not {overflow!r}")
         if on_error not in ERROR_MODES:
             raise CaptureError(f"on_error must be one of {ERROR_MODES}, not {on_error!r}")
+        if compiled not in COMPILED_MODES:
+            raise CaptureError(f"compiled must be one of {COMPILED_MODES}, not {compiled!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         selected: frozenset[int] | None = None
@@ -216,6 +228,7 @@ class TraceCompare:
         self.rng = rng
         self.dropout = None if dropout is None else 0.0
         self.overflow = overflow
+        self.compiled = compiled
         self._steps = selected
         self.only = selection
         self._max_ops = max_ops
@@ -251,6 +264,7 @@ class TraceCompare:
         self._step_start: int | None = 0  # the buffered row where the current step begins (None: handed over)
         self._rank = 0
         self._hidden = HiddenHooks(self._hook_handles)  # out of Dynamo's sight while it compiles
+        self._regions: RegionCapture | None = None  # torch.compile'd regions (capture/compiled.py)
 
     @property
     def current_step(self) -> int:
@@ -290,6 +304,7 @@ class TraceCompare:
             "dropout": self.dropout,
             "overflow": self.overflow,
             "only": None if self.only is None else self.only.to_dict(),
+            "compiled": self.compiled,
         }
         run_info = {
             "world_size": world_size,
@@ -336,11 +351,13 @@ class TraceCompare:
             rank=rank,
             ddp=_ddp_module(self.model),
         )
+        self._regions = RegionCapture(self._mode, self._scope, locator, self.compiled)
         TraceCompare._active = self
         self._step = 0
         self._handed = time.monotonic()
         try:
             self._hidden.install()
+            self._regions.install()
             if self.dropout is not None:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
@@ -355,6 +372,7 @@ class TraceCompare:
             self._leave_dropout_off()
             self._release_sigterm()
             self._hidden.remove()
+            self._regions.remove()
             TraceCompare._active = None
             raise
         return self
@@ -380,8 +398,10 @@ class TraceCompare:
             exc.add_note(f"tracecmp: {err}")  # the body's own exception is the one to see
         finally:
             self._hidden.remove()
+            if self._regions is not None:
+                self._regions.remove()
             TraceCompare._active = None
-            self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
+            self._mode = self._scope = self._regions = None  # drop the weak records: dying tensors stop calling back
         if self.auto_named and self.announce and self._rank == 0 and self._stopped is None:
             print(f"tracecmp: {self.summary()}", file=sys.stderr, flush=True)
         if exc is not None and self._stopped is not None and not isinstance(exc, (OverflowDetected, CaptureWriteError)):
@@ -464,7 +484,7 @@ class TraceCompare:
             self._flush()
         self._step += 1
         self._step_start = len(self._mode.rows) if self._mode is not None else None
-        finishing = self._steps is not None and self._step > max(self._steps) and not self._closed
+        finishing = self._steps is not None and self._step > max(self._steps, default=-1) and not self._closed
         if finishing:
             self._finish()
         self._begin_step()
@@ -568,6 +588,8 @@ class TraceCompare:
         self._mode.begin(self._step)
         self._mode.__enter__()
         self._recording = True
+        if self._regions is not None:
+            self._regions.recording = True
 
     def _stop(self) -> None:
         if self._unrecorded is not None:
@@ -577,6 +599,8 @@ class TraceCompare:
             return
         assert self._mode is not None and self._scope is not None
         self._recording = False
+        if self._regions is not None:
+            self._regions.recording = False
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
@@ -633,15 +657,18 @@ class TraceCompare:
             return
         if self._failure is not None:
             mode.take()  # the trace cannot take them: drop them, memory stays bounded
+            if self._regions is not None:
+                self._regions.take()
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
             print(f"tracecmp: writing {len(mode.rows):,} ops up to step {self._step} ...", file=sys.stderr, flush=True)
         rows, tensor_rows, saved = mode.take()
+        compiled = self._regions.take() if self._regions is not None else None
         manifest = writer.writer.manifest
         if self.model is None and manifest["device"] == "cpu":
             manifest["device"] = mode.accelerator() or "cpu"
         try:
-            mode.chunk = writer.submit(rows, tensor_rows, saved or None, self._last_finished) + 1
+            mode.chunk = writer.submit(rows, tensor_rows, saved or None, compiled, self._last_finished) + 1
             self._update_info()
             watch = mode.watch
             found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
@@ -725,7 +752,8 @@ class TraceCompare:
     def _update_info(self) -> None:
         """Note in the rank manifest what capture learnt that the tables do not say, when it changed:
         what was skipped and why (capture/tensorkinds.py), the process groups collectives used,
-        the parameters of each DDP bucket (capture/collectives.py)."""
+        the parameters of each DDP bucket (capture/collectives.py), what capture could not see of
+        compiled regions (capture/compiled.py)."""
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         info = writer.writer.manifest["info"]
@@ -735,6 +763,7 @@ class TraceCompare:
                 ("capture_skipped", dict(mode.skipped)),
                 ("process_groups", dict(mode.process_groups)),
                 ("ddp_buckets", mode.ddp_buckets),
+                ("compiled_notes", list(self._regions.notes) if self._regions is not None else []),
             )
             if value and info.get(key) != value
         }

@@ -26,7 +26,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
-import numpy as np
 import pandas as pd
 
 from tracecmp.aten.opclass import base_name, is_copy
@@ -760,7 +759,7 @@ def _region(
     region_id: int, rank: int, t: SideGraph, b: SideGraph, t_ops: list[int], b_ops: list[int],
     corr: Mapping[int, int], meet: Mapping[int, int], one_t: Mapping[int, int], bench_to_target: Mapping[int, int],
 ) -> Region:
-    set_t, set_b = set(t_ops), set(b_ops)
+    set_b = set(b_ops)
     made_t = {x for o in t_ops for x in t.nodes[o].outputs}
     made_b = {x for o in b_ops for x in b.nodes[o].outputs}
     inputs: list[tuple[int | None, int | None]] = []

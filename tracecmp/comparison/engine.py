@@ -12,6 +12,9 @@ import pandas as pd
 
 from tracecmp.aten.opclass import draws_random
 from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
+from tracecmp.comparison.compiled import (
+    GRAPH_MODE_NOTE, Pairing, compiled_units, covered_by_units, judge_units, pair_units,
+)
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.replay import OwnError, RegionReplay, replay_rank, replay_regions
@@ -183,6 +186,8 @@ def compare(
     bar.update("done")
     bar.close()
 
+    for ri in rank_inputs:
+        covered_by_units(ri, verdicts)
     nodes = pd.concat(node_frames, ignore_index=True)
     keys = list(zip(nodes["rank"].tolist(), nodes["op_id"].tolist()))
     for column in ("status", "error", "introduced", "metric", "root_kind", "reason"):
@@ -247,15 +252,35 @@ def _prepare_rank(
     t_ops, b_ops = t_ops.reset_index(drop=True), b_ops.reset_index(drop=True)
     t_ten, b_ten = t_rank.tensors, b_rank.tensors
     bar.update(f"rank {rank}: aligning")
-    pairs = align_nodes(t_ops, t_ten, b_ops, b_ten)
+    # Compiled regions replace eager ops as a whole: their insides are left out of the alignment.
+    units = compiled_units(t_rank, steps)
+    pairs = align_nodes(t_ops[~t_ops["op_id"].isin(units.members)] if units else t_ops, t_ten, b_ops, b_ten)
     t_base, b_base = view_bases(t_ten), view_bases(b_ten)
+    pairing = Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base) if units else None
+    if pairing is not None:
+        pairs.update(pairing.pair_ops(units))  # graph-mode nodes that are eager ops, by the graph's metadata
     t_graph = SideGraph.of(t_ops, t_lists[1], t_lists[2], t_ten, t_base)
     b_graph = SideGraph.of(b_ops, b_lists[1], b_lists[2], b_ten, b_base)
-    match = find_regions(t_graph, b_graph, pairs, rank, first_region)
+    if units:
+        # A compiled target's fused work is in its units, judged whole (comparison/compiled.py):
+        # no eager regions are looked for beside them.
+        match = RegionMatch(dict(pairs), [], {}, {}, {}, {})
+    else:
+        match = find_regions(t_graph, b_graph, pairs, rank, first_region)
     pairs = match.pairs
     bar.update(f"rank {rank}: measuring", len(t_ops))
 
     partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, match.partners)
+    if pairing is not None:
+        # Values inside a unit have no eager counterpart; its outputs pair by the graph's metadata,
+        # or, where that finds nothing, through their consumers as any value does.
+        leaving = {t for unit in units.units for t, _ in unit.outputs}
+        inside = {t for op_id, outs in zip(t_lists[0], t_lists[2])
+                  if op_id in units.members and op_id not in pairs for t in outs} - leaving
+        partner = {t: b for t, b in partner.items() if t not in inside}
+        partner.update(pair_units(pairing, units))
+    if units.graph_mode:
+        warnings.append(f"rank {rank}: {GRAPH_MODE_NOTE}")
     measured_frame = _measure(t_rank, b_rank, partner, tol)
     bar.update(f"rank {rank}: measured", len(t_ops))
 
@@ -273,9 +298,18 @@ def _prepare_rank(
         own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), reduced=reduced,
                                  progress=lambda n: bar.update(f"rank {rank}: replaying"))
         region_replays = replay_regions(t_rank, b_rank, [r for r in match.regions if r.kind in _REPLAYED_REGIONS])
+    if units and pairing is not None:
+        if has_data and replay is not False:
+            judge_units(units, t_rank, b_rank, pairing, measured, own_errors, tol)
+        else:
+            warnings.append(f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
+                            f"may add {tol.region_units:g} rounding units; capture it with data=\"tensors\" to measure them")
+        warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
 
-    in_region = set(match.bench_member_of)
-    unpaired_mask = ~b_ops["op_id"].isin(set(pairs.values()) | in_region)
+    paired_bench = set(pairs.values()) | set(match.bench_member_of)
+    if pairing is not None:
+        paired_bench |= pairing.covered_bench(units, b_base, paired_bench)  # the eager ops compiled regions replace
+    unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
     unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     unpaired.insert(0, "rank", rank)
     nodes = list(zip(
@@ -290,6 +324,7 @@ def _prepare_rank(
         bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), first_step=min(steps), own_errors=own_errors,
         reduced_precision=reduced, regions={r.region_id: r for r in match.regions}, member_of=match.member_of,
         bench_only=match.bench_only, region_ops=region_ops, region_values=region_values, region_replays=region_replays,
+        units=units.by_judged,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)
@@ -374,7 +409,6 @@ def _tensor_partners(
     for (:func:`tracecmp.comparison.align.find_regions`). Nothing inside a region is paired.
     """
     b_outputs = dict(zip(b_lists[0], b_lists[2]))
-    b_inputs = dict(zip(b_lists[0], b_lists[1]))
     partner: dict[int, int] = {}
     t_op_ids, _, t_outputs = t_lists
     for op_id, outs in zip(t_op_ids, t_outputs):

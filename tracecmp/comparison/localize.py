@@ -150,6 +150,9 @@ class RankInput:
     # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
     region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
     region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (replay.py)
+    # Ops judged for a compiled unit as a whole (comparison/compiled.py): op id -> its Unit, whose
+    # decide() replaces the rules below for them.
+    units: Mapping[int, Any] = field(default_factory=dict)
 
 
 def _norm_args(text: str) -> Any:
@@ -216,6 +219,12 @@ def _arg_difference(t_args: str, b_args: str, op: str = "") -> str:
         for key, value in defaults.items():
             a.setdefault(key, value)
             b.setdefault(key, value)
+        for key in set(a) & set(b):
+            # A Python number passed as is on one side and wrapped in a 0-dim tensor on the other
+            # (eager wraps ``0.5 * x``'s 0.5, a compiled graph keeps it): its value is compared as
+            # that input's, not here.
+            if {type(a[key]), type(b[key])} & {int, float} and "<tensor>" in (a[key], b[key]):
+                a[key] = b[key] = "<tensor>"
         if a == b:
             return ""
         for key in sorted(set(a) | set(b)):
@@ -493,6 +502,11 @@ def _localize_rank(
                 state[tid] = TensorState(known=True, exact=True, uninit=True)
                 continue
             m = ri.measured.get(tid)
+            if m is None and op_id in ri.units:
+                # A compiled unit is a whole graph: what it made unmeasured is unknown, not exact.
+                is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
+                state[tid] = TensorState(known=False, exact=False, nonfinite=nonfinite, is_float=is_float)
+                continue
             if m is None:
                 is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
                 # No partner: carry the inputs' error through (an extra copy, a fused op's piece).
@@ -582,7 +596,9 @@ def _localize_rank(
         verdicts[op_id].region = region_id
 
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
-    exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
+    # Compiled units round like whole graphs, not like single ops: they set neither regime nor calibration.
+    own_rules = [j if j is None or j.op_id not in ri.units else None for j in judged]
+    exact_input_nodes = [j for j in own_rules if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
     # Matmuls/convs allowed to run at TF32 have their own rule and do not decide the regime.
     differing = sum(1 for j in exact_input_nodes if not j.outputs_exact and not j.uses_tf32)
     bitwise = exact_mode or differing <= max(2, 0.01 * len(exact_input_nodes))
@@ -591,10 +607,10 @@ def _localize_rank(
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
     region_judged = {region_id: _judge_region(region, ri, lookup, tol, exact_matmul)
                      for region_id, region in ri.regions.items() if region.target_ops}
-    ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
+    ambient = _ambient(own_rules, ri.nodes) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
     bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
-    tf32_spread = _tf32_spread(judged) if not exact_matmul else None
+    tf32_spread = _tf32_spread(own_rules) if not exact_matmul else None
     bitwise_ops = _bitwise_ops(ri)
 
     roots: list[tuple[tuple, Divergence]] = []
@@ -638,7 +654,7 @@ def _localize_rank(
     for node in ri.nodes:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
-        paired = op_id in ri.pairs
+        paired = op_id in ri.pairs or op_id in ri.units
         region_id = ri.member_of.get(op_id)
         if region_id is not None:
             # Members share their region's status; a root region taints what it makes.
@@ -743,6 +759,9 @@ def _decide(
             return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count"
     if j.outputs_exact:
         return "", "", "checksum"
+    unit = ri.units.get(op_id)
+    if unit is not None:
+        return unit.decide(node, j.e, ri, tol, lookup)
     bench_op = ri.pairs.get(op_id)
     if bench_op is not None and kind != "source":
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)

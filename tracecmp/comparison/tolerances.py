@@ -109,12 +109,16 @@ class Tolerances:
     # what a replay in its recorded dtypes makes and more than ``replay_local`` rounding units.
     replay_margin: float = 4.0
     replay_local: float = 4.0
+    # A compiled region (or the ops one eager op was decomposed into) is judged as a whole: its
+    # own rounding comes from replaying its graph when the target holds tensors; without them it
+    # may add this many rounding units of its output's dtype (a graph's worth of them).
+    region_units: float = 1000.0
     # Allow float32 matmul/conv to run at TF32 precision without calling it a divergence.
     # None: decide from the traces (see tracecmp.comparison.engine.reduced_precision_possible).
     allow_tf32: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local"):
+        for name in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local", "region_units"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise CompareError(f"tolerance {name} must be a finite non-negative number, got {value!r}")
@@ -155,7 +159,7 @@ class Tolerances:
             if not sep:
                 raise CompareError(f"bad tolerance {item!r}: expected NAME=VALUE")
             try:
-                if key in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
+                if key in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local", "region_units", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
                     scalars[key] = float(value)
                 elif key == "allow_tf32":
                     flag = value.strip().lower()

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from tracecmp.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from tracecmp.trace import boundedjson
+from tracecmp.trace.compiled import CompiledRecord
 from tracecmp.trace.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -180,6 +181,7 @@ class RankTrace:
     ops_table: pa.Table
     tensors_table: pa.Table
     data_files: dict[int, Path] = field(default_factory=dict)
+    compiled: CompiledRecord = field(default_factory=CompiledRecord)  # torch.compile'd regions, if any
 
     @property
     def complete(self) -> bool:
@@ -313,7 +315,7 @@ def load_rank(folder: Path) -> RankTrace:
     manifest = _read_manifest(folder / RANK_MANIFEST, "rank manifest")
     _check_fields(manifest, _RANK_FIELDS, folder / RANK_MANIFEST)
     chunks = _chunk_records(folder, manifest)
-    ops_parts, tensor_parts, data_files = [], [], {}
+    ops_parts, tensor_parts, data_files, compiled_parts = [], [], {}, []
     for index, chunk in enumerate(chunks):
         ops_table = _read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA)
         tensors_table = _read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA)
@@ -324,14 +326,20 @@ def load_rank(folder: Path) -> RankTrace:
         tensor_parts.append(tensors_table)
         if "data" in chunk:
             data_files[index] = _check_file(folder, chunk["data"], "data")
+        if "compiled" in chunk:
+            compiled_parts.append(_read_json(_check_file(folder, chunk["compiled"], "compiled"), "compiled-regions record"))
     ops = pa.concat_tables(ops_parts) if ops_parts else OPS_SCHEMA.empty_table()
     tensors = pa.concat_tables(tensor_parts) if tensor_parts else TENSORS_SCHEMA.empty_table()
     _check_references(folder, ops, tensors)
+    try:
+        compiled = CompiledRecord.from_json(compiled_parts)
+    except TraceFormatError as exc:
+        raise TraceFormatError(exc.message, path=folder) from None
     manifest["chunks"] = chunks
     manifest["ops"] = ops.num_rows
     manifest["tensors"] = tensors.num_rows
     manifest["steps"] = sorted({s for chunk in chunks for s in chunk.get("steps", [])})
-    return RankTrace(manifest.get("rank", 0), folder, manifest, ops, tensors, data_files)
+    return RankTrace(manifest.get("rank", 0), folder, manifest, ops, tensors, data_files, compiled)
 
 
 def _check_references(folder: Path, ops: pa.Table, tensors: pa.Table) -> None:

@@ -8,6 +8,7 @@ A trace is one folder per run::
     RUN/rank<R>/ops-<K>.parquet    one row per recorded node (op, view or source tensor)
     RUN/rank<R>/tensors-<K>.parquet  one row per tensor value (a version: in-place ops make new ones)
     RUN/rank<R>/data-<K>.safetensors whole tensors, only with ``data="tensors"``
+    RUN/rank<R>/compiled-<K>.json  torch.compile'd regions: their graphs and calls (trace/compiled.py)
 
 A chunk's files are written to temporary names and renamed, then its commit record (also renamed
 into place) lists them with their size and CRC-32; a reader trusts only recorded chunks whose bytes

@@ -193,7 +193,7 @@ def remove_extra_ranks(root: Path, world_size: int) -> None:
             pass  # something of the user's is in it: leave the folder
 
 
-_TRACE_FILES = ("chunk-*", "ops-*", "tensors-*", "data-*", "*.tmp")
+_TRACE_FILES = ("chunk-*", "ops-*", "tensors-*", "data-*", "compiled-*", "*.tmp")
 
 
 class RankWriter:
@@ -256,17 +256,23 @@ class RankWriter:
         tensors: Mapping[str, Sequence[Any]],
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] = (),
+        compiled: Mapping[str, Any] | None = None,
     ) -> None:
-        """Commit one chunk given as column lists for ops and tensors, and optionally whole tensors."""
+        """Commit one chunk given as column lists for ops and tensors, and optionally whole tensors
+        and the record of compiled regions."""
         ops_table = pa.Table.from_pydict({k: ops[k] for k in OPS_SCHEMA.names}, schema=OPS_SCHEMA)
         tensors_table = pa.Table.from_pydict({k: tensors[k] for k in TENSORS_SCHEMA.names}, schema=TENSORS_SCHEMA)
-        self.write_tables(ops_table, tensors_table, data, steps)
+        self.write_tables(ops_table, tensors_table, data, steps, compiled=compiled)
 
     def write_rows(
-        self, op_rows: Columns, tensor_rows: Columns, data: Mapping[str, torch.Tensor] | None = None
+        self,
+        op_rows: Columns,
+        tensor_rows: Columns,
+        data: Mapping[str, torch.Tensor] | None = None,
+        compiled: Mapping[str, Any] | None = None,
     ) -> None:
         """Commit one chunk given as capture's row buffers (``OPS_SCHEMA`` and ``TENSORS_SCHEMA``)."""
-        self.write_tables(op_rows.table(), tensor_rows.table(), data)
+        self.write_tables(op_rows.table(), tensor_rows.table(), data, compiled=compiled)
 
     def write_tables(
         self,
@@ -274,8 +280,12 @@ class RankWriter:
         tensors: pa.Table,
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] | None = None,
+        compiled: Mapping[str, Any] | None = None,
     ) -> None:
         """Commit one chunk: its two tables (``steps``: those its ops belong to, read from them when None).
+
+        ``compiled`` is the chunk's record of compiled regions (:mod:`tracecmp.trace.compiled`),
+        written as ``compiled-<K>.json`` when given.
 
         The chunk's record ``chunk-<K>.json`` (its files' sizes and CRC-32s, row counts, steps) is
         renamed into place last: it is the commit. Each chunk costs the same whatever came before,
@@ -284,7 +294,8 @@ class RankWriter:
         index = self.chunks
         if steps is None:
             steps = pc.unique(ops.column("step")).to_pylist()
-        names = (f"ops-{index:05d}.parquet", f"tensors-{index:05d}.parquet", f"data-{index:05d}.safetensors")
+        names = (f"ops-{index:05d}.parquet", f"tensors-{index:05d}.parquet", f"data-{index:05d}.safetensors",
+                 f"compiled-{index:05d}.json")
         try:
             entry: dict[str, Any] = {
                 "format": FORMAT_NAME,
@@ -302,6 +313,9 @@ class RankWriter:
 
                     parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()})]
                 entry["data"] = self._commit(names[2], parts)
+            if compiled:
+                text = json.dumps(compiled, separators=(",", ":"), allow_nan=False).encode()
+                entry["compiled"] = self._commit(names[3], [text])
             write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
         except BaseException:
             for name in names:  # no record lists them: readers ignore them, a full disk wants the space
@@ -366,17 +380,19 @@ class BackgroundWriter:
         op_rows: Columns,
         tensor_rows: Columns,
         data: Mapping[str, torch.Tensor] | None = None,
+        compiled: Mapping[str, Any] | None = None,
         whole_through: int | None = None,
     ) -> int:
         """Hand over one chunk (rows the caller no longer touches); returns its index.
 
-        ``whole_through``: the last step whose ops are all in this chunk or in earlier ones.
+        ``compiled``: the chunk's record of compiled regions. ``whole_through``: the last step whose
+        ops are all in this chunk or in earlier ones.
         """
         self._raise_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tracecmp-writer", daemon=True)
             self._thread.start()
-        self._queue.put((op_rows, tensor_rows, data, whole_through))
+        self._queue.put((op_rows, tensor_rows, data, compiled, whole_through))
         index = self.submitted
         self.submitted = index + 1
         return index
