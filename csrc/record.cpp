@@ -72,6 +72,9 @@ struct Config {
   PyObject* view_kind = nullptr;       // aten.schema.VIEW
   PyObject* write_kind = nullptr;      // aten.schema.WRITE
   PyObject* fresh_kind = nullptr;      // aten.schema.FRESH
+  PyObject* parameter_type = nullptr;  // torch.nn.Parameter
+  PyObject* strided = nullptr;         // torch.strided
+  PyObject* stack_len = nullptr;       // torch._C._len_torch_dispatch_stack: other modes below this one
   bool ready = false;
 };
 Config g;
@@ -88,7 +91,7 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback)
+  X(kinds) X(append) X(_rollback) X(layout)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -713,7 +716,16 @@ PyObject* dtype_name(PyObject* mode, PyObject* md, PyObject* dtype) {
   return call_method(mode, s._dtype, {dtype});
 }
 
-// mode._value on the CPU with the fused kernel; anything else goes to the reference method.
+// A tensor of exactly torch.Tensor or nn.Parameter: no subclass, whose data_ptr() may be a wrapper's 0.
+bool plain_type(PyObject* t) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(t));
+  return type == g.tensor_type || type == g.parameter_type;
+}
+
+// mode._value on the CPU with the fused kernel; anything else goes to the reference method. The
+// kernel reads memory, so it sees only a plain dense strided tensor with storage behind its
+// pointer (capture/tensorkinds.py): a functional tensor's pointer is 0, a sparse one's raises,
+// a nested one has no strides.
 bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* op_id, PyObject* index,
            PyObject* view_of) {
   auto reference = [&]() {
@@ -723,6 +735,9 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
   };
   int save = truth(md, s._save_data);
   if (save != 0) return save > 0 ? reference() : false;
+  if (!plain_type(t)) return reference();
+  Ref layout(PyObject_GetAttr(t, s.layout));
+  if (!layout || layout.p != g.strided) return reference();
   Ref is_cpu(PyObject_GetAttr(t, s.is_cpu));
   if (!is_cpu || is_cpu.p != Py_True) return reference();
   Ref native(PyObject_GetAttr(g.stats_module, s._native_stats));
@@ -741,7 +756,13 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
   Ref threads(big ? call0(g.num_threads) : PyLong_FromLong(1));
   Ref ptr(call_method(t, s.data_ptr, {}));
   Ref strides(ptr ? call_method(t, s.stride, {}) : nullptr);
-  if (!threads || !ptr || !strides) return reference();  // no storage: the reference decides
+  if (!threads || !ptr || !strides) return reference();  // no storage or strides: the reference decides
+  void* address = PyLong_AsVoidPtr(ptr.p);
+  if (address == nullptr) {
+    if (PyErr_Occurred()) return reference();
+    int empty = PyObject_RichCompareBool(numel.p, s.zero, Py_EQ);
+    if (empty != 1) return reference();  // nothing behind the pointer
+  }
   PyObject* argv[6] = {ptr.p, shape.p, strides.p, code, numel.p, threads.p};
   Ref stats(PyObject_Vectorcall(native.p, argv, 6, nullptr));
   if (!stats || !PyTuple_Check(stats.p) || PyTuple_GET_SIZE(stats.p) != 7) return reference();
@@ -855,13 +876,17 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
   if (!index) return false;
   Ref is_cpu(PyObject_GetAttr(t, s.is_cpu));
   if (!is_cpu) return false;
-  if (is_cpu.p != Py_True) {
+  if (is_cpu.p != Py_True || !plain_type(t)) {  // the reference reads the shape of any tensor
     Ref r(call_method(mode, s._bare, {t, tid.p, op_id, index.p, view_of.p}));
     return r && PyList_Append(outputs, tid.p) == 0;
   }
   Ref dtype(PyObject_GetAttr(t, s.dtype));
   Ref shape(PyObject_GetAttr(t, s.shape));
-  if (!dtype || !shape) return false;
+  if (!dtype || !shape) {  // a nested tensor has no shape: the reference records it
+    PyErr_Clear();
+    Ref r(call_method(mode, s._bare, {t, tid.p, op_id, index.p, view_of.p}));
+    return r && PyList_Append(outputs, tid.p) == 0;
+  }
   Ref name(dtype_name(mode, md, dtype.p));
   Ref dims(dims_of(shape.p));
   if (!name || !dims) return false;
@@ -963,6 +988,18 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   PyObject* mode = argv[0];
   PyObject* func = argv[1];
   PyObject* args = argv[3];
+  // Tensor subclasses (DTensor, FakeTensor ...) and ops under another mode (a FakeTensorMode during
+  // sharding propagation): the reference decides what to record (capture/tensorkinds.py).
+  if (!PyTuple_Check(argv[2])) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(argv[2]); ++i) {  // torch may list Tensor itself
+    PyObject* type = PyTuple_GET_ITEM(argv[2], i);
+    if (type != g.tensor_type && type != g.parameter_type) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+  }
+  Ref modes(call0(g.stack_len));
+  if (!modes) return nullptr;
+  int others = PyObject_IsTrue(modes.p);
+  if (others < 0) return nullptr;
+  if (others) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   PyObject* kwargs = nargs == 5 && argv[4] != Py_None ? argv[4] : nullptr;
   if (!PyTuple_Check(args) || (kwargs != nullptr && !PyDict_Check(kwargs)))
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
@@ -1168,23 +1205,27 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* keywords[] = {"slow", "tensor_type", "op_overload", "op_infos", "one_fresh", "marker",
                                    "scan_value", "plain_types", "rec_type", "current_node", "sequence_nr",
                                    "grad_enabled", "inference_enabled", "num_threads", "stats_module",
-                                   "native_codes", "parallel_min", "view_kind", "write_kind", "fresh_kind", nullptr};
+                                   "native_codes", "parallel_min", "view_kind", "write_kind", "fresh_kind",
+                                   "parameter_type", "strided", "stack_len", nullptr};
   Config c;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOOO!OOOOOOOO!OOOO", const_cast<char**>(keywords), &c.slow,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOOO!OOOOOOOO!OOOOOOO", const_cast<char**>(keywords), &c.slow,
                                    &c.tensor_type, &c.op_overload, &PyDict_Type, &c.op_infos, &c.one_fresh,
                                    &c.marker, &c.scan_value, &PyTuple_Type, &c.plain_types, &c.rec_type,
                                    &c.current_node, &c.sequence_nr, &c.grad_enabled, &c.inference_enabled,
                                    &c.num_threads, &c.stats_module, &PyDict_Type, &c.native_codes,
-                                   &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind))
+                                   &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind, &c.parameter_type,
+                                   &c.strided, &c.stack_len))
     return nullptr;
-  if (!PyType_Check(c.tensor_type) || !PyType_Check(c.op_overload) || !PyType_Check(c.rec_type)) {
-    PyErr_SetString(PyExc_TypeError, "tensor_type, op_overload and rec_type must be types");
+  if (!PyType_Check(c.tensor_type) || !PyType_Check(c.op_overload) || !PyType_Check(c.rec_type) ||
+      !PyType_Check(c.parameter_type)) {
+    PyErr_SetString(PyExc_TypeError, "tensor_type, op_overload, rec_type and parameter_type must be types");
     return nullptr;
   }
   PyObject** fields[] = {&c.slow, &c.tensor_type, &c.op_overload, &c.op_infos, &c.one_fresh, &c.marker,
                          &c.scan_value, &c.plain_types, &c.rec_type, &c.current_node, &c.sequence_nr,
                          &c.grad_enabled, &c.inference_enabled, &c.num_threads, &c.stats_module,
-                         &c.native_codes, &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind};
+                         &c.native_codes, &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind,
+                         &c.parameter_type, &c.strided, &c.stack_len};
   for (PyObject** f : fields) Py_INCREF(*f);
   c.ready = true;
   g = c;  // once per process; a second call (a reload) leaks the first set, by design tiny

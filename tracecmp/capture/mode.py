@@ -26,6 +26,9 @@ counter moved since capture last saw it, capture emits an ``alias.update`` node 
 whose inputs are the tensor's previous value and the values written since, and whose output is
 its new value, with statistics. Otherwise the input becomes a *source* node named after what it
 is (parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
+
+Only plain dense strided tensors with storage reach the statistics kernel; ops on tensor
+subclasses (DTensor, FakeTensor ...) are unwrapped or passed through (``tensorkinds.py``).
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from tracecmp.aten.schema import (
 )
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
+from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA
@@ -74,6 +78,8 @@ _Tensor = torch.Tensor
 _NATIVE_CODES = _stats._NATIVE_CODES
 _PARALLEL_MIN = _stats._PARALLEL_MIN
 _CPU_DEVICE = ("cpu", 0)
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_RECORD = object()  # _not_plain's answer for an op to record as usual
 
 # Device kinds: statistics now (CPU), statistics gathered at flush (accelerators), none (meta).
 _CPU, _DEFERRED, _NONE = 0, 1, 2
@@ -102,6 +108,14 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
 
 class CaptureMode(TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A mode that says False makes Dynamo skip every frame while it is active, and a module
+        # first called then stays uncompiled after the mode exits: the traced program would not
+        # be the user's. With True, compilation is untouched and the mode sees what compiled
+        # code dispatches at run time (capture/compiled.py records the regions themselves).
+        return True
 
     def __init__(
         self,
@@ -155,6 +169,8 @@ class CaptureMode(TorchDispatchMode):
         self._args_memo = self._args.memo
         # One callable for every weak record, not one each.
         self._forget_cb: Callable[[_Rec], Any] = self._forget
+        # What was not recorded, or recorded without statistics, and why: reason -> count.
+        self.skipped: dict[str, int] = {}
         if _crecord is not None and USE_NATIVE:
             # The C copy of __torch_dispatch__ (csrc/record.cpp), bound to this mode: torch looks
             # the method up on the instance, so it shadows the reference below, which it calls
@@ -166,6 +182,11 @@ class CaptureMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
+        if types or _dispatch_stack_len():
+            # A tensor subclass, or another mode below this one (tensorkinds.py says what is done).
+            handled = self._not_plain(func, types, args, kwargs)
+            if handled is not _RECORD:
+                return handled
         if self._unsettled:
             self.settle()
         info = _OP_INFOS.get(id(func)) or op_info(func)
@@ -261,6 +282,21 @@ class CaptureMode(TorchDispatchMode):
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
+
+    def _not_plain(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op on tensor subclasses or under another mode: its result, or ``_RECORD`` to record it.
+
+        Fake and functional tensors compute nothing: the op runs unrecorded. Other subclasses
+        (DTensor, AsyncCollectiveTensor, jagged NestedTensor ...) get ``NotImplemented``, so they
+        unwrap themselves and their ops on real tensors come back here to be recorded.
+        """
+        subclasses = [cls for cls in types if cls not in PLAIN_TYPES]  # torch may pass Tensor itself
+        if traced_op(subclasses):
+            self.skipped[TRACED_OP] = self.skipped.get(TRACED_OP, 0) + 1
+            return func(*args, **kwargs)
+        if subclasses:
+            return NotImplemented
+        return _RECORD
 
     def _after_op(self) -> None:
         """End of every op under ``overflow="raise"``: judge it now, then the usual limits."""
@@ -473,7 +509,7 @@ class CaptureMode(TorchDispatchMode):
         device = "cpu" if t.is_cpu else self._device(t.device)[0]
         dtype = t.dtype
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(t.shape), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, False)
+            (tid, op_id, index, dims(t), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, False)
             + _NO_STATS
             + ("",)
         )
@@ -485,31 +521,45 @@ class CaptureMode(TorchDispatchMode):
         else:
             device, kind = self.devices.get(t.device) or self._device(t.device)
         dtype = t.dtype
-        shape = t.shape
-        stats: tuple[Any, ...] = _NO_STATS
-        has_stats = kind != _NONE
-        try:
-            if kind == _CPU:
-                native = _stats._native_stats
-                code = _NATIVE_CODES.get(dtype)
-                if native is not None and code is not None and not t.is_neg():
-                    n = t.numel()
-                    try:
-                        stats = native(t.data_ptr(), shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
-                    except (RuntimeError, ValueError):  # no storage (sparse, fake, functional): the reference decides
-                        stats = tensor_stats_row(t)
-                else:
-                    stats = tensor_stats_row(t)
-            elif kind == _DEFERRED:
-                self._pending.append((len(self.tensor_rows), stats_tensor_reference(t)))
-        except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):
-            has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
+        stats: tuple[Any, ...] | None = _NO_STATS
+        native = _stats._native_stats
+        code = _NATIVE_CODES.get(dtype)
+        if kind == _NONE:
+            stats = None
+        elif kind == _CPU and native is not None and code is not None and type(t) in PLAIN_TYPES and t.layout is STRIDED and not t.is_neg():
+            # Only a plain dense strided tensor reaches the kernel, and only with storage behind
+            # its pointer: a functional tensor's is 0, a sparse one's raises (tensorkinds.py).
+            n = t.numel()
+            try:
+                ptr = t.data_ptr()
+                if not ptr and n:
+                    raise ValueError("no storage behind the data pointer")
+                stats = native(ptr, t.shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
+            except (RuntimeError, ValueError):  # nested tensors have no strides: the reference decides
+                stats = self._reference_stats(t, kind)
+        else:
+            stats = self._reference_stats(t, kind)
+        has_stats = stats is not None
         key = self._save(t, tid) if self._save_data and has_stats else ""
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(shape), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, has_stats)
-            + stats
+            (tid, op_id, index, dims(t), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, has_stats)
+            + (stats or _NO_STATS)
             + (key,)
         )
+
+    def _reference_stats(self, t: torch.Tensor, kind: int) -> tuple[Any, ...] | None:
+        """Statistics by the torch reference (deferred on accelerators), or None, the reason counted."""
+        reason = unreadable(t)
+        if reason is None:
+            try:
+                if kind == _CPU:
+                    return tensor_stats_row(t)
+                self._pending.append((len(self.tensor_rows), stats_tensor_reference(t)))
+                return _NO_STATS
+            except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError) as exc:
+                reason = f"{str(t.dtype).removeprefix('torch.')}: the statistics do not cover it ({type(exc).__name__})"
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        return None
 
     def _save(self, t: torch.Tensor, tid: int) -> str:
         # Copied now: a later in-place op would change the value under us.
@@ -615,6 +665,9 @@ def _configure(native: Any) -> None:
         view_kind=VIEW,
         write_kind=WRITE,
         fresh_kind=FRESH,
+        parameter_type=torch.nn.Parameter,
+        strided=torch.strided,
+        stack_len=_dispatch_stack_len,
     )
 
 

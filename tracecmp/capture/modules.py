@@ -16,6 +16,11 @@ first, so each node goes to the innermost module that created it. torch's ``Modu
 instead follows gradient hooks on module inputs and outputs, which files ops under the wrong
 module when tensors skip modules (GPT-2's residual stream); sequence numbers do not depend on
 which tensors flow where.
+
+Under ``torch.compile`` the hooks do nothing while Dynamo traces them: a hook with side effects
+would be traced into the compiled graph (its effects replayed afterwards, or a graph break made
+where the user's program has none). Modules run inside a compiled region are known from the
+graph's node metadata instead (:mod:`tracecmp.capture.compiled`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from torch._C._autograd import _get_sequence_nr
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from tracecmp.capture.location import Locator
+
+# Dynamo folds this call to a constant while it traces a hook (True) and never calls it at run time.
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 _Named = dict[int, tuple[str, "weakref.ref[Any]"]]
 
@@ -41,6 +49,13 @@ def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif depth < 4 and isinstance(value, dict):
         for item in value.values():
             yield from _tensors_in(item, depth + 1)
+
+
+def _uncompiled(name: str) -> str:
+    """``name`` without the ``_orig_mod`` steps of ``torch.compile``'s wrapper modules."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _lookup(table: _Named, obj: Any) -> str | None:
@@ -77,13 +92,18 @@ class ModuleScope:
 
     # -- names ---------------------------------------------------------------------------------
     def add_root(self, root: torch.nn.Module) -> None:
-        """Name ``root``'s modules, parameters and buffers as ``root.named_*()`` does."""
+        """Name ``root``'s modules, parameters and buffers as ``root.named_*()`` does.
+
+        A ``torch.compile``d module (an ``OptimizedModule``, at the root or in place of a
+        submodule) takes the names of the module it wraps: ``blocks.0.fc``, not
+        ``blocks.0._orig_mod.fc``, as in the uncompiled model a bench run has.
+        """
         for name, module in root.named_modules():
-            self._modules.setdefault(id(module), (name, weakref.ref(module)))
+            self._modules.setdefault(id(module), (_uncompiled(name), weakref.ref(module)))
         for name, param in root.named_parameters():
-            self.params.setdefault(id(param), (name, weakref.ref(param)))
+            self.params.setdefault(id(param), (_uncompiled(name), weakref.ref(param)))
         for name, buf in root.named_buffers():
-            self.buffers.setdefault(id(buf), (name, weakref.ref(buf)))
+            self.buffers.setdefault(id(buf), (_uncompiled(name), weakref.ref(buf)))
 
     def mark_stale(self) -> None:
         """The model may have changed (a new step): name it again at the next lookup that misses.
@@ -183,6 +203,11 @@ class ModuleScope:
             cutoff = self._marks.pop(0)
             self.seq_info = {s: v for s, v in self.seq_info.items() if s >= cutoff}
 
+    @property
+    def hook_handles(self) -> list[Any]:
+        """The handles of the hooks installed now (empty between recorded steps)."""
+        return list(self._handles)
+
     def remove(self) -> None:
         """Stop following module calls."""
         for handle in self._handles:
@@ -190,9 +215,13 @@ class ModuleScope:
         self._handles = []
 
     def _root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if is_compiling():
+            return
         self.name_inputs(args, kwargs)
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if is_compiling():
+            return
         path = _lookup(self._modules, module)
         if path is None and self._renamed():
             path = _lookup(self._modules, module)
@@ -211,7 +240,7 @@ class ModuleScope:
         self.current, self.depth = path, len(self._stack)
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._stack:
+        if is_compiling() or not self._stack:
             return
         path, first, claims = self._stack.pop()
         self.current = self._stack[-1][0] if self._stack else ""

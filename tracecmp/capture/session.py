@@ -11,9 +11,10 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp.capture.compiled import HiddenHooks
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
-from tracecmp.capture.modules import ModuleScope
+from tracecmp.capture.modules import ModuleScope, is_compiling
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.errors import CaptureError, OverflowDetected, TracecmpError
@@ -164,6 +165,7 @@ class TraceCompare:
         self._dropout_off: DropoutOff | None = None  # the whole session, recorded steps or not
         self._unrecorded: Rewrites | None = None  # rng/dropout rewrites in steps that are not recorded
         self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
+        self._hidden = HiddenHooks(self._hook_handles)  # out of Dynamo's sight while it compiles
 
     @property
     def current_step(self) -> int:
@@ -226,12 +228,14 @@ class TraceCompare:
         self._step = 0
         self._handed = time.monotonic()
         try:
+            self._hidden.install()
             if self.dropout is not None:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
             self._begin_step()
         except BaseException:
             self._leave_dropout_off()
+            self._hidden.remove()
             TraceCompare._active = None
             raise
         return self
@@ -251,6 +255,7 @@ class TraceCompare:
                 raise
             exc.add_note(f"tracecmp: {err}")  # the body's own exception is the one to see
         finally:
+            self._hidden.remove()
             TraceCompare._active = None
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
 
@@ -303,6 +308,9 @@ class TraceCompare:
         self._writer.wait()
 
     # -- recording on/off ----------------------------------------------------------------------
+    def _hook_handles(self) -> list[Any]:
+        return [*(self._scope.hook_handles if self._scope is not None else ()), *self._hooks]
+
     def _begin_step(self) -> None:
         if self._selected(self._step):
             self._start()
@@ -343,11 +351,15 @@ class TraceCompare:
         self._hooks = []
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_compiling():  # traced by Dynamo (a compiled optimizer step): no side effects to replay
+            return
         assert self._mode is not None and self._scope is not None
         self._mode.in_optimizer = True
         self._scope.optimizers.add(optimizer)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            return
         assert self._mode is not None
         self._mode.in_optimizer = False
 
@@ -356,6 +368,9 @@ class TraceCompare:
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
+        if mode.skipped != writer.writer.manifest["info"].get("capture_skipped", {}):
+            # What was not recorded, or recorded without statistics, and why (capture/tensorkinds.py).
+            writer.writer.update_info(capture_skipped=dict(mode.skipped))
         if not mode.rows and not mode.tensor_rows:
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
