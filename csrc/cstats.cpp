@@ -283,8 +283,11 @@ Result compute(const void* data, const Cursor* cur, int64_t numel, int threads) 
   } else {
     auto call = std::make_shared<ParallelCall<T>>(data, cur, numel, threads);
     if (g_team != nullptr) {
-      g_team([](void* work) { static_cast<Work*>(work)->run(); }, call.get(),
-             static_cast<unsigned>(threads), 0);
+      // num_threads 0: the team as torch starts it (its thread count), whatever share of it this
+      // tensor needs; the rest find no grab. A smaller team would make libgomp end the threads
+      // it leaves out and torch's next op start them again (why torch never passes a count
+      // either, pytorch#32008).
+      g_team([](void* work) { static_cast<Work*>(work)->run(); }, call.get(), 0, 0);
     } else {
       pool().offer(call, threads - 1);
       call->run();
