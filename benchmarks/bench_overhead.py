@@ -10,7 +10,9 @@ Thread counts: torch's default (what users get: one per core) and one thread bes
 steps it prints the scaling table: per model and thread count, the time tracecmp adds to a step,
 and the statistics pass's own GB/s inside the traced step (its calls timed in two extra steps)
 against the machine's read bandwidth (a worker that times ``sum()`` over 512 MiB, once per round
-and thread count, interleaved with the rest).
+and thread count, interleaved with the rest). Beside wall-clock steps it reports the process's CPU
+time per step: on a machine other jobs load, CPU time at one thread moves much less than wall
+time (with more threads it counts torch's threads spinning between ops, so read it at one).
 
     python benchmarks/bench_overhead.py                      # all models, all configurations
     python benchmarks/bench_overhead.py --models mlp --rounds 2
@@ -212,12 +214,14 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
     closing = 0.0
     ops = trace_bytes = None
     extra: dict[str, Any] = {"threads": torch.get_num_threads()}
+    cpu: list[float] = []  # process CPU time per step: moves less with other jobs' load (see the README)
     if config == "plain":
         step()
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     elif config.startswith("tracecmp"):
         sys.path.insert(0, tracecmp_root)
         import tracecmp
@@ -229,10 +233,11 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
             tc.step()
             tc.sync()
             for _ in range(steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
                 tc.step()  # the step boundary hands finished steps to the writer when due: part of the cost
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             t0 = time.perf_counter()
             tc.sync()
             closing = time.perf_counter() - t0
@@ -286,6 +291,7 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
         "mean_s": (sum(times) + closing) / len(times),
         "ops": ops,
         "bytes": trace_bytes,
+        **({"cpu_median_s": statistics.median(cpu)} if cpu else {}),
         **extra,
     }
 
@@ -398,18 +404,19 @@ def main() -> None:
     )
     print(
         "| model | threads | configuration | step (median) | ratio to plain | added per step | mean incl. writes "
-        "| ratio (means) | ops/step | trace bytes/step |"
+        "| ratio (means) | CPU time per step (median) | ratio (CPU) | ops/step | trace bytes/step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for setting in threads:
             base = median_of((model, "plain", setting), "median_s")
             base_mean = median_of((model, "plain", setting), "mean_s")
+            base_cpu = median_of((model, "plain", setting), "cpu_median_s")
             for config in configs:
                 key = (model, config, setting)
                 runs = results.get(key)
                 if not runs:
-                    print(f"| {model} | {label(setting)} | {config} | - | - | - | - | - | - | {notes.get(key, 'not run')} |")
+                    print(f"| {model} | {label(setting)} | {config} | - | - | - | - | - | - | - | - | {notes.get(key, 'not run')} |")
                     continue
                 median = statistics.median(r["median_s"] for r in runs)
                 if config == "torchlens-fwd":
@@ -424,9 +431,13 @@ def main() -> None:
                 mean = median_of(key, "mean_s")
                 mean_text = "-" if mean is None else f"{mean * 1e3:.2f} ms"
                 mean_ratio = "-" if mean is None or not base_mean else f"{mean / base_mean:.2f}x"
+                cpu = median_of(key, "cpu_median_s")
+                cpu_text = "-" if cpu is None else f"{cpu * 1e3:.2f} ms"
+                cpu_ratio = "-" if cpu is None or not base_cpu else f"{cpu / base_cpu:.2f}x"
                 print(
                     f"| {model} | {label(setting)} | {name} | {median * 1e3:.2f} ms | {ratio:.2f}x | {added * 1e3:.2f} ms | "
-                    f"{mean_text} | {mean_ratio} | {'-' if ops is None else f'{ops:.0f}'} | {fmt_bytes(runs[0].get('bytes'))} |"
+                    f"{mean_text} | {mean_ratio} | {cpu_text} | {cpu_ratio} | {'-' if ops is None else f'{ops:.0f}'} "
+                    f"| {fmt_bytes(runs[0].get('bytes'))} |"
                 )
     if "plain" in configs and "tracecmp-stats" in configs:
         print_scaling(args.models, threads, label, median_of, results)
