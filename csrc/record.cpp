@@ -91,7 +91,7 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback) X(layout)
+  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(_awaited_groups) X(write_only) X(_unbumped) X(_held)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -118,6 +118,8 @@ struct OpEntry {
   PyObject* inplace;   // Py_True / Py_False
   PyObject* random;
   bool record, rewritable, uninitialized;
+  bool collective;       // c10d / _c10d_functional: the reference records it (capture/collectives.py)
+  bool write_only;       // has out= arguments: the reference records their first use without statistics
   bool all_fresh;        // a schema whose every return is new, and no other writes
   Py_ssize_t n_returns;
   Shape shape;
@@ -175,10 +177,14 @@ const OpEntry* entry_for(PyObject* func) {
       returns(PyObject_GetAttr(info, s.returns)), extra(PyObject_GetAttr(info, s.extra_writes)),
       uninit(PyObject_GetAttr(info, s.uninitialized)), inplace(PyObject_GetAttr(info, s.inplace)),
       random(PyObject_GetAttr(info, s.random)), name(PyObject_GetAttr(info, s.name)),
-      kind(PyObject_GetAttr(info, s.kind));
+      kind(PyObject_GetAttr(info, s.kind)), collective(PyObject_GetAttr(info, s.collective)),
+      write_only(PyObject_GetAttr(info, s.write_only));
   if (!record || !rewritable || !returns || !extra || !uninit || !inplace || !random || !name ||
-      !kind || !PyTuple_Check(returns.p) || !PyTuple_Check(extra.p))
+      !kind || !collective || !write_only || !PyTuple_Check(returns.p) || !PyTuple_Check(extra.p) ||
+      !PyTuple_Check(write_only.p))
     return nullptr;
+  e.collective = collective.p == Py_True;
+  e.write_only = PyTuple_GET_SIZE(write_only.p) > 0;
   e.record = record.p == Py_True;
   e.rewritable = rewritable.p == Py_True;
   e.uninitialized = uninit.p == Py_True;
@@ -777,22 +783,37 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
 }
 
 // mode.settle: read the versions of the tensors the previous op wrote.
-bool settle(PyObject* md) {
-  PyObject* unsettled = item(md, s._unsettled);
-  if (unsettled == nullptr) return false;
-  if (!PyList_Check(unsettled) || PyList_GET_SIZE(unsettled) == 0) return true;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unsettled); ++i) {
-    PyObject* pair = PyList_GET_ITEM(unsettled, i);  // (rec, [version, tid])
+bool settle(PyObject* mode, PyObject* md) {
+  PyObject* pending = item(md, s._unsettled);
+  if (pending == nullptr) return false;
+  if (!PyList_Check(pending) || PyList_GET_SIZE(pending) == 0) return true;
+  Ref unsettled(Py_NewRef(pending));
+  Ref fresh(PyList_New(0));
+  if (!fresh || PyDict_SetItem(md, s._unsettled, fresh.p) < 0) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unsettled.p); ++i) {
+    PyObject* pair = PyList_GET_ITEM(unsettled.p, i);  // (rec, [version, tid])
     PyObject* rec = PyTuple_GET_ITEM(pair, 0);
     PyObject* entry = PyTuple_GET_ITEM(pair, 1);
     PyObject* t = PyWeakref_GetObject(rec);
     if (t == Py_None) continue;
     Ref version(PyObject_GetAttr(t, s._version));
-    if (!version || PyObject_SetAttr(rec, s.version, version.p) < 0) return false;
+    if (!version) return false;
+    int same = PyObject_RichCompareBool(version.p, PyList_GET_ITEM(entry, 0), Py_EQ);
+    if (same < 0) return false;
+    if (same) {  // written without moving its version counter: mode._unbumped records the base's new value
+      Ref r(call_method(mode, s._unbumped, {t, PyList_GET_ITEM(entry, 1)}));
+      if (!r) return false;
+    }
+    if (PyObject_SetAttr(rec, s.version, version.p) < 0) return false;
     if (PyList_SetItem(entry, 0, version.release()) < 0) return false;
   }
-  Ref fresh(PyList_New(0));
-  return fresh && PyDict_SetItem(md, s._unsettled, fresh.p) == 0;
+  PyObject* held = item(md, s._held);  // views kept alive for this look (mode._written)
+  if (held == nullptr) return false;
+  if (PyList_Check(held) && PyList_GET_SIZE(held) > 0) {
+    Ref none(PyList_New(0));
+    if (!none || PyDict_SetItem(md, s._held, none.p) < 0) return false;
+  }
+  return true;
 }
 
 // mode._written for a written input that is in the map (anything else: the reference).
@@ -1004,12 +1025,13 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (!PyTuple_Check(args) || (kwargs != nullptr && !PyDict_Check(kwargs)))
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   Ref md(dict_of(mode));
-  if (!md || !settle(md.p)) return nullptr;
+  if (!md || !settle(mode, md.p)) return nullptr;
   const OpEntry* found = entry_for(func);
   if (found == nullptr && PyErr_Occurred()) return nullptr;
   int plain = truth(md.p, s._plain), stack = truth(md.p, s._stack);
   if (plain < 0 || stack < 0) return nullptr;
-  if (found == nullptr || !found->record || (!plain && found->rewritable) || stack)
+  if (found == nullptr || !found->record || found->collective || found->write_only || (!plain && found->rewritable) ||
+      stack)
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   const OpEntry& e = *found;
   Ref owned_kwargs;
@@ -1023,6 +1045,30 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (!tensors) return nullptr;
   Ref key(scan(args, kwargs, tensors.p));
   if (!key) return nullptr;
+  {
+    // An op using a collective's output still awaited: the reference takes its statistics once
+    // the collective completed (capture/collectives.py). Nothing is recorded yet.
+    PyObject* awaiting = item(md.p, s._awaited_groups);
+    PyObject* known = item(md.p, s._known);
+    if (awaiting == nullptr || known == nullptr) return nullptr;
+    if (PyDict_Check(awaiting) && PyDict_GET_SIZE(awaiting) > 0) {
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors.p); ++i) {
+        PyObject* t = PyList_GET_ITEM(tensors.p, i);
+        Ref id(PyLong_FromVoidPtr(t));
+        if (!id) return nullptr;
+        PyObject* rec = record_of(known, t, id.p);
+        if (rec == nullptr) {
+          if (PyErr_Occurred()) return nullptr;
+          continue;
+        }
+        Ref group(PyObject_GetAttr(rec, s.group));
+        if (!group) return nullptr;
+        int waiting = PyDict_Contains(awaiting, group.p);
+        if (waiting < 0) return nullptr;
+        if (waiting) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+      }
+    }
+  }
   PyObject* scope = item(md.p, s.scope);
   if (scope == nullptr) return nullptr;
   Ref sd(dict_of(scope));

@@ -16,6 +16,11 @@ import torch
 
 import tracecmp
 from tests.compile_models import CountingBackend, TinyGPT, tiny_batch
+from tracecmp._compat import TORCH_VERSION
+
+# torch 2.1's Dynamo has no compile callbacks (capture's hooks then stay visible to it) and cannot
+# compile this model whole; on 2.1 a compiled model is captured, but may recompile (README).
+pytestmark = pytest.mark.skipif(TORCH_VERSION < (2, 2), reason="compile transparency needs torch >= 2.2")
 
 STEPS = 4
 

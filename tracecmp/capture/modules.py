@@ -58,6 +58,15 @@ def _uncompiled(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
+def _named(table: _Named, name: str, tensor: Any) -> None:
+    """Name ``tensor`` in ``table``, and the local shard a DTensor (FSDP2, tensor parallel) holds:
+    capture records the ops on shards (tensorkinds.py), so that is the tensor it meets."""
+    table.setdefault(id(tensor), (name, weakref.ref(tensor)))
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        table.setdefault(id(local), (name, weakref.ref(local)))
+
+
 def _lookup(table: _Named, obj: Any) -> str | None:
     hit = table.get(id(obj))
     if hit is not None and hit[1]() is obj:
@@ -87,6 +96,8 @@ class ModuleScope:
         self._handles: list[Any] = []
         self._marks: list[int] = []
         self._stale = False  # the model may have new modules or parameters since it was named
+        self._unnamed: dict[int, weakref.ref[Any]] = {}  # parameters looked for in vain, not to look again
+        self.roots: list[str] = []  # class names of the outermost modules found running (no model given)
         if model is not None:
             self.add_root(model)
 
@@ -101,9 +112,9 @@ class ModuleScope:
         for name, module in root.named_modules():
             self._modules.setdefault(id(module), (_uncompiled(name), weakref.ref(module)))
         for name, param in root.named_parameters():
-            self.params.setdefault(id(param), (_uncompiled(name), weakref.ref(param)))
+            _named(self.params, _uncompiled(name), param)
         for name, buf in root.named_buffers():
-            self.buffers.setdefault(id(buf), (_uncompiled(name), weakref.ref(buf)))
+            _named(self.buffers, _uncompiled(name), buf)
 
     def mark_stale(self) -> None:
         """The model may have changed (a new step): name it again at the next lookup that misses.
@@ -145,6 +156,11 @@ class ModuleScope:
             name = _lookup(self.buffers, tensor)
             if name is not None:
                 return "source.buffer", name
+            seen = self._unnamed.get(id(tensor))
+            if isinstance(tensor, torch.nn.Parameter) and self.model is not None and (seen is None or seen() is not tensor):
+                # A parameter swapped in during the step (FSDP2's unsharded parameters): look again, once.
+                self._unnamed[id(tensor)] = weakref.ref(tensor)
+                self._stale = True
             if not self._renamed():
                 break
         name = _lookup(self.inputs, tensor)
@@ -161,7 +177,7 @@ class ModuleScope:
         params = [(name, ref()) for name, ref in self.params.values()]
         for name, param in params:
             if param is not None and param.grad is not None:
-                extra[id(param.grad)] = (f"{name}.grad", weakref.ref(param.grad))
+                _named(extra, f"{name}.grad", param.grad)
         names = {id(p): n for n, p in params if p is not None}
         for optimizer in list(self.optimizers):
             for param, state in optimizer.state.items():
@@ -170,7 +186,7 @@ class ModuleScope:
                     continue
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        extra[id(value)] = (f"{pname}.{key}", weakref.ref(value))
+                        _named(extra, f"{pname}.{key}", value)
         self._extra = extra
 
     def owner(self, param: Any) -> str:
@@ -229,6 +245,7 @@ class ModuleScope:
             # No model given: each top-level module is a root, named "" like named_modules() does.
             if path is None:
                 self.add_root(module)
+                self.roots.append(type(module).__name__)
                 path = ""
             if path == "":
                 self.name_inputs(args, {})

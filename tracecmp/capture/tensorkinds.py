@@ -23,14 +23,13 @@ values and pass through unrecorded.
 from __future__ import annotations
 
 import torch
-from torch._C import _get_dispatch_mode, _len_torch_dispatch_stack, _TorchDispatchModeKey
 from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
+
+from tracecmp._compat import FunctionalTensor, tracing_mode_active
 
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # exact types the kernel may read
 STRIDED = torch.strided
 _PYTHON_KEY = torch._C.DispatchKey.Python
-_TRACING_KEYS = (_TorchDispatchModeKey.FAKE, _TorchDispatchModeKey.FUNCTIONAL)
 
 # Reasons, as counted in the rank manifest.
 TRACED_OP = "an op on fake or functional tensors (sharding propagation, tracing): it computes no values"
@@ -98,9 +97,7 @@ def traced_op(types: tuple[type, ...] | list[type]) -> bool:
 
 def tracing_active() -> bool:
     """Whether a FakeTensorMode or FunctionalTensorMode is active below capture's mode."""
-    if not _len_torch_dispatch_stack():
-        return False
-    return any(_get_dispatch_mode(key) is not None for key in _TRACING_KEYS)
+    return tracing_mode_active()
 
 
 def dims(t: torch.Tensor) -> tuple[int, ...]:
