@@ -91,7 +91,7 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(_awaited_groups) X(write_only) X(_unbumped) X(_held)
+  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(_awaited_groups) X(write_only) X(_unbumped) X(_held) X(_base)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -845,6 +845,14 @@ bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObjec
     Ref pair(PyTuple_Pack(2, rec, entry.p));
     PyObject* unsettled = item(md, s._unsettled);
     if (!pair || unsettled == nullptr || PyList_Append(unsettled, pair.p) < 0) return false;
+    // A written view the caller drops at once (``x[i] = v``, FSDP2's out= views) is kept alive
+    // until settle has read its version: else its view family's write history stays unsettled.
+    Ref base(PyObject_GetAttr(t, s._base));
+    if (!base) return false;
+    if (base.p != Py_None) {
+      PyObject* held = item(md, s._held);
+      if (held == nullptr || PyList_Append(held, t) < 0) return false;
+    }
     Ref group(PyObject_GetAttr(rec, s.group));
     PyObject* writes = item(md, s._writes);
     if (!group || writes == nullptr) return false;
