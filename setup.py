@@ -56,7 +56,7 @@ setup(
             depends=["csrc/stats_kernel.hpp", "csrc/stats_x86.hpp"],
             language="c++",
             extra_compile_args=CXX_FLAGS,
-            extra_link_args=["-pthread"],
+            extra_link_args=["-pthread"] + (["-ldl"] if sys.platform.startswith("linux") else []),
         ),
         Extension(
             "tracecmp._crecord",

@@ -10,7 +10,9 @@ that machine noise hits them alike; the table shows medians in GB/s of input rea
   counts, no checksum, less precise accumulation);
 * ``copy``: ``dst.copy_(src)`` of the same tensor (reads it once and writes it once).
 
-Run: ``python benchmarks/bench_kernel.py`` (add ``--threads 1`` for one thread only). The kernel
+Run: ``python benchmarks/bench_kernel.py`` (add ``--threads 1`` for one thread only; by default
+torch's thread count, then one). From ``PARALLEL_MIN`` elements the pass runs on torch's
+intra-op threads (``TRACECMP_CSTATS_POOL=threads``: on its own pool instead). The kernel
 uses the best instruction set the CPU has; ``TRACECMP_CSTATS_ISA=avx2`` (or ``baseline``) in the
 environment caps it, to compare copies. The last line names the copy that ran.
 """
@@ -79,7 +81,7 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="65536,1048576,16777216", help="comma-separated element counts")
+    parser.add_argument("--sizes", default="65536,262144,1048576,16777216", help="comma-separated element counts")
     parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {','.join(DTYPES)}")
     parser.add_argument("--threads", default=f"{torch.get_num_threads()},1", help="thread counts to run, in order")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per row (at least 15 rounds)")
@@ -100,7 +102,8 @@ def main() -> None:
                     flush=True,
                 )
     print(
-        f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, kernel copy {stats._cstats.ISA}; "
+        f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, kernel copy {stats._cstats.ISA}, "
+        f"threads from {stats._cstats.POOL} (parallel from {stats._cstats.PARALLEL_MIN:,} elements); "
         f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
 

@@ -1,12 +1,22 @@
 """Capture overhead of one training step, side by side: plain, tracecmp, msprobe, TorchLens.
 
-Each (model, configuration) runs in its own worker process (msprobe and TorchLens patch torch
-globally, so they cannot share a process with the others), the workers of a model are interleaved
-round by round so machine noise hits every configuration alike, and every figure is reported as a
-ratio to the plain step's median.
+Each (model, configuration, thread count) runs in its own worker process (msprobe and TorchLens
+patch torch globally, so they cannot share a process with the others), the workers of a model are
+interleaved round by round so machine noise hits every configuration alike, and every figure is
+reported as a ratio to the plain step's median at the same thread count.
+
+Thread counts: torch's default (what users get: one per core) and one thread beside it, unless
+``--threads`` (or ``BENCH_THREADS``, which older commands set) says otherwise. Besides the table of
+steps it prints the scaling table: per model and thread count, the time tracecmp adds to a step,
+and the statistics pass's own GB/s inside the traced step (its calls timed in two extra steps)
+against the machine's read bandwidth (a worker that times ``sum()`` over 512 MiB, once per round
+and thread count, interleaved with the rest). Beside wall-clock steps it reports the process's CPU
+time per step: on a machine other jobs load, CPU time at one thread moves much less than wall
+time (with more threads it counts torch's threads spinning between ops, so read it at one).
 
     python benchmarks/bench_overhead.py                      # all models, all configurations
     python benchmarks/bench_overhead.py --models mlp --rounds 2
+    python benchmarks/bench_overhead.py --configs plain tracecmp-stats --threads default 1 2
     PEER_PYTHON=benchmarks/.peerenv/bin/python python benchmarks/bench_overhead.py
     python benchmarks/bench_overhead.py --models mlp --baseline /tmp/old   # also an older tracecmp
 
@@ -33,7 +43,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODELS = ("mlp", "block64", "transformer512", "resnet50", "gpt2")
+MODELS = ("mlp", "block64", "transformer512", "resnet50", "gpt2", "gpt2-small")
 CONFIGS = (
     "plain",
     "tracecmp-stats",
@@ -46,9 +56,10 @@ CONFIGS = (
 # Slow peers on big models would take many minutes a step; fewer steps keep the run bounded. The
 # small models run long enough (over a second traced) that tracecmp's time-based hand-overs to its
 # writer (flush_secs=1) fall inside the timed steps, not only into the exit.
-STEPS = {"mlp": 300, "block64": 150, "transformer512": 6, "resnet50": 4, "gpt2": 6}
+STEPS = {"mlp": 300, "block64": 150, "transformer512": 6, "resnet50": 4, "gpt2": 6, "gpt2-small": 3}
 PEER_STEPS = 20  # at most, for msprobe and TorchLens (20-300 ms a step on the small models)
-HEAVY = {"resnet50", "transformer512"}
+HEAVY = {"resnet50", "transformer512", "gpt2-small"}
+BANDWIDTH_MIB = 512  # the read-bandwidth probe's buffer: well beyond any core's caches
 
 
 # ----------------------------------------------------------------------------- models (worker side)
@@ -93,18 +104,22 @@ def build(name: str) -> tuple[Any, Any, Callable[[], Any]]:
         model = ResNetForImageClassification(ResNetConfig(num_labels=10))
         x, y = torch.randn(8, 3, 224, 224), torch.randint(0, 10, (8,))
         loss_fn = lambda out: F.cross_entropy(out.logits, y)  # noqa: E731
-    elif name == "gpt2":
+    elif name in ("gpt2", "gpt2-small"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128)
+        # gpt2: 4 layers at d256; gpt2-small: GPT-2 small itself (GPT2Config() defaults, 124M).
+        small = name == "gpt2-small"
+        config = GPT2Config() if small else GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128)
         model = GPT2LMHeadModel(config)
-        tokens = torch.randint(0, 2048, (2, 129))
+        vocab = config.vocab_size
+        tokens = torch.randint(0, vocab, (2, 129))
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        loss_fn = lambda out: F.cross_entropy(out.logits.reshape(-1, 2048), y.reshape(-1))  # noqa: E731
+        loss_fn = lambda out: F.cross_entropy(out.logits.reshape(-1, vocab), y.reshape(-1))  # noqa: E731
     else:
         raise SystemExit(f"unknown model {name}")
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    adam = torch.optim.AdamW if name == "gpt2-small" else torch.optim.Adam
+    opt = adam(model.parameters(), lr=1e-4)
 
     def step() -> Any:
         loss = loss_fn(model(x))
@@ -120,6 +135,63 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def set_threads() -> None:
+    """Torch's thread count for this worker: ``BENCH_THREADS`` when set, else torch's default."""
+    import torch
+
+    threads = os.environ.get("BENCH_THREADS", "default")
+    if threads != "default":
+        torch.set_num_threads(int(threads))
+
+
+def read_bandwidth() -> dict[str, Any]:
+    """The machine's read bandwidth at this worker's thread count: best of ``sum()`` over 512 MiB."""
+    import torch
+
+    set_threads()
+    buf = torch.ones(BANDWIDTH_MIB * 2**20 // 4)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return {"read_gbs": buf.numel() * 4 / best / 1e9, "threads": torch.get_num_threads()}
+
+
+def timed_statistics(step: Callable[[], Any], tc: Any, steps: int) -> dict[str, float]:
+    """Run ``steps`` more traced steps with the statistics pass's calls timed: its GB/s in place.
+
+    The pass reads each output right after the op that wrote it, so this is its speed inside a real
+    step (caches as the model leaves them), not on a tensor read over and over.
+    """
+    from tracecmp.capture import stats
+
+    real = getattr(stats, "_native_stats", None)
+    if real is None:  # the reference serves (or an older tracecmp): nothing to time
+        return {}
+    import torch
+
+    width = {code: torch.empty(0, dtype=dtype).element_size() for dtype, code in stats._NATIVE_CODES.items()}
+    seconds, nbytes = 0.0, 0
+
+    def timed(ptr: int, shape: Any, strides: Any, code: int, numel: int, threads: int) -> tuple[Any, ...]:
+        nonlocal seconds, nbytes
+        t0 = time.perf_counter()
+        row = real(ptr, shape, strides, code, numel, threads)
+        seconds += time.perf_counter() - t0
+        nbytes += numel * width[code]
+        return row
+
+    stats._native_stats = timed
+    try:
+        for _ in range(steps):
+            step()
+            tc.step()
+    finally:
+        stats._native_stats = real
+    return {"stats_s": seconds / steps, "stats_bytes": nbytes / steps}
+
+
 def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
     """Time ``steps`` steps after one warm-up step; report median and mean seconds, ops and bytes per step.
 
@@ -128,7 +200,9 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
     """
     import torch
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    if config == "bandwidth":
+        return read_bandwidth()
+    set_threads()
     tracecmp_root = os.environ.get("BENCH_TRACECMP", str(ROOT))  # --baseline: an older tracecmp
     if config == "tracecmp-stats-det":
         sys.path.insert(0, tracecmp_root)
@@ -139,12 +213,15 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
     times: list[float] = []
     closing = 0.0
     ops = trace_bytes = None
+    extra: dict[str, Any] = {"threads": torch.get_num_threads()}
+    cpu: list[float] = []  # process CPU time per step: moves less with other jobs' load (see the README)
     if config == "plain":
         step()
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     elif config.startswith("tracecmp"):
         sys.path.insert(0, tracecmp_root)
         import tracecmp
@@ -156,15 +233,19 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
             tc.step()
             tc.sync()
             for _ in range(steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
                 tc.step()  # the step boundary hands finished steps to the writer when due: part of the cost
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             t0 = time.perf_counter()
-        closing = time.perf_counter() - t0
+            tc.sync()
+            closing = time.perf_counter() - t0
+            if config == "tracecmp-stats":
+                extra.update(timed_statistics(step, tc, 2))
         frame = tracecmp.load(path).to_frame()
-        ops = int((frame["step"] >= 1).sum()) / steps
-        trace_bytes = folder_bytes(path) / (steps + 1)
+        ops = int(frame["step"].between(1, steps).sum()) / steps
+        trace_bytes = folder_bytes(path) / (frame["step"].max() + 1)
     elif config.startswith("msprobe"):
         from msprobe.pytorch import PrecisionDebugger
 
@@ -210,17 +291,23 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
         "mean_s": (sum(times) + closing) / len(times),
         "ops": ops,
         "bytes": trace_bytes,
+        **({"cpu_median_s": statistics.median(cpu)} if cpu else {}),
+        **extra,
     }
 
 
 # ----------------------------------------------------------------------------- driver
 def run_worker(
-    python: str, name: str, config: str, steps: int, timeout: float, tracecmp_root: Path = ROOT
+    python: str, name: str, config: str, steps: int, timeout: float, threads: str, tracecmp_root: Path = ROOT
 ) -> dict[str, Any] | str:
     workdir = Path(tempfile.mkdtemp(prefix=f"ovh-{name}-{config}-"))
     cmd = [python, __file__, "--worker", name, config, "--steps", str(steps), "--workdir", str(workdir)]
     env = dict(
-        os.environ, PYTHONPATH=f"{tracecmp_root}{os.pathsep}{ROOT}", BENCH_TRACECMP=str(tracecmp_root), MSPROBE_LOG_LEVEL="3"
+        os.environ,
+        PYTHONPATH=f"{tracecmp_root}{os.pathsep}{ROOT}",
+        BENCH_TRACECMP=str(tracecmp_root),
+        BENCH_THREADS=threads,
+        MSPROBE_LOG_LEVEL="3",
     )
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
@@ -256,6 +343,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--baseline", type=Path, help="a folder holding an older tracecmp package to compare with")
+    parser.add_argument(
+        "--threads", nargs="*", help="torch thread counts to run, 'default' for torch's own (default: default 1)"
+    )
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(*args.worker, args.steps, args.workdir)), flush=True)
@@ -263,65 +353,137 @@ def main() -> None:
 
     peer_python = os.environ.get("PEER_PYTHON") or str(ROOT / "benchmarks/.peerenv/bin/python")
     have_peers = Path(peer_python).exists()
-    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    notes: dict[tuple[str, str], str] = {}
+    # BENCH_THREADS, as older commands set it, stands for a single --threads value.
+    threads = args.threads or ([os.environ["BENCH_THREADS"]] if os.environ.get("BENCH_THREADS") else ["default", "1"])
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    notes: dict[tuple[str, str, str], str] = {}
     configs = list(args.configs)
     if args.baseline:
         configs += [f"{c}@baseline" for c in args.configs if c.startswith("tracecmp")]
+    print(f"load average before: {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    loads = [os.getloadavg()[0]]
     for model in args.models:
         steps = max(2, int(STEPS[model] * args.steps_scale))
         for round_index in range(args.rounds):
-            for config in configs:
-                peer = config.startswith(("msprobe", "torchlens"))
-                if peer and not have_peers:
-                    notes[(model, config)] = "peers not installed (benchmarks/peers.sh)"
-                    continue
-                # The slow tensor dumps of the peers get one round on the heavy models: minutes a step.
-                if config == "msprobe-tensor" and model in HEAVY and round_index:
-                    continue
-                python = peer_python if peer else sys.executable
-                n = 2 if (config == "msprobe-tensor" and model in HEAVY) else (min(steps, PEER_STEPS) if peer else steps)
-                name, _, baseline = config.partition("@")
-                out = run_worker(python, model, name, n, args.timeout, args.baseline.resolve() if baseline else ROOT)
-                if isinstance(out, str):
-                    notes[(model, config)] = out
-                else:
-                    results.setdefault((model, config), []).append(out)
-                print(f"[{model} round {round_index} {config}] {out if isinstance(out, str) else round(out['median_s'], 4)}",
-                      file=sys.stderr, flush=True)
+            for setting in threads:
+                for config in ["bandwidth", *configs]:
+                    key = (model, config, setting)
+                    peer = config.startswith(("msprobe", "torchlens"))
+                    if peer and not have_peers:
+                        notes[key] = "peers not installed (benchmarks/peers.sh)"
+                        continue
+                    # The slow tensor dumps of the peers get one round on the heavy models: minutes a step.
+                    if config == "msprobe-tensor" and model in HEAVY and round_index:
+                        continue
+                    python = peer_python if peer else sys.executable
+                    n = 2 if (config == "msprobe-tensor" and model in HEAVY) else (min(steps, PEER_STEPS) if peer else steps)
+                    name, _, baseline = config.partition("@")
+                    root = args.baseline.resolve() if baseline else ROOT
+                    out = run_worker(python, model, name, n, args.timeout, setting, root)
+                    if isinstance(out, str):
+                        notes[key] = out
+                    else:
+                        results.setdefault(key, []).append(out)
+                    shown = out if isinstance(out, str) else round(out.get("median_s", out.get("read_gbs", 0.0)), 4)
+                    loads.append(os.getloadavg()[0])
+                    print(f"[{model} round {round_index} threads {setting} {config}] {shown} (load {loads[-1]:.2f})",
+                          file=sys.stderr, flush=True)
+
+    def label(setting: str) -> str:
+        """``default (N)`` for torch's default count, as the workers reported it."""
+        counts = {r["threads"] for (_, _, s), runs in results.items() if s == setting for r in runs if "threads" in r}
+        count = "/".join(str(c) for c in sorted(counts)) or "?"
+        return f"default ({count})" if setting == "default" else count
+
+    def median_of(key: tuple[str, str, str], field: str) -> float | None:
+        values = [r[field] for r in results.get(key, []) if field in r]
+        return statistics.median(values) if values else None
 
     print(
-        "| model | configuration | step (median) | ratio to plain | added per step | mean incl. writes | ratio (means) "
-        "| ops/step | trace bytes/step |"
+        f"load average (1 min) over the run: {min(loads):.2f}-{max(loads):.2f}, median {statistics.median(loads):.2f}\n"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | threads | configuration | step (median) | ratio to plain | added per step | mean incl. writes "
+        "| ratio (means) | CPU time per step (median) | ratio (CPU) | ops/step | trace bytes/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
-        base_runs = results.get((model, "plain"))
-        base = statistics.median(r["median_s"] for r in base_runs) if base_runs else None
-        base_mean = statistics.median(r["mean_s"] for r in base_runs if "mean_s" in r) if base_runs else None
-        for config in configs:
-            runs = results.get((model, config))
-            if not runs:
-                print(f"| {model} | {config} | - | - | - | - | - | - | {notes.get((model, config), 'not run')} |")
-                continue
-            median = statistics.median(r["median_s"] for r in runs)
-            if config == "torchlens-fwd":
-                ref = statistics.median(r["plain_fwd_s"] for r in runs)
-                ratio, added = median / ref, median - ref
-                label = "torchlens (forward only)"
+        for setting in threads:
+            base = median_of((model, "plain", setting), "median_s")
+            base_mean = median_of((model, "plain", setting), "mean_s")
+            base_cpu = median_of((model, "plain", setting), "cpu_median_s")
+            for config in configs:
+                key = (model, config, setting)
+                runs = results.get(key)
+                if not runs:
+                    print(f"| {model} | {label(setting)} | {config} | - | - | - | - | - | - | - | - | {notes.get(key, 'not run')} |")
+                    continue
+                median = statistics.median(r["median_s"] for r in runs)
+                if config == "torchlens-fwd":
+                    ref = statistics.median(r["plain_fwd_s"] for r in runs)
+                    ratio, added = median / ref, median - ref
+                    name = "torchlens (forward only)"
+                else:
+                    ratio = median / base if base else float("nan")
+                    added = median - base if base else float("nan")
+                    name = config
+                ops = runs[0].get("ops")
+                mean = median_of(key, "mean_s")
+                mean_text = "-" if mean is None else f"{mean * 1e3:.2f} ms"
+                mean_ratio = "-" if mean is None or not base_mean else f"{mean / base_mean:.2f}x"
+                cpu = median_of(key, "cpu_median_s")
+                cpu_text = "-" if cpu is None else f"{cpu * 1e3:.2f} ms"
+                cpu_ratio = "-" if cpu is None or not base_cpu else f"{cpu / base_cpu:.2f}x"
+                print(
+                    f"| {model} | {label(setting)} | {name} | {median * 1e3:.2f} ms | {ratio:.2f}x | {added * 1e3:.2f} ms | "
+                    f"{mean_text} | {mean_ratio} | {cpu_text} | {cpu_ratio} | {'-' if ops is None else f'{ops:.0f}'} "
+                    f"| {fmt_bytes(runs[0].get('bytes'))} |"
+                )
+    if "plain" in configs and "tracecmp-stats" in configs:
+        print_scaling(args.models, threads, label, median_of, results)
+
+
+def print_scaling(
+    models: list[str],
+    threads: list[str],
+    label: Callable[[str], str],
+    median_of: Callable[[tuple[str, str, str], str], float | None],
+    results: dict[tuple[str, str, str], list[dict[str, Any]]],
+) -> None:
+    """Per model and thread count: time added per step, and the statistics pass's GB/s in place."""
+    heads = [label(s) for s in threads]
+    print("\nScaling: time tracecmp-stats adds to a step (medians), and its statistics pass's read rate inside")
+    print("the step (GB/s read / the machine's read bandwidth at that thread count, same run)\n")
+    print(
+        "| model | "
+        + " | ".join(f"added, {h} threads" for h in heads)
+        + (f" | added {heads[0]} / added {heads[-1]}" if len(threads) > 1 else "")
+        + " | "
+        + " | ".join(f"pass, {h}: GB/s (share of bandwidth), ms per step" for h in heads)
+        + " |"
+    )
+    print("|---|" + "---|" * (2 * len(threads) + (len(threads) > 1)))
+    for model in models:
+        added: list[float | None] = []
+        passes: list[str] = []
+        for setting in threads:
+            plain = median_of((model, "plain", setting), "median_s")
+            traced = median_of((model, "tracecmp-stats", setting), "median_s")
+            added.append(traced - plain if plain is not None and traced is not None else None)
+            runs = [r for r in results.get((model, "tracecmp-stats", setting), []) if r.get("stats_s")]
+            bandwidth = median_of((model, "bandwidth", setting), "read_gbs")
+            if runs:
+                gbs = statistics.median(r["stats_bytes"] / r["stats_s"] / 1e9 for r in runs)
+                ms = statistics.median(r["stats_s"] for r in runs) * 1e3
+                share = f" ({gbs / bandwidth:.0%} of {bandwidth:.1f})" if bandwidth else ""
+                passes.append(f"{gbs:.1f}{share}, {ms:.1f} ms")
             else:
-                ratio = median / base if base else float("nan")
-                added = median - base if base else float("nan")
-                label = config
-            ops = runs[0].get("ops")
-            means = [r["mean_s"] for r in runs if "mean_s" in r]
-            mean = statistics.median(means) if means else None
-            mean_text = "-" if mean is None else f"{mean * 1e3:.2f} ms"
-            mean_ratio = "-" if mean is None or not base_mean else f"{mean / base_mean:.2f}x"
-            print(
-                f"| {model} | {label} | {median * 1e3:.2f} ms | {ratio:.2f}x | {added * 1e3:.2f} ms | {mean_text} | "
-                f"{mean_ratio} | {'-' if ops is None else f'{ops:.0f}'} | {fmt_bytes(runs[0].get('bytes'))} |"
-            )
+                passes.append("-")
+        cells = ["-" if a is None else f"{a * 1e3:.1f} ms" for a in added]
+        if len(threads) > 1:
+            first, last = added[0], added[-1]
+            cells.append(f"{first / last:.2f}" if first is not None and last else "-")
+        print(f"| {model} | " + " | ".join(cells + passes) + " |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a traced training step's time goes on small models: dispatch, per-op capture, writing.
+"""Where a traced training step's time goes: dispatch, per-op capture, the statistics pass, writing.
 
 One process, configurations interleaved round by round, one training step (forward, backward,
 Adam) of the overhead benchmark's models (``bench_overhead.build``):
@@ -9,12 +9,16 @@ Adam) of the overhead benchmark's models (``bench_overhead.build``):
   ``__torch_dispatch__``, as capture binds its C per-op path: the op re-dispatched exactly as
   capture does it, nothing recorded. The floor of any capture built on a dispatch mode with a
   CPython-only native part;
+* ``no statistics``: tracecmp's per-op path with the statistics pass replaced by a constant row,
+  its buffers dropped at each step: everything capture does but reading the tensors;
 * ``capture only``: tracecmp's per-op path, its buffers dropped at each step instead of written;
 * ``flush_secs=0``: a chunk written per step;
 * ``flush_secs=1``: the default, chunks shared by the steps of each second.
 
 Each traced figure is the mean per step over the whole session, its exit included (the last
-hand-over and the wait for the writer), so deferred writing is paid for.
+hand-over and the wait for the writer), so deferred writing is paid for. Beside the wall-clock
+time, the process's CPU time per step: on a shared machine it moves less with the load (at one
+thread; with more, torch's threads spin between ops and count too).
 
 Then one op alone (``torch.add`` of two 8x8 tensors, and the view ``t()``), in microseconds:
 plain, under the empty mode and the C pass-through, captured by the C per-op path and by its
@@ -23,6 +27,9 @@ Arrow tables from the column buffers (holding the GIL) and encoding them as Parq
 it).
 
     BENCH_THREADS=1 python benchmarks/overhead_ablation.py --models mlp block64 --rounds 5
+    BENCH_THREADS=1 python benchmarks/overhead_ablation.py --models transformer512 gpt2 --rounds 3 --seconds 3
+
+``BENCH_THREADS`` sets torch's thread count (default: torch's own).
 """
 from __future__ import annotations
 
@@ -48,7 +55,8 @@ from tracecmp.trace.columns import Columns  # noqa: E402
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA  # noqa: E402
 from benchmarks.bench_overhead import build  # noqa: E402
 
-CONFIGS = ("plain", "empty mode", "C pass-through", "capture only", "flush_secs=0", "flush_secs=1")
+CONFIGS = ("plain", "empty mode", "C pass-through", "no statistics", "capture only", "flush_secs=0", "flush_secs=1")
+_NO_STATISTICS = (0.0, 0.0, 0.0, 0.0, 0, 0, 0)
 
 
 class EmptyMode(TorchDispatchMode):
@@ -73,34 +81,41 @@ def drop_rows(mode: Any) -> None:
     mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
 
 
-def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path) -> float:
-    """Mean seconds per step of ``steps`` steps under ``config``."""
+def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path) -> tuple[float, float]:
+    """Mean wall-clock and CPU seconds per step of ``steps`` steps under ``config``."""
+    from tracecmp.capture import stats
+
+    t0, c0 = time.perf_counter(), time.process_time()
     if config == "plain":
-        t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        return (time.perf_counter() - t0) / steps
-    if config in ("empty mode", "C pass-through"):
+    elif config in ("empty mode", "C pass-through"):
         mode_type = EmptyMode if config == "empty mode" else PassThroughMode
-        t0 = time.perf_counter()
         for _ in range(steps):
             with mode_type():
                 step()
-        return (time.perf_counter() - t0) / steps
-    path = workdir / "trace"
-    flush_secs = 0.0 if config == "flush_secs=0" else 1.0
-    with tracecmp.TraceCompare(path, model=model, flush_secs=flush_secs) as tc:
-        mode = tc._mode
-        assert mode is not None
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-            if config == "capture only":
-                drop_rows(mode)
-            tc.step()
-    elapsed = time.perf_counter() - t0
-    shutil.rmtree(path)
-    return elapsed / steps
+    else:
+        path = workdir / "trace"
+        flush_secs = 0.0 if config == "flush_secs=0" else 1.0
+        native = stats._native_stats
+        if config == "no statistics":
+            stats._native_stats = lambda *_: _NO_STATISTICS
+        try:
+            with tracecmp.TraceCompare(path, model=model, flush_secs=flush_secs) as tc:
+                mode = tc._mode
+                assert mode is not None
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    step()
+                    if config in ("capture only", "no statistics"):
+                        drop_rows(mode)
+                    tc.step()
+        finally:
+            stats._native_stats = native
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        shutil.rmtree(path)
+        return wall / steps, cpu / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def per_op(workdir: Path, rounds: int) -> None:
@@ -192,25 +207,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.5, help="traced seconds per configuration and round")
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    if os.environ.get("BENCH_THREADS", "default") != "default":
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
     workdir = Path(tempfile.mkdtemp(prefix="overhead-ablation-"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     for name in args.models:
         model, _, step = build(name)
         for _ in range(3):
             step()
-        per_step("capture only", step, model, 5, workdir)  # the first traced steps build caches
-        steps = max(20, int(args.seconds / per_step("capture only", step, model, 10, workdir)))
-        times: dict[str, list[float]] = {config: [] for config in CONFIGS}
+        per_step("capture only", step, model, 2, workdir)  # the first traced steps build caches
+        steps = max(5, int(args.seconds / per_step("capture only", step, model, 3, workdir)[0]))
+        times: dict[str, list[tuple[float, float]]] = {config: [] for config in CONFIGS}
         for _ in range(args.rounds):
             for config in CONFIGS:
                 times[config].append(per_step(config, step, model, steps, workdir))
-        plain = statistics.median(times["plain"])
-        print(f"\n{name}: {steps} steps per round, {args.rounds} rounds (median of the rounds' means)")
-        print(f"  {'configuration':16s} {'ms/step':>8s} {'ratio':>6s}")
+        plain = statistics.median(wall for wall, _ in times["plain"])
+        plain_cpu = statistics.median(cpu for _, cpu in times["plain"])
+        print(f"\n{name}: {steps} steps per round, {args.rounds} rounds (median of the rounds' means); "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print(f"  {'configuration':16s} {'ms/step':>8s} {'ratio':>6s} {'CPU ms/step':>12s} {'ratio':>6s}")
         for config, values in times.items():
-            value = statistics.median(values)
-            print(f"  {config:16s} {value * 1e3:8.3f} {value / plain:6.2f}")
+            wall = statistics.median(w for w, _ in values)
+            cpu = statistics.median(c for _, c in values)
+            print(f"  {config:16s} {wall * 1e3:8.3f} {wall / plain:6.2f} {cpu * 1e3:12.3f} {cpu / plain_cpu:6.2f}")
     per_op(workdir, args.rounds)
     chunk_cost(workdir, args.rounds)
     shutil.rmtree(workdir, ignore_errors=True)

@@ -14,12 +14,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <system_error>
 #include <thread>
 #include <type_traits>
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#include <pthread.h>
+#endif
 
 #include "stats_kernel.hpp"
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -29,15 +35,16 @@
 namespace tracecmp {
 namespace {
 
-// Starting a thread costs ~20 us, more when the other cores are busy; below this many elements
-// (~150 us of work) one thread measured as fast.
-constexpr int64_t kParallelMin = int64_t{1} << 20;
-// Each extra thread should get at least this much work.
-constexpr int64_t kPerThreadMin = int64_t{1} << 19;
-// Memory bandwidth saturates long before this; more threads would only add start-up cost.
-constexpr int kMaxThreads = 16;
-// Blocks a thread takes at a time (64K elements, ~10 us of work).
-constexpr int64_t kGrab = 32;
+// Tensors from this many elements up are split over torch's intra-op threads (~12 us of work on
+// one thread; the pool's threads are already running, so handing them work costs ~1-2 us).
+constexpr int64_t kParallelMin = int64_t{1} << 16;
+// Each thread should get at least this much work.
+constexpr int64_t kPerThreadMin = int64_t{1} << 15;
+// Blocks a thread takes at a time, at most (64K elements, ~10 us of work); smaller tensors are
+// cut finer so that every thread gets several grabs and a late one just does fewer.
+constexpr int64_t kGrabMax = 32;
+// A bound on helper threads; memory bandwidth saturates long before.
+constexpr int64_t kMaxThreads = 64;
 // Releasing the GIL costs more than it gives for small tensors.
 constexpr int64_t kReleaseGilMin = int64_t{1} << 15;
 
@@ -116,35 +123,138 @@ struct Result {
   uint64_t checksum;
 };
 
-// The state of one multi-threaded call, shared with its helper threads. Blocks are handed out
-// in runs of kGrab (a "grab") from a counter, so a helper that starts late or is descheduled
-// just does fewer; which thread did a grab changes no bit (results are stored per grab and per
-// block and combined in order). Helpers are detached and own a reference to this state: the
-// caller never waits for a helper that has not started a grab (on a busy machine it may not get
-// a core for milliseconds), only for one that is inside a grab, i.e. reading the tensor.
+// ---- threads -----------------------------------------------------------------------------------
+//
+// A parallel pass splits the tensor's blocks, not its arithmetic: every block is summed alone in
+// its fixed lane order, its two sums are stored in the block's own slot and the slots are added
+// in block order by the same pairwise sum the one-thread pass uses; min, max, the counts and the
+// checksum are exact and combined per grab (a run of blocks) in grab order. So which thread took
+// which grab, how big the grabs were and how many threads ran change no bit of the result: a
+// trace does not depend on the cores that recorded it (test_stats.py holds 1, 2, 3 and 8 threads
+// equal, through both kinds of threads below).
+//
+// Where the threads come from. First choice: torch's own intra-op threads. Torch's CPU builds
+// run their parallel ops on an OpenMP team, and the OpenMP runtimes they ship (GNU libgomp, LLVM
+// libomp, Intel libiomp5) all have GNU's entry point GOMP_parallel. This module links none: at
+// import it looks that function up among the libraries already loaded (torch's), so it adds no
+// dependency and never starts a second runtime. A pass then is one more parallel region on
+// torch's team, on threads that are awake: between ops they spin waiting for the next region
+// (libgomp spins for milliseconds by default), so any thread of ours would have to take a core
+// from them. Otherwise (no OpenMP runtime loaded, or TRACECMP_CSTATS_POOL=threads): a pool of
+// persistent threads of our own, which sleep between passes and never spin.
+
+// Work any number of threads can join: run() takes grabs until none is left.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void run() = 0;
+};
+
+// GOMP_parallel(fn, data, num_threads, flags): fn(data) on a team of num_threads (the caller
+// included), returning when all have returned.
+using TeamFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
+TeamFn g_team = nullptr;  // set at import when the process has an OpenMP runtime
+
+enum PoolKind : int { kThreads = 0, kOpenMP = 1 };
+const char* const kPoolNames[] = {"threads", "openmp"};
+
+TeamFn find_team() {
+#if defined(__unix__) || defined(__APPLE__)
+  return reinterpret_cast<TeamFn>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+#else
+  return nullptr;
+#endif
+}
+
+// Our own persistent threads. A pass offers its Work to idle helpers and does grabs itself; it
+// never waits for a helper that has not started a grab (on a busy machine one may not get a core
+// for milliseconds), only for grabs in flight (ParallelCall::finish). Helpers hold the Work
+// through a shared_ptr, so one that wakes after the pass has returned finds nothing left.
+class Pool {
+ public:
+  void offer(const std::shared_ptr<Work>& work, int helpers) {
+    int wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (started_ < helpers) {
+        try {
+          std::thread([this] { serve(); }).detach();
+        } catch (const std::system_error&) {  // out of threads: fewer helpers
+          break;
+        }
+        ++started_;
+      }
+      work_ = work;  // kept until the next offer: a few KB
+      wanted_ = wake = std::min(helpers, started_);
+    }
+    for (int i = 0; i < wake; ++i) cv_.notify_one();
+  }
+
+ private:
+  void serve() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return wanted_ > 0; });
+      --wanted_;
+      std::shared_ptr<Work> work = work_;
+      lock.unlock();
+      work->run();
+      work.reset();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Work> work_;
+  int wanted_ = 0, started_ = 0;
+};
+
+// Made on first use and never freed: detached helpers use it until the process ends. A forked
+// child has none of the parent's threads (and maybe a locked mutex), so it starts a new one.
+std::atomic<Pool*> g_pool{nullptr};
+
+Pool& pool() {
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p != nullptr) return *p;
+  Pool* made = new Pool;
+  if (g_pool.compare_exchange_strong(p, made, std::memory_order_acq_rel)) return *made;
+  delete made;  // another thread made one first
+  return *p;
+}
+
+// The state of one parallel pass, shared with the threads that join it. Blocks are handed out in
+// grabs from a counter, so a thread that starts late or is descheduled just does fewer; results
+// are stored per grab and per block and combined in order (see above).
 template <class T>
-struct ParallelCall {
-  ParallelCall(const void* data, const Cursor* cur, int64_t numel)
-      : data(data), strided(cur != nullptr), numel(numel),
-        nblocks((numel + kBlock - 1) / kBlock), ngrabs((nblocks + kGrab - 1) / kGrab),
-        sums(new double[2 * nblocks]), grabs(new Partial<T>[ngrabs]) {
+struct ParallelCall final : Work {
+  ParallelCall(const void* data, const Cursor* cur, int64_t numel, int threads)
+      : data(data), strided(cur != nullptr), numel(numel), nblocks((numel + kBlock - 1) / kBlock),
+        grab(std::max<int64_t>(1, std::min<int64_t>(kGrabMax, nblocks / (4 * threads)))),
+        ngrabs((nblocks + grab - 1) / grab), sums(new double[2 * nblocks]),
+        grabs(new Partial<T>[ngrabs]) {
     if (cur) cursor = *cur;
   }
 
-  // Does one grab; false when none is left or the call is closing.
+  void run() override {
+    while (step()) {
+    }
+  }
+
+  // Does one grab; false when none is left or the pass is closing.
   bool step() {
     active.fetch_add(1);  // seq_cst with closed: see finish()
     const int64_t g = closed.load() ? ngrabs : next.fetch_add(1);
     if (g < ngrabs) {
       Pairwise unused;
-      run_range<T>(data, strided ? &cursor : nullptr, numel, g * kGrab,
-                   std::min((g + 1) * kGrab, nblocks), grabs[g], unused, sums.get());
+      run_range<T>(data, strided ? &cursor : nullptr, numel, g * grab,
+                   std::min((g + 1) * grab, nblocks), grabs[g], unused, sums.get());
     }
     active.fetch_sub(1);
     return g < ngrabs;
   }
 
-  // After the caller's own steps ran out: no grab starts once closed is set, and the ones in
+  // After the caller's own grabs ran out: no grab starts once closed is set, and the ones in
   // flight end when active drops to 0 (the fetch_sub publishes their results).
   void finish(Partial<T>& part, Pairwise& pw) {
     closed.store(true);
@@ -156,7 +266,7 @@ struct ParallelCall {
   const void* data;
   Cursor cursor;
   const bool strided;
-  const int64_t numel, nblocks, ngrabs;
+  const int64_t numel, nblocks, grab, ngrabs;
   std::unique_ptr<double[]> sums;       // per block: sum, sum of squares
   std::unique_ptr<Partial<T>[]> grabs;  // per grab: the exact statistics
   std::atomic<int64_t> next{0};
@@ -171,18 +281,16 @@ Result compute(const void* data, const Cursor* cur, int64_t numel, int threads) 
   if (threads <= 1) {
     run_range<T>(data, cur, numel, 0, (numel + kBlock - 1) / kBlock, part, pw, nullptr);
   } else {
-    auto call = std::make_shared<ParallelCall<T>>(data, cur, numel);
-    for (int t = 1; t < threads; ++t) {
-      try {
-        std::thread([call] {
-          while (call->step()) {
-          }
-        }).detach();
-      } catch (const std::system_error&) {  // out of threads: the caller does the work
-        break;
-      }
-    }
-    while (call->step()) {
+    auto call = std::make_shared<ParallelCall<T>>(data, cur, numel, threads);
+    if (g_team != nullptr) {
+      // num_threads 0: the team as torch starts it (its thread count), whatever share of it this
+      // tensor needs; the rest find no grab. A smaller team would make libgomp end the threads
+      // it leaves out and torch's next op start them again (why torch never passes a count
+      // either, pytorch#32008).
+      g_team([](void* work) { static_cast<Work*>(work)->run(); }, call.get(), 0, 0);
+    } else {
+      pool().offer(call, threads - 1);
+      call->run();
     }
     call->finish(part, pw);
   }
@@ -216,12 +324,30 @@ Result dispatch(int code, const void* data, const Cursor* cur, int64_t numel, in
   }
 }
 
+// The caller passes torch's intra-op thread count; the pass uses it, less where a thread would
+// get too little work.
 int choose_threads(int64_t numel, long requested) {
   if (numel < kParallelMin || requested <= 1) return 1;
-  const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t by_size = numel / kPerThreadMin;
-  return static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({static_cast<int64_t>(requested), hw, by_size, kMaxThreads})));
+  return static_cast<int>(
+      std::min<int64_t>({static_cast<int64_t>(requested), numel / kPerThreadMin, kMaxThreads}));
+}
+
+// Torch's OpenMP team when the process has one, unless TRACECMP_CSTATS_POOL=threads (a kind's
+// name; the tests run both). -1 for a name that is not a kind.
+int choose_pool() {
+  const char* want = std::getenv("TRACECMP_CSTATS_POOL");
+  int kind = kOpenMP;
+  if (want != nullptr && *want != '\0') {
+    kind = -1;
+    for (int k = kThreads; k <= kOpenMP; ++k)
+      if (std::strcmp(want, kPoolNames[k]) == 0) kind = k;
+    if (kind < 0) return -1;
+  }
+  g_team = kind == kOpenMP ? find_team() : nullptr;
+#if defined(__unix__) || defined(__APPLE__)
+  pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); });  // the parent's is leaked
+#endif
+  return g_team != nullptr ? kOpenMP : kThreads;
 }
 
 PyObject* stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -317,12 +443,19 @@ PyMODINIT_FUNC PyInit__cstats() {
                     "TRACECMP_CSTATS_ISA must be one of baseline, avx2, avx512 (or unset)");
     return nullptr;
   }
+  const int pool = tracecmp::choose_pool();
+  if (pool < 0) {
+    PyErr_SetString(PyExc_ImportError, "TRACECMP_CSTATS_POOL must be openmp or threads (or unset)");
+    return nullptr;
+  }
   PyObject* m = PyModule_Create(&tracecmp::module);
   // BLOCK: elements per summation block (tests cross it); PARALLEL_MIN: below this numel the
-  // thread count is ignored, so callers need not look it up; ISA: the copy of the kernel in use.
+  // thread count is ignored, so callers need not look it up; ISA: the copy of the kernel in use;
+  // POOL: where a parallel pass gets its threads ("openmp": torch's team, "threads": our own).
   if (m && (PyModule_AddIntConstant(m, "BLOCK", tracecmp::kBlock) < 0 ||
             PyModule_AddIntConstant(m, "PARALLEL_MIN", tracecmp::kParallelMin) < 0 ||
-            PyModule_AddStringConstant(m, "ISA", tracecmp::kIsaNames[tracecmp::g_isa]) < 0)) {
+            PyModule_AddStringConstant(m, "ISA", tracecmp::kIsaNames[tracecmp::g_isa]) < 0 ||
+            PyModule_AddStringConstant(m, "POOL", tracecmp::kPoolNames[pool]) < 0)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -402,6 +402,20 @@ TC_INLINE void masked_moments(const typename T::Raw* __restrict p, int64_t n, do
   for (int64_t l = 0; l < L; ++l) *nan += cn[l], *inf += ci[l];
 }
 
+// How far ahead of the chunk loop to fetch memory. The loop is latency-bound (each lane's sum is
+// one chain of float64 adds), so the core's reorder window holds only ~1 KB of loads ahead of it
+// and, from DRAM or a busy L3, the hardware prefetchers alone left it at half the bandwidth a
+// plain sum() reaches. 4 KB covers ~100 ns of memory latency at the loop's speed.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Chunk c of a chunk loop at r: one prefetch per 64-byte line, kPrefetchBytes ahead (a prefetch
+// past the tensor's end is harmless: it never faults).
+template <class Raw, int64_t L>
+TC_INLINE void prefetch_ahead(const Raw* r, int64_t c) {
+  constexpr int64_t kEvery = L * sizeof(Raw) >= 64 ? 1 : 64 / (L * sizeof(Raw));
+  if (c % kEvery == 0) __builtin_prefetch(reinterpret_cast<const char*>(r) + kPrefetchBytes);
+}
+
 // The state of one block's lanes in logical lane order (lane l holds the elements whose index
 // in the block is l mod T::kLanes), filled by a chunk loop: on entry lo/hi hold the running
 // min/max, on exit also the lanes' sums and the checksum of the full chunks.
@@ -434,6 +448,7 @@ struct GenericLoop {
     std::memcpy(vhi, b.hi, sizeof vhi);
     for (int64_t c = 0; c < chunks; ++c) {
       const Raw* __restrict r = p + c * L;
+      prefetch_ahead<Raw, L>(r, c);
       VV v[L / GV];
 #pragma GCC unroll 8
       for (int g = 0; g < L / GV; ++g) {

@@ -95,6 +95,7 @@ struct Avx2Loop {
       for (int i = 0; i < 2; ++i) s[h][i] = q[h][i] = _mm256_setzero_pd();
     const __m256d one = _mm256_set1_pd(1.0);
     for (int64_t c = 0; c < chunks; ++c) {
+      prefetch_ahead<uint16_t, 16>(p + c * 16, c);
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 16));
       __m256 v[2];
       bf16_split(x, &v[0], &v[1]);
@@ -143,6 +144,7 @@ struct Avx512Loop {
     Halves16x16 sums;
     sums.init();
     for (int64_t c = 0; c < chunks; ++c) {
+      prefetch_ahead<uint16_t, 16>(p + c * 16, c);
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 16));
       __m256 v[2];
       bf16_split(x, &v[0], &v[1]);

@@ -355,6 +355,13 @@ def test_unknown_isa_name_leaves_the_reference() -> None:
     assert "TRACECMP_CSTATS_ISA" in out.stdout or not native_available()
 
 
+def test_unknown_pool_name_leaves_the_reference() -> None:
+    code = "from tracecmp.capture import stats; print(stats.native_error())"
+    env = dict(os.environ, TRACECMP_CSTATS_POOL="fibers")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "TRACECMP_CSTATS_POOL" in out.stdout or not native_available()
+
+
 # ---------------------------------------------------------------- routing and the Python entry points
 
 
