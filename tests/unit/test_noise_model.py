@@ -1,0 +1,93 @@
+"""The noise model at the sizes where reduced precision first fooled it.
+
+Each test is the smallest hand-built trace (``tests.tracebuild``) that still showed a false root
+of a clean bf16 or mixed-precision run against fp32, and checks that a real fault at the same
+place is still found.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import tracecmp
+from tests.tracebuild import TraceBuilder
+
+A = torch.ops.aten
+
+
+def _masked_softmax(path: Path, dtype: torch.dtype, fill: float | None = None) -> Path:
+    """An additive attention mask filled with ``torch.finfo(dtype).min`` (``fill`` instead, when given)."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    scores = b.source("input.0", torch.randn(2, 4, 8, generator=g).to(dtype))
+    keep = b.source("input.1", torch.rand(2, 1, 8, generator=g) > 0.3)
+    value = torch.finfo(dtype).min if fill is None else fill
+    masked_value = b.call(A.scalar_tensor.default, value, dtype=dtype, module="attn")
+    masked = b.call(A.where.self, keep, scores, masked_value, module="attn")
+    b.call(A._softmax.default, masked, -1, False, module="attn")
+    return b.write(path)
+
+
+def test_finfo_min_of_each_runs_dtype_is_the_same_argument(tmp_path: Path) -> None:
+    result = tracecmp.compare(_masked_softmax(tmp_path / "t", torch.bfloat16), _masked_softmax(tmp_path / "b", torch.float32))
+    assert result.first_divergence is None, result.summary()
+    # fp16's own minimum against fp32's is the same argument too
+    result = tracecmp.compare(_masked_softmax(tmp_path / "t16", torch.float16), _masked_softmax(tmp_path / "b", torch.float32))
+    assert result.first_divergence is None, result.summary()
+
+
+def test_a_changed_constant_is_still_an_argument_root(tmp_path: Path) -> None:
+    # -1e4 (a hand-written "large negative") where the bench takes its dtype's minimum
+    result = tracecmp.compare(_masked_softmax(tmp_path / "t", torch.float32, fill=-1e4),
+                              _masked_softmax(tmp_path / "b", torch.float32))
+    d = result.first_divergence
+    assert d is not None and (d.op, d.kind) == ("aten.scalar_tensor.default", "argument")
+    # another property of the same dtype is another argument: max is not min
+    result = tracecmp.compare(_masked_softmax(tmp_path / "t2", torch.bfloat16, fill=torch.finfo(torch.bfloat16).max),
+                              _masked_softmax(tmp_path / "b", torch.float32))
+    d = result.first_divergence
+    assert d is not None and d.kind == "argument" and "3.38953139e+38" in d.reason
+
+
+def _residual_layer_norm(path: Path, low: torch.dtype, *, fault: str = "", rows: int = 32, features: int = 256) -> Path:
+    """A mixed-precision residual block's first half: an fp32 residual stream with a few outlier
+    features, plus a matmul computed in ``low`` (bf16 in the target, fp32 in the bench), then a
+    layer norm in fp32, as autocast runs it. ``fault`` scales the output of "mm" or "ln" by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    resid = torch.randn(rows, features, generator=g)
+    resid[:, :3] *= 10.0  # outlier features, as GPT-style residual streams carry them
+    a = torch.randn(rows, features, generator=g)
+    w = torch.randn(features, features, generator=g) / features**0.5
+    scale = {name: (lambda t: t * 1.05) for name in (fault,) if name}
+    b = TraceBuilder()
+    x = b.source("input.0", resid)
+    h_in = b.source("input.1", a)
+    weight = b.param("fc.weight", w, module="fc")
+    h_low = b.call(A._to_copy.default, h_in, dtype=low, module="fc")
+    w_low = b.call(A._to_copy.default, weight, dtype=low, module="fc")
+    h = b.call(A.mm.default, h_low, b.call(A.t.default, w_low, module="fc"), module="fc", fault=scale.get("mm"))
+    r = b.call(A.add.Tensor, x, h, module="block")
+    ln_w = b.param("ln.weight", torch.ones(features), module="ln")
+    ln_b = b.param("ln.bias", torch.zeros(features), module="ln")
+    b.call(A.native_layer_norm.default, r, [features], ln_w, ln_b, 1e-5, module="ln", fault=scale.get("ln"))
+    b.call(A.relu.default, x)  # an op whose inputs agree bitwise, and its output too
+    return b.write(path)
+
+
+def test_layer_norm_over_outlier_features_is_noise(tmp_path: Path) -> None:
+    # The row means a layer norm returns are small against rows with outlier features: their
+    # relative error is the input's mean error times rms(x) / rms(mean), not a root.
+    bench = _residual_layer_norm(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_residual_layer_norm(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+
+
+def test_layer_norm_faults_are_found_over_outlier_features(tmp_path: Path) -> None:
+    bench = _residual_layer_norm(tmp_path / "b", torch.float32)
+    for site, op in (("mm", "aten.mm.default"), ("ln", "aten.native_layer_norm.default")):
+        result = tracecmp.compare(_residual_layer_norm(tmp_path / site, torch.bfloat16, fault=site), bench)
+        d = result.first_divergence
+        assert d is not None and d.op == op, result.summary()
+        # the layer norm after a faulty matmul inherits its error and is no root of its own
+        assert [s.op for s in result.suspects] == [op], result.summary()
