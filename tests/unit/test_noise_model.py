@@ -91,3 +91,31 @@ def test_layer_norm_faults_are_found_over_outlier_features(tmp_path: Path) -> No
         assert d is not None and d.op == op, result.summary()
         # the layer norm after a faulty matmul inherits its error and is no root of its own
         assert [s.op for s in result.suspects] == [op], result.summary()
+
+
+def _adam_denominator(path: Path, dtype: torch.dtype, *, fault: float = 1.0, size: int = 256) -> Path:
+    """Adam's denominator in ``dtype``: sqrt(v) / sqrt(1 - beta2) + eps, then the update.
+
+    sqrt(v) holds the same (bf16) numbers in both runs, so all the division's error is its own
+    rounding: in bf16 by one constant, whose rounding errors do not average out."""
+    g = torch.Generator().manual_seed(0)
+    root_v = (torch.randn(size, size, generator=g).abs() * 1e-3).to(torch.bfloat16).to(dtype)
+    b = TraceBuilder()
+    param = b.param("fc.weight", (torch.randn(size, size, generator=g) * 0.02).to(dtype), module="fc")
+    exp_avg = b.source("input.0", (torch.randn(size, size, generator=g) * 1e-4).to(torch.bfloat16).to(dtype))
+    denom = b.source("input.1", root_v)
+    denom = b.call(A.div.Tensor, denom, (1 - 0.999) ** 0.5, phase="optimizer",
+                   fault=(lambda t: t * fault) if fault != 1.0 else None)
+    denom = b.call(A.add_.Tensor, denom, 1e-8, phase="optimizer")
+    b.call(A.addcdiv_.default, param, exp_avg, denom, value=-1e-3 / 0.1, phase="optimizer")
+    return b.write(path)
+
+
+def test_optimizer_division_in_bf16_is_noise(tmp_path: Path) -> None:
+    bench = _adam_denominator(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_adam_denominator(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    result = tracecmp.compare(_adam_denominator(tmp_path / "f", torch.bfloat16, fault=1.05), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.phase) == ("aten.div.Tensor", "optimizer"), result.summary()
+    assert len(result.suspects) == 1, result.summary()
