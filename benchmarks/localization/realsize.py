@@ -180,12 +180,30 @@ def compare_fresh(target: Path, bench: Path, timeout_s: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- planning
 
 
-def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sites: int, seed: int,
+def parse_sites(text: str) -> dict[str, int]:
+    """``"4"`` (every kind) or ``"scale=2,nan=1,arg=1"``: sites per fault kind, model and precision.
+
+    >>> parse_sites("3"), parse_sites("scale=2,nan=1")
+    ({'scale': 3, 'nan': 3, 'arg': 3}, {'scale': 2, 'nan': 1, 'arg': 0})
+    """
+    if "=" not in text:
+        return {kind: int(text) for kind in FAULT_KINDS}
+    out = {kind: 0 for kind in FAULT_KINDS}
+    for item in filter(None, text.split(",")):
+        kind, _, n = item.partition("=")
+        if kind not in out:
+            raise ValueError(f"unknown fault kind {kind!r}; choose from {FAULT_KINDS}")
+        out[kind] = int(n)
+    return out
+
+
+def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sites: dict[str, int], seed: int,
                kinds: Iterable[str] = FAULT_KINDS) -> list[RealCase]:
-    """Fault cases of ``family``: ``sites`` per fault kind and precision, phases in turn."""
+    """Fault cases of ``family``: ``sites[kind]`` per fault kind and precision, phases in turn."""
     cases: list[RealCase] = []
     for precision, calls in calls_by_precision.items():
         for kind in kinds:
+            n_sites = sites.get(kind, 0)
             rng = random.Random(zlib.crc32(f"{seed}/{family}/{precision}/{kind}".encode()))
             if kind == "arg":
                 candidates = arg_candidates(calls)
@@ -195,7 +213,7 @@ def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sit
                     by_key.setdefault((c.site.op, name), []).append((c, name, new))
                 keys = sorted(by_key)
                 rng.shuffle(keys)
-                for op, name in keys[:sites]:
+                for op, name in keys[:n_sites]:
                     c, name, new = rng.choice(by_key[(op, name)])
                     cases.append(RealCase(f"{family}/{precision}/arg:{name}={new:.6g}@{op}#{c.site.k}:{c.site.phase}"
                                           if isinstance(new, float) else
@@ -203,7 +221,7 @@ def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sit
                                           family, precision, "arg", c.site.phase, c.site, name, new))
                 continue
             per_phase: dict[str, int] = {}
-            for i in range(sites):
+            for i in range(n_sites):
                 phase = _PHASES[i % len(_PHASES)]
                 per_phase[phase] = per_phase.get(phase, 0) + 1
             for phase, n in per_phase.items():
@@ -370,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(REAL_MODELS), help=f"comma-separated subset of {REAL_MODELS}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated subset of {PRECISIONS}")
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help=f"fault kinds, of {FAULT_KINDS}")
-    parser.add_argument("--sites", type=int, default=4, help="sites per fault kind, model and precision")
+    parser.add_argument("--sites", type=parse_sites, default="scale=2,nan=1,arg=1",
+                        help="sites per fault kind, model and precision: N, or KIND=N,... (default scale=2,nan=1,arg=1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the site rule")
     parser.add_argument("--data", choices=("stats", "tensors"), default="stats")
     parser.add_argument("--clean-only", action="store_true", help="clean pairs only (no fault cases)")

@@ -733,6 +733,8 @@ def _localize_rank(
         # Taint: error that comes from a root. Once a root put its error into a node's inputs, that
         # error is no rounding noise, and what statistics say of it is a lower bound only.
         tainted_in = any(s is not None and s.tainted for s in map(lookup, inputs))
+        # A parameter or buffer in a later step was moved by an optimizer that a root's error reached.
+        tainted_in = tainted_in or (kind == "source" and op != "source.input" and any(r[0][0] < step for r in roots))
         if j is not None:
             judge(j, node, tainted_in)
         if not (kind == "view" and all(t in base for t in outputs)):
