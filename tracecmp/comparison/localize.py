@@ -573,6 +573,7 @@ def _localize_rank(
     base = ri.view_base
     first_nonexact: int | None = None
     channels = ("max/min", "norm/mean", "rms")
+    crossed = _crossed_pairs(ri)
 
     def lookup(tid: int) -> TensorState | None:
         tid = base.get(tid, tid)
@@ -646,6 +647,12 @@ def _localize_rank(
             judgeable = False  # comparisons, rounding, argmax: a changed input may change anything
         if cls.kind == "factory" and _dtype_constant_args(args, ri.bench_args.get(ri.pairs.get(op_id, -1), "")):
             judgeable = False  # full(finfo(dtype).min): each run makes its own dtype's number
+        if op_id in crossed:
+            # Measured against a bench value that the bench computes differently: neither this
+            # node nor what its outputs pass on can be judged.
+            judgeable = False
+            for m in out_states:
+                m.known = m.known and m.exact
         best_e, best_x, best_f1, best_ratio = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), -math.inf
         best_kappa = kappa_local = 1.0
         lam = 2.0 if cls.accumulates else 1.0
@@ -758,6 +765,8 @@ def _localize_rank(
         measured = [s for s in outs if s is not None and s.measured]
         if not paired:
             status = "unpaired"
+        elif op_id in crossed and not all(s.exact for s in measured):
+            status = "uncompared"
         elif any(s.nonfinite_mismatch for s in measured):
             status = "nan"
         elif not outs:
@@ -776,12 +785,50 @@ def _localize_rank(
     return verdicts, roots
 
 
-def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tuple[tuple[float, ...], tuple[float, ...]]]:
-    """Per (op, dtype) and per (class, dtype): the median error introduced (rounding units) and the
-    median ratio of output error to predicted input error, per channel, over this comparison.
+def _crossed_pairs(ri: RankInput) -> set[int]:
+    """Paired target ops whose bench partner holds another value than theirs.
+
+    Where two runs accumulate one sum in another order (autograd adds the gradients of a tensor
+    used twice as its graph dictates, and a cast on one side changes the graph), alignment may
+    pair a partial sum with the final one. A paired consumer then shows it: the bench op reads,
+    at some argument, a tensor that is not the partner of what the target op reads there, but
+    the output of a bench op paired with another target op. Both producers' outputs are measured
+    against the wrong value (a bench-only op in between is another matter: see _structure_note).
+    """
+    b2t = {b: t for t, b in ri.pairs.items()}
+    producer: dict[int, int] = {}
+    crossed: set[int] = set()
+    for node in ri.nodes:
+        op_id, kind, inputs, outputs = node[0], node[3], node[9], node[10]
+        b_op = ri.pairs.get(op_id)
+        if b_op is not None and kind == "op":
+            b_inputs = ri.bench_inputs.get(b_op, [])
+            for tid, b_tid in zip(inputs, b_inputs):
+                tb = ri.view_base.get(tid, tid)
+                partner = ri.partner.get(tb)
+                if partner is None or partner == b_tid:
+                    continue
+                other = b2t.get(ri.bench_producer.get(b_tid, -1))
+                mine = producer.get(tb)
+                if other is not None and mine is not None and other != mine:
+                    crossed.update((mine, other))
+        for t in outputs:
+            producer.setdefault(ri.view_base.get(t, t), op_id)
+    return crossed
+
+
+def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tuple[tuple[float, ...], ...]]:
+    """Per (op, dtype) and per (class, dtype), per channel, over this comparison: the median error
+    introduced (rounding units), the median ratio of output error to predicted input error, and
+    how far that ratio reaches among the group's calls.
 
     The first absorbs fresh noise every node of a kind adds (TF32 matmuls, a bf16 softmax); the
-    second corrects the propagation model where an op amplifies more than its class predicts.
+    second corrects the propagation model where an op amplifies more than its class predicts. The
+    third covers the spread of that correction where statistics cannot bound it call by call (a
+    sum over a row of products, in fp32 on bf16 data): the ratio's largest value among n calls
+    of a log-normal spread, estimated from their median and median deviation
+    (10^(median + sqrt(2 ln n) * sigma)), with a factor ``_TAIL_SAFETY``. With more calls a
+    clean run reaches further, and a fault still has to stand out from all of them.
     """
     by_group: dict[Any, list[tuple[tuple[float, ...], tuple[float, ...]]]] = defaultdict(list)
     for j in judged:
@@ -791,18 +838,33 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tupl
         ratio = tuple(e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(j.e, j.x))
         by_group[j.group].append((intro, ratio))
         by_group[(j.cls.kind, j.group[1])].append((intro, ratio))
-    out: dict[Any, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+    out: dict[Any, tuple[tuple[float, ...], ...]] = {}
     for key, rows in by_group.items():
         if len(rows) < 5:
             continue
         intro = np.median(np.asarray([r[0] for r in rows], dtype=np.float64), axis=0)
         ratios = np.asarray([r[1] for r in rows], dtype=np.float64)
-        ratio = []
+        ratio, tail = [], []
         for column in ratios.T:
             seen = column[~np.isnan(column)]
             ratio.append(float(np.median(seen)) if len(seen) >= 5 else 0.0)
-        out[key] = (tuple(float(v) for v in intro), tuple(ratio))
+            tail.append(_tail_ratio(seen[seen > 0]))
+        out[key] = (tuple(float(v) for v in intro), tuple(ratio), tuple(tail))
     return out
+
+
+_TAIL_MIN_CALLS = 8  # fewer calls say too little about a spread
+_TAIL_SAFETY = 2.0
+
+
+def _tail_ratio(ratios: np.ndarray) -> float:
+    """How far the observed/predicted ratios of a group's ``n`` calls reach (0 for too few calls)."""
+    if len(ratios) < _TAIL_MIN_CALLS:
+        return 0.0
+    logs = np.log10(ratios)
+    center = float(np.median(logs))
+    sigma = 1.4826 * float(np.median(np.abs(logs - center)))
+    return _TAIL_SAFETY * 10.0 ** (center + math.sqrt(2.0 * math.log(len(ratios))) * sigma)
 
 
 def _metric_dict(j: _Judged) -> dict[str, float]:
@@ -819,7 +881,7 @@ def _metric_dict(j: _Judged) -> dict[str, float]:
 
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
-    ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
+    ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
     fits: Mapping[str, _ModelFit], tainted: bool = False,
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name.
@@ -859,7 +921,7 @@ def _decide(
         if amb is not None:
             threshold = max(threshold, tol.ambient * amb[0][c] * f)
             if amb[1][c] > 0:
-                margin = max(_M_MIN, _M_RATIO * amb[1][c])
+                margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2][c])
         if tainted:
             margin = max(margin, _TAINTED_MARGIN)
         excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
