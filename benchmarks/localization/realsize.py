@@ -51,7 +51,7 @@ from benchmarks.localization.faults import ArgFault, CallRecord, Injector, Obser
 from benchmarks.localization.realmodels import BENCH_OF, PRECISIONS, REAL_MODELS, build_real
 from benchmarks.localization.run import HarnessError, Record, Result, _group_table, _pct, find_truth, score
 
-STEPS = 2
+STEPS = {"n": 2}  # training steps per run (``--steps``, set in every worker)
 SCALE = 0.05
 FAULT_KINDS = ("scale", "nan", "arg")
 MODEL_SEED = 1234
@@ -148,7 +148,7 @@ def capture(family: str, precision: str, path: Path, plan: Plan, data: str, prof
     with injector.outer():
         with tracecmp.TraceCompare(str(path), model=workload.model, data=data) as tc:
             with injector.inner():
-                for _ in range(STEPS):
+                for _ in range(STEPS["n"]):
                     workload.train_step()
                     tc.step()
     return injector.obs, injector.calls or [], workload.losses, time.perf_counter() - start
@@ -234,9 +234,10 @@ def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sit
 # ------------------------------------------------------------------------------------- running
 
 
-def _init_worker() -> None:
+def _init_worker(steps: int = 2) -> None:
     torch.set_num_threads(1)  # bitwise-reproducible reductions, and the machine is shared
     warnings.simplefilter("ignore")
+    STEPS["n"] = steps
 
 
 def _bench_task(args: tuple[str, str, str, str]) -> tuple[str, str, float]:
@@ -268,14 +269,14 @@ def _fault_task(args: tuple[RealCase, str, str, str]) -> tuple[RealCase, dict[st
     return case, info
 
 
-def _pool(fn: Any, items: list[Any], jobs: int) -> Iterable[Any]:
+def _pool(fn: Any, items: list[Any], jobs: int, steps: int = 2) -> Iterable[Any]:
     """``fn`` over ``items`` in ``jobs`` spawned processes, a fresh one per item (a real-size run's
     memory goes back when it ends)."""
     if not items:
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(max(1, jobs), initializer=_init_worker, maxtasksperchild=1) as pool:
+    with mp.get_context("spawn").Pool(max(1, jobs), initializer=_init_worker, initargs=(steps,), maxtasksperchild=1) as pool:
         yield from pool.imap_unordered(fn, items)
 
 
@@ -392,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sites per fault kind, model and precision: N, or KIND=N,... (default scale=2,nan=1,arg=1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the site rule")
     parser.add_argument("--data", choices=("stats", "tensors"), default="stats")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per run (whole-tensor traces of "
+                        "real-size models take ~8 GB a step)")
     parser.add_argument("--clean-only", action="store_true", help="clean pairs only (no fault cases)")
     parser.add_argument("--case", action="append", default=[], help="only cases whose id contains this")
     parser.add_argument("--jobs", type=int, default=1, help="capture processes at once (each holds a model)")
@@ -402,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every case result here")
     parser.add_argument("--markdown", type=Path, help="write the report here as well")
     args = parser.parse_args(argv)
-    _init_worker()
+    _init_worker(args.steps)
     families = [m for m in args.models.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
     kinds = [k for k in args.kinds.split(",") if k]
@@ -445,13 +448,13 @@ def _run_model(family: str, precisions: list[str], kinds: list[str], args: argpa
     benches = {BENCH_OF[p] for p in precisions}
     todo = [(family, b, str(root / f"bench-{b}"), args.data) for b in sorted(benches)
             if not (args.resume and (root / f"bench-{b}" / "manifest.json").exists())]
-    for path, err, seconds in _pool(_bench_task, todo, args.jobs):
+    for path, err, seconds in _pool(_bench_task, todo, args.jobs, args.steps):
         say(f"bench {Path(path).name}: {err or f'{seconds:.0f} s'}")
     calls_by_precision: dict[str, list[CallRecord]] = {}
     infos: dict[str, dict[str, Any]] = {}
     todo = [(family, p, str(root / f"clean-{p}"), args.data) for p in precisions
             if not (args.resume and (root / f"calls-{p}.json").exists())]
-    for _, p, calls, losses, seconds, err in _pool(_clean_task, todo, args.jobs):
+    for _, p, calls, losses, seconds, err in _pool(_clean_task, todo, args.jobs, args.steps):
         say(f"clean {p}: {err or f'{seconds:.0f} s, {len(calls)} calls, losses {losses}'}")
         (root / f"clean-{p}.json").write_text(json.dumps({"losses": losses, "capture_s": seconds} if not err else {"error": err}))
         (root / f"calls-{p}.json").write_text(json.dumps(calls))
@@ -475,7 +478,7 @@ def _run_model(family: str, precisions: list[str], kinds: list[str], args: argpa
     (root / "cases").mkdir(exist_ok=True)
     todo = [(c, paths[c.id][0], args.data, paths[c.id][1]) for c in cases
             if not (args.resume and Path(paths[c.id][1]).exists())]
-    for i, (c, info) in enumerate(_pool(_fault_task, todo, args.jobs), 1):
+    for i, (c, info) in enumerate(_pool(_fault_task, todo, args.jobs, args.steps), 1):
         say(f"captured {i}/{len(todo)} {c.id}" + (f": {info['error'].splitlines()[0]}" if "error" in info else ""))
     for c in cases:
         obs_file = Path(paths[c.id][1])

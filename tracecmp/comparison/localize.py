@@ -502,10 +502,6 @@ def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorSt
 _ROUNDING_BIAS = 2.0
 _CARRY = 2.0  # a measurement is trusted to be at most this many times below the inputs' prediction
 _CARRY_SYS = 4.0  # the same for norm/mean differences
-# Downstream of a root, a node's output error must exceed this many times what its inputs carried
-# in to make it a root of its own (a second fault, not the first one's error seen through an op
-# whose inputs' statistics understate it).
-_TAINTED_MARGIN = 32.0
 _M_MIN = 2.0  # with calibration: the smallest margin over the predicted error ...
 _M_RATIO = 3.0  # ... else this many times the typical observed/predicted ratio of the op in this run
 
@@ -888,7 +884,7 @@ def _decide(
 
     ``tainted``: an input carries error from a root before it. Such error is no rounding noise:
     its statistics bound it from below only (its largest element may sit anywhere, its spread is
-    unknown), so the node's own share must exceed ``_TAINTED_MARGIN`` times the prediction.
+    unknown), so the node's own share must exceed ``tol.downstream`` times the prediction.
     """
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
     outs = [ri.measured.get(t) for t in outputs]
@@ -923,7 +919,7 @@ def _decide(
             if amb[1][c] > 0:
                 margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2][c])
         if tainted:
-            margin = max(margin, _TAINTED_MARGIN)
+            margin = max(margin, tol.downstream)
         excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
     score, channel, e, x, threshold = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0)
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
