@@ -500,6 +500,7 @@ def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorSt
 # to _ROUNDING_BIAS * sqrt(unit) = 2 * 2^(-p/2) for p mantissa bits (bf16 0.18, fp16 0.06): over
 # the 2^p mantissas the rounding errors of x * c do not cancel (measured over random constants).
 _ROUNDING_BIAS = 2.0
+_ONE_MAGNITUDE = 0.9  # rms / max |x| above which a tensor's values count as one magnitude
 _CARRY = 2.0  # a measurement is trusted to be at most this many times below the inputs' prediction
 _CARRY_SYS = 4.0  # the same for norm/mean differences
 _M_MIN = 2.0  # with calibration: the smallest margin over the predicted error ...
@@ -671,9 +672,12 @@ def _localize_rank(
                 neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
                 # Independent rounding errors average out in norm and mean; TF32 taken by truncation
                 # (a tensor core fed float32 as is) shrinks every product alike, so there they do not.
-                # Nor do they where one constant meets every element (x / c, x * beta): rounding to p
-                # bits then has a bias of up to ~2 * 2^(-p/2) units that no size averages away.
-                averaged = unit if uses_tf32 else unit * max(1.0 / math.sqrt(neff), _ROUNDING_BIAS * math.sqrt(out.unit))
+                # Nor does the final rounding where one constant meets every element (x / c, x * beta):
+                # rounding to p bits then has a bias of up to ~2 * 2^(-p/2) units of the output itself
+                # that no size averages away; where every element has one magnitude (a bias after
+                # Adam's first step is +-lr), every rounding is the same one.
+                bias = 1.0 if out.rms >= _ONE_MAGNITUDE * out.amax else _ROUNDING_BIAS * math.sqrt(out.unit)
+                averaged = unit if uses_tf32 else max(unit / math.sqrt(neff), out.unit * bias)
                 f1 = (max(unit, _TINY), max(averaged, _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
                 x = _expected(cls, base_name(op), float_ins, out, role, rstd) if judgeable else (math.inf, math.inf, math.inf)
@@ -700,7 +704,7 @@ def _localize_rank(
     # A matmul/conv that turned identical, non-zero inputs into identical outputs shows that this
     # target does not run them at reduced (TF32) precision.
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
-    ambient = _ambient(judged, ri.nodes) if not exact_mode else {}
+    ambient = _ambient(judged, ri.nodes, tol) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
 
     roots: list[tuple[tuple, Divergence]] = []
@@ -813,7 +817,7 @@ def _crossed_pairs(ri: RankInput) -> set[int]:
     return crossed
 
 
-def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tuple[tuple[float, ...], ...]]:
+def _ambient(judged: list[_Judged | None], nodes: list[tuple], tol: Tolerances) -> dict[Any, tuple[tuple[float, ...], ...]]:
     """Per (op, dtype) and per (class, dtype), per channel, over this comparison: the median error
     introduced (rounding units), the median ratio of output error to predicted input error, and
     how far that ratio reaches among the group's calls.
@@ -823,8 +827,9 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tupl
     third covers the spread of that correction where statistics cannot bound it call by call (a
     sum over a row of products, in fp32 on bf16 data): the ratio's largest value among n calls
     of a log-normal spread, estimated from their median and median deviation
-    (10^(median + sqrt(2 ln n) * sigma)), with a factor ``_TAIL_SAFETY``. With more calls a
-    clean run reaches further, and a fault still has to stand out from all of them.
+    (10^(median + sqrt(2 ln n) * sigma)), with a factor ``_TAIL_SAFETY``, over the calls whose
+    error is beyond their rounding (where the ratio decides), and at most ``tol.downstream``.
+    With more calls a clean run reaches further, and a fault still has to stand out from all.
     """
     by_group: dict[Any, list[tuple[tuple[float, ...], tuple[float, ...]]]] = defaultdict(list)
     for j in judged:
@@ -832,19 +837,22 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tupl
             continue
         intro = tuple(max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(j.e, j.x, j.f1))
         ratio = tuple(e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(j.e, j.x))
-        by_group[j.group].append((intro, ratio))
-        by_group[(j.cls.kind, j.group[1])].append((intro, ratio))
+        # the ratio where it decides: an error beyond the node's own rounding (else 0, left out)
+        beyond = tuple(r if e > tol.local * j.lam * f else 0.0 for r, e, f in zip(ratio, j.e, j.f1))
+        by_group[j.group].append((intro, ratio, beyond))
+        by_group[(j.cls.kind, j.group[1])].append((intro, ratio, beyond))
     out: dict[Any, tuple[tuple[float, ...], ...]] = {}
     for key, rows in by_group.items():
         if len(rows) < 5:
             continue
         intro = np.median(np.asarray([r[0] for r in rows], dtype=np.float64), axis=0)
         ratios = np.asarray([r[1] for r in rows], dtype=np.float64)
+        beyond = np.asarray([r[2] for r in rows], dtype=np.float64)
         ratio, tail = [], []
-        for column in ratios.T:
+        for column, deciding in zip(ratios.T, beyond.T):
             seen = column[~np.isnan(column)]
             ratio.append(float(np.median(seen)) if len(seen) >= 5 else 0.0)
-            tail.append(_tail_ratio(seen[seen > 0]))
+            tail.append(min(tol.downstream, _tail_ratio(deciding[deciding > 0])))
         out[key] = (tuple(float(v) for v in intro), tuple(ratio), tuple(tail))
     return out
 
