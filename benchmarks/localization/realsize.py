@@ -147,10 +147,12 @@ def capture(family: str, precision: str, path: Path, plan: Plan, data: str, prof
     start = time.perf_counter()
     with injector.outer():
         with tracecmp.TraceCompare(str(path), model=workload.model, data=data) as tc:
-            with injector.inner():
-                for _ in range(STEPS["n"]):
+            for _ in range(STEPS["n"]):
+                # inner() per step: tc.step() may leave and re-enter capture's mode, which pops
+                # any mode entered above it.
+                with injector.inner():
                     workload.train_step()
-                    tc.step()
+                tc.step()
     return injector.obs, injector.calls or [], workload.losses, time.perf_counter() - start
 
 
