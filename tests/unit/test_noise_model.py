@@ -119,3 +119,34 @@ def test_optimizer_division_in_bf16_is_noise(tmp_path: Path) -> None:
     d = result.first_divergence
     assert d is not None and (d.op, d.phase) == ("aten.div.Tensor", "optimizer"), result.summary()
     assert len(result.suspects) == 1, result.summary()
+
+
+def _eps_guarded_normalize(path: Path, dtype: torch.dtype, *, fault: str = "", eps: float | None = None,
+                           scale: float = 0.025) -> Path:
+    """x / (||x|| + finfo(dtype).eps) over rows of norm ~ 4 * ``scale``, in ``dtype`` (``eps``
+    instead, when given). bfloat16's eps (0.0078) moves norms of 0.1 by 8%: far beyond rounding,
+    yet the program's own choice, made alike in both runs. ``fault`` scales the output of "add" by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    x = b.source("input.0", (torch.randn(64, 16, generator=g) * scale).to(dtype))
+    norm = b.call(A.linalg_vector_norm.default, x, 2, [-1], True, module="norm")
+    value = torch.finfo(dtype).eps if eps is None else eps
+    denom = b.call(A.add.Tensor, norm, value, module="norm", fault=(lambda t: t * 1.05) if fault == "add" else None)
+    b.call(A.div.Tensor, x, denom, module="norm")
+    return b.write(path)
+
+
+def test_finfo_eps_of_each_runs_dtype_moves_the_output_as_noise(tmp_path: Path) -> None:
+    bench = _eps_guarded_normalize(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    # A 5% fault at the very op that adds the constant is still its root, and the only one, where
+    # the constant's own effect is smaller than the fault (norms near 1: the epsilon moves them by
+    # 1%). Statistics cannot tell a fault from the constant's effect where that is larger.
+    bench = _eps_guarded_normalize(tmp_path / "b1", torch.float32, scale=0.2)
+    result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "f", torch.bfloat16, fault="add", scale=0.2), bench)
+    assert [(s.op, s.kind) for s in result.suspects] == [("aten.add.Tensor", "computation")], result.summary()
+    # a hand-written epsilon is an argument like any other
+    result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "e", torch.bfloat16, eps=1e-2, scale=0.2), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.kind) == ("aten.add.Tensor", "argument"), result.summary()

@@ -235,6 +235,50 @@ def _dtype_constant_args(t_args: str, b_args: str) -> bool:
     return a != b and _same_argument(a, b)
 
 
+def _constant_pairs(x: Any, y: Any) -> Iterable[tuple[float, float]]:
+    """The (target, bench) pairs of unequal floats in two argument structures of one shape."""
+    if isinstance(x, float) and isinstance(y, float):
+        if x != y:
+            yield x, y
+    elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        for a, b in zip(x, y):
+            yield from _constant_pairs(a, b)
+    elif isinstance(x, dict) and isinstance(y, dict):
+        for key in x.keys() & y.keys():
+            yield from _constant_pairs(x[key], y[key])
+
+
+def _constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, ins: list[tuple[int, TensorState]],
+                    rstd: TensorState | None) -> tuple[float, float, float]:
+    """Error (ext, sys, rms channels) the output shows because each run took its own dtype's constant.
+
+    ``finfo(dtype).eps`` added to a norm, ``finfo(dtype).min`` filling a mask: the same argument,
+    yet other numbers (bf16's eps is 0.0078, float32's 1.2e-7), so the output may move by up to
+    their difference: as an absolute shift (a sum, a clamp, a fill), a relative one (a product
+    or quotient), or through a normalization's variance (its epsilon). Zero when the arguments
+    are equal or differ otherwise (then the difference is an argument root).
+    """
+    if not b_args or t_args == b_args or not _dtype_constant_args(t_args, b_args):
+        return 0.0, 0.0, 0.0
+    amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
+    ext = sys_ = env = 0.0
+    for a, b in _constant_pairs(_norm_args(t_args), _norm_args(b_args)):
+        shift = abs(a - b)
+        if cls.kind == "normalize":
+            # 1/sqrt(var + eps): relative error up to half the shift over the variance
+            x = ins[0][1] if ins else None
+            var = 1.0 / rstd.rms ** 2 if rstd is not None and rstd.rms > 0 else (
+                max(x.rms ** 2 - x.mean ** 2, 0.0) if x is not None else 0.0)
+            rel = min(CAP, 0.5 * shift / max(var, _TINY))
+            ext, sys_, env = ext + rel, sys_ + rel, env + rel
+        elif cls.kind in ("product", "exp", "other"):
+            rel = min(CAP, shift / max(min(abs(a), abs(b)), _TINY))
+            ext, sys_, env = ext + rel, sys_ + rel, env + rel
+        else:
+            ext, sys_, env = ext + shift / amax_o, sys_ + shift / rms_o, env + shift / rms_o
+    return ext, sys_, env
+
+
 def _arg_difference(t_args: str, b_args: str, op: str = "") -> str:
     """Empty when the arguments agree, else a short description of the first difference.
 
@@ -642,8 +686,7 @@ def _localize_rank(
                      and cls.kind != "uninit" and kind != "view")
         if cls.kind == "select" and not inputs_exact:
             judgeable = False  # comparisons, rounding, argmax: a changed input may change anything
-        if cls.kind == "factory" and _dtype_constant_args(args, ri.bench_args.get(ri.pairs.get(op_id, -1), "")):
-            judgeable = False  # full(finfo(dtype).min): each run makes its own dtype's number
+        bench_args = ri.bench_args.get(ri.pairs.get(op_id, -1), "")
         if op_id in crossed:
             # Measured against a bench value that the bench computes differently: neither this
             # node nor what its outputs pass on can be judged.
@@ -681,6 +724,10 @@ def _localize_rank(
                 f1 = (max(unit, _TINY), max(averaged, _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
                 x = _expected(cls, base_name(op), float_ins, out, role, rstd) if judgeable else (math.inf, math.inf, math.inf)
+                if judgeable and kind != "source":
+                    # full(finfo(dtype).min), x + finfo(dtype).eps: each run took its own dtype's number
+                    shift = _constant_shift(cls, args, bench_args, out, float_ins, rstd)
+                    x = (x[0] + shift[0], x[1] + shift[1], x[2] + shift[2])
                 nontrivial = nontrivial or (out.amax > 0 and (cls.kind != "contract" or _contracts_nonzero(cls, float_ins)))
                 if judgeable:
                     _carry(out, x)
