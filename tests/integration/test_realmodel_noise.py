@@ -23,8 +23,12 @@ def _record(path: Path, precision: str, plan: Plan) -> Path:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        # Eager attention: its causal mask is filled with finfo(dtype).min, each run its own (and
+        # every torch computes it from the same aten ops).
+        config._attn_implementation = "eager"
+        model = GPT2LMHeadModel(config).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
