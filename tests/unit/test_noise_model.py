@@ -150,3 +150,26 @@ def test_finfo_eps_of_each_runs_dtype_moves_the_output_as_noise(tmp_path: Path) 
     result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "e", torch.bfloat16, eps=1e-2, scale=0.2), bench)
     d = result.first_divergence
     assert d is not None and (d.op, d.kind) == ("aten.add.Tensor", "argument"), result.summary()
+
+
+def _layer_norm_eps(path: Path, dtype: torch.dtype, *, eps: float | None = None) -> Path:
+    """A layer norm whose epsilon is ``finfo(dtype).eps`` (``eps`` instead, when given), over rows
+    of spread 0.1: bfloat16's eps (0.0078) is most of their variance."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    x = b.source("input.0", (torch.randn(32, 64, generator=g) * 0.1).to(dtype))
+    w = b.param("ln.weight", torch.ones(64, dtype=dtype), module="ln")
+    bias = b.param("ln.bias", torch.zeros(64, dtype=dtype), module="ln")
+    value = torch.finfo(dtype).eps if eps is None else eps
+    out, _, _ = b.call(A.native_layer_norm.default, x, [64], w, bias, value, module="ln")
+    b.call(A.relu.default, out, module="act")
+    return b.write(path)
+
+
+def test_finfo_eps_as_a_layer_norms_epsilon_is_the_same_argument(tmp_path: Path) -> None:
+    bench = _layer_norm_eps(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_layer_norm_eps(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    result = tracecmp.compare(_layer_norm_eps(tmp_path / "e", torch.bfloat16, eps=1e-5), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.kind) == ("aten.native_layer_norm.default", "argument"), result.summary()
