@@ -251,10 +251,11 @@ def _bench_task(args: tuple[str, str, str, str]) -> tuple[str, str, float]:
     return path, "", seconds
 
 
-def _clean_task(args: tuple[str, str, str, str]) -> tuple[str, str, list[dict[str, Any]], list[float], float, str]:
-    family, precision, path, data = args
+def _clean_task(args: tuple[str, str, str, str, bool]) -> tuple[str, str, list[dict[str, Any]], list[float], float, str]:
+    family, precision, path, data, profile = args
     try:
-        _, calls, losses, seconds = capture(family, precision, Path(path), Plan(), data, profile=True)
+        # profile: record every call, to choose fault sites from (slow; not needed for clean pairs alone)
+        _, calls, losses, seconds = capture(family, precision, Path(path), Plan(), data, profile=profile)
     except Exception as exc:
         return family, precision, [], [], 0.0, f"{type(exc).__name__}: {exc}"
     return family, precision, [_call_json(c) for c in calls], losses, seconds, ""
@@ -454,15 +455,19 @@ def _run_model(family: str, precisions: list[str], kinds: list[str], args: argpa
         say(f"bench {Path(path).name}: {err or f'{seconds:.0f} s'}")
     calls_by_precision: dict[str, list[CallRecord]] = {}
     infos: dict[str, dict[str, Any]] = {}
-    todo = [(family, p, str(root / f"clean-{p}"), args.data) for p in precisions
-            if not (args.resume and (root / f"calls-{p}.json").exists())]
+    profile = not args.clean_only
+    done = "calls" if profile else "clean"
+    todo = [(family, p, str(root / f"clean-{p}"), args.data, profile) for p in precisions
+            if not (args.resume and (root / f"{done}-{p}.json").exists())]
     for _, p, calls, losses, seconds, err in _pool(_clean_task, todo, args.jobs, args.steps):
         say(f"clean {p}: {err or f'{seconds:.0f} s, {len(calls)} calls, losses {losses}'}")
         (root / f"clean-{p}.json").write_text(json.dumps({"losses": losses, "capture_s": seconds} if not err else {"error": err}))
-        (root / f"calls-{p}.json").write_text(json.dumps(calls))
+        if profile:
+            (root / f"calls-{p}.json").write_text(json.dumps(calls))
     for p in precisions:
         infos[p] = json.loads((root / f"clean-{p}.json").read_text())
-        calls_by_precision[p] = [_call_from_json(c) for c in json.loads((root / f"calls-{p}.json").read_text())]
+        if profile:
+            calls_by_precision[p] = [_call_from_json(c) for c in json.loads((root / f"calls-{p}.json").read_text())]
     results: list[RealResult] = []
     for p in precisions:
         case = RealCase(f"{family}/{p}/clean", family, p, "clean")
