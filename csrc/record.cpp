@@ -72,6 +72,9 @@ struct Config {
   PyObject* view_kind = nullptr;       // aten.schema.VIEW
   PyObject* write_kind = nullptr;      // aten.schema.WRITE
   PyObject* fresh_kind = nullptr;      // aten.schema.FRESH
+  PyObject* parameter_type = nullptr;  // torch.nn.Parameter
+  PyObject* strided = nullptr;         // torch.strided
+  PyObject* stack_len = nullptr;       // torch._C._len_torch_dispatch_stack: other modes below this one
   bool ready = false;
 };
 Config g;
@@ -88,7 +91,7 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback)
+  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(_awaited_groups) X(write_only) X(_unbumped) X(_held) X(_base)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -115,6 +118,8 @@ struct OpEntry {
   PyObject* inplace;   // Py_True / Py_False
   PyObject* random;
   bool record, rewritable, uninitialized;
+  bool collective;       // c10d / _c10d_functional: the reference records it (capture/collectives.py)
+  bool write_only;       // has out= arguments: the reference records their first use without statistics
   bool all_fresh;        // a schema whose every return is new, and no other writes
   Py_ssize_t n_returns;
   Shape shape;
@@ -172,10 +177,14 @@ const OpEntry* entry_for(PyObject* func) {
       returns(PyObject_GetAttr(info, s.returns)), extra(PyObject_GetAttr(info, s.extra_writes)),
       uninit(PyObject_GetAttr(info, s.uninitialized)), inplace(PyObject_GetAttr(info, s.inplace)),
       random(PyObject_GetAttr(info, s.random)), name(PyObject_GetAttr(info, s.name)),
-      kind(PyObject_GetAttr(info, s.kind));
+      kind(PyObject_GetAttr(info, s.kind)), collective(PyObject_GetAttr(info, s.collective)),
+      write_only(PyObject_GetAttr(info, s.write_only));
   if (!record || !rewritable || !returns || !extra || !uninit || !inplace || !random || !name ||
-      !kind || !PyTuple_Check(returns.p) || !PyTuple_Check(extra.p))
+      !kind || !collective || !write_only || !PyTuple_Check(returns.p) || !PyTuple_Check(extra.p) ||
+      !PyTuple_Check(write_only.p))
     return nullptr;
+  e.collective = collective.p == Py_True;
+  e.write_only = PyTuple_GET_SIZE(write_only.p) > 0;
   e.record = record.p == Py_True;
   e.rewritable = rewritable.p == Py_True;
   e.uninitialized = uninit.p == Py_True;
@@ -713,7 +722,16 @@ PyObject* dtype_name(PyObject* mode, PyObject* md, PyObject* dtype) {
   return call_method(mode, s._dtype, {dtype});
 }
 
-// mode._value on the CPU with the fused kernel; anything else goes to the reference method.
+// A tensor of exactly torch.Tensor or nn.Parameter: no subclass, whose data_ptr() may be a wrapper's 0.
+bool plain_type(PyObject* t) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(t));
+  return type == g.tensor_type || type == g.parameter_type;
+}
+
+// mode._value on the CPU with the fused kernel; anything else goes to the reference method. The
+// kernel reads memory, so it sees only a plain dense strided tensor with storage behind its
+// pointer (capture/tensorkinds.py): a functional tensor's pointer is 0, a sparse one's raises,
+// a nested one has no strides.
 bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* op_id, PyObject* index,
            PyObject* view_of) {
   auto reference = [&]() {
@@ -723,6 +741,9 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
   };
   int save = truth(md, s._save_data);
   if (save != 0) return save > 0 ? reference() : false;
+  if (!plain_type(t)) return reference();
+  Ref layout(PyObject_GetAttr(t, s.layout));
+  if (!layout || layout.p != g.strided) return reference();
   Ref is_cpu(PyObject_GetAttr(t, s.is_cpu));
   if (!is_cpu || is_cpu.p != Py_True) return reference();
   Ref native(PyObject_GetAttr(g.stats_module, s._native_stats));
@@ -741,7 +762,13 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
   Ref threads(big ? call0(g.num_threads) : PyLong_FromLong(1));
   Ref ptr(call_method(t, s.data_ptr, {}));
   Ref strides(ptr ? call_method(t, s.stride, {}) : nullptr);
-  if (!threads || !ptr || !strides) return reference();  // no storage: the reference decides
+  if (!threads || !ptr || !strides) return reference();  // no storage or strides: the reference decides
+  void* address = PyLong_AsVoidPtr(ptr.p);
+  if (address == nullptr) {
+    if (PyErr_Occurred()) return reference();
+    int empty = PyObject_RichCompareBool(numel.p, s.zero, Py_EQ);
+    if (empty != 1) return reference();  // nothing behind the pointer
+  }
   PyObject* argv[6] = {ptr.p, shape.p, strides.p, code, numel.p, threads.p};
   Ref stats(PyObject_Vectorcall(native.p, argv, 6, nullptr));
   if (!stats || !PyTuple_Check(stats.p) || PyTuple_GET_SIZE(stats.p) != 7) return reference();
@@ -756,22 +783,37 @@ bool value(PyObject* mode, PyObject* md, PyObject* t, PyObject* tid, PyObject* o
 }
 
 // mode.settle: read the versions of the tensors the previous op wrote.
-bool settle(PyObject* md) {
-  PyObject* unsettled = item(md, s._unsettled);
-  if (unsettled == nullptr) return false;
-  if (!PyList_Check(unsettled) || PyList_GET_SIZE(unsettled) == 0) return true;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unsettled); ++i) {
-    PyObject* pair = PyList_GET_ITEM(unsettled, i);  // (rec, [version, tid])
+bool settle(PyObject* mode, PyObject* md) {
+  PyObject* pending = item(md, s._unsettled);
+  if (pending == nullptr) return false;
+  if (!PyList_Check(pending) || PyList_GET_SIZE(pending) == 0) return true;
+  Ref unsettled(Py_NewRef(pending));
+  Ref fresh(PyList_New(0));
+  if (!fresh || PyDict_SetItem(md, s._unsettled, fresh.p) < 0) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unsettled.p); ++i) {
+    PyObject* pair = PyList_GET_ITEM(unsettled.p, i);  // (rec, [version, tid])
     PyObject* rec = PyTuple_GET_ITEM(pair, 0);
     PyObject* entry = PyTuple_GET_ITEM(pair, 1);
     PyObject* t = PyWeakref_GetObject(rec);
     if (t == Py_None) continue;
     Ref version(PyObject_GetAttr(t, s._version));
-    if (!version || PyObject_SetAttr(rec, s.version, version.p) < 0) return false;
+    if (!version) return false;
+    int same = PyObject_RichCompareBool(version.p, PyList_GET_ITEM(entry, 0), Py_EQ);
+    if (same < 0) return false;
+    if (same) {  // written without moving its version counter: mode._unbumped records the base's new value
+      Ref r(call_method(mode, s._unbumped, {t, PyList_GET_ITEM(entry, 1)}));
+      if (!r) return false;
+    }
+    if (PyObject_SetAttr(rec, s.version, version.p) < 0) return false;
     if (PyList_SetItem(entry, 0, version.release()) < 0) return false;
   }
-  Ref fresh(PyList_New(0));
-  return fresh && PyDict_SetItem(md, s._unsettled, fresh.p) == 0;
+  PyObject* held = item(md, s._held);  // views kept alive for this look (mode._written)
+  if (held == nullptr) return false;
+  if (PyList_Check(held) && PyList_GET_SIZE(held) > 0) {
+    Ref none(PyList_New(0));
+    if (!none || PyDict_SetItem(md, s._held, none.p) < 0) return false;
+  }
+  return true;
 }
 
 // mode._written for a written input that is in the map (anything else: the reference).
@@ -803,6 +845,14 @@ bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObjec
     Ref pair(PyTuple_Pack(2, rec, entry.p));
     PyObject* unsettled = item(md, s._unsettled);
     if (!pair || unsettled == nullptr || PyList_Append(unsettled, pair.p) < 0) return false;
+    // A written view the caller drops at once (``x[i] = v``, FSDP2's out= views) is kept alive
+    // until settle has read its version: else its view family's write history stays unsettled.
+    Ref base(PyObject_GetAttr(t, s._base));
+    if (!base) return false;
+    if (base.p != Py_None) {
+      PyObject* held = item(md, s._held);
+      if (held == nullptr || PyList_Append(held, t) < 0) return false;
+    }
     Ref group(PyObject_GetAttr(rec, s.group));
     PyObject* writes = item(md, s._writes);
     if (!group || writes == nullptr) return false;
@@ -855,13 +905,17 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
   if (!index) return false;
   Ref is_cpu(PyObject_GetAttr(t, s.is_cpu));
   if (!is_cpu) return false;
-  if (is_cpu.p != Py_True) {
+  if (is_cpu.p != Py_True || !plain_type(t)) {  // the reference reads the shape of any tensor
     Ref r(call_method(mode, s._bare, {t, tid.p, op_id, index.p, view_of.p}));
     return r && PyList_Append(outputs, tid.p) == 0;
   }
   Ref dtype(PyObject_GetAttr(t, s.dtype));
   Ref shape(PyObject_GetAttr(t, s.shape));
-  if (!dtype || !shape) return false;
+  if (!dtype || !shape) {  // a nested tensor has no shape: the reference records it
+    PyErr_Clear();
+    Ref r(call_method(mode, s._bare, {t, tid.p, op_id, index.p, view_of.p}));
+    return r && PyList_Append(outputs, tid.p) == 0;
+  }
   Ref name(dtype_name(mode, md, dtype.p));
   Ref dims(dims_of(shape.p));
   if (!name || !dims) return false;
@@ -963,16 +1017,29 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   PyObject* mode = argv[0];
   PyObject* func = argv[1];
   PyObject* args = argv[3];
+  // Tensor subclasses (DTensor, FakeTensor ...) and ops under another mode (a FakeTensorMode during
+  // sharding propagation): the reference decides what to record (capture/tensorkinds.py).
+  if (!PyTuple_Check(argv[2])) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(argv[2]); ++i) {  // torch may list Tensor itself
+    PyObject* type = PyTuple_GET_ITEM(argv[2], i);
+    if (type != g.tensor_type && type != g.parameter_type) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+  }
+  Ref modes(call0(g.stack_len));
+  if (!modes) return nullptr;
+  int others = PyObject_IsTrue(modes.p);
+  if (others < 0) return nullptr;
+  if (others) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   PyObject* kwargs = nargs == 5 && argv[4] != Py_None ? argv[4] : nullptr;
   if (!PyTuple_Check(args) || (kwargs != nullptr && !PyDict_Check(kwargs)))
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   Ref md(dict_of(mode));
-  if (!md || !settle(md.p)) return nullptr;
+  if (!md || !settle(mode, md.p)) return nullptr;
   const OpEntry* found = entry_for(func);
   if (found == nullptr && PyErr_Occurred()) return nullptr;
   int plain = truth(md.p, s._plain), stack = truth(md.p, s._stack);
   if (plain < 0 || stack < 0) return nullptr;
-  if (found == nullptr || !found->record || (!plain && found->rewritable) || stack)
+  if (found == nullptr || !found->record || found->collective || found->write_only || (!plain && found->rewritable) ||
+      stack)
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   const OpEntry& e = *found;
   Ref owned_kwargs;
@@ -986,6 +1053,30 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (!tensors) return nullptr;
   Ref key(scan(args, kwargs, tensors.p));
   if (!key) return nullptr;
+  {
+    // An op using a collective's output still awaited: the reference takes its statistics once
+    // the collective completed (capture/collectives.py). Nothing is recorded yet.
+    PyObject* awaiting = item(md.p, s._awaited_groups);
+    PyObject* known = item(md.p, s._known);
+    if (awaiting == nullptr || known == nullptr) return nullptr;
+    if (PyDict_Check(awaiting) && PyDict_GET_SIZE(awaiting) > 0) {
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors.p); ++i) {
+        PyObject* t = PyList_GET_ITEM(tensors.p, i);
+        Ref id(PyLong_FromVoidPtr(t));
+        if (!id) return nullptr;
+        PyObject* rec = record_of(known, t, id.p);
+        if (rec == nullptr) {
+          if (PyErr_Occurred()) return nullptr;
+          continue;
+        }
+        Ref group(PyObject_GetAttr(rec, s.group));
+        if (!group) return nullptr;
+        int waiting = PyDict_Contains(awaiting, group.p);
+        if (waiting < 0) return nullptr;
+        if (waiting) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+      }
+    }
+  }
   PyObject* scope = item(md.p, s.scope);
   if (scope == nullptr) return nullptr;
   Ref sd(dict_of(scope));
@@ -1168,23 +1259,27 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* keywords[] = {"slow", "tensor_type", "op_overload", "op_infos", "one_fresh", "marker",
                                    "scan_value", "plain_types", "rec_type", "current_node", "sequence_nr",
                                    "grad_enabled", "inference_enabled", "num_threads", "stats_module",
-                                   "native_codes", "parallel_min", "view_kind", "write_kind", "fresh_kind", nullptr};
+                                   "native_codes", "parallel_min", "view_kind", "write_kind", "fresh_kind",
+                                   "parameter_type", "strided", "stack_len", nullptr};
   Config c;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOOO!OOOOOOOO!OOOO", const_cast<char**>(keywords), &c.slow,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOOO!OOOOOOOO!OOOOOOO", const_cast<char**>(keywords), &c.slow,
                                    &c.tensor_type, &c.op_overload, &PyDict_Type, &c.op_infos, &c.one_fresh,
                                    &c.marker, &c.scan_value, &PyTuple_Type, &c.plain_types, &c.rec_type,
                                    &c.current_node, &c.sequence_nr, &c.grad_enabled, &c.inference_enabled,
                                    &c.num_threads, &c.stats_module, &PyDict_Type, &c.native_codes,
-                                   &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind))
+                                   &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind, &c.parameter_type,
+                                   &c.strided, &c.stack_len))
     return nullptr;
-  if (!PyType_Check(c.tensor_type) || !PyType_Check(c.op_overload) || !PyType_Check(c.rec_type)) {
-    PyErr_SetString(PyExc_TypeError, "tensor_type, op_overload and rec_type must be types");
+  if (!PyType_Check(c.tensor_type) || !PyType_Check(c.op_overload) || !PyType_Check(c.rec_type) ||
+      !PyType_Check(c.parameter_type)) {
+    PyErr_SetString(PyExc_TypeError, "tensor_type, op_overload, rec_type and parameter_type must be types");
     return nullptr;
   }
   PyObject** fields[] = {&c.slow, &c.tensor_type, &c.op_overload, &c.op_infos, &c.one_fresh, &c.marker,
                          &c.scan_value, &c.plain_types, &c.rec_type, &c.current_node, &c.sequence_nr,
                          &c.grad_enabled, &c.inference_enabled, &c.num_threads, &c.stats_module,
-                         &c.native_codes, &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind};
+                         &c.native_codes, &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind,
+                         &c.parameter_type, &c.strided, &c.stack_len};
   for (PyObject** f : fields) Py_INCREF(*f);
   c.ready = true;
   g = c;  // once per process; a second call (a reload) leaks the first set, by design tiny

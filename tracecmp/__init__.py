@@ -12,10 +12,13 @@ from typing import Any
 
 from tracecmp.errors import (
     CaptureError,
+    CaptureWarning,
+    CaptureWriteError,
     CompareError,
     OverflowDetected,
     TraceFormatError,
     TraceNotFoundError,
+    TraceExistsError,
     TraceVersionError,
     TracecmpError,
 )
@@ -34,9 +37,12 @@ _LAZY = {
 
 __all__ = [
     "CaptureError",
+    "CaptureWarning",
+    "CaptureWriteError",
     "CompareError",
     "OverflowDetected",
     "TraceFormatError",
+    "TraceExistsError",
     "TraceNotFoundError",
     "TraceVersionError",
     "TracecmpError",

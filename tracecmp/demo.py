@@ -234,8 +234,10 @@ def capture_run(path: Path, fault: Fault | None, steps: int, seed: int) -> list[
     torch.set_float32_matmul_precision("high" if fault is not None else "highest")
     try:
         # The fault context is entered first so that capture, entered last, sees every call first.
-        with context, tracecmp.TraceCompare(path, model=model, stack=True) as tc:
-            return train(model, steps, seed, on_step=tc.step)
+        # As in `tracecmp record`, nothing is said about the training: the model is found as it
+        # runs and every optimizer.step() ends a step.
+        with context, tracecmp.TraceCompare(path, stack=True, overwrite=True):
+            return train(model, steps, seed)
     finally:
         torch.set_float32_matmul_precision(precision)
 

@@ -39,6 +39,22 @@ class CaptureError(TracecmpError):
     """Capture was misused (nested sessions, step() outside the context, bad options)."""
 
 
+class TraceExistsError(CaptureError):
+    """The folder a capture would write already holds a trace (``overwrite=True`` replaces it)."""
+
+
+class CaptureWriteError(CaptureError):
+    """The trace could not be written (a full disk, a folder turned read-only, a permission lost).
+
+    Raised only by ``TraceCompare(on_error="raise")``; by default capture warns with
+    :class:`CaptureWarning`, stops recording and lets the run go on.
+    """
+
+
+class CaptureWarning(UserWarning):
+    """Capture stopped recording (the trace could not be written) while the traced run went on."""
+
+
 class CompareError(TracecmpError):
     """Two traces cannot be compared (no common ranks or steps, bad tolerances)."""
 

@@ -185,15 +185,22 @@ def _overflow(row: Any, rank: int, tensors: pd.DataFrame) -> Overflow:
 
 
 def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> list[Overflow]:
-    """Every op, in execution order per rank, whose inputs are finite and whose outputs are not.
+    """Every op whose inputs are finite and whose outputs are not, the first of the whole job first.
 
     Views carry no statistics of their own: a view is treated as finite exactly when its base is.
+    With several ranks the ops are ordered through the collectives that link the ranks
+    (:mod:`tracecmp.trace.links`), and a collective that only received NaN/Inf another rank sent
+    is not an overflow of its own: the first overflow of the job is where it was born.
+    ``limit`` caps the overflows looked for per rank and returned.
 
     >>> first = find_overflows("runs/target", limit=1)  # doctest: +SKIP
     """
+    from tracecmp.trace.links import Epochs, collectives, job_order
+
     if not isinstance(trace, Trace):
         trace = load(trace)
-    found: list[Overflow] = []
+    flags: dict[int, dict[int, bool]] = {}
+    tables: dict[int, tuple[pd.DataFrame, pd.DataFrame]] = {}
     for rank in trace.ranks:
         rank_trace = trace.rank(rank)
         tensors = rank_trace.tensors.set_index("tensor_id")
@@ -206,9 +213,17 @@ def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> li
         views = view_of[view_of >= 0]
         for tid, base in views.items():  # ids increase in execution order, so bases resolve first
             bad.at[tid] = bool(bad.get(base, False))
-        ops = rank_trace.ops
+        flags[rank] = bad.to_dict()
+        tables[rank] = (rank_trace.ops, tensors)
+    calls = {rank: collectives(tables[rank][0], rank) for rank in trace.ranks} if len(trace.ranks) > 1 else {}
+    sent_bad = {(c.rank, c.key): any(flags[c.rank].get(t, False) for t in c.sent) for items in calls.values() for c in items}
+    found: list[Overflow] = []
+    for rank in trace.ranks:
+        bad_array = flags[rank]
+        ops, tensors = tables[rank]
         ops = ops[ops["kind"] == "op"].sort_values("op_id")
-        bad_array = bad.to_dict()
+        received = {c.op_id: c for c in calls.get(rank, [])}
+        count = 0
         for row in ops.itertuples(index=False):
             outputs = list(row.outputs)
             if not any(bad_array.get(t, False) for t in outputs):
@@ -216,11 +231,17 @@ def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> li
             inputs = list(row.inputs)
             if any(bad_array.get(t, False) for t in inputs):
                 continue
+            call = received.get(int(row.op_id))
+            if call is not None and any(sent_bad.get((q, call.key)) for q in call.contributors() if q != rank):
+                continue  # another rank sent the NaN/Inf this collective received
             found.append(_overflow(row, rank, tensors))
-            if limit is not None and len(found) >= limit:
-                return found
-    found.sort(key=lambda o: (o.step, o.op_id))
-    return found
+            count += 1
+            if limit is not None and count >= limit:
+                break
+    order = job_order(calls) if calls else {}
+    epochs = {rank: Epochs(calls.get(rank, []), order) for rank in trace.ranks}
+    found.sort(key=lambda o: (epochs[o.rank].of(o.op_id), o.step, o.rank, o.op_id))
+    return found[:limit] if limit is not None else found
 
 
 def overflow_at(rank_trace: RankTrace, op_id: int) -> Overflow:

@@ -31,13 +31,13 @@ as "not replayed", never as "correct".
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from tracecmp.trace import boundedjson
 from tracecmp.aten.args import decode_call
 from tracecmp.aten.opclass import classify
 from tracecmp.aten.schema import outputs_in_order, resolve
@@ -84,7 +84,7 @@ class _Op:
         """The recorded non-tensor arguments as a dict, or None when they are not readable."""
         if self.parsed is None:
             try:
-                value = json.loads(self.args)
+                value = boundedjson.loads(self.args, max_bytes=boundedjson.ARGS_MAX_BYTES)
             except ValueError:
                 value = None
             self.parsed = value if isinstance(value, dict) else False

@@ -137,7 +137,7 @@ def corrupt_(t: torch.Tensor, kind: str, magnitude: float, seed: int) -> None:
             # One element: NaN, Inf, or the next representable value (the smallest possible fault,
             # which only a bitwise comparison can see).
             flat_index = random.Random(seed).randrange(t.numel())
-            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), t.shape))
+            index = tuple(_unravel(flat_index, t.shape))
             if kind == "ulp":
                 t[index] = torch.nextafter(t[index], torch.tensor(math.inf, dtype=t.dtype))
             else:
@@ -519,3 +519,12 @@ class Injector:
         finally:
             self._modules.remove()
             self._phases.remove()
+
+
+def _unravel(flat: int, shape: torch.Size) -> list[int]:
+    """The index of element ``flat`` of a contiguous tensor of ``shape`` (torch.unravel_index is 2.2+)."""
+    index = []
+    for size in reversed(shape):
+        flat, position = divmod(flat, size)
+        index.append(position)
+    return index[::-1]

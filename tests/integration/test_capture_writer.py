@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracecmp
-from tracecmp.errors import CaptureError, TracecmpError
+from tracecmp.errors import CaptureError, CaptureWarning, CaptureWriteError
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 from tracecmp.trace.writer import BackgroundWriter, RankWriter
@@ -42,22 +42,44 @@ def test_steps_are_committed_in_order_and_complete(tmp_path: Path) -> None:
     assert sorted(trace.to_frame()["step"].unique()) == [0, 1, 2, 3]
 
 
-def test_write_error_surfaces_at_a_later_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_error_stops_recording_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_chunk(monkeypatch, 1)
-    with pytest.raises(TracecmpError, match="cannot write the trace: No space left on device"):
+    done = []
+    with pytest.warns(CaptureWarning, match=r"No space left on device; recording stopped in step \d+ and the run goes on"):
         with tracecmp.TraceCompare(tmp_path / "t", flush_secs=0) as tc:  # a chunk per step
+            for step in range(6):
+                torch.ones(3).mul(2).sum()
+                tc.step()
+                done.append(step)
+    assert done == list(range(6))
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete is False
+    assert sorted(trace.to_frame()["step"].unique()) == [0]  # what was committed before the error
+    stopped = trace.rank(0).manifest["stopped"]
+    assert stopped["kind"] == "write-error" and "No space left on device" in stopped["reason"]
+    assert stopped["last_step"] == 0
+
+
+def test_on_error_raise_fails_at_the_next_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_chunk(monkeypatch, 1)
+    with pytest.raises(CaptureWriteError, match="cannot write the trace: No space left on device"):
+        with tracecmp.TraceCompare(tmp_path / "t", flush_secs=0, on_error="raise") as tc:
             for _ in range(6):
                 torch.ones(3).mul(2).sum()
                 tc.step()
     trace = tracecmp.load(tmp_path / "t")
-    assert trace.complete is False
-    assert sorted(trace.to_frame()["step"].unique()) == [0]  # what was committed before the error
+    assert trace.complete is False and trace.rank(0).manifest["stopped"]["kind"] == "write-error"
+    assert sorted(trace.to_frame()["step"].unique()) == [0]
 
 
-def test_write_error_surfaces_at_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_error_at_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_chunk(monkeypatch, 0)
-    with pytest.raises(TracecmpError, match="No space left"):
+    with pytest.warns(CaptureWarning, match="No space left"):
         with tracecmp.TraceCompare(tmp_path / "t"):
+            torch.ones(3).mul(2)
+    assert tracecmp.load(tmp_path / "t").complete is False
+    with pytest.raises(CaptureWriteError, match="No space left"):
+        with tracecmp.TraceCompare(tmp_path / "t", overwrite=True, on_error="raise"):
             torch.ones(3).mul(2)
     assert tracecmp.load(tmp_path / "t").complete is False
 
@@ -65,8 +87,8 @@ def test_write_error_surfaces_at_exit(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_sync_mode_raises_at_the_failing_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_chunk(monkeypatch, 1)
     done = []
-    with pytest.raises(TracecmpError, match="No space left"):
-        with tracecmp.TraceCompare(tmp_path / "t", sync=True) as tc:
+    with pytest.raises(CaptureWriteError, match="No space left"):
+        with tracecmp.TraceCompare(tmp_path / "t", sync=True, on_error="raise") as tc:
             for step in range(4):
                 torch.ones(3).mul(2)
                 tc.step()
@@ -76,7 +98,7 @@ def test_sync_mode_raises_at_the_failing_step(tmp_path: Path, monkeypatch: pytes
 
 def test_body_exception_wins_over_a_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_chunk(monkeypatch, 0)
-    with pytest.raises(ValueError, match="user bug") as caught:
+    with pytest.raises(ValueError, match="user bug") as caught, pytest.warns(CaptureWarning):
         with tracecmp.TraceCompare(tmp_path / "t"):
             torch.ones(3).mul(2)
             raise ValueError("user bug")

@@ -45,6 +45,8 @@ _PROGRAM = textwrap.dedent(
         view = base[:, :2]
         view.add_(1.0)                      # a write through a view: alias.update on base
         y = (x @ w + base).relu()
+        base[1] = 7.0                       # a write through a view the caller drops at once
+        base.mul(2)                         # reads it: alias.update on base, not a new source
         y.sum().backward()
         behind = torch.ones(2)
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""A real browser opens the report offline: no console errors, no network, working sort, a screenshot.
+"""A real browser opens the report offline: no console errors, no network, working sort, the graph
+drawn, a screenshot; once with graphviz's dot and once with dot hidden from PATH (tracecmp's own layout).
 
 Headless Chromium (Debian package ``chromium``). Skipped only when Chromium is missing and ``CI`` is
 not set; in CI it must run.
@@ -49,6 +50,9 @@ _PROBE = """<script>
   });
   out.resources = performance.getEntriesByType("resource").map(function (r) { return r.name; });
   out.verdict = document.getElementById("verdict").textContent;
+  out.graphNodes = Array.prototype.map.call(document.querySelectorAll(".figure.graph svg g.node"), function (g) {
+    var box = g.getBoundingClientRect(); return [box.width, box.height, g.textContent];
+  });
   var pre = document.createElement("pre"); pre.id = "probe-result"; pre.textContent = JSON.stringify(out);
   document.body.appendChild(pre);
 })();
@@ -71,13 +75,30 @@ def _console_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _without_dot(path: str) -> str:
+    """PATH less every folder that holds a ``dot``."""
+    return os.pathsep.join(d for d in path.split(os.pathsep) if not os.access(os.path.join(d, "dot"), os.X_OK))
+
+
+@pytest.fixture(scope="module", params=["dot", "dot hidden from PATH"])
+def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.unit.test_render import diverged_result
     from tracecmp.render import write_report
 
     folder = tmp_path_factory.mktemp("report")
-    return write_report(diverged_result(folder / "runs"), folder / "out")
+    result = diverged_result(folder / "runs")
+    if request.param == "dot" and shutil.which("dot") is None:
+        if os.environ.get("CI", "").lower() in ("", "0", "false"):
+            pytest.skip("graphviz 'dot' not installed (CI installs it)")
+        raise AssertionError("CI is set but graphviz 'dot' is not installed (.ci/setup installs it)")
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param != "dot":
+            patch.setenv("PATH", _without_dot(os.environ.get("PATH", "")))
+            assert shutil.which("dot") is None
+        path = write_report(result, folder / "out")
+    drawn_by_dot = "tracecmp's own layout" not in path.read_text(encoding="utf-8")
+    assert drawn_by_dot == (request.param == "dot")
+    return path
 
 
 def test_report_opens_without_errors_and_sorts(report: Path, tmp_path: Path) -> None:
@@ -98,6 +119,9 @@ def test_report_opens_without_errors_and_sorts(report: Path, tmp_path: Path) -> 
     assert seen["byName"] == sorted(seen["byName"], key=str.lower)
     assert seen["verdict"].startswith("DIVERGED")
     assert len(seen["figures"]) == 2 and all(w > 100 and h > 100 for w, h in seen["figures"])
+    # The graph: every node laid out with a size, the root among them with its label.
+    assert len(seen["graphNodes"]) >= 5 and all(w > 20 and h > 15 for w, h, _ in seen["graphNodes"])
+    assert any("FIRST DIVERGENCE" in text and "gelu" in text for _, _, text in seen["graphNodes"])
 
 
 def test_report_screenshot(report: Path, tmp_path: Path) -> None:

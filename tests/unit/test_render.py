@@ -1,4 +1,5 @@
-"""The suspicious subgraph: selection, colours, DOT text, SVG/PNG through dot, fallback without dot.
+"""The suspicious subgraph: selection, colours, DOT text, SVG/PNG through dot and, without dot,
+through tracecmp's own layout (:mod:`tracecmp.render.layout`).
 
 Results are real comparisons of hand-made traces (:mod:`tests.tracebuild`).
 """
@@ -28,6 +29,14 @@ needs_dot = pytest.mark.skipif(
     reason="graphviz 'dot' not installed (CI installs it)",
 )
 DIM, TOKENS = 16, 8
+
+
+@pytest.fixture(params=[pytest.param("dot", marks=needs_dot), "own layout"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Who draws: graphviz's dot, or tracecmp's own layout with dot hidden."""
+    if request.param == "own layout":
+        monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
+    return request.param
 
 
 def transformer_recipe(layers: int = 3, fault_layer: int | None = 1, *, nan_layer: int | None = None,
@@ -142,8 +151,7 @@ def test_diverged_colour_goes_from_orange_to_red_with_error() -> None:
     assert green[0] > green[1] > green[2]  # the green channel falls: orange turns red
 
 
-@needs_dot
-def test_svg_is_valid_xml_with_root_label_and_its_module_cluster(diverged: CompareResult, tmp_path: Path) -> None:
+def test_svg_is_valid_xml_with_root_label_and_its_module_cluster(diverged: CompareResult, tmp_path: Path, engine: str) -> None:
     result = diverged
     written = render_subgraph(result, tmp_path / "divergence.svg")
     assert written == tmp_path / "divergence.svg"
@@ -173,18 +181,15 @@ def test_views_are_folded_into_edge_labels(diverged: CompareResult) -> None:
     assert re.search(rf'n{weight} -> n{fc1} \[label="t ▸ {DIM}×{4 * DIM}"', text)
 
 
-def test_dot_fallback_without_dot_binary(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    result = diverged
+def test_without_dot_binary_the_own_layout_draws_the_picture(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
-    with pytest.warns(RuntimeWarning, match="dot") as caught:
-        written = render_subgraph(result, tmp_path / "out" / "divergence.svg")
-    assert len(caught) == 1
-    assert written == tmp_path / "out" / "divergence.dot"
-    assert not (tmp_path / "out" / "divergence.svg").exists()
-    text = written.read_text(encoding="utf-8")
-    assert text.startswith("digraph divergence {") and text.rstrip().endswith("}")
-    assert "FIRST DIVERGENCE" in text and 'label="blocks.1.mlp.act"' in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = render_subgraph(diverged, tmp_path / "out" / "divergence.svg")
+    assert written == tmp_path / "out" / "divergence.svg"
+    assert "tracecmp's own layout" in written.read_text(encoding="utf-8")
+    shown = {g.findtext(f"{SVG}title") for g in svg_nodes(written)}
+    assert shown == {f"n{n}" for n in select(diverged).shown}
 
 
 def test_dot_suffix_needs_no_binary(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,10 +201,12 @@ def test_dot_suffix_needs_no_binary(diverged: CompareResult, tmp_path: Path, mon
     assert written.read_text(encoding="utf-8").startswith("digraph")
 
 
-@needs_dot
-def test_png_by_suffix(diverged: CompareResult, tmp_path: Path) -> None:
+def test_png_by_suffix(diverged: CompareResult, tmp_path: Path, engine: str) -> None:
     written = diverged.render(tmp_path / "g.png")
-    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = written.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 400 and height > 400 and len(data) > 20_000  # a drawing, not an empty canvas
 
 
 def test_bad_requests_are_refused(diverged: CompareResult, tmp_path: Path) -> None:
@@ -219,9 +226,8 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> CompareResult:
     return result
 
 
-@needs_dot
 @pytest.mark.parametrize("max_nodes", [5, 30, 60])
-def test_node_count_is_bounded_on_a_big_graph(wide: CompareResult, tmp_path: Path, max_nodes: int) -> None:
+def test_node_count_is_bounded_on_a_big_graph(wide: CompareResult, tmp_path: Path, max_nodes: int, engine: str) -> None:
     written = render_subgraph(wide, tmp_path / "big.svg", max_nodes=max_nodes)
     nodes = svg_nodes(written)
     assert len(nodes) <= max_nodes
@@ -263,8 +269,7 @@ def noisy_recipe(b: TraceBuilder, is_target: bool) -> None:
         b.op("aten.mul.Tensor", [r_y], y * 2, module=f"layers.{i // 10}")
 
 
-@needs_dot
-def test_agreeing_runs_show_the_largest_difference(tmp_path: Path) -> None:
+def test_agreeing_runs_show_the_largest_difference(tmp_path: Path, engine: str) -> None:
     result = compared(tmp_path, noisy_recipe)
     assert result.first_divergence is None and result.agrees
     written = render_subgraph(result, tmp_path / "agree.svg")

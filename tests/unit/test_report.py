@@ -1,4 +1,4 @@
-"""The HTML report: verdict, first divergence, chart, tables, counts; self-contained; dot fallback."""
+"""The HTML report: verdict, first divergence, chart, tables, counts; self-contained; without dot."""
 from __future__ import annotations
 
 import re
@@ -79,14 +79,12 @@ def test_report_inlines_the_subgraph_svg(report: str) -> None:
     assert "FIRST DIVERGENCE" in figure
 
 
-def test_report_without_dot_shows_the_dot_text(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_report_without_dot_inlines_the_own_layout(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
-    with pytest.warns(RuntimeWarning):
-        html = write_report(diverged, tmp_path).read_text(encoding="utf-8")
+    html = write_report(diverged, tmp_path).read_text(encoding="utf-8")
     figure = html[html.index('id="subgraph"') : html.index('id="chart"')]
-    assert "graphviz <code>dot</code> is not installed" in figure
-    assert "<pre>digraph divergence {" in figure
-    assert (tmp_path / "divergence.dot").exists() and not (tmp_path / "divergence.svg").exists()
+    assert "<svg" in figure and "tracecmp's own layout" in figure and "FIRST DIVERGENCE" in figure
+    assert (tmp_path / "divergence.svg").exists() and not (tmp_path / "divergence.dot").exists()
 
 
 def test_agree_verdict(tmp_path: Path) -> None:

@@ -225,3 +225,150 @@ def test_a_trace_listing_its_chunks_in_the_rank_manifest_still_loads(good: Path)
     path.write_text(json.dumps(manifest))
     trace = tracecmp.load(good)
     assert len(trace.to_frame()) == 3 and trace.rank(0).manifest["steps"] == []
+
+
+# -- hostile input: bounded before it is parsed, refused in one line ----------------------------
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from tracecmp.cli.main import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_deeply_nested_manifest_is_refused_before_parsing(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = good / "rank0" / "manifest.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    _expect(TraceFormatError, path, "nested 100000 levels deep", good)
+    for argv in (["inspect", str(good)], ["overflow", str(good)], ["compare", str(good), str(good)]):
+        code, err = _cli(argv, capsys)
+        assert code == 2, argv  # for compare, 1 would read "divergence found" to a CI gate
+        assert len(err.strip().splitlines()) == 1 and str(path) in err and "Traceback" not in err
+
+
+def test_compare_of_a_hostile_trace_exits_2_in_a_real_process(good: Path) -> None:
+    (good / "manifest.json").write_text('{"format": "tracecmp-trace", "format_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    result = subprocess.run(
+        [sys.executable, "-m", "tracecmp", "compare", str(good), str(good)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "manifest.json" in result.stderr
+
+
+def test_oversized_manifest_is_refused_unread(good: Path) -> None:
+    path = good / "manifest.json"
+    path.write_text('{"format": "tracecmp-trace", "format_version": 1, "pad": "' + "x" * (17 << 20) + '"}')
+    _expect(TraceFormatError, path, r"at most 16,777,216 are read", good)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("complete", "yes"), ("rank", -1), ("info", []), ("world_size", True), ("device", 3), ("stopped", "x")],
+)
+def test_rank_manifest_fields_of_the_wrong_type(good: Path, field: str, value: Any) -> None:
+    path, manifest = _rank_manifest(good)
+    manifest[field] = value
+    path.write_text(json.dumps(manifest))
+    _expect(TraceFormatError, path, f"field '{field}'", good)
+
+
+@pytest.mark.parametrize("field", ["options", "versions", "determinism"])
+def test_run_manifest_fields_of_the_wrong_type(good: Path, field: str) -> None:
+    path = good / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest[field] = "not a mapping"
+    path.write_text(json.dumps(manifest))
+    _expect(TraceFormatError, path, f"field '{field}'", good)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        (("rows", "ops"), 10**15, "other row counts"),
+        (("rows", "ops"), -1, "no row counts"),
+        (("steps",), [2**40], "steps are not a list of step numbers"),
+        (("ops", "bytes"), 2**62, "truncated or altered"),
+        (("ops", "file"), "../../../../dev/zero", "outside its folder"),
+        (("ops", "file"), "/dev/zero", "outside its folder"),
+        (("ops", "crc32"), "0", "malformed ops file entry"),
+    ],
+)
+def test_chunk_record_values_out_of_bounds(good: Path, key: tuple[str, ...], value: Any, match: str) -> None:
+    path = good / "rank0" / "chunk-00000.json"
+    record = json.loads(path.read_text())
+    target = record
+    for part in key[:-1]:
+        target = target[part]
+    target[key[-1]] = value
+    path.write_text(json.dumps(record))
+    with pytest.raises(TraceFormatError, match=match):
+        tracecmp.load(good)
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "loop", "fifo"])
+def test_chunk_files_that_are_not_regular_files(good: Path, kind: str) -> None:
+    import os
+
+    chunk = good / "rank0" / "ops-00000.parquet"
+    chunk.unlink()
+    if kind == "dev-zero":
+        chunk.symlink_to("/dev/zero")
+    elif kind == "loop":
+        chunk.symlink_to(chunk.name)
+    else:
+        os.mkfifo(chunk)  # reading it would wait for a writer forever
+    _expect(TraceFormatError, chunk, "not a regular file", good)
+
+
+def test_a_manifest_that_is_a_fifo_does_not_hang(good: Path) -> None:
+    import os
+
+    path = good / "rank0" / "manifest.json"
+    path.unlink()
+    os.mkfifo(path)
+    _expect(TraceFormatError, path, "not a regular file", good)
+
+
+def test_nulls_where_the_schema_has_none(tmp_path: Path) -> None:
+    ops = _ops([[], [0], [1]], [[0], [1], [2]])
+    ops["phase"][1] = None
+    bad = _write(tmp_path / "bad", ops, _tensors([0, 1, 2], [0, 1, 2]))
+    _expect(TraceFormatError, bad / "rank0" / "ops-00000.parquet", "column 'phase' holds nulls", bad)
+
+
+def test_a_rank_folder_whose_manifest_names_another_rank(good: Path) -> None:
+    path, manifest = _rank_manifest(good)
+    path.write_text(json.dumps({**manifest, "rank": 3}))
+    _expect(TraceFormatError, good / "rank0", "says rank 3", good)
+
+
+def test_an_internal_error_exits_2_with_its_traceback(good: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug must never exit 1, which compare reserves for "divergence found"."""
+    import tracecmp.cli.inspect as inspect_module
+
+    def broken(path: Any) -> str:
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(inspect_module, "summarize", broken)
+    code, err = _cli(["inspect", str(good)], capsys)
+    assert code == 2 and "Traceback" in err and "internal error" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"approximate": "' + "x" * (2 << 20) + '"}'], ids=["deep", "large"])
+def test_hostile_op_arguments_are_unreadable_not_a_crash(tmp_path: Path, text: str) -> None:
+    """An op's ``args`` JSON is read by compare (argument differences) and by replay: bounded too."""
+    import torch
+
+    from tests.tracebuild import TraceBuilder
+
+    for name in ("target", "bench"):
+        builder = TraceBuilder(data=True)
+        x = builder.source("input.0", torch.linspace(-2, 2, 8))
+        builder.call(torch.ops.aten.gelu.default, builder.call(torch.ops.aten.mul.Tensor, x, x))
+        if name == "target":
+            for row in builder.ops[1:]:
+                row["args"] = text
+        builder.write(tmp_path / name)
+    result = tracecmp.compare(tmp_path / "target", tmp_path / "bench")
+    assert result.first_divergence is None or result.first_divergence.op.startswith("aten.")

@@ -23,14 +23,26 @@ FRESH = 0  # a new tensor (gets statistics)
 WRITE = 1  # the argument it names, written in place (a new version, gets statistics)
 VIEW = 2  # a view of the argument it names (no statistics)
 SCRATCH = 3  # a new tensor holding kernel scratch space, partly uninitialized (no statistics)
+BUFFER = 4  # one of the op's arguments handed back, partly written: not a new value (not recorded)
 
 # record_function ranges (the optimizer's "Optimizer.step#Adam.step") reach the dispatcher as ops.
 _SKIPPED_NAMESPACES = ("profiler.",)
+# Collectives: their outputs are ready only once the returned Work completes.
+_COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 # Allocators whose results hold whatever was in memory: their statistics would differ run to run.
 _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 # Returns that are a kernel's workspace for its backward: their bytes differ between identical
 # runs, so statistics of them would make every determinism check fail.
 _SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::miopen_rnn": 3}
+# Returns of fused attention kernels that are bookkeeping, not results: a random generator's seed
+# and offset, the varlen batch offsets and the debug mask. Where a kernel has no use for them they
+# are uninitialized memory (all of them on the CPU in torch 2.1; the generator's without dropout on
+# CUDA), so statistics of them would differ between identical runs.
+_SCRATCH_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"})
+# Returns that are an argument handed back after the op wrote part of it, with no alias
+# annotation: FSDP2's all-gather buffer holds only this rank's shard (the other return, a view of
+# it) until the all-gather fills the rest, so it stays the uninitialised value it was.
+_BUFFER_RETURNS = {"fsdp::all_gather_copy_in": 1}
 
 ArgRef = tuple[int, str]  # (position in args, name in kwargs): where a schema argument arrives
 ONE_FRESH: tuple[tuple[int, ArgRef | None], ...] = ((FRESH, None),)
@@ -54,6 +66,8 @@ class OpInfo:
     writes: tuple[ArgRef, ...] = ()  # every argument the op writes
     dropout: tuple[tuple[ArgRef, float], ...] = ()  # ``dropout=0.0``: the arguments to set, and to what
     rewritable: bool = False  # host_rng or dropout: the only ops the session's rewrites look at
+    collective: bool = False  # c10d / _c10d_functional: recorded by capture/collectives.py
+    write_only: tuple[str, ...] = ()  # keyword-only written arguments (out=): their content is never read
 
 
 def _alias_sets(alias_info: Any) -> set[str]:
@@ -107,10 +121,12 @@ def _build(func: Any) -> OpInfo:
     returns: list[tuple[int, ArgRef | None]] = []
     returned_writes: set[int] = set()
     scratch = _SCRATCH_RETURNS.get(schema.name)
+    buffer = _BUFFER_RETURNS.get(schema.name)
     for position, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is None:
-            returns.append((SCRATCH if position == scratch else FRESH, None))
+            returns.append((SCRATCH if position == scratch or ret.name in _SCRATCH_NAMES
+                            else BUFFER if position == buffer else FRESH, None))
             continue
         sets = _alias_sets(info)
         # A list return (`Tensor(a)[]`) carries its alias set on the elements; fall back to the
@@ -148,6 +164,8 @@ def _build(func: Any) -> OpInfo:
         writes=tuple(refs[i] for i in writes),
         dropout=dropout,
         rewritable=host_rng or bool(dropout),
+        collective=name.startswith(_COLLECTIVE_NAMESPACES),
+        write_only=tuple(arguments[i].name for i in writes if arguments[i].kwarg_only),
     )
 
 
@@ -197,8 +215,9 @@ def outputs_in_order(func: Any, result: Any, args: tuple[Any, ...] | list[Any], 
     returns = info.returns
     values = (result,) if len(returns) == 1 else (result if returns else ())
     produced: list[torch.Tensor] = []
-    for _, value in zip(returns, values):
-        produced.extend(_tensors_in(value))
+    for (kind, _), value in zip(returns, values):
+        if kind != BUFFER:
+            produced.extend(_tensors_in(value))
     for ref in info.extra_writes:
         produced.extend(_tensors_in(arg_value(ref, tuple(args), kwargs)))
     return produced

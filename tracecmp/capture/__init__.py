@@ -2,6 +2,10 @@
 
 >>> from tracecmp.capture import TraceCompare
 """
-from tracecmp.capture.session import TraceCompare
+from tracecmp._compat import check_torch
+
+check_torch()
+
+from tracecmp.capture.session import TraceCompare  # noqa: E402
 
 __all__ = ["TraceCompare"]

@@ -26,6 +26,9 @@ counter moved since capture last saw it, capture emits an ``alias.update`` node 
 whose inputs are the tensor's previous value and the values written since, and whose output is
 its new value, with statistics. Otherwise the input becomes a *source* node named after what it
 is (parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
+
+Only plain dense strided tensors with storage reach the statistics kernel; ops on tensor
+subclasses (DTensor, FakeTensor ...) are unwrapped or passed through (``tensorkinds.py``).
 """
 from __future__ import annotations
 
@@ -41,11 +44,13 @@ from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tracecmp.capture.collectives import CollectiveRecorder
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture import stats as _stats
 from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
 from tracecmp.aten.schema import (
+    BUFFER,
     FRESH,
     ONE_FRESH,
     OP_INFOS as _OP_INFOS,
@@ -58,9 +63,10 @@ from tracecmp.aten.schema import (
 )
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
+from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.trace.columns import Columns
-from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA
+from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA, UNREAD_SOURCE
 
 _NO_STATS = (None,) * 7
 _NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
@@ -74,6 +80,8 @@ _Tensor = torch.Tensor
 _NATIVE_CODES = _stats._NATIVE_CODES
 _PARALLEL_MIN = _stats._PARALLEL_MIN
 _CPU_DEVICE = ("cpu", 0)
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_RECORD = object()  # _not_plain's answer for an op to record as usual
 
 # Device kinds: statistics now (CPU), statistics gathered at flush (accelerators), none (meta).
 _CPU, _DEFERRED, _NONE = 0, 1, 2
@@ -93,15 +101,35 @@ class _Rec(weakref.ref):  # type: ignore[type-arg]
     key: int  # id() of the tensor, its key in the map
 
 
-def _among(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+def _write_only(info: OpInfo, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op only writes (its ``out=`` arguments)."""
+    found: list[torch.Tensor] = []
+    for name in info.write_only:
+        value = kwargs.get(name)
+        if isinstance(value, _Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, _Tensor))
+    return found
+
+
+def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> bool:
     for other in tensors:
         if other is t:
             return True
     return False
 
 
-class CaptureMode(TorchDispatchMode):
+class CaptureMode(CollectiveRecorder, TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A mode that says False makes Dynamo skip every frame while it is active, and a module
+        # first called then stays uncompiled after the mode exits: the traced program would not
+        # be the user's. With True, compilation is untouched and the mode sees what compiled
+        # code dispatches at run time (capture/compiled.py records the regions themselves).
+        return True
 
     def __init__(
         self,
@@ -117,8 +145,11 @@ class CaptureMode(TorchDispatchMode):
         no_dropout: bool = False,
         watch: OverflowWatch | None = None,
         on_overflow: Callable[[], None] | None = None,
+        rank: int = 0,
+        ddp: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self._init_collectives(rank, ddp)
         self.scope = scope
         self.step = 0
         self.chunk = 0  # index of the chunk being filled (names saved tensors "<chunk>/<id>")
@@ -148,13 +179,18 @@ class CaptureMode(TorchDispatchMode):
         self._next_tensor = 0
         self._known: dict[int, _Rec] = {}  # id(tensor) -> what we know of that tensor
         self._writes: dict[int, list[list[Any]]] = {}  # group -> [[version after, tensor id]]
+        # id(base) -> (group, version, base) of bases not in the trace whose views are (_family)
+        self._bases: dict[int, tuple[int, int | None, weakref.ref[torch.Tensor]]] = {}
         self._unsettled: list[tuple[_Rec, list[Any]]] = []  # writes whose version is not bumped yet
+        self._held: list[torch.Tensor] = []  # views written by the last op, alive until settle looks at them
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
         self._args_memo = self._args.memo
         # One callable for every weak record, not one each.
         self._forget_cb: Callable[[_Rec], Any] = self._forget
+        # What was not recorded, or recorded without statistics, and why: reason -> count.
+        self.skipped: dict[str, int] = {}
         if _crecord is not None and USE_NATIVE:
             # The C copy of __torch_dispatch__ (csrc/record.cpp), bound to this mode: torch looks
             # the method up on the instance, so it shadows the reference below, which it calls
@@ -166,11 +202,18 @@ class CaptureMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
+        if types or _dispatch_stack_len():
+            # A tensor subclass, or another mode below this one (tensorkinds.py says what is done).
+            handled = self._not_plain(func, types, args, kwargs)
+            if handled is not _RECORD:
+                return handled
         if self._unsettled:
             self.settle()
         info = _OP_INFOS.get(id(func)) or op_info(func)
         if not info.record:
             return func(*args, **kwargs)
+        if info.collective:
+            return self._collective(func, info, args, kwargs)
         call = func
         if not self._plain and info.rewritable:
             # The rewritten arguments are what the trace records (a ``p`` of 0.0, say), so a
@@ -203,12 +246,15 @@ class CaptureMode(TorchDispatchMode):
         stack = self._locator.stack(1) if self._stack else ""
         known = self._known
         inputs: list[int] = []
+        unread = _write_only(info, kwargs) if info.write_only else ()
         for t in tensors:
             rec = known.get(id(t))
             if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
                 inputs.append(rec.tid)
             else:
-                inputs.append(self._enter(t, rec, phase, module, location, stack))
+                inputs.append(self._enter(t, rec, phase, module, location, stack, unread=_among(t, unread)))
+        if self._awaited_groups:  # reads a collective's output: it completed (collectives.py)
+            self._complete_inputs(info, args, kwargs, tensors)
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -262,6 +308,21 @@ class CaptureMode(TorchDispatchMode):
             self._on_limit()
         return out
 
+    def _not_plain(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op on tensor subclasses or under another mode: its result, or ``_RECORD`` to record it.
+
+        Fake and functional tensors compute nothing: the op runs unrecorded. Other subclasses
+        (DTensor, AsyncCollectiveTensor, jagged NestedTensor ...) get ``NotImplemented``, so they
+        unwrap themselves and their ops on real tensors come back here to be recorded.
+        """
+        subclasses = [cls for cls in types if cls not in PLAIN_TYPES]  # torch may pass Tensor itself
+        if traced_op(subclasses):
+            self.skipped[TRACED_OP] = self.skipped.get(TRACED_OP, 0) + 1
+            return func(*args, **kwargs)
+        if subclasses:
+            return NotImplemented
+        return _RECORD
+
     def _after_op(self) -> None:
         """End of every op under ``overflow="raise"``: judge it now, then the usual limits."""
         assert self.watch is not None and self._on_overflow is not None
@@ -289,16 +350,20 @@ class CaptureMode(TorchDispatchMode):
         return hit[0], hit[1] or self._locator.location(2), seq
 
     def _enter(
-        self, t: torch.Tensor, rec: _Rec | None, phase: str, module: str, location: str, stack: str
+        self, t: torch.Tensor, rec: _Rec | None, phase: str, module: str, location: str, stack: str,
+        unread: bool = False,
     ) -> int:
-        """Id of an input the map does not vouch for: a refreshed alias or a new source node."""
+        """Id of an input the map does not vouch for: a refreshed alias or a new source node
+        (``unread``: one the op only writes, recorded without statistics)."""
         if rec is not None and rec() is not t:
             rec = None  # a dead tensor's entry whose id() was reused before its callback ran
         op_id = self._next_op
         self._next_op = op_id + 1
         tid = self._next_tensor
         self._next_tensor = tid + 1
-        if rec is not None:
+        if rec is not None and unread:
+            version, group = t._version, rec.group  # what the op overwrites needs no value
+        elif rec is not None:
             version = t._version
             writes = self._writes.get(rec.group)
             written = [w for v, w in writes if v > rec.version] if writes and writes[-1][0] == version else []
@@ -317,14 +382,55 @@ class CaptureMode(TorchDispatchMode):
             group = rec.group  # written behind our back: a source, still in its view family
         else:
             version = None if t.is_inference() else t._version
-            group = tid
+            group, since = self._family(t, tid, version)
+            if since is not None and version is not None and not unread:
+                # Views of it made outside the trace were written (a DDP bucket, through its
+                # per-parameter views): its value is what they wrote, if they account for every write.
+                writes = self._writes.get(group)
+                written = [w for v, w in writes if v > since] if writes and writes[-1][0] == version else []
+                if written and len(written) == version - since:
+                    self.rows.append(
+                        (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", tuple(written), (tid,))
+                        + _NOT_AN_OP
+                        + (stack,)
+                    )
+                    self._value(t, tid, op_id, 0, written[-1])
+                    self._remember(t, tid, version, group)
+                    return tid
         source, name = self.scope.source(t, (self.step, phase))
+        if unread:
+            source = UNREAD_SOURCE
         self.rows.append(
             (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,)) + _NOT_AN_OP + (stack,)
         )
-        self._value(t, tid, op_id, 0, -1)
+        if unread:
+            self._bare(t, tid, op_id, 0, -1)
+        else:
+            self._value(t, tid, op_id, 0, -1)
         self._remember(t, tid, version, group)
         return tid
+
+    def _family(self, t: torch.Tensor, tid: int, version: int | None) -> tuple[int, int | None]:
+        """View family of a tensor new to the trace, and the version its family had when first seen.
+
+        A view made outside the trace joins its base's family (views share their base's version
+        counter), so writes through it count for the base and its other views; a base not in the
+        trace is remembered by its views, with the counter's value then, until it enters itself.
+        """
+        base = t._base
+        if base is not None:
+            rec = self._known.get(id(base))
+            if rec is not None and rec() is base:
+                return rec.group, None
+            hit = self._bases.get(id(base))
+            if hit is not None and hit[2]() is base:
+                return hit[0], None
+            self._bases[id(base)] = (tid, version, weakref.ref(base))
+            return tid, None
+        hit = self._bases.get(id(t))
+        if hit is not None and hit[2]() is t:
+            return hit[0], hit[1]
+        return tid, None
 
     def _outputs(
         self,
@@ -390,6 +496,8 @@ class CaptureMode(TorchDispatchMode):
         op_id: int,
         outputs: list[int],
     ) -> None:
+        if kind == BUFFER:
+            return  # an argument handed back, partly written: it keeps its value (aten/schema.py)
         if kind == FRESH:
             self._fresh(t, op_id, outputs, not info.uninitialized)
         elif kind == SCRATCH:
@@ -413,7 +521,7 @@ class CaptureMode(TorchDispatchMode):
             self._bare(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
-    def _written(self, t: torch.Tensor, op_id: int, outputs: list[int]) -> None:
+    def _written(self, t: torch.Tensor, op_id: int, outputs: list[int], stats: bool = True) -> None:
         tid = self._next_tensor
         self._next_tensor = tid + 1
         rec = self._known.get(id(t))
@@ -425,6 +533,8 @@ class CaptureMode(TorchDispatchMode):
             # Autograd bumps the version counter only after the op returns: settled at the next op.
             entry = [rec.version, tid]
             self._unsettled.append((rec, entry))
+            if t._base is not None:
+                self._held.append(t)  # an out= view the caller drops at once (FSDP2's): settle must see it
             group = rec.group
             history = self._writes.get(group)
             if history is None:
@@ -433,7 +543,10 @@ class CaptureMode(TorchDispatchMode):
                 history.append(entry)
                 if len(history) > _WRITE_HISTORY:
                     del history[0]
-        self._value(t, tid, op_id, len(outputs), -1)
+        if stats:
+            self._value(t, tid, op_id, len(outputs), -1)
+        else:
+            self._bare(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
     def _remember(self, t: torch.Tensor, tid: int, version: int | None, group: int) -> _Rec:
@@ -448,11 +561,43 @@ class CaptureMode(TorchDispatchMode):
 
     def settle(self) -> None:
         """Read the versions of the tensors the last op wrote, once it has returned (bumped them)."""
-        for rec, entry in self._unsettled:
+        unsettled, self._unsettled = self._unsettled, []
+        held, self._held = self._held, []  # noqa: F841 - kept alive until the loop has looked at them
+        for rec, entry in unsettled:
             t = rec()
             if t is not None:
-                rec.version = entry[0] = t._version
-        self._unsettled = []
+                version = t._version
+                if version == entry[0]:
+                    self._unbumped(t, entry[1])
+                rec.version = entry[0] = version
+
+    def _unbumped(self, t: torch.Tensor, tid: int) -> None:
+        """The last op wrote ``t`` (value ``tid``) without moving its version counter.
+
+        Custom ops registered without an autograd kernel (FSDP2's ``fsdp.chunk_cat`` ...) write
+        their ``out=`` views so; the view's base would then look unchanged to the next op that
+        reads it. Its new value is recorded at once, as an alias update of the write.
+        """
+        base = t._base
+        rec = self._known.get(id(base)) if base is not None else None
+        if rec is None or rec() is not base or rec.tid == tid or tid in self._awaiting:
+            return
+        if self.rows:
+            row = next(self.rows.rows(len(self.rows) - 1))  # the writing op's context
+            phase, module, location, stack = row[2], row[6], row[7], row[14]
+        else:  # the writing op went out with the last hand-over
+            phase, module, location, stack = "optimizer" if self.in_optimizer else "forward", self.scope.current, "", ""
+        op_id = self._next_op
+        self._next_op = op_id + 1
+        new = self._next_tensor
+        self._next_tensor = new + 1
+        self.rows.append(
+            (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", (rec.tid, tid), (new,))
+            + _NOT_AN_OP
+            + (stack,)
+        )
+        self._value(base, new, op_id, 0, tid)
+        rec.tid = new
 
     def _view(self, t: torch.Tensor, base: Any, op_id: int, outputs: list[int]) -> None:
         tid = self._next_tensor
@@ -473,7 +618,7 @@ class CaptureMode(TorchDispatchMode):
         device = "cpu" if t.is_cpu else self._device(t.device)[0]
         dtype = t.dtype
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(t.shape), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, False)
+            (tid, op_id, index, dims(t), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, False)
             + _NO_STATS
             + ("",)
         )
@@ -485,31 +630,62 @@ class CaptureMode(TorchDispatchMode):
         else:
             device, kind = self.devices.get(t.device) or self._device(t.device)
         dtype = t.dtype
-        shape = t.shape
-        stats: tuple[Any, ...] = _NO_STATS
-        has_stats = kind != _NONE
-        try:
-            if kind == _CPU:
-                native = _stats._native_stats
-                code = _NATIVE_CODES.get(dtype)
-                if native is not None and code is not None and not t.is_neg():
-                    n = t.numel()
-                    try:
-                        stats = native(t.data_ptr(), shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
-                    except (RuntimeError, ValueError):  # no storage (sparse, fake, functional): the reference decides
-                        stats = tensor_stats_row(t)
-                else:
-                    stats = tensor_stats_row(t)
-            elif kind == _DEFERRED:
-                self._pending.append((len(self.tensor_rows), stats_tensor_reference(t)))
-        except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):
-            has_stats = False  # a dtype or layout the statistics do not cover (sparse, float8 ...)
+        stats = self._stats_of(t, kind)
+        has_stats = stats is not None
         key = self._save(t, tid) if self._save_data and has_stats else ""
         self.tensor_rows.append(
-            (tid, op_id, index, tuple(shape), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, has_stats)
-            + stats
+            (tid, op_id, index, dims(t), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, has_stats)
+            + (stats or _NO_STATS)
             + (key,)
         )
+
+    def _stats_of(self, t: torch.Tensor, kind: int) -> tuple[Any, ...] | None:
+        """The statistics of ``t`` (placeholders when deferred to the hand-over), None if it has none."""
+        if kind == _NONE:
+            return None
+        native = _stats._native_stats
+        code = _NATIVE_CODES.get(t.dtype)
+        if kind == _CPU and native is not None and code is not None and type(t) in PLAIN_TYPES and t.layout is STRIDED and not t.is_neg():
+            # Only a plain dense strided tensor reaches the kernel, and only with storage behind
+            # its pointer: a functional tensor's is 0, a sparse one's raises (tensorkinds.py).
+            n = t.numel()
+            try:
+                ptr = t.data_ptr()
+                if not ptr and n:
+                    raise ValueError("no storage behind the data pointer")
+                return native(ptr, t.shape, t.stride(), code, n, _get_num_threads() if n >= _PARALLEL_MIN else 1)
+            except (RuntimeError, ValueError):  # nested tensors have no strides: the reference decides
+                pass
+        return self._reference_stats(t, kind)
+
+    def _fill(self, row: int, t: torch.Tensor, tid: int) -> None:
+        """Give tensor row ``row`` (recorded bare) the statistics ``t`` holds now: a completed collective's output."""
+        kind = _CPU if t.is_cpu else (self.devices.get(t.device) or self._device(t.device))[1]
+        stats = self._reference_stats(t, kind, row) if kind == _DEFERRED else self._stats_of(t, kind)
+        if stats is None:
+            return
+        rows = self.tensor_rows
+        if kind == _CPU:  # accelerators: filled in at the hand-over with the other deferred statistics
+            for name, value in zip(STAT_COLUMNS, stats):
+                rows.set(row, name, value)
+        rows.set(row, "has_stats", True)
+        if self._save_data:
+            rows.set(row, "data_key", self._save(t, tid))
+
+    def _reference_stats(self, t: torch.Tensor, kind: int, row: int | None = None) -> tuple[Any, ...] | None:
+        """Statistics by the torch reference (deferred on accelerators to tensor row ``row``, by
+        default the next one), or None, the reason counted."""
+        reason = unreadable(t)
+        if reason is None:
+            try:
+                if kind == _CPU:
+                    return tensor_stats_row(t)
+                self._pending.append((len(self.tensor_rows) if row is None else row, stats_tensor_reference(t)))
+                return _NO_STATS
+            except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError) as exc:
+                reason = f"{str(t.dtype).removeprefix('torch.')}: the statistics do not cover it ({type(exc).__name__})"
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        return None
 
     def _save(self, t: torch.Tensor, tid: int) -> str:
         # Copied now: a later in-place op would change the value under us.
@@ -541,9 +717,11 @@ class CaptureMode(TorchDispatchMode):
         """Called before the mode is entered for a recorded step."""
         self.step = step
         self.in_optimizer = False
+        self.begin_collectives()
 
     def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor]]:
         """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""
+        self.settle_collectives()
         self._gather_deferred_stats()
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
@@ -552,6 +730,32 @@ class CaptureMode(TorchDispatchMode):
         self.saved, self.saved_bytes = {}, 0
         self._sweep()
         return taken
+
+    def trim_unfinished(self) -> None:
+        """Drop the rows of an op that an exception cut short inside the mode.
+
+        An interrupt (KeyboardInterrupt, a SIGTERM turned into an exception) can land between an
+        op's tensor rows and its op row. Ops and tensors get ids in execution order, so only the
+        tail can be unfinished: tensor rows of an op with no op row, or an op row whose outputs
+        have no tensor rows yet. Without this a reader would refuse the whole rank.
+        """
+        ops, tensors = self.rows, self.tensor_rows
+        last = ops.values("op_id", len(ops) - 1)[0] if len(ops) else -1
+        producers = tensors.values("op_id")
+        keep = len(producers)
+        while keep and producers[keep - 1] > last:
+            keep -= 1
+        if len(ops):
+            outputs = set(ops.values("outputs", len(ops) - 1)[0])
+            first = keep
+            while first and producers[first - 1] == last:
+                first -= 1
+            if not outputs <= set(tensors.values("tensor_id", first)[: keep - first]):
+                ops.truncate(len(ops) - 1)
+                keep = first
+        if keep < len(producers):
+            tensors.truncate(keep)
+            self._pending = [(index, packed) for index, packed in self._pending if index < keep]
 
     def _gather_deferred_stats(self) -> None:
         """Bring the statistics computed on accelerators to the host: one transfer per device."""
@@ -570,7 +774,8 @@ class CaptureMode(TorchDispatchMode):
     def _sweep(self) -> None:
         """Forget the write history of view families nobody holds any more."""
         recs = list(self._known.values())
-        groups = {rec.group for rec in recs}
+        self._bases = {key: hit for key, hit in self._bases.items() if hit[2]() is not None}
+        groups = {rec.group for rec in recs} | {hit[0] for hit in self._bases.values()}
         self._writes = {g: w for g, w in self._writes.items() if g in groups}
         if self.watch is not None:
             self.watch.restart({rec.tid for rec in recs})
@@ -615,6 +820,9 @@ def _configure(native: Any) -> None:
         view_kind=VIEW,
         write_kind=WRITE,
         fresh_kind=FRESH,
+        parameter_type=torch.nn.Parameter,
+        strided=torch.strided,
+        stack_len=_dispatch_stack_len,
     )
 
 

@@ -16,6 +16,11 @@ first, so each node goes to the innermost module that created it. torch's ``Modu
 instead follows gradient hooks on module inputs and outputs, which files ops under the wrong
 module when tensors skip modules (GPT-2's residual stream); sequence numbers do not depend on
 which tensors flow where.
+
+Under ``torch.compile`` the hooks do nothing while Dynamo traces them: a hook with side effects
+would be traced into the compiled graph (its effects replayed afterwards, or a graph break made
+where the user's program has none). Modules run inside a compiled region are known from the
+graph's node metadata instead (:mod:`tracecmp.capture.compiled`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from torch._C._autograd import _get_sequence_nr
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from tracecmp.capture.location import Locator
+
+# Dynamo folds this call to a constant while it traces a hook (True) and never calls it at run time.
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 _Named = dict[int, tuple[str, "weakref.ref[Any]"]]
 
@@ -41,6 +49,22 @@ def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif depth < 4 and isinstance(value, dict):
         for item in value.values():
             yield from _tensors_in(item, depth + 1)
+
+
+def _uncompiled(name: str) -> str:
+    """``name`` without the ``_orig_mod`` steps of ``torch.compile``'s wrapper modules."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _named(table: _Named, name: str, tensor: Any) -> None:
+    """Name ``tensor`` in ``table``, and the local shard a DTensor (FSDP2, tensor parallel) holds:
+    capture records the ops on shards (tensorkinds.py), so that is the tensor it meets."""
+    table.setdefault(id(tensor), (name, weakref.ref(tensor)))
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        table.setdefault(id(local), (name, weakref.ref(local)))
 
 
 def _lookup(table: _Named, obj: Any) -> str | None:
@@ -72,18 +96,25 @@ class ModuleScope:
         self._handles: list[Any] = []
         self._marks: list[int] = []
         self._stale = False  # the model may have new modules or parameters since it was named
+        self._unnamed: dict[int, weakref.ref[Any]] = {}  # parameters looked for in vain, not to look again
+        self.roots: list[str] = []  # class names of the outermost modules found running (no model given)
         if model is not None:
             self.add_root(model)
 
     # -- names ---------------------------------------------------------------------------------
     def add_root(self, root: torch.nn.Module) -> None:
-        """Name ``root``'s modules, parameters and buffers as ``root.named_*()`` does."""
+        """Name ``root``'s modules, parameters and buffers as ``root.named_*()`` does.
+
+        A ``torch.compile``d module (an ``OptimizedModule``, at the root or in place of a
+        submodule) takes the names of the module it wraps: ``blocks.0.fc``, not
+        ``blocks.0._orig_mod.fc``, as in the uncompiled model a bench run has.
+        """
         for name, module in root.named_modules():
-            self._modules.setdefault(id(module), (name, weakref.ref(module)))
+            self._modules.setdefault(id(module), (_uncompiled(name), weakref.ref(module)))
         for name, param in root.named_parameters():
-            self.params.setdefault(id(param), (name, weakref.ref(param)))
+            _named(self.params, _uncompiled(name), param)
         for name, buf in root.named_buffers():
-            self.buffers.setdefault(id(buf), (name, weakref.ref(buf)))
+            _named(self.buffers, _uncompiled(name), buf)
 
     def mark_stale(self) -> None:
         """The model may have changed (a new step): name it again at the next lookup that misses.
@@ -125,6 +156,11 @@ class ModuleScope:
             name = _lookup(self.buffers, tensor)
             if name is not None:
                 return "source.buffer", name
+            seen = self._unnamed.get(id(tensor))
+            if isinstance(tensor, torch.nn.Parameter) and self.model is not None and (seen is None or seen() is not tensor):
+                # A parameter swapped in during the step (FSDP2's unsharded parameters): look again, once.
+                self._unnamed[id(tensor)] = weakref.ref(tensor)
+                self._stale = True
             if not self._renamed():
                 break
         name = _lookup(self.inputs, tensor)
@@ -141,7 +177,7 @@ class ModuleScope:
         params = [(name, ref()) for name, ref in self.params.values()]
         for name, param in params:
             if param is not None and param.grad is not None:
-                extra[id(param.grad)] = (f"{name}.grad", weakref.ref(param.grad))
+                _named(extra, f"{name}.grad", param.grad)
         names = {id(p): n for n, p in params if p is not None}
         for optimizer in list(self.optimizers):
             for param, state in optimizer.state.items():
@@ -150,7 +186,7 @@ class ModuleScope:
                     continue
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        extra[id(value)] = (f"{pname}.{key}", weakref.ref(value))
+                        _named(extra, f"{pname}.{key}", value)
         self._extra = extra
 
     def owner(self, param: Any) -> str:
@@ -183,6 +219,11 @@ class ModuleScope:
             cutoff = self._marks.pop(0)
             self.seq_info = {s: v for s, v in self.seq_info.items() if s >= cutoff}
 
+    @property
+    def hook_handles(self) -> list[Any]:
+        """The handles of the hooks installed now (empty between recorded steps)."""
+        return list(self._handles)
+
     def remove(self) -> None:
         """Stop following module calls."""
         for handle in self._handles:
@@ -190,9 +231,13 @@ class ModuleScope:
         self._handles = []
 
     def _root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if is_compiling():
+            return
         self.name_inputs(args, kwargs)
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if is_compiling():
+            return
         path = _lookup(self._modules, module)
         if path is None and self._renamed():
             path = _lookup(self._modules, module)
@@ -200,6 +245,7 @@ class ModuleScope:
             # No model given: each top-level module is a root, named "" like named_modules() does.
             if path is None:
                 self.add_root(module)
+                self.roots.append(type(module).__name__)
                 path = ""
             if path == "":
                 self.name_inputs(args, {})
@@ -211,7 +257,7 @@ class ModuleScope:
         self.current, self.depth = path, len(self._stack)
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._stack:
+        if is_compiling() or not self._stack:
             return
         path, first, claims = self._stack.pop()
         self.current = self._stack[-1][0] if self._stack else ""

@@ -133,6 +133,10 @@ class Rewrites(TorchDispatchMode):
         self.host_rng = host_rng
         self.no_dropout = no_dropout
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # never switch the user's torch.compile off (see CaptureMode)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         info = op_info(func)

@@ -3,28 +3,49 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp._compat import announce_references
+from tracecmp.capture.compiled import HiddenHooks
+from tracecmp.capture.folders import default_root, default_trace_dir
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
-from tracecmp.capture.modules import ModuleScope
+from tracecmp.capture.modules import ModuleScope, is_compiling
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.watch import OverflowWatch
-from tracecmp.errors import CaptureError, OverflowDetected, TracecmpError
+from tracecmp.errors import (
+    CaptureError,
+    CaptureWarning,
+    CaptureWriteError,
+    OverflowDetected,
+    TraceExistsError,
+    TracecmpError,
+)
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.seeding import last_seed_settings
-from tracecmp.trace.reader import load_rank
-from tracecmp.trace.writer import BackgroundWriter, RankWriter, write_run_manifest
+from tracecmp.trace.reader import load_rank, step_ranges
+from tracecmp.trace.writer import (
+    BackgroundWriter,
+    RankWriter,
+    existing_trace,
+    remove_extra_ranks,
+    write_error_reason,
+    write_run_manifest,
+)
 
 DATA_MODES = ("stats", "tensors")
 RNG_MODES = ("device", "host")
 OVERFLOW_MODES = (None, "record", "raise")
+ERROR_MODES = ("warn", "raise")
 _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
 # A step boundary hands the buffer over once it holds this much, whatever flush_secs says: chunks
 # stay a few MB and the memory held for the writer stays bounded.
@@ -36,7 +57,20 @@ def _distributed() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    # Under torchrun before (or without) a process group: every worker must still write its own rank.
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if rank.isdigit() and world.isdigit() and int(rank) < int(world):
+        return int(rank), int(world)
     return 0, 1
+
+
+def _ddp_module(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The DistributedDataParallel module in ``model`` (itself or a submodule), if any."""
+    if model is None or not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
 
 
 def _model_device(model: torch.nn.Module | None) -> str | None:
@@ -50,10 +84,17 @@ def _model_device(model: torch.nn.Module | None) -> str | None:
 class TraceCompare:
     """Record every op of the enclosed code (forward, backward, optimizer) into a trace folder.
 
-    ``steps`` selects the recorded steps (``None``: all); in the others nothing is installed,
-    so they run at full speed. ``data="tensors"`` also saves every recorded value (safetensors);
-    ``stack=True`` keeps each op's whole user stack. Give ``model`` to get parameter, buffer and
-    input names and module paths as ``model.named_modules()`` spells them.
+    ``path=None`` writes to a new folder under ``$TRACECMP_DIR`` (default ``./tracecmp-traces``,
+    see :mod:`tracecmp.capture.folders`) and prints where the trace went at exit. ``steps``
+    selects the recorded steps (``None``: all); in the others nothing is installed, so they run at
+    full speed, and once the last of them ends the trace is committed and marked complete.
+    ``data="tensors"`` also saves every recorded value (safetensors); ``stack=True`` keeps each
+    op's whole user stack. Module paths, parameter and input names read as
+    ``model.named_modules()`` spells them; without ``model``, the outermost modules that run are
+    the model (give it when several models run side by side).
+
+    Each ``optimizer.step()`` ends a step until the program calls :meth:`step` itself (see there);
+    a run that never steps an optimizer (inference) is step 0 throughout.
 
     Options that change what the traced program computes, for debugging (off by default):
 
@@ -86,9 +127,20 @@ class TraceCompare:
     chunks in flight. :meth:`sync` hands over what was recorded so far and waits until it is
     committed; ``sync=True`` makes every :meth:`step` hand its step over and wait, so when
     :meth:`step` returns every finished step is on disk (a crash loses at most the step in
-    progress, at the cost of writing on the training thread's time). A write error is raised as
-    a :class:`~tracecmp.TracecmpError` by the next hand-over, :meth:`sync` or the exit of the
-    context.
+    progress, at the cost of writing on the training thread's time).
+
+    A trace is never replaced silently: a folder that already holds one is refused with
+    :class:`~tracecmp.TraceExistsError` unless ``overwrite=True``. A folder that cannot be
+    written at the start raises :class:`~tracecmp.CaptureWriteError` at once. A write that
+    fails later (a full disk, a folder turned read-only, a permission lost) stops the recording
+    at the next step boundary with one :class:`~tracecmp.CaptureWarning` and the run goes on
+    untouched, with nothing installed; the trace stays readable, marked incomplete with the
+    reason and the last step whole on disk. ``on_error="raise"`` raises
+    :class:`~tracecmp.CaptureWriteError` instead, at the failed hand-over. A session ended by an
+    exception says so in the trace too (``RankTrace.stopped``: Ctrl-C, an error of the program,
+    SIGTERM, which capture turns into an exception while the session runs unless the program
+    handles SIGTERM itself, and then ends the process by, as it would have), and the exception
+    carries a note naming the steps kept.
 
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
@@ -105,7 +157,7 @@ class TraceCompare:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         model: torch.nn.Module | None = None,
         *,
         steps: Iterable[int] | None = None,
@@ -118,6 +170,8 @@ class TraceCompare:
         overflow: str | None = None,
         sync: bool = False,
         flush_secs: float = 1.0,
+        overwrite: bool = False,
+        on_error: str = "warn",
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -127,6 +181,8 @@ class TraceCompare:
             raise CaptureError(f"dropout must be None (leave dropout alone) or 0.0 (turn it off), not {dropout!r}")
         if overflow not in OVERFLOW_MODES:
             raise CaptureError(f"overflow must be one of {OVERFLOW_MODES}, not {overflow!r}")
+        if on_error not in ERROR_MODES:
+            raise CaptureError(f"on_error must be one of {ERROR_MODES}, not {on_error!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         selected: frozenset[int] | None = None
@@ -141,7 +197,10 @@ class TraceCompare:
             raise CaptureError("max_ops and max_bytes must be positive")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not 0 <= flush_secs < math.inf:
             raise CaptureError(f"flush_secs must be a number of seconds >= 0, not {flush_secs!r}")
-        self.path = Path(path)
+        # None: a fresh folder under $TRACECMP_DIR (capture/folders.py), made when the session starts.
+        self.path: Path | None = None if path is None else Path(path)
+        self.auto_named = path is None
+        self.announce = True  # say where an auto-named trace went, at exit
         self.model = model
         self.data = data
         self.stack = bool(stack)
@@ -164,14 +223,37 @@ class TraceCompare:
         self._dropout_off: DropoutOff | None = None  # the whole session, recorded steps or not
         self._unrecorded: Rewrites | None = None  # rng/dropout rewrites in steps that are not recorded
         self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
+        self.overwrite = bool(overwrite)
+        self.on_error = on_error
+        self._failure: BaseException | None = None  # why the trace could not be written
+        self._failure_raised = False  # on_error="raise" raised it already
+        self._closed = False  # the writer has marked the rank finished
+        self._last_finished: int | None = None  # the last recorded step ended by step()
+        self._sigterm: Any = None  # the SIGTERM handler we replaced (SIG_DFL), while ours is in place
+        self._stopped: dict[str, Any] | None = None  # the rank manifest's account of an abnormal end
+        # Step boundaries: each optimizer.step() ends a step until the program calls step() itself.
+        self._auto_steps = True
+        self._auto_boundaries = 0  # steps ended by an optimizer.step()
+        # The optimizer whose step() is running at the outermost level: a wrapper (ZeRO, a
+        # lookahead) steps an inner optimizer inside its own step, which ends no step of its own.
+        self._outer_optimizer: torch.optim.Optimizer | None = None
+        self._finished = False  # the last selected step ended: the trace is closed and complete
+        self._step_start: int | None = 0  # the buffered row where the current step begins (None: handed over)
+        self._rank = 0
+        self._hidden = HiddenHooks(self._hook_handles)  # out of Dynamo's sight while it compiles
 
     @property
     def current_step(self) -> int:
         """The step being run now (0 until the first :meth:`step`)."""
         return self._step
 
+    @property
+    def optimizer_steps(self) -> int:
+        """How many steps an ``optimizer.step()`` ended (0 for an inference-only run)."""
+        return self._auto_boundaries
+
     def _selected(self, step: int) -> bool:
-        return self._steps is None or step in self._steps
+        return self._failure is None and (self._steps is None or step in self._steps)
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> TraceCompare:
@@ -180,7 +262,14 @@ class TraceCompare:
         if self._used:
             raise CaptureError("this TraceCompare was already used; make a new one", path=self.path)
         self._used = True
+        announce_references()
         rank, world_size = _distributed()
+        self._rank = rank
+        if self.path is None:
+            try:
+                self.path = default_trace_dir(rank, world_size)
+            except (OSError, RuntimeError) as exc:  # RuntimeError: the store timed out waiting for rank 0
+                raise CaptureWriteError(f"cannot make a trace folder under {default_root()}: {exc}") from exc
         device = _model_device(self.model) or "cpu"
         options = {
             "data": self.data,
@@ -199,14 +288,25 @@ class TraceCompare:
             "seed_all": last_seed_settings() or None,
             "determinism": _determinism_flags(),
         }
-        if rank == 0:
-            try:
+        found = existing_trace(self.path, rank)
+        if found is not None and not self.overwrite:
+            raise TraceExistsError(
+                f"already holds a trace ({found.relative_to(self.path)}); pass overwrite=True (CLI: --force) "
+                "to replace it, or choose another folder",
+                path=self.path,
+            )
+        try:
+            # Nothing is recorded yet: a folder that cannot be written is an error to fix now,
+            # whatever on_error says about failures later in the run.
+            if rank == 0:
                 write_run_manifest(self.path, options=options, extra=run_info)
-            except OSError as exc:
-                raise CaptureError(f"cannot write the trace: {exc.strerror}", path=self.path) from exc
-        self._writer = BackgroundWriter(
-            RankWriter(self.path, rank=rank, world_size=world_size, device=device, info={"options": options})
-        )
+                if self.overwrite:
+                    remove_extra_ranks(self.path, world_size)
+            rank_writer = RankWriter(self.path, rank=rank, world_size=world_size, device=device, info={"options": options})
+        except (OSError, TracecmpError) as exc:
+            cause = exc.__cause__ or exc if isinstance(exc, TracecmpError) else exc
+            raise CaptureWriteError(_cannot_write(cause), path=self.path) from exc
+        self._writer = BackgroundWriter(rank_writer)
         locator = Locator()
         self._scope = ModuleScope(self.model, locator)
         self._mode = CaptureMode(
@@ -221,17 +321,28 @@ class TraceCompare:
             no_dropout=self.dropout is not None,
             watch=OverflowWatch() if self.overflow else None,
             on_overflow=self._raise_overflow if self.overflow == "raise" else None,
+            rank=rank,
+            ddp=_ddp_module(self.model),
         )
         TraceCompare._active = self
         self._step = 0
         self._handed = time.monotonic()
         try:
+            self._hidden.install()
             if self.dropout is not None:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
+            self._catch_sigterm()
+            self._hooks = [
+                register_optimizer_step_pre_hook(self._optimizer_pre),
+                register_optimizer_step_post_hook(self._optimizer_post),
+            ]
             self._begin_step()
         except BaseException:
+            self._remove_optimizer_hooks()
             self._leave_dropout_off()
+            self._release_sigterm()
+            self._hidden.remove()
             TraceCompare._active = None
             raise
         return self
@@ -239,31 +350,100 @@ class TraceCompare:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._writer is not None
         try:
-            try:
-                self._stop()
-                self._leave_dropout_off()
+            self._release_sigterm()
+            self._remove_optimizer_hooks()
+            self._stop()
+            self._leave_dropout_off()
+            if not self._closed:
+                if exc is not None and self._mode is not None:
+                    self._mode.trim_unfinished()  # an interrupt may have cut an op short inside the mode
+                if _stopped_by(exc, self._step, self._overflowed) is None and self._auto_steps and self._auto_boundaries:
+                    self._fold_trailing_ops()
                 self._flush()
-            finally:
-                # Waits for the writer thread; incomplete when the body raised or a chunk was lost.
-                self._writer.close(complete=exc_type is None and not self._overflowed)
+                self._close(_stopped_by(exc, self._step, self._overflowed))
+            self._report_failure(raising=exc is None)
         except TracecmpError as err:
             if exc is None:
                 raise
             exc.add_note(f"tracecmp: {err}")  # the body's own exception is the one to see
         finally:
+            self._hidden.remove()
             TraceCompare._active = None
             self._mode = self._scope = None  # drop the weak records: dying tensors stop calling back
+        if self.auto_named and self.announce and self._rank == 0 and self._stopped is None:
+            print(f"tracecmp: {self.summary()}", file=sys.stderr, flush=True)
+        if exc is not None and self._stopped is not None and not isinstance(exc, (OverflowDetected, CaptureWriteError)):
+            note = self._kept_note()
+            if isinstance(exc, _Terminated):
+                print(note, file=sys.stderr, flush=True)
+                exc.die()  # as the signal would have, now that the trace says what happened
+            exc.add_note(note)
+
+    def _close(self, stopped: dict[str, Any] | None) -> None:
+        """Let the writer commit what it holds and mark the rank finished (or why it stopped)."""
+        assert self._writer is not None
+        self._closed = True
+        if self.model is None and self._scope is not None and self._scope.roots:
+            self._writer.writer.manifest["info"]["models"] = list(self._scope.roots)
+        failure = self._failure or self._writer.error
+        if failure is not None:
+            stopped = {"kind": "write-error", "reason": _cannot_write(failure), "step": self._step}
+        try:
+            self._stopped = self._writer.close(complete=stopped is None, stopped=stopped)
+        except TracecmpError as err:  # not even the manifest could be written: it still says incomplete
+            self._failure = self._failure or err.__cause__ or err
+            self._stopped = {**(stopped or {}), "kind": "write-error", "reason": _cannot_write(self._failure),
+                             "last_step": self._writer.last_step}
+
+    def _kept_note(self) -> str:
+        """One line: where the trace is, why it stopped, which steps it keeps."""
+        why = (self._stopped or {}).get("reason", "stopped")
+        return f"tracecmp: {self.path} is incomplete ({why}, in step {self._step}); it keeps {self.kept()}"
+
+    @property
+    def stopped(self) -> dict[str, Any] | None:
+        """Why the session ended early (``kind``, ``reason``, ``step``, ``last_step``), as its trace says; None."""
+        return self._stopped
+
+    def kept(self) -> str:
+        """Which steps the trace keeps whole, in words."""
+        last = (self._stopped or {}).get("last_step")
+        return "no whole step" if last is None else f"the steps up to {last}"
 
     def step(self) -> None:
-        """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step."""
+        """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step.
+
+        Without calls to ``step()``, each ``optimizer.step()`` ends a step. The first call turns that
+        off: from then on steps end here only, and a call right after an ``optimizer.step()`` that
+        already ended the step ends no second one.
+        """
         if TraceCompare._active is not self:
             raise CaptureError("step() called outside the TraceCompare context", path=self.path)
+        if self._auto_steps:
+            self._auto_steps = False
+            if self._auto_boundaries:
+                return  # the optimizer.step() before this call ended the step already
+        self._boundary()
+
+    def _boundary(self) -> None:
+        """End the current step and start the next (recorded or not)."""
+        assert self._writer is not None
+        if self._finished:
+            self._step += 1
+            self._stop()
+            self._begin_step()
+            return
+        if self._writer.error is not None or self._failure is not None:
+            self._give_up()  # the trace cannot be written: stop recording (warn, or raise)
+        if self._recording:
+            self._last_finished = self._step
         if self._recording and not self._handover_due() and self._selected(self._step + 1):
             # Recording goes on: the mode stays entered and the hooks stay in place (removing and
             # registering them cost a small model's step ~0.1 ms). A hand-over always leaves the
             # mode first, since taking the buffers may run torch ops of its own.
             assert self._mode is not None and self._scope is not None
             self._step += 1
+            self._step_start = len(self._mode.rows)
             self._scope.begin_step()
             self._mode.begin(self._step)
             return
@@ -271,7 +451,50 @@ class TraceCompare:
         if self._handover_due():
             self._flush()
         self._step += 1
+        self._step_start = len(self._mode.rows) if self._mode is not None else None
+        finishing = self._steps is not None and self._step > max(self._steps) and not self._closed
+        if finishing:
+            self._finish()
         self._begin_step()
+        if finishing:
+            self._after_last_step()
+
+    def _finish(self) -> None:
+        """The last selected step ended: commit the trace and mark it complete now, so that nothing
+        the program does afterwards (a crash, a kill) can take that from it."""
+        self._flush()
+        self._close(None)
+        self._release_sigterm()
+        self._finished = True
+        self._report_failure(raising=True)
+
+    def _after_last_step(self) -> None:
+        """Called once the trace is complete, before the next step begins (``tracecmp record`` ends
+        its session here)."""
+
+    def summary(self) -> str:
+        """Where the trace went and what it holds, in one line (printed at exit for auto-named folders)."""
+        writer = self._writer
+        if writer is None:
+            return f"{self.path}: nothing recorded yet"
+        steps = sorted(writer.writer.steps)
+        held = f"steps {step_ranges(steps)}" if steps else "no step"
+        if self._auto_steps and not self._auto_boundaries and steps:
+            held += " (no optimizer.step() ran, so everything is step 0, as in an inference-only run)"
+        return f"trace written to {self.path}, {held}; see `tracecmp inspect {self.path}`"
+
+    def _fold_trailing_ops(self) -> None:
+        """After the last optimizer.step(), ops outside any module (``loss.item()``, a detach for
+        logging) belong to that step: they would otherwise make a step of their own at the end."""
+        mode, start = self._mode, self._step_start
+        if mode is None or start is None or not self._step or not self._selected(self._step - 1):
+            return
+        rows = mode.rows
+        if len(rows) <= start or any(rows.values("module", start)):
+            return
+        for index in range(start, len(rows)):
+            rows.set(index, "step", self._step - 1)
+        self._step -= 1
 
     def _handover_due(self) -> bool:
         mode = self._mode
@@ -299,10 +522,21 @@ class TraceCompare:
         if TraceCompare._active is not self:
             raise CaptureError("sync() called outside the TraceCompare context", path=self.path)
         assert self._writer is not None
+        if self._closed:
+            return
         self._flush()
-        self._writer.wait()
+        if self._failure is None:
+            try:
+                self._writer.wait()
+            except TracecmpError as err:
+                self._failure = err.__cause__ or err
+        if self._failure is not None:
+            self._give_up()
 
     # -- recording on/off ----------------------------------------------------------------------
+    def _hook_handles(self) -> list[Any]:
+        return [*(self._scope.hook_handles if self._scope is not None else ()), *self._hooks]
+
     def _begin_step(self) -> None:
         if self._selected(self._step):
             self._start()
@@ -319,10 +553,6 @@ class TraceCompare:
     def _start(self) -> None:
         assert self._mode is not None and self._scope is not None
         self._scope.install()
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._optimizer_pre),
-            register_optimizer_step_post_hook(self._optimizer_post),
-        ]
         self._mode.begin(self._step)
         self._mode.__enter__()
         self._recording = True
@@ -338,25 +568,59 @@ class TraceCompare:
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
+    # -- optimizer steps: the optimizer phase, and step boundaries when step() is never called --
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        assert self._mode is not None and self._scope is not None
-        self._mode.in_optimizer = True
-        self._scope.optimizers.add(optimizer)
+        if is_compiling():  # traced by Dynamo (a compiled optimizer step): no side effects to replay
+            return
+        if TraceCompare._active is not self:
+            return
+        if self._outer_optimizer is None or optimizer is self._outer_optimizer:
+            self._outer_optimizer = optimizer  # (the same optimizer again: its last step raised)
+        if self._recording:
+            assert self._mode is not None and self._scope is not None
+            self._mode.in_optimizer = True
+            self._scope.optimizers.add(optimizer)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        assert self._mode is not None
-        self._mode.in_optimizer = False
+        if is_compiling() or TraceCompare._active is not self:
+            return  # traced by Dynamo, or a hook that could not be removed yet (see _remove_optimizer_hooks)
+        if optimizer is not self._outer_optimizer:
+            return  # an inner optimizer of a wrapper: the step ends with the outer one
+        self._outer_optimizer = None
+        if self._recording:
+            assert self._mode is not None
+            self._mode.in_optimizer = False
+        if self._auto_steps:
+            self._auto_boundaries += 1
+            _IN_OPTIMIZER_HOOK[0] += 1
+            try:
+                self._boundary()
+            finally:
+                _IN_OPTIMIZER_HOOK[0] -= 1
+
+    def _remove_optimizer_hooks(self) -> None:
+        """Remove the optimizer hooks, or, inside one (torch is iterating over them), leave them
+        inert until a later session can remove them."""
+        if _IN_OPTIMIZER_HOOK[0]:
+            _INERT_HOOKS.extend(self._hooks)
+        else:
+            for handle in (*self._hooks, *_INERT_HOOKS):
+                handle.remove()
+            _INERT_HOOKS.clear()
+        self._hooks = []
 
     def _flush(self) -> None:
         """Hand the buffered rows to the writer as one chunk (committed atomically on its thread)."""
         mode, writer = self._mode, self._writer
         assert mode is not None and writer is not None
         self._handed = time.monotonic()
+        self._step_start = None
         if not mode.rows and not mode.tensor_rows:
+            self._update_info()
+            return
+        if self._failure is not None:
+            mode.take()  # the trace cannot take them: drop them, memory stays bounded
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
             print(f"tracecmp: writing {len(mode.rows):,} ops up to step {self._step} ...", file=sys.stderr, flush=True)
@@ -364,14 +628,109 @@ class TraceCompare:
         manifest = writer.writer.manifest
         if self.model is None and manifest["device"] == "cpu":
             manifest["device"] = mode.accelerator() or "cpu"
-        mode.chunk = writer.submit(rows, tensor_rows, saved or None) + 1
-        watch = mode.watch
-        found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
-        if self.sync_steps or found:
-            writer.wait()
-        if found:
-            assert watch is not None and watch.found is not None
-            writer.writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
+        try:
+            mode.chunk = writer.submit(rows, tensor_rows, saved or None, self._last_finished) + 1
+            self._update_info()
+            watch = mode.watch
+            found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
+            if self.sync_steps or found:
+                writer.wait()
+            if found:
+                assert watch is not None and watch.found is not None
+                writer.writer.update_info(first_overflow=to_dict(self._overflow_record(watch.found)))
+        except (TracecmpError, OSError) as err:
+            self._write_failed(err)
+
+    def _write_failed(self, err: BaseException) -> None:
+        """Note a failed write. Called inside an op (a full buffer) as well as between steps, so
+        recording stops at the next step boundary; on_error="raise" raises at once."""
+        self._failure = err.__cause__ or err if isinstance(err, TracecmpError) else err
+        if self.on_error == "raise" and not self._failure_raised:
+            self._failure_raised = True
+            raise CaptureWriteError(f"{_cannot_write(self._failure)}; recording stopped", path=self.path) from self._failure
+
+    # -- when the trace cannot be written -------------------------------------------------------
+    def _give_up(self) -> None:
+        """Stop recording for good after a write failure: the run goes on with nothing installed.
+
+        The rank manifest (if it can still be written) says why and which steps are whole on
+        disk. Warns once with :class:`CaptureWarning`, or raises :class:`CaptureWriteError` with
+        ``on_error="raise"``.
+        """
+        assert self._writer is not None
+        if self._failure is None:
+            self._failure = self._writer.error
+        if self._closed:
+            return
+        self._stop()
+        if self._mode is not None and (self._mode.rows or self._mode.tensor_rows):
+            self._mode.take()
+        self._close(None)
+        self._report_failure(raising=True)
+        if self._unrecorded is None and (self.rng == "host" or self.dropout is not None):
+            # What keeps the runs comparable stays on for the rest of the session, as in unrecorded steps.
+            self._unrecorded = Rewrites(self.rng == "host", self.dropout is not None)
+            self._unrecorded.__enter__()
+
+    def _report_failure(self, *, raising: bool) -> None:
+        """Warn (or with on_error="raise" and ``raising``, raise) once about a write failure."""
+        if self._failure is None or self._failure_raised:
+            return
+        self._failure_raised = True
+        message = (
+            f"{_cannot_write(self._failure)}; recording stopped in step {self._step} "
+            f"and the run goes on. The trace keeps {self.kept()} and is marked incomplete"
+        )
+        if self.on_error == "raise" and raising:
+            raise CaptureWriteError(message, path=self.path) from self._failure
+        warnings.warn(f"tracecmp: {self.path}: {message}", CaptureWarning, stacklevel=4)
+
+    # -- SIGTERM (an elastic agent stopping the job) ------------------------------------------
+    def _catch_sigterm(self) -> None:
+        """Turn SIGTERM into an exception while the session runs, so the trace can say it was
+        terminated; left alone when the program handles SIGTERM itself or runs on another thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return
+            _SESSION_PID[0] = os.getpid()
+            signal.signal(signal.SIGTERM, _raise_terminated)
+        except (ValueError, OSError):  # no signals here (an embedded interpreter)
+            return
+        self._sigterm = signal.SIG_DFL
+
+    def _release_sigterm(self) -> None:
+        if self._sigterm is None:
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+                signal.signal(signal.SIGTERM, self._sigterm)
+        except (ValueError, OSError):
+            pass
+        self._sigterm = None
+
+    def _update_info(self) -> None:
+        """Note in the rank manifest what capture learnt that the tables do not say, when it changed:
+        what was skipped and why (capture/tensorkinds.py), the process groups collectives used,
+        the parameters of each DDP bucket (capture/collectives.py)."""
+        mode, writer = self._mode, self._writer
+        assert mode is not None and writer is not None
+        info = writer.writer.manifest["info"]
+        news = {
+            key: value
+            for key, value in (
+                ("capture_skipped", dict(mode.skipped)),
+                ("process_groups", dict(mode.process_groups)),
+                ("ddp_buckets", mode.ddp_buckets),
+            )
+            if value and info.get(key) != value
+        }
+        if news and self._failure is None:
+            try:
+                writer.writer.update_info(**news)
+            except OSError as err:
+                self._write_failed(err)
 
     def _overflow_record(self, op_id: int) -> Overflow:
         """The overflow at ``op_id``, described from the committed chunks as ``tracecmp overflow`` would."""
@@ -401,3 +760,79 @@ def _determinism_flags() -> dict[str, Any]:
         "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
         "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
     }
+
+
+# Optimizer hooks cannot be removed while torch iterates over them (in a hook): they stay, inert
+# (their session is no longer active), and go when a later session starts or ends.
+_IN_OPTIMIZER_HOOK = [0]
+_INERT_HOOKS: list[Any] = []
+
+
+def _disown_after_fork() -> None:
+    """In a child forked while a session runs (DataLoader workers, multiprocessing): stop
+    capturing. The child has no writer thread and its ops are not the run's; recording them
+    would only cost time and memory, and a full buffer would wait forever for the writer."""
+    session = TraceCompare._active
+    if session is None:
+        return
+    TraceCompare._active = None
+    try:
+        session._stop()
+    except Exception:  # noqa: BLE001 - the child must go on whatever state the fork caught
+        pass
+    session._mode = session._scope = session._writer = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during a session: unwinds the program like KeyboardInterrupt does, then
+    ends the process by the same signal once the trace says so (see :meth:`die`)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+    def die(self) -> None:
+        """End the process by this signal with its default action, as it would have without tracecmp."""
+        signal.signal(self.signum, signal.SIG_DFL)
+        signal.raise_signal(self.signum)
+
+
+_SESSION_PID: list[int] = [0]  # the process whose session installed the handler
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    if os.getpid() != _SESSION_PID[0]:
+        # A child forked during the session (multiprocessing) holds no session: die as it would have.
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+        return
+    raise _Terminated(signum)
+
+
+def _cannot_write(exc: BaseException) -> str:
+    return f"cannot write the trace: {write_error_reason(exc)}"
+
+
+def _stopped_by(exc: BaseException | None, step: int, overflowed: bool) -> dict[str, Any] | None:
+    """The rank manifest's account of why a session ended abnormally (None: it ended normally)."""
+    if overflowed or isinstance(exc, OverflowDetected):
+        return {"kind": "overflow", "reason": 'stopped at the first overflow (overflow="raise")', "step": step}
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+        return None
+    if isinstance(exc, KeyboardInterrupt):
+        kind, reason = "interrupted", "interrupted by the user (KeyboardInterrupt)"
+    elif isinstance(exc, _Terminated):
+        kind, reason = "terminated", str(exc)
+    elif isinstance(exc, SystemExit):
+        kind, reason = "exit", f"the program exited with status {exc.code!r}"
+    elif isinstance(exc, CaptureWriteError):
+        return None  # the writer's own account (write-error) says it better
+    else:
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 200 else text[:197] + "..."
+        kind, reason = "error", f"the program raised {type(exc).__name__}" + (f": {text}" if text else "")
+    return {"kind": kind, "reason": reason, "step": step}

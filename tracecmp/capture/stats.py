@@ -33,6 +33,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from tracecmp.capture.tensorkinds import kernel_readable
+
 try:
     from tracecmp import _cstats
 except ImportError as exc:  # not built (no compiler at install time): the reference serves
@@ -212,19 +214,20 @@ def tensor_stats_row(t: torch.Tensor) -> tuple[Any, ...]:
     """
     native = _native_stats
     code = _NATIVE_CODES.get(t.dtype)
-    if native is not None and code is not None and t.is_cpu and not t.is_neg():
+    # The kernel reads memory: only plain dense strided tensors with storage (tensorkinds.py).
+    if native is not None and code is not None and t.is_cpu and not t.is_neg() and kernel_readable(t):
         n = t.numel()
         try:
             return native(
                 t.data_ptr(), t.shape, t.stride(), code, n, torch.get_num_threads() if n >= _PARALLEL_MIN else 1
             )
         except (RuntimeError, ValueError):
-            pass  # no storage (sparse, fake or functional tensors): the reference decides
+            pass
     return _row_slow(t, native)
 
 
 def _row_slow(t: torch.Tensor, native: _NativeFn | None) -> tuple[Any, ...]:
-    if native is not None and t.is_cpu and t.layout is torch.strided:
+    if native is not None and t.is_cpu and kernel_readable(t):
         if t.is_complex():
             # view_as_real keeps the element order (re, im per element), as the definition says.
             return tensor_stats_row(torch.view_as_real(t.resolve_conj().resolve_neg()))

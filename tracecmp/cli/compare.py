@@ -42,6 +42,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")
     parser.add_argument("--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="suspects shown in the summary (default 10)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="several ranks: compare them in N worker processes (default: one per rank, up to the "
+                        "CPUs; in this process for small traces)")
+    parser.add_argument("--max-memory", type=float, metavar="GB",
+                        help="several ranks: data memory each worker may use (default: physical memory / (workers + 1))")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: on a terminal, for large traces)")
     parser.set_defaults(run=run)
@@ -52,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     tolerances = Tolerances.parse(args.tol) if args.tol else None
     result = compare(args.target, args.bench, tolerances=tolerances, steps=args.steps, ranks=args.ranks,
-                     exact=args.exact, replay=args.replay, progress=args.progress)
+                     exact=args.exact, replay=args.replay, progress=args.progress, workers=args.workers,
+                     max_memory=int(args.max_memory * 2**30) if args.max_memory else None)
     print(result.summary(top=args.top))
     if args.out:
         paths = result.write_tables(args.out, xlsx=args.xlsx)

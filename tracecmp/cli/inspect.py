@@ -47,9 +47,13 @@ def summarize(path: str | Path) -> str:
     tensors = trace.tensors_frame()
     lines: list[str] = [f"trace     {trace.path}"]
     incomplete = [r for r in trace.ranks if not trace.rank(r).complete]
-    lines.append(
-        "complete  yes" if not incomplete else f"complete  NO: rank(s) {incomplete} did not finish (a crash or kill)"
-    )
+    if not incomplete:
+        lines.append("complete  yes")
+    elif len(trace.ranks) == 1:
+        lines.append(f"complete  NO: {trace.rank(incomplete[0]).ending()}")
+    else:
+        lines.append(f"complete  NO: rank(s) {incomplete} did not finish")
+        lines.extend(f"  rank {r}: {trace.rank(r).ending()}" for r in incomplete)
     devices = sorted({trace.rank(r).device for r in trace.ranks})
     lines.append(f"ranks     {trace.ranks} of world size {manifest.get('world_size', len(trace.ranks))}")
     lines.append(f"device    {', '.join(devices)}")
@@ -58,6 +62,10 @@ def summarize(path: str | Path) -> str:
     lines.append(f"format    {manifest.get('format')} v{manifest.get('format_version')}, created {manifest.get('created', '?')}")
     options = ", ".join(f"{k}={v}" for k, v in sorted(trace.options.items()))
     lines.append(f"options   {options or '-'}")
+    lists = [trace.rank(r).manifest.get("info", {}).get("models") for r in trace.ranks]
+    found = sorted({str(m)[:80] for models in lists if isinstance(models, list) for m in models[:20]})
+    if found:
+        lines.append(f"models    {', '.join(found)} (not given: the outermost modules that ran)")
     seeded = manifest.get("seed_all") or {}
     determinism = manifest.get("determinism") or {}
     if seeded:

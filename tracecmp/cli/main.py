@@ -2,18 +2,21 @@
 
 Each subcommand module under :mod:`tracecmp.cli` exposes ``add_parser(subparsers)`` and
 ``run(args) -> int``. Exit codes follow ``diff``: 0 agree / ok, 1 difference found,
-2 bad input or usage.
+2 trouble: bad input or usage (one line naming the file), and also a bug in tracecmp (with its
+traceback), since a crash must never read as "difference found" to a CI gate.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from importlib import import_module
 from typing import Sequence
 
 from tracecmp.errors import TracecmpError
 
-SUBCOMMANDS = ("demo", "compare", "inspect", "overflow")
+SUBCOMMANDS = ("record", "ab", "demo", "compare", "inspect", "overflow")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tracecmp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tracecmp inspect T | head`: the reader left, nothing went wrong
+        _silence_stdout()
+        return 0
+    except (MemoryError, RecursionError) as exc:
+        # The reader bounds what it parses; this is what is left (a table Arrow cannot hold).
+        print(f"tracecmp {args.command}: error: the input is too large or too deep to read ({type(exc).__name__})",
+              file=sys.stderr)
+        return 2
+    except Exception:  # noqa: BLE001 - a bug must not exit 1, which `compare` reserves for "diverged"
+        traceback.print_exc()
+        print(f"tracecmp {args.command}: internal error (a bug in tracecmp; please report it with the traceback above)",
+              file=sys.stderr)
+        return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that flushing it at exit raises no second BrokenPipeError."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load(args.trace)
     found = find_overflows(trace, limit=None if args.all else 1)
     if not trace.complete:
-        why = "the traced run did not finish"
+        why = "; ".join(trace.rank(r).ending() for r in trace.ranks if not trace.rank(r).complete)
         if trace.options.get("overflow") == "raise" and recorded_overflows(trace):
             why = 'capture stopped the run at its first overflow, overflow="raise"'
         print(f"warning: {args.trace} is incomplete ({why}); checked what it holds")

@@ -96,6 +96,8 @@ def compare(
     exact: bool = False,
     replay: bool | None = None,
     progress: bool | None = None,
+    workers: int | None = None,
+    max_memory: int | None = None,
 ) -> CompareResult:
     """Compare a target run with a bench run and name the first op that went wrong.
 
@@ -105,7 +107,10 @@ def compare(
     target captured with ``data="tensors"`` and finds an op's own error even where its inputs
     already differ from the bench by more; default: whenever the target holds tensors.
     ``progress`` forces the stderr progress bar on or off (default: on for large traces on a
-    terminal).
+    terminal). Traces of several ranks given as folders are compared rank by rank in a process
+    pool of ``workers`` (default: one per rank, up to the CPUs; 1: one after another here), each
+    worker holding one rank pair with at most ``max_memory`` bytes of data, and then across ranks
+    (:mod:`tracecmp.comparison.ranks`): ``result.job`` shows the ranks side by side.
 
     >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
     >>> result.first_divergence.op, result.first_divergence.module  # doctest: +SKIP
@@ -119,6 +124,11 @@ def compare(
         tol = Tolerances().replace(**tolerances)
     else:
         raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
+    if isinstance(target, (str, Path)) and isinstance(bench, (str, Path)) and _multi_rank(target, bench):
+        from tracecmp.comparison.ranks import compare_ranks
+
+        return compare_ranks(target, bench, ranks=ranks, workers=workers, max_memory=max_memory, progress=progress,
+                             tolerances=tol, steps=steps, exact=exact, replay=replay)
     t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
     if tol.allow_tf32 is None:
         tol = tol.replace(allow_tf32=reduced_precision_possible(t_trace) or reduced_precision_possible(b_trace))
@@ -183,11 +193,25 @@ def compare(
     unpaired_bench = pd.concat(unpaired_frames, ignore_index=True)
     first = roots[0] if roots else None
     suspects = sorted(roots, key=lambda d: -d.score)
-    return CompareResult(
+    result = CompareResult(
         target=t_trace, bench=b_trace, first_divergence=first, suspects=suspects, nodes=nodes, tensors=tensors,
         unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
         steps=sorted(compared_steps),
     )
+    if len(rank_inputs) > 1:  # order the ranks' roots through their collectives
+        from tracecmp.comparison.ranks import attach_cross_rank
+
+        attach_cross_rank(result)
+    return result
+
+
+def _multi_rank(target: str | Path, bench: str | Path) -> bool:
+    """Whether either folder holds more than one rank (then :mod:`tracecmp.comparison.ranks` compares)."""
+    def ranks(path: str | Path) -> int:
+        root = Path(path)
+        return sum(1 for p in root.glob("rank*") if p.is_dir() and p.name[4:].isdigit()) if root.is_dir() else 0
+
+    return max(ranks(target), ranks(bench)) > 1
 
 
 def _prepare_rank(

@@ -31,7 +31,6 @@ execution order is the first divergence; all roots, ranked by introduced error, 
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -40,10 +39,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import OpClass, base_name, classify, is_copy
 from tracecmp.comparison.records import Divergence
 from tracecmp.replay import REDUCED_MODELS, OwnError
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
+from tracecmp.trace.schema import UNREAD_SOURCE
 
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 
@@ -147,7 +148,7 @@ def _norm_args(text: str) -> Any:
     if not text:
         return None
     try:
-        value = json.loads(text)
+        value = boundedjson.loads(text, max_bytes=boundedjson.ARGS_MAX_BYTES)
     except (TypeError, ValueError):
         return text
 
@@ -633,6 +634,11 @@ def _localize_rank(
         verdict = NodeVerdict(op_id)
         verdicts[op_id] = verdict
         if kind == "view" and all(t in base for t in outputs):
+            judged.append(None)
+            continue
+        if op == UNREAD_SOURCE:  # only written by its first use (an out= buffer): its content means nothing
+            for tid in outputs:
+                state[tid] = TensorState(known=True, exact=True, uninit=True)
             judged.append(None)
             continue
         # Sources have no inputs; a view node whose output carries statistics of its own (capture's

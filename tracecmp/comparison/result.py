@@ -45,6 +45,7 @@ class CompareResult:
     exact: bool = False
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    job: Any = None  # several ranks: tracecmp.comparison.ranks.JobReport (ranks side by side, paths)
 
     @property
     def agrees(self) -> bool:
@@ -119,6 +120,8 @@ class CompareResult:
         elif counts.get("noise") and not self.exact:
             lines.append(f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
                          'that noise cannot be told apart from statistics: capture the target with data="tensors"')
+        if self.job is not None:
+            lines += ["", self.job.summary()]
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
@@ -147,7 +150,8 @@ class CompareResult:
         return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
 
     def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
-        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv (and compare.xlsx); returns the paths."""
+        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv (ranks.csv for several ranks,
+        and compare.xlsx); returns the paths."""
         out = Path(out_dir)
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -155,6 +159,8 @@ class CompareResult:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
         tables = {"nodes": self.nodes, "tensors": self.tensors, "suspects": self.suspects_frame(),
                   "unpaired_bench": self.unpaired_bench}
+        if self.job is not None:
+            tables["ranks"] = self.job.to_frame()
         paths = []
         for name, frame in tables.items():
             path = out / f"{name}.csv"

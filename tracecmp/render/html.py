@@ -286,15 +286,8 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     except OSError as exc:
         raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
     picture = render_subgraph(result, out / SUBGRAPH_NAME, depth=depth, max_nodes=max_nodes)
-    if picture.suffix == ".svg":
-        # At its natural size (scrolling when wide): shrunk to fit, a big graph's labels become unreadable.
-        subgraph = f'<div class="figure graph">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
-    else:
-        subgraph = (
-            '<p class="note">graphviz <code>dot</code> is not installed, so the subgraph is shown as DOT text '
-            f"(also in <code>{escape(picture.name)}</code>; install graphviz or paste it into any graphviz viewer).</p>"
-            f"<pre>{escape(picture.read_text(encoding='utf-8'))}</pre>"
-        )
+    # At its natural size (scrolling when wide): shrunk to fit, a big graph's labels become unreadable.
+    subgraph = f'<div class="figure graph">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
     css_class, sentence = verdict(result)
     focus = find_focus(result)
     chart_root = result.first_divergence.op_id if result.first_divergence is not None else None
@@ -314,6 +307,7 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
 {_counts_html(_counts_with_replay(result))}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
+{result.job.html() if getattr(result, "job", None) is not None else ""}
 <h2 id="subgraph">Suspicious subgraph</h2>
 <p class="note">The root with its producers and consumers ({depth} hops), grouped by module; colour is the status
 and, for diverged ops, the size of the error. Edges carry tensor shapes; chains of views are folded into edges.</p>

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from html import escape
@@ -578,8 +577,8 @@ def run_dot(text: str, fmt: str) -> bytes | None:
 def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: int = 60) -> Path:
     """Draw the suspicious subgraph to ``path`` (.svg, .png or .dot by suffix); returns the file written.
 
-    Without a ``dot`` binary an .svg/.png request writes the DOT text next to it instead (with a
-    warning) and returns that path.
+    graphviz's ``dot`` lays it out where it is installed; without it tracecmp's own layered layout
+    (:mod:`tracecmp.render.layout`) draws the same DOT text (PNG then needs Pillow).
 
     >>> result = tracecmp.compare("runs/target", "runs/bench")        # doctest: +SKIP
     >>> render_subgraph(result, "out/divergence.svg")                 # doctest: +SKIP
@@ -597,15 +596,9 @@ def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: in
             return path
         data = run_dot(text, fmt)
         if data is None:
-            fallback = path.with_suffix(".dot")
-            fallback.write_text(text, encoding="utf-8")
-            warnings.warn(
-                f"graphviz 'dot' is not installed: wrote {fallback} instead of {path.name} "
-                f"(install graphviz, or run: dot -T{fmt} {fallback} -o {path})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return fallback
+            from tracecmp.render.layout import draw
+
+            data = draw(text, fmt)
         path.write_bytes(data)
     except OSError as exc:
         raise TracecmpError(f"cannot write the picture: {exc.strerror}", path=path) from exc

@@ -175,6 +175,26 @@ class Columns:
     def __len__(self) -> int:
         return len(self.parts[0])
 
+    def values(self, name: str, start: int = 0) -> list[Any]:
+        """Column ``name``'s values from row ``start`` on (a list column's as tuples).
+
+        >>> cols = Columns(pa.schema([("x", pa.int64()), ("ids", pa.list_(pa.int64()))]), [(1, (2,)), (4, (5, 6))])
+        >>> cols.values("ids", 1)
+        [(5, 6)]
+        """
+        position = self.schema.get_field_index(name)
+        index, kind = self._layout[position]
+        offset = 0
+        if kind == "l":
+            with memoryview(self.parts[index + 1]) as lengths:
+                offset = sum(lengths[:start])
+        return self._values(index, kind, self.schema.field(name), start, len(self), offset)
+
+    def truncate(self, rows: int) -> None:
+        """Keep the first ``rows`` rows only."""
+        self._rollback(rows)
+        self._mark = (0, {index: 0 for index in self._mark[1]})
+
     def _values(self, index: int, kind: str, field: pa.Field, start: int, end: int, offset: int) -> list[Any]:
         """Column ``index``'s values of rows ``start`` to ``end`` as Python objects."""
         part = self.parts[index]

@@ -1,7 +1,6 @@
 """Reading a trace folder back, validating everything before anything is trusted."""
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -10,42 +9,106 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tracecmp.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
+from tracecmp.trace import boundedjson
 from tracecmp.trace.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
     OPS_SCHEMA,
     RANK_MANIFEST,
     RUN_MANIFEST,
+    STAT_COLUMNS,
     TENSORS_SCHEMA,
     chunk_record_name,
 )
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, what: str) -> Any:
+    """The JSON document at ``path``, read only if its size and nesting are sane (boundedjson)."""
     try:
-        raw = path.read_bytes()
+        if not path.is_file():  # opening a FIFO would wait forever, a device would never end
+            if path.exists() or path.is_symlink():
+                raise TraceFormatError(f"{what} is not a regular file", path=path)
+            raise FileNotFoundError(path)
+        with open(path, "rb") as fh:
+            raw = fh.read(boundedjson.MAX_BYTES + 1)
+    except (FileNotFoundError, TraceFormatError):
+        raise
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read {what}: {exc.strerror or exc}", path=path) from exc
+    try:
+        return boundedjson.loads(raw)
+    except ValueError as exc:
+        raise TraceFormatError(f"{what} is not valid JSON ({_one_line(exc)})", path=path) from exc
+
+
+def _read_manifest(path: Path, what: str = "manifest") -> dict[str, Any]:
+    try:
+        manifest = _read_json(path, what)
     except FileNotFoundError as exc:
         raise TraceNotFoundError("no manifest.json: not a tracecmp trace folder", path=path.parent) from exc
-    except OSError as exc:
-        raise TraceFormatError(f"cannot read manifest: {exc.strerror}", path=path) from exc
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceFormatError(f"manifest is not valid JSON ({exc})", path=path) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise TraceFormatError(f"not a tracecmp trace (format is not {FORMAT_NAME!r})", path=path)
     version = manifest.get("format_version")
-    if not isinstance(version, int):
-        raise TraceFormatError("manifest has no integer format_version", path=path)
+    if not _is_int(version):
+        raise TraceFormatError(f"{what} has no integer format_version", path=path)
     if version > FORMAT_VERSION:
         raise TraceVersionError(
             f"trace format version {version} is newer than this tracecmp reads ({FORMAT_VERSION}); upgrade tracecmp",
             path=path,
         )
     return manifest
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What the fields every reader of a manifest uses must hold (absent is always allowed).
+_RUN_FIELDS: dict[str, tuple[type, ...]] = {
+    "options": (dict,), "versions": (dict,), "world_size": (int,), "device": (str,), "created": (str,),
+    "seed_all": (dict, type(None)), "determinism": (dict, type(None)),
+}
+_RANK_FIELDS: dict[str, tuple[type, ...]] = {
+    "rank": (int,), "world_size": (int,), "device": (str,), "complete": (bool,), "info": (dict,),
+    "stopped": (dict, type(None)),
+}
+
+
+def _check_fields(manifest: dict[str, Any], fields: dict[str, tuple[type, ...]], path: Path) -> None:
+    for name, types in fields.items():
+        if name not in manifest:
+            continue
+        value = manifest[name]
+        if not isinstance(value, types) or (int in types and isinstance(value, bool) and bool not in types):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise TraceFormatError(f"manifest field {name!r} is not {names}", path=path)
+        if name in ("rank", "world_size") and value < 0:
+            raise TraceFormatError(f"manifest field {name!r} is negative", path=path)
+
+
+def step_ranges(numbers: list[int]) -> str:
+    """Sorted step numbers as ranges.
+
+    >>> step_ranges([0, 1, 2, 5])
+    '0-2, 5'
+    """
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
 
 
 def _crc32(path: Path) -> int:
@@ -57,31 +120,54 @@ def _crc32(path: Path) -> int:
 
 
 def _check_file(folder: Path, entry: Any, what: str) -> Path:
-    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"] or ".." in entry["file"]:
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("file"), str)
+        or not _is_int(entry.get("bytes"))
+        or not _is_int(entry.get("crc32"))
+    ):
         raise TraceFormatError(f"a chunk record lists a malformed {what} file entry", path=folder)
-    path = folder / entry["file"]
-    if not path.is_file():
-        raise TraceFormatError(f"{what} chunk listed in its chunk record is missing", path=path)
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        raise TraceFormatError(f"truncated or altered: {size} bytes, its chunk record says {entry.get('bytes')}", path=path)
-    if _crc32(path) != entry.get("crc32"):
+    name = entry["file"]
+    if not name or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
+        raise TraceFormatError(f"a chunk record names a {what} file outside its folder: {name[:80]!r}", path=folder)
+    path = folder / name
+    try:
+        regular = path.is_file()  # follows a symlink; a loop, a device or a FIFO is not a file
+        size = path.stat().st_size if regular else -1
+        if regular and size == entry["bytes"]:
+            crc = _crc32(path)
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read {what} chunk: {exc.strerror or exc}", path=path) from exc
+    if not regular:
+        raise TraceFormatError(f"{what} chunk listed in its chunk record is missing (or not a regular file)", path=path)
+    if size != entry["bytes"]:
+        raise TraceFormatError(f"truncated or altered: {size} bytes, its chunk record says {entry['bytes']}", path=path)
+    if crc != entry["crc32"]:
         raise TraceFormatError("corrupted: CRC-32 does not match its chunk record", path=path)
     return path
 
 
 def _read_table(path: Path, schema: pa.Schema) -> pa.Table:
+    # Bytes that pass the CRC were written as they are, by tracecmp or by hand: Arrow may still
+    # refuse them in any way it likes (ArrowInvalid, OSError, MemoryError for a claimed size ...).
     try:
         table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceFormatError(f"unreadable Parquet table ({exc})", path=path) from exc
+    except Exception as exc:  # noqa: BLE001 - whatever Arrow raises on bad bytes is a bad trace
+        raise TraceFormatError(f"unreadable Parquet table ({_one_line(exc)})", path=path) from exc
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
         raise TraceFormatError(f"table lacks columns {missing}", path=path)
     try:
-        return table.select(schema.names).cast(schema)
-    except (pa.ArrowException, ValueError) as exc:
-        raise TraceFormatError(f"table columns have unexpected types ({exc})", path=path) from exc
+        table = table.select(schema.names).cast(schema)
+    except Exception as exc:  # noqa: BLE001 - see above
+        raise TraceFormatError(f"table columns have unexpected types ({_one_line(exc)})", path=path) from exc
+    for name in schema.names:
+        if name in STAT_COLUMNS:
+            continue  # null where a tensor has no statistics
+        column = table.column(name)
+        if column.null_count or (pa.types.is_list(column.type) and pc.list_flatten(column).null_count):
+            raise TraceFormatError(f"column {name!r} holds nulls", path=path)
+    return table
 
 
 @dataclass
@@ -103,6 +189,39 @@ class RankTrace:
     def device(self) -> str:
         return str(self.manifest.get("device", ""))
 
+    @property
+    def stopped(self) -> dict[str, Any] | None:
+        """Why capture ended early, as recorded: ``kind`` ("interrupted", "terminated", "error",
+        "exit", "overflow", "write-error"), ``reason``, ``step`` (in progress) and ``last_step``
+        (the last step whole on disk). None for a complete rank, and for one whose process was
+        killed before it could say (SIGKILL, a machine crash)."""
+        stopped = self.manifest.get("stopped")
+        return stopped if isinstance(stopped, dict) and not self.complete else None
+
+    def ending(self) -> str:
+        """How the capture of this rank ended, in one phrase.
+
+        >>> trace.rank(0).ending()  # doctest: +SKIP
+        'interrupted by the user (KeyboardInterrupt) in step 5; it keeps steps 0-4 whole, step 5 in part'
+        """
+        if self.complete:
+            return "complete"
+        steps = self.manifest.get("steps", [])
+        stopped = self.stopped or {}
+        reason = str(stopped.get("reason") or "did not finish and left no account (killed, or the machine stopped)")
+        step = stopped.get("step")
+        if _is_int(step):
+            reason += f", in step {step}"
+        last = stopped.get("last_step")
+        whole = [s for s in steps if not _is_int(last) or s <= last] if stopped else steps
+        partial = [s for s in steps if s not in whole]
+        kept = f"steps {step_ranges(whole)} whole" if whole else "no whole step"
+        if partial:
+            kept += f", step {step_ranges(partial)} in part"
+        if not stopped:
+            kept = f"steps {step_ranges(steps)}" if steps else "no step"
+        return f"{reason}; it keeps {kept}"
+
     @cached_property
     def ops(self) -> pd.DataFrame:
         """One row per node (op, view or source), in execution order."""
@@ -120,52 +239,64 @@ class RankTrace:
 
     def load_tensor(self, tensor_id: int) -> Any:
         """The saved tensor ``tensor_id`` (only with ``data="tensors"``), read through safetensors."""
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
+        from tracecmp.trace.saved import SavedTensors
 
         rows = self.tensors[self.tensors["tensor_id"] == tensor_id]
         if rows.empty or not rows.iloc[0]["data_key"]:
             raise TraceFormatError(f"tensor {tensor_id} was not saved in this trace", path=self.path)
-        key = rows.iloc[0]["data_key"]
-        chunk = int(key.split("/")[0])
-        path = self.data_files.get(chunk)
-        if path is None:
-            raise TraceFormatError(f"tensor {tensor_id} refers to missing data chunk {chunk}", path=self.path)
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                return fh.get_tensor(key)
-        except (SafetensorError, OSError, KeyError) as exc:
-            raise TraceFormatError(f"cannot read tensor {key!r} ({exc})", path=path) from exc
+        with SavedTensors(self) as saved:
+            return saved.get(rows.iloc[0]["data_key"])
 
 
 def _chunk_records(folder: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The commit records ``chunk-<K>.json`` of a rank, in order, with no gap.
+    """The commit records ``chunk-<K>.json`` of a rank, in order, with no gap, each checked.
 
     Early traces listed their chunks inside the rank manifest instead; those lists are read too,
     so such a trace never loads as an empty one.
     """
+    try:
+        names = [path.name for path in folder.glob("chunk-*.json")]
+    except OSError as exc:
+        raise TraceFormatError(f"cannot list the rank folder: {exc.strerror or exc}", path=folder) from exc
     listed = manifest.get("chunks")
-    if listed is not None and not any(folder.glob("chunk-*.json")):
+    if listed is not None and not names:
         if not isinstance(listed, list) or not all(isinstance(c, dict) for c in listed):
             raise TraceFormatError("rank manifest has a malformed chunk list", path=folder / RANK_MANIFEST)
-        return [dict(chunk, index=index) for index, chunk in enumerate(listed)]
+        records = [dict(chunk, index=index) for index, chunk in enumerate(listed)]
+        for record in records:
+            _check_record(record, folder / RANK_MANIFEST)
+        return records
+    numbered: dict[int, str] = {}
+    for name in names:
+        number = name[len("chunk-") : -len(".json")]
+        if not number.isdigit() or name != chunk_record_name(int(number)):
+            raise TraceFormatError("a file is named like a chunk record but is not one", path=folder / name)
+        numbered[int(number)] = name
     records = []
-    for index, path in enumerate(sorted(folder.glob("chunk-*.json"))):
-        if path.name != chunk_record_name(index):
+    for index in range(len(numbered)):  # ordered by number: chunk-100000 comes after chunk-99999
+        if index not in numbered:
+            path = folder / numbered[min(k for k in numbered if k > index)]
             raise TraceFormatError(f"chunk records are not numbered 0..N-1 ({chunk_record_name(index)} is missing)", path=path)
-        record = _read_manifest(path)
+        path = folder / numbered[index]
+        record = _read_manifest(path, "chunk record")
         if record.get("index") != index:
-            raise TraceFormatError(f"chunk record says index {record.get('index')!r}, expected {index}", path=path)
-        rows = record.get("rows")
-        if not isinstance(rows, dict) or not all(isinstance(rows.get(k), int) for k in ("ops", "tensors")):
-            raise TraceFormatError("chunk record has no row counts", path=path)
+            raise TraceFormatError(f"chunk record says index {str(record.get('index'))[:40]!r}, expected {index}", path=path)
+        _check_record(record, path)
         records.append(record)
     return records
 
 
-def _fill_integer_nulls(table: pa.Table) -> pa.Table:
-    import pyarrow.compute as pc
+def _check_record(record: dict[str, Any], path: Path) -> None:
+    """A chunk record's row counts and step list are what readers will trust them to be."""
+    rows = record.get("rows")
+    if not isinstance(rows, dict) or not all(_is_int(rows.get(k)) and rows[k] >= 0 for k in ("ops", "tensors")):
+        raise TraceFormatError("chunk record has no row counts", path=path)
+    steps = record.get("steps", [])
+    if not isinstance(steps, list) or not all(_is_int(s) and 0 <= s < 1 << 31 for s in steps):
+        raise TraceFormatError("chunk record's steps are not a list of step numbers", path=path)
 
+
+def _fill_integer_nulls(table: pa.Table) -> pa.Table:
     for name in ("nan_count", "inf_count", "checksum"):
         column = table.column(name)
         if column.null_count:
@@ -179,13 +310,14 @@ def load_rank(folder: Path) -> RankTrace:
     The returned manifest also lists what the chunk records say: ``chunks``, ``ops``, ``tensors``
     (row counts) and ``steps`` (the recorded step numbers).
     """
-    manifest = _read_manifest(folder / RANK_MANIFEST)
+    manifest = _read_manifest(folder / RANK_MANIFEST, "rank manifest")
+    _check_fields(manifest, _RANK_FIELDS, folder / RANK_MANIFEST)
     chunks = _chunk_records(folder, manifest)
     ops_parts, tensor_parts, data_files = [], [], {}
     for index, chunk in enumerate(chunks):
         ops_table = _read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA)
         tensors_table = _read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA)
-        rows = chunk.get("rows", {})
+        rows = chunk["rows"]
         if (ops_table.num_rows, tensors_table.num_rows) != (rows.get("ops"), rows.get("tensors")):
             raise TraceFormatError("chunk tables hold other row counts than its record", path=folder / chunk_record_name(index))
         ops_parts.append(ops_table)
@@ -198,15 +330,12 @@ def load_rank(folder: Path) -> RankTrace:
     manifest["chunks"] = chunks
     manifest["ops"] = ops.num_rows
     manifest["tensors"] = tensors.num_rows
-    manifest["steps"] = sorted({int(s) for chunk in chunks for s in chunk.get("steps", [])})
-    rank = manifest.get("rank", 0)
-    return RankTrace(int(rank) if isinstance(rank, int) else 0, folder, manifest, ops, tensors, data_files)
+    manifest["steps"] = sorted({s for chunk in chunks for s in chunk.get("steps", [])})
+    return RankTrace(manifest.get("rank", 0), folder, manifest, ops, tensors, data_files)
 
 
 def _check_references(folder: Path, ops: pa.Table, tensors: pa.Table) -> None:
     """Every tensor id an op reads or writes must exist, every producer must be a recorded op."""
-    import pyarrow.compute as pc
-
     tensor_ids = tensors.column("tensor_id")
     if pc.count_distinct(tensor_ids).as_py() != len(tensor_ids):
         raise TraceFormatError("duplicate tensor ids", path=folder)
@@ -278,16 +407,24 @@ def load(path: str | Path) -> Trace:
     >>> trace = tracecmp.load("runs/bench")  # doctest: +SKIP
     """
     root = Path(path)
-    if not root.exists():
-        raise TraceNotFoundError("no such trace folder", path=root)
-    if not root.is_dir():
-        raise TraceFormatError("a trace is a folder, this is a file", path=root)
+    try:
+        if not root.exists():
+            raise TraceNotFoundError("no such trace folder", path=root)
+        if not root.is_dir():
+            raise TraceFormatError("a trace is a folder, this is a file", path=root)
+        folders = sorted(root.glob("rank*"))
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read the trace folder: {exc.strerror or exc}", path=root) from exc
     manifest = _read_manifest(root / RUN_MANIFEST)
+    _check_fields(manifest, _RUN_FIELDS, root / RUN_MANIFEST)
     ranks: dict[int, RankTrace] = {}
-    for folder in sorted(root.glob("rank*")):
-        if folder.is_dir() and folder.name[4:].isdigit():
+    for folder in folders:
+        number = folder.name[4:]
+        if number.isascii() and number.isdigit() and folder.is_dir():
             rank_trace = load_rank(folder)
-            ranks[int(folder.name[4:])] = rank_trace
+            if rank_trace.rank != int(number):
+                raise TraceFormatError(f"rank manifest says rank {rank_trace.rank}, its folder rank {number}", path=folder)
+            ranks[int(number)] = rank_trace
     if not ranks:
         raise TraceFormatError("trace holds no rank folders (rank0/ ...)", path=root)
     return Trace(root, manifest, ranks)

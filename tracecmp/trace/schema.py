@@ -32,7 +32,10 @@ RANK_MANIFEST = "manifest.json"
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("op", "view", "source")
-SOURCE_OPS = ("source.parameter", "source.buffer", "source.input", "source.tensor")
+SOURCE_OPS = ("source.parameter", "source.buffer", "source.input", "source.tensor", "source.unread")
+# A source whose first recorded use only writes it (an ``out=`` argument, a DDP bucket's view): its
+# earlier content is never read, so it is recorded without statistics, like uninitialised memory.
+UNREAD_SOURCE = "source.unread"
 # A kind "view" node made when an op wrote a tensor through another alias (a view, or the base of
 # a view): inputs = the tensor's previous value and the written values, output = its new value
 # (with statistics). It computes nothing; it keeps producer -> consumer edges right.

@@ -103,16 +103,27 @@ def _atomic_write_parts(path: Path, parts: Sequence[Any], *, fsync: bool = False
     """Write the buffers ``parts`` one after another to ``path`` atomically; (bytes, CRC-32)."""
     tmp = path.with_name(path.name + ".tmp")
     size, crc = 0, 0
-    with open(tmp, "wb") as fh:
-        for part in parts:
-            fh.write(part)
-            crc = zlib.crc32(part, crc)
-            size += memoryview(part).nbytes
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            for part in parts:
+                fh.write(part)
+                crc = zlib.crc32(part, crc)
+                size += memoryview(part).nbytes
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)  # on a full disk, the space it took is what the manifest needs to say so
+        raise
     return size, crc
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any], *, fsync: bool = False) -> None:
@@ -151,6 +162,40 @@ def write_run_manifest(root: Path, *, options: Mapping[str, Any], extra: Mapping
     write_json_atomic(root / RUN_MANIFEST, payload)
 
 
+def existing_trace(root: Path, rank: int = 0) -> Path | None:
+    """The file that shows ``root`` already holds a trace this rank would replace, or None.
+
+    Rank 0 owns the run manifest, every rank its own folder: no rank looks at files another
+    rank of the same run may be writing at that moment.
+    """
+    rank_dir = root / f"rank{rank}"
+    candidates = [root / RUN_MANIFEST] if rank == 0 else []
+    candidates.append(rank_dir / RANK_MANIFEST)
+    for path in candidates:
+        if path.exists() or path.is_symlink():
+            return path
+    return next(iter(sorted(rank_dir.glob("chunk-*.json"))), None) if rank_dir.is_dir() else None
+
+
+def remove_extra_ranks(root: Path, world_size: int) -> None:
+    """Remove the trace files of rank folders ``rank<R>``, R >= ``world_size``, that an earlier
+    and larger run left in ``root`` (when a trace is overwritten; rank 0 calls it)."""
+    for folder in root.glob("rank*"):
+        number = folder.name[4:]
+        if not (number.isascii() and number.isdigit() and int(number) >= world_size and folder.is_dir()):
+            continue
+        for pattern in (RANK_MANIFEST, *_TRACE_FILES):
+            for stale in folder.glob(pattern):
+                stale.unlink()
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # something of the user's is in it: leave the folder
+
+
+_TRACE_FILES = ("chunk-*", "ops-*", "tensors-*", "data-*", "*.tmp")
+
+
 class RankWriter:
     """Appends committed chunks to ``RUN/rank<R>/`` and keeps its manifest current.
 
@@ -181,7 +226,7 @@ class RankWriter:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TracecmpError(f"cannot create the trace folder: {exc.strerror}", path=self.dir) from exc
-        for pattern in ("chunk-*", "ops-*", "tensors-*", "data-*"):
+        for pattern in _TRACE_FILES:  # what an overwritten trace left (TraceCompare asked first)
             for stale in self.dir.glob(pattern):
                 stale.unlink()
         self.manifest: dict[str, Any] = {
@@ -194,6 +239,7 @@ class RankWriter:
             "info": dict(info or {}),
         }
         self.chunks = 0
+        self.steps: set[int] = set()  # the steps committed chunks hold (in whole or in part)
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -238,35 +284,45 @@ class RankWriter:
         index = self.chunks
         if steps is None:
             steps = pc.unique(ops.column("step")).to_pylist()
-        entry: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "index": index,
-            "ops": self._commit(f"ops-{index:05d}.parquet", [_parquet_bytes(ops)]),
-            "tensors": self._commit(f"tensors-{index:05d}.parquet", [_parquet_bytes(tensors)]),
-            "rows": {"ops": ops.num_rows, "tensors": tensors.num_rows},
-            "steps": sorted({int(s) for s in steps}),
-        }
-        if data:
-            parts = _safetensors_parts(data)
-            if parts is None:
-                from safetensors.torch import save
+        names = (f"ops-{index:05d}.parquet", f"tensors-{index:05d}.parquet", f"data-{index:05d}.safetensors")
+        try:
+            entry: dict[str, Any] = {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "index": index,
+                "ops": self._commit(names[0], [_parquet_bytes(ops)]),
+                "tensors": self._commit(names[1], [_parquet_bytes(tensors)]),
+                "rows": {"ops": ops.num_rows, "tensors": tensors.num_rows},
+                "steps": sorted({int(s) for s in steps}),
+            }
+            if data:
+                parts = _safetensors_parts(data)
+                if parts is None:
+                    from safetensors.torch import save
 
-                parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()})]
-            entry["data"] = self._commit(f"data-{index:05d}.safetensors", parts)
-        write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
+                    parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()})]
+                entry["data"] = self._commit(names[2], parts)
+            write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
+        except BaseException:
+            for name in names:  # no record lists them: readers ignore them, a full disk wants the space
+                _remove(self.dir / name)
+            raise
         if self.fsync:
             _fsync_dir(self.dir)
         self.chunks = index + 1
+        self.steps.update(entry["steps"])
 
     def update_info(self, **info: Any) -> None:
         """Merge ``info`` into the rank manifest (e.g. the first overflow found)."""
         self.manifest["info"].update(info)
         self._write_manifest()
 
-    def close(self, *, complete: bool) -> None:
-        """Mark the rank finished; ``complete=False`` when the traced program raised."""
+    def close(self, *, complete: bool, stopped: Mapping[str, Any] | None = None) -> None:
+        """Mark the rank finished; ``complete=False`` when the run did not end normally, and
+        ``stopped`` says why (see :class:`BackgroundWriter`)."""
         self.manifest["complete"] = complete
+        if stopped is not None:
+            self.manifest["stopped"] = dict(stopped)
         self._write_manifest()
 
 
@@ -277,34 +333,50 @@ class BackgroundWriter:
     flight (one being written, one waiting), in which case it waits for the older one: memory
     stays bounded whatever the disk's speed. A chunk is *committed* once its record is renamed
     into place; a process killed before that loses it (and every later one), never an earlier
-    one. :meth:`wait` returns when every chunk handed over is committed. An error on the thread
-    is raised as a :class:`TracecmpError` by the next :meth:`submit`, :meth:`wait` or
-    :meth:`close`, once; chunks handed over after it are dropped (a gap would hide them from
-    readers anyway). The thread starts with the first chunk.
+    one. :meth:`wait` returns when every chunk handed over is committed. A chunk that cannot be
+    written (a full disk, a folder turned read-only) is the thread's :attr:`error`: it is raised
+    as a :class:`TracecmpError` by the next :meth:`submit` or :meth:`wait`, once, and chunks
+    handed over after it are dropped (a gap would hide them from readers anyway). The thread
+    starts with the first chunk. :attr:`last_step` is the last step known whole on disk.
 
     >>> import tempfile, pathlib
     >>> w = BackgroundWriter(RankWriter(pathlib.Path(tempfile.mkdtemp()) / "run"))
-    >>> w.submit(Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA))
+    >>> w.submit(Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA), whole_through=0)
     0
-    >>> w.close(complete=True); w.writer.chunks
-    1
+    >>> w.close(complete=True); w.writer.chunks, w.last_step
+    (1, 0)
     """
 
     def __init__(self, writer: RankWriter) -> None:
         self.writer = writer
         self.submitted = writer.chunks  # chunks handed over so far (the next one's index)
+        self.last_step: int | None = None  # the last step whose every op is committed
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._reported = False
 
-    def submit(self, op_rows: Columns, tensor_rows: Columns, data: Mapping[str, torch.Tensor] | None = None) -> int:
-        """Hand over one chunk (rows the caller no longer touches); returns its index."""
+    @property
+    def error(self) -> BaseException | None:
+        """Why the last chunk could not be written (None while every chunk was)."""
+        return self._error
+
+    def submit(
+        self,
+        op_rows: Columns,
+        tensor_rows: Columns,
+        data: Mapping[str, torch.Tensor] | None = None,
+        whole_through: int | None = None,
+    ) -> int:
+        """Hand over one chunk (rows the caller no longer touches); returns its index.
+
+        ``whole_through``: the last step whose ops are all in this chunk or in earlier ones.
+        """
         self._raise_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tracecmp-writer", daemon=True)
             self._thread.start()
-        self._queue.put((op_rows, tensor_rows, data))
+        self._queue.put((op_rows, tensor_rows, data, whole_through))
         index = self.submitted
         self.submitted = index + 1
         return index
@@ -315,17 +387,35 @@ class BackgroundWriter:
             self._queue.join()
         self._raise_error()
 
-    def close(self, *, complete: bool) -> None:
-        """Commit what is queued, stop the thread, and mark the rank finished (see :meth:`RankWriter.close`).
+    def close(self, *, complete: bool, stopped: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Commit what is queued, stop the thread, and mark the rank finished.
 
-        The rank is marked incomplete when a chunk could not be written.
+        The rank is marked incomplete when a chunk could not be written. ``stopped`` says why a
+        run did not end normally (``kind`` and ``reason``); the rank manifest keeps it with
+        ``step`` and ``last_step`` (the last step whole on disk) filled in, and it is returned.
+        A failed write is then raised (if not yet), and so is a manifest that cannot be written.
         """
+        self.stop()
+        record = None if stopped is None else dict(stopped)
+        if self._error is not None:
+            reason = f"cannot write the trace: {write_error_reason(self._error)}"
+            record = {**(record or {}), "kind": "write-error", "reason": reason}
+        if record is not None:
+            record["last_step"] = self.last_step
+        try:
+            self.writer.close(complete=complete and record is None, stopped=record)
+        except OSError as exc:
+            if self._error is None:
+                raise TracecmpError(f"cannot write the trace: {write_error_reason(exc)}", path=self.writer.dir) from exc
+        self._raise_error()
+        return record
+
+    def stop(self) -> None:
+        """Commit what is queued and stop the thread (a later :meth:`submit` starts a new one)."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-        self.writer.close(complete=complete and self._error is None)
-        self._raise_error()
 
     def _run(self) -> None:
         while True:
@@ -334,7 +424,10 @@ class BackgroundWriter:
                 if item is None:
                     return
                 if self._error is None:
-                    self.writer.write_rows(*item)
+                    *chunk, whole_through = item
+                    self.writer.write_rows(*chunk)
+                    if whole_through is not None:
+                        self.last_step = whole_through
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread, never lost
                 self._error = exc
             finally:
@@ -345,5 +438,12 @@ class BackgroundWriter:
         if exc is None or self._reported:
             return
         self._reported = True
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
-        raise TracecmpError(f"cannot write the trace: {reason}", path=self.writer.dir) from exc
+        raise TracecmpError(f"cannot write the trace: {write_error_reason(exc)}", path=self.writer.dir) from exc
+
+
+def write_error_reason(exc: BaseException) -> str:
+    """A write failure in a few words: ``No space left on device``, ``MemoryError: ...``."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__

@@ -1,0 +1,292 @@
+"""Many ranks: capture overhead of a DDP step, and compare time and memory for 1, 2 and 4 ranks.
+
+    python benchmarks/bench_distributed.py overhead            # torchrun, 2 ranks over gloo
+    python benchmarks/bench_distributed.py calls               # one process: what recording a collective costs
+    python benchmarks/bench_distributed.py compare --ranks 1,2,4
+
+``overhead`` times a 2-rank DDP training step of an MLP stack plain and captured, alternating in
+one launch (medians; the ratio is what to read on a noisy machine), and what a collective costs
+captured: a synchronous all-reduce, one with ``async_op=True`` waited on, and a functional one
+whose wait is implicit (its AsyncCollectiveTensor's first use).
+
+``compare`` captures the same per-rank run (DDP, a fault on the last rank) with 1, 2 and 4 ranks, then
+times ``tracecmp.compare`` on each in a fresh process: in that process alone (``workers=1``)
+and with one worker per rank; peak RSS of the comparing process and of its largest worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _torchrun(n: int, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
+         "--master_port", str(_free_port()), str(Path(__file__).resolve()), *args],
+        capture_output=True, text=True, env=env, timeout=3600,
+    )
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-4000:])
+    return done.stdout
+
+
+# ---- inside torchrun ----------------------------------------------------------------------------
+
+def _model(width: int, blocks: int, fault: bool) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.up = torch.nn.Linear(width, 2 * width)
+            self.down = torch.nn.Linear(2 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(self.norm(x)), approximate="tanh" if fault else "none"))
+
+    return torch.nn.Sequential(*[Block() for _ in range(blocks)], torch.nn.Linear(width, 8))
+
+
+def _step(model: Any, opt: Any, x: Any) -> None:
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def overhead_worker(folder: Path, reps: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import tracecmp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(256, 4, False))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        _step(ddp, opt, x)
+    plain_t, captured_t, ops = [], [], 0
+    for rep in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            _step(ddp, opt, x)
+        dist.barrier()
+        plain_t.append((time.perf_counter() - start) / steps)
+        with tracecmp.TraceCompare(folder / f"r{rep}", model=ddp) as tc:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                _step(ddp, opt, x)
+                tc.step()
+            dist.barrier()
+            captured_t.append((time.perf_counter() - start) / steps)
+        ops = len(tracecmp.load(folder / f"r{rep}").rank(rank).ops_table) // steps
+    calls: dict[str, tuple[float, float]] = {}
+    t = torch.ones(1024)
+
+    def sync() -> None:
+        dist.all_reduce(t)
+
+    def async_op() -> None:
+        dist.all_reduce(t, async_op=True).wait()
+
+    def functional() -> None:
+        y = funcol.all_reduce(t, "sum", dist.group.WORLD)
+        y.mul(1.0)  # the first use waits (AsyncCollectiveTensor)
+
+    def nothing() -> None:
+        t.mul(1.0)  # the one op the functional case adds
+
+    for name, call in (("sync", sync), ("async_op", async_op), ("functional", functional), ("mul", nothing)):
+        times = []
+        for captured in (False, True):
+            n = 200
+            dist.barrier()
+            if captured:
+                with tracecmp.TraceCompare(folder / f"calls-{name}") as tc:
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        call()
+                    took = time.perf_counter() - start
+            else:
+                start = time.perf_counter()
+                for _ in range(n):
+                    call()
+                took = time.perf_counter() - start
+            times.append(took / n)
+        calls[name] = (times[0], times[1])
+        dist.barrier()
+    if rank == 0:
+        print(json.dumps({
+            "plain_ms": 1e3 * statistics.median(plain_t), "captured_ms": 1e3 * statistics.median(captured_t),
+            "ops_per_step": ops, "threads": torch.get_num_threads(),
+            "calls_us": {k: (1e6 * a, 1e6 * b) for k, (a, b) in calls.items()},
+        }))
+    dist.destroy_process_group()
+
+
+def capture_worker(out: str, steps: int, width: int, blocks: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tracecmp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for variant in ("bench", "target"):
+        torch.manual_seed(0)
+        last = rank == dist.get_world_size() - 1  # the fault's rank: the last, so one rank has it too
+        ddp = torch.nn.parallel.DistributedDataParallel(_model(width, blocks, variant == "target" and last))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        with tracecmp.TraceCompare(Path(out) / variant, model=ddp) as tc:
+            for step in range(steps):
+                x = torch.randn(16, width, generator=torch.Generator().manual_seed(100 * step + rank))
+                _step(ddp, opt, x)
+                tc.step()
+    dist.destroy_process_group()
+
+
+def calls_alone(n: int) -> None:
+    """What recording a collective costs, without a second rank to wait for (world size 1)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import tracecmp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    t = torch.ones(1024)
+    cases = {
+        "sync": lambda: dist.all_reduce(t),
+        "async_op": lambda: dist.all_reduce(t, async_op=True).wait(),
+        "functional": lambda: funcol.all_reduce(t, "sum", dist.group.WORLD).mul(1.0),
+    }
+    folder = Path(tempfile.mkdtemp(prefix="tracecmp-calls-"))
+    for name, call in cases.items():
+        for _ in range(20):
+            call()
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        plain = (time.perf_counter() - start) / n
+        with tracecmp.TraceCompare(folder / name):
+            for _ in range(20):
+                call()
+            start = time.perf_counter()
+            for _ in range(n):
+                call()
+            captured = (time.perf_counter() - start) / n
+        print(f"  {name:<11} plain {1e6 * plain:8.1f} us  captured {1e6 * captured:8.1f} us  (+{1e6 * (captured - plain):.1f} us)")
+    # The floor of any dispatch mode: an empty one, with and without ignore_compile_internals.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Empty(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    class EmptyIgnoringCompile(Empty):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+    for mode in (Empty, EmptyIgnoringCompile):
+        with mode():
+            for _ in range(5):
+                cases["sync"]()
+            start = time.perf_counter()
+            for _ in range(50):
+                cases["sync"]()
+            print(f"  sync under an empty {mode.__name__}: {1e6 * (time.perf_counter() - start) / 50:.1f} us")
+    dist.destroy_process_group()
+
+
+# ---- driver -------------------------------------------------------------------------------------
+
+def _compare_in_fresh_process(folder: Path, workers: int) -> dict[str, Any]:
+    code = f"""
+import json, resource, time, tracecmp
+start = time.perf_counter()
+r = tracecmp.compare({str(folder / 'target')!r}, {str(folder / 'bench')!r}, workers={workers}, progress=False)
+wall = time.perf_counter() - start
+d = r.first_divergence
+print(json.dumps({{"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                   "child_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                   "first": f"{{d.op}} rank {{d.rank}}" if d else None, "nodes": len(r.nodes)}}))
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    over = sub.add_parser("overhead")
+    over.add_argument("--reps", type=int, default=7)
+    over.add_argument("--steps", type=int, default=10)
+    sub.add_parser("calls").add_argument("--calls", type=int, default=300)
+    cmp_ = sub.add_parser("compare")
+    cmp_.add_argument("--ranks", default="1,2,4")
+    cmp_.add_argument("--steps", type=int, default=30)
+    cmp_.add_argument("--width", type=int, default=64)
+    cmp_.add_argument("--blocks", type=int, default=12)
+    sub.add_parser("overhead-worker").add_argument("args", nargs=3)
+    sub.add_parser("capture-worker").add_argument("args", nargs=4)
+    args = parser.parse_args()
+    if args.what == "overhead-worker":
+        folder, reps, steps = args.args
+        overhead_worker(Path(folder), int(reps), int(steps))
+    elif args.what == "capture-worker":
+        out, steps, width, blocks = args.args
+        capture_worker(out, int(steps), int(width), int(blocks))
+    elif args.what == "calls":
+        calls_alone(args.calls)
+    elif args.what == "overhead":
+        folder = tempfile.mkdtemp(prefix="tracecmp-bench-")  # one trace folder for both ranks, as under any torchrun
+        found = json.loads(_torchrun(2, "overhead-worker", folder, str(args.reps), str(args.steps)).strip().splitlines()[-1])
+        print(f"2-rank DDP step ({found['ops_per_step']} ops recorded per rank, {found['threads']} thread(s) per rank): "
+              f"plain {found['plain_ms']:.2f} ms, captured {found['captured_ms']:.2f} ms, "
+              f"x{found['captured_ms'] / found['plain_ms']:.2f}")
+        for name, (plain, captured) in found["calls_us"].items():
+            print(f"  {name:<11} plain {plain:8.1f} us  captured {captured:8.1f} us  (+{captured - plain:.1f} us)")
+    else:
+        for n in [int(r) for r in args.ranks.split(",")]:
+            folder = Path(tempfile.mkdtemp(prefix=f"tracecmp-ranks{n}-"))
+            _torchrun(n, "capture-worker", str(folder), str(args.steps), str(args.width), str(args.blocks))
+            size = sum(f.stat().st_size for f in folder.glob("*/rank*/*.parquet"))
+            for workers in sorted({1, n}):
+                found = _compare_in_fresh_process(folder, workers)
+                print(f"ranks {n} workers {workers}: {found['nodes']:,} nodes ({size / 2**20:.1f} MB of tables), "
+                      f"wall {found['wall']:.1f} s, peak RSS {found['rss'] / 1024:.0f} MB, largest worker "
+                      f"{found['child_rss'] / 1024:.0f} MB, first divergence {found['first']}")
+
+
+if __name__ == "__main__":
+    main()
