@@ -557,16 +557,12 @@ def _carry(out: TensorState, x: tuple[float, float, float]) -> None:
 
     A channel that measured exactly nothing on a tensor that is not bitwise equal is blind there
     (saturated extremes such as softmax's 0 and 1, a mean fixed by construction): the prediction
-    stands in for it, as loose as the other channel showed it to be. (A parameter whose extremes
-    the optimizer left alone measures 0 there, while the bound of AdamW's quotient over rows
-    without gradient, divided by eps, is a million times what its norm and mean show.)
+    stands in for it.
     """
     if out.exact:
         return
-    shown = [_CARRY_SYS * e / xc for e, xc in ((out.e_ext, x[0]), (out.e_sys, x[1])) if e > 0 and 0 < xc < math.inf]
-    loose = min(1.0, max(shown, default=1.0))
-    out.c_ext = out.e_ext and max(out.e_ext, min(x[0], _CARRY * out.e_ext)) or x[0] * loose
-    out.c_sys = out.e_sys and max(out.e_sys, min(x[1], _CARRY_SYS * out.e_sys)) or x[1] * loose
+    out.c_ext = out.e_ext and max(out.e_ext, min(x[0], _CARRY * out.e_ext)) or x[0]
+    out.c_sys = out.e_sys and max(out.e_sys, min(x[1], _CARRY_SYS * out.e_sys)) or x[1]
     if not math.isnan(out.e_rms):
         out.c_rms = max(out.e_rms, min(x[2], _CARRY * out.e_rms))
 
