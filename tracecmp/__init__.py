@@ -32,6 +32,8 @@ _LAZY = {
     "Trace": "tracecmp.trace",
     "compare": "tracecmp.comparison",
     "CompareResult": "tracecmp.comparison",
+    "check": "tracecmp.checking",
+    "CheckResult": "tracecmp.checking",
     "seed_all": "tracecmp.seeding",
 }
 

@@ -2,6 +2,18 @@
 
 NPU matrix units computing in fp16 overflow (values beyond 65504) where a GPU in fp32 does not;
 the first such op, not the thousands that merely carry its NaN onward, is the one to fix.
+
+*Given, not overflowed.* An op handed a NaN or an infinity as a non-tensor argument made what it
+was asked for: the causal mask ``masked_fill(mask, -inf)`` (what
+``nn.Transformer.generate_square_subsequent_mask`` makes too), ``full(size, -inf)``, ``where`` or
+``clamp`` with an infinite scalar, ``index_put`` of ``-inf``. Its non-finite outputs are not an
+overflow, and the search goes on past them (their consumers read a non-finite input, as always).
+
+*Poles are reported.* An op whose finite inputs give an exact result that is infinite
+(``log(0) = -inf``, ``1 / 0``, ``rsqrt(0)``) did not overflow either, but nobody handed it the
+infinity: a value reached 0 that the program did not expect to (a probability that underflowed, a
+variance of a constant row). It is reported like an overflow, since it is where the non-finite
+values start, with a note that says the input reached 0.
 """
 from __future__ import annotations
 
@@ -12,6 +24,7 @@ from typing import Any
 
 import pandas as pd
 
+from tracecmp.aten.opclass import POLES, base_name, given_nonfinite
 from tracecmp.errors import TraceFormatError
 from tracecmp.trace import Trace, load
 from tracecmp.trace.reader import RankTrace
@@ -92,6 +105,12 @@ def overflow_notes(op: str, inputs: list[TensorRange], outputs: list[TensorRange
         peak = max(abs(rng.min), abs(rng.max)) if not math.isnan(rng.min) else math.nan
         if limit and peak > limit / 4:
             notes.append(f"input {position} reaches {peak:.6g}, near {rng.dtype}'s limit {limit:.6g}")
+    if base_name(op) in POLES:
+        for position, rng in enumerate(inputs):
+            if rng.min <= 0.0 <= rng.max:
+                notes.append(f"input {position} reaches 0, where {base_name(op)}'s exact result is infinite "
+                             "(a pole, not beyond the dtype's range): find why it reached 0")
+                break
     out_dtypes = {o.dtype for o in outputs if not o.finite}
     for dtype in sorted(out_dtypes):
         limit = DTYPE_MAX.get(dtype)
@@ -185,7 +204,8 @@ def _overflow(row: Any, rank: int, tensors: pd.DataFrame) -> Overflow:
 
 
 def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> list[Overflow]:
-    """Every op whose inputs are finite and whose outputs are not, the first of the whole job first.
+    """Every op whose inputs are finite and whose outputs are not, the first of the whole job first,
+    leaving out ops handed a NaN/Inf as an argument (see the module docstring).
 
     Views carry no statistics of their own: a view is treated as finite exactly when its base is.
     With several ranks the ops are ordered through the collectives that link the ranks
@@ -229,7 +249,7 @@ def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> li
             if not any(bad_array.get(t, False) for t in outputs):
                 continue
             inputs = list(row.inputs)
-            if any(bad_array.get(t, False) for t in inputs):
+            if any(bad_array.get(t, False) for t in inputs) or given_nonfinite(row.args):
                 continue
             call = received.get(int(row.op_id))
             if call is not None and any(sent_bad.get((q, call.key)) for q in call.contributors() if q != rank):

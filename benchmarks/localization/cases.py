@@ -30,7 +30,7 @@ from benchmarks.localization.faults import (
     corrupt_,
     relative_change,
 )
-from benchmarks.localization.models import FAMILIES, build
+from benchmarks.localization.models import FAMILIES, build_workload
 
 VARIANTS = ("plain", "structure", "tf32")
 WEIGHT_PERTURBATION = 1e-3
@@ -93,6 +93,11 @@ class Case:
     expect_divergence: bool = True
     counted: bool = True  # negatives under tf32 noise are reported apart from false alarms
     background: float = 0.0  # tf32 variant: relative error the background alone puts on the site's output
+    bench_model: str = ""  # the bench's model when it differs from the target's (fused variant)
+
+    @property
+    def bench_family(self) -> str:
+        return self.bench_model or self.model
 
     @property
     def category(self) -> str:
@@ -118,14 +123,14 @@ class Profile:
 
 def profile(family: str, seed: int) -> Profile:
     """Run ``family`` once, clean, recording every program call (no capture involved)."""
-    workload = build(family, seed)
+    workload = build_workload(family, seed)
     # A relative perturbation of an all-zero parameter (GPT-2's biases at init) changes nothing.
     params = [n for n, p in workload.model.named_parameters()
               if p.requires_grad and p.dtype.is_floating_point and bool(p.detach().ne(0).any())]
     injector = Injector(workload.model, Plan(), profile=True, keep_outputs=True)
     with injector.outer(), injector.inner():
         workload.train_step(workload.make_optimizer())
-    noisy = build(family, seed)
+    noisy = build_workload(family, seed)
     tf32 = Injector(noisy.model, Plan(tf32=True), keep_outputs=True)
     with tf32.outer(), tf32.inner():
         noisy.train_step(noisy.make_optimizer())

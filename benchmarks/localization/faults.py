@@ -232,6 +232,20 @@ def _float_outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
 
 
+def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
+    """What a call produced: its floating outputs, or for an in-place op that returns nothing
+    (``_fused_adamw_``, ``_foreach_add_``) the floating tensors it wrote."""
+    floats = _float_outputs(out)
+    if floats or not func._schema.is_mutable:
+        return floats
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            written.extend(_float_outputs(value))
+    return written
+
+
 def set_argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict, Any]:
     """Return ``(args, kwargs, old_value)`` with the schema argument ``name`` replaced by ``value``."""
     schema_args = func._schema.arguments
@@ -376,7 +390,7 @@ class SiteMode(TorchDispatchMode):
         if site in self.watch:
             self.obs.site_reached = True
             self.obs.site_module = module
-            self.obs.site_checksums = _checksums(out)
+            self.obs.site_checksums = _checksums(_results(func, args, kwargs, out))
         if original is not None:
             # Did the changed argument change anything? (Argument-fault ops are functional, so
             # running the original call again, outside every mode, has no side effect.)
@@ -468,7 +482,7 @@ class FaultMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         fault = self.plan.output_fault
         if fault is not None and site == fault.site:
-            floats = [t for t in _float_outputs(out) if t.numel() > 0]
+            floats = [t for t in _results(func, args, kwargs, out) if t.numel() > 0]
             if floats:
                 target = floats[0]
                 before = target.clone()

@@ -18,7 +18,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from tests import models as shared  # noqa: E402  (needs the repository root on sys.path)
+
+if TYPE_CHECKING:
+    from benchmarks.localization.fused_models import FusedWorkload
 
 FAMILIES = ("mlp", "convnet", "lstm", "transformer", "gpt2")
 _OPTIMIZER = {"mlp": "sgd", "convnet": "sgd", "lstm": "adam", "transformer": "adam", "gpt2": "adam"}
@@ -79,3 +82,13 @@ def build(family: str, seed: int = 1234) -> Workload:
     batch = shared.example_batch(family, seed)
     torch.manual_seed(seed)
     return Workload(family, model, batch, _OPTIMIZER[family], _no_mkldnn if family == "lstm" else contextlib.nullcontext)
+
+
+def build_workload(family: str, seed: int = 1234) -> "Workload | FusedWorkload":
+    """:func:`build` for the five families, or the fused variant's block for ``fused-<parts>``
+    (see :mod:`benchmarks.localization.fused_models`)."""
+    from benchmarks.localization.fused_models import build_fused, config_of
+
+    if family.startswith("fused-"):
+        return build_fused(config_of(family), seed)
+    return build(family, seed)

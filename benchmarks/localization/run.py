@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.localization.cases import VARIANTS, WEIGHT_PERTURBATION, Case, plan_all, quick
 from benchmarks.localization.faults import TF32_ROUNDING, TF32_ROUNDINGS, Injector, Observation, Plan, bitwise_equal
-from benchmarks.localization.models import FAMILIES, build
+from benchmarks.localization.models import FAMILIES, build_workload
 
 MODEL_SEED = 1234
 DATA_MODES = ("stats", "tensors")
@@ -56,12 +56,15 @@ class Record:
     reason: str = ""
     score: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    region_ops: list[int] = field(default_factory=list)  # target ops of the region it names, if it names one
 
     @classmethod
-    def of(cls, d: Any) -> "Record":
+    def of(cls, d: Any, regions: Any = ()) -> "Record":
+        region = getattr(d, "region", None)
+        members = next((list(r.target_ops) for r in regions if r.region_id == region), []) if region is not None else []
         return cls(d.op, d.module, d.phase, int(d.step), int(d.op_id), str(getattr(d, "kind", "")),
                    str(getattr(d, "reason", "")), float(getattr(d, "score", 0.0) or 0.0),
-                   {str(k): _num(v) for k, v in dict(getattr(d, "metrics", {}) or {}).items()})
+                   {str(k): _num(v) for k, v in dict(getattr(d, "metrics", {}) or {}).items()}, members)
 
     def where(self) -> str:
         return f"{self.op} @ {self.module or '<top>'} [{self.phase}] op_id {self.op_id}"
@@ -117,7 +120,7 @@ def record_run(family: str, plan: Plan, path: Path, weight: str = "", weight_see
     """One training step of ``family`` under ``plan``, captured into ``path``."""
     import tracecmp
 
-    workload = build(family, MODEL_SEED)
+    workload = build_workload(family, MODEL_SEED)
     if weight:
         param = dict(workload.model.named_parameters())[weight]
         before = param.detach().clone()
@@ -195,7 +198,8 @@ def _row_record(row: Any) -> Record:
 
 
 def _matches(d: Record, truth: Record) -> bool:
-    return (d.op, d.phase, d.module) == (truth.op, truth.phase, truth.module)
+    """The true op, phase and module; or the region holding the true op (a fused op's region)."""
+    return (d.op, d.phase, d.module) == (truth.op, truth.phase, truth.module) or truth.op_id in d.region_ops
 
 
 _NODE_FIELDS = ("bench_op_id", "status", "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
@@ -256,10 +260,11 @@ def suspects_exact(suspects: list[Any], truth: Record) -> bool:
 def score(case: Case, result: Any, truth: Record | None, out: Result) -> None:
     """Fill the scoring fields of ``out`` from a CompareResult."""
     first = result.first_divergence
-    out.found = Record.of(first) if first is not None else None
+    regions = getattr(result, "regions", ())
+    out.found = Record.of(first, regions) if first is not None else None
     ranked = [out.found] if out.found else []
     for s in list(result.suspects or []):
-        rec = Record.of(s)
+        rec = Record.of(s, regions)
         if all(rec.op_id != r.op_id for r in ranked):
             ranked.append(rec)
     out.ranked = ranked[:10]
@@ -342,7 +347,8 @@ def run_case(case: Case, bench_path: Path, work: Path, keep: bool, timeout_s: in
 def bench_key(case: Case) -> str:
     """A folder name for the bench a case needs (shared by every case with the same bench)."""
     ins = case.bench.insertion
-    return f"{case.model}__clean" if ins is None else f"{case.model}__{ins.how}_{ins.site.op}_{ins.site.k}"
+    model = case.bench_family
+    return f"{model}__clean" if ins is None else f"{model}__{ins.how}_{ins.site.op}_{ins.site.k}"
 
 
 def _init_worker(data: str = "stats", tf32_rounding: str = "nearest") -> None:
@@ -438,6 +444,10 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
     lines += _group_table("By op category", pos, lambda r: r.category)
     lines += _group_table("tf32 variant by fault size / background error at the site", tf32, _ratio_bucket)
     lines += _cross_table(pos)
+    if any(r.variant in ("fused", "fused-plain") for r in results):
+        from benchmarks.localization.fused import fused_tables
+
+        lines += fused_tables(results)
     lines += ["### Negatives", "", "| case | outcome | reported |", "|---|---|---|"]
     for r in neg:
         reported = r.found.where() if r.found else (r.error.splitlines()[0] if r.error else "")
@@ -470,11 +480,12 @@ def _cross_table(rows: list[Result]) -> list[str]:
     cells: dict[tuple[str, str], dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r.model, r.kind)][r.variant].append(r)
+    variants = list(dict.fromkeys([*(v for v in VARIANTS if any(r.variant == v for r in rows)), *(r.variant for r in rows)]))
     out = ["### By model x fault kind x variant (top-1 hits/n, top-3 in brackets)", "",
-           "| model | kind | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
+           "| model | kind | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     for (model, kind) in sorted(cells, key=lambda mk: (FAMILIES.index(mk[0]) if mk[0] in FAMILIES else 99, mk[1])):
         parts = []
-        for v in VARIANTS:
+        for v in variants:
             g = cells[(model, kind)].get(v, [])
             parts.append(f"{sum(r.top1 for r in g)}/{len(g)} [{sum(r.top3 for r in g)}]" if g else "-")
         out.append(f"| {model} | {kind} | " + " | ".join(parts) + " |")
@@ -522,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.localization [--quick] [--jobs N] [--models a,b] [--case SUBSTR]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.localization", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="every 7th fault case, every negative")
+    parser.add_argument("--fused", action="store_true",
+                        help="the fused variant instead (fused against eager, both directions; see fused.py)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--models", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
     parser.add_argument("--case", action="append", default=[], help="run only cases whose id contains this (repeatable)")
@@ -546,7 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {FAMILIES}")
     start = time.perf_counter()
-    cases = plan_all(families, seed=args.seed, model_seed=MODEL_SEED, sites_per_fault=args.sites)
+    if args.fused:
+        from benchmarks.localization.fused import plan_fused
+
+        cases = plan_fused(seed=args.seed, model_seed=MODEL_SEED)
+    else:
+        cases = plan_all(families, seed=args.seed, model_seed=MODEL_SEED, sites_per_fault=args.sites)
     if args.quick:
         cases = quick(cases)
     if args.case:
@@ -563,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tracecmp-loc-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        benches = {bench_key(c): (c.model, c.bench, str(work / "benches" / bench_key(c))) for c in cases}
+        benches = {bench_key(c): (c.bench_family, c.bench, str(work / "benches" / bench_key(c))) for c in cases}
         failed_bench: dict[str, str] = {}
         for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs, args.data, args.tf32_rounding):
             if err:

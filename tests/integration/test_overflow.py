@@ -237,3 +237,57 @@ def test_overflow_cli_says_why_a_raised_trace_is_incomplete(tmp_path: Path) -> N
     found = _cli("overflow", str(tmp_path / "t"))
     assert found.returncode == 1, found.stderr
     assert 'overflow="raise"' in found.stdout and "first overflow: aten.gelu.default" in found.stdout
+
+
+class CausalBlock(torch.nn.Module):
+    """Causal self-attention with the standard ``masked_fill(mask, -inf)`` mask, then an MLP."""
+
+    def __init__(self, dim: int = 8, seq: int = 6) -> None:
+        super().__init__()
+        self.qkv, self.fc, self.act = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim), torch.nn.GELU()
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq) < 0, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(self.mask, float("-inf"))
+        return self.act(self.fc(torch.softmax(scores, dim=-1) @ v))
+
+
+def _causal(path: Path, fault: TorchDispatchMode, overflow: str | None = None) -> tracecmp.OverflowDetected | None:
+    torch.manual_seed(0)
+    model = CausalBlock()
+    try:
+        with fault:
+            with tracecmp.TraceCompare(path, model=model, overflow=overflow) as tc:
+                model(torch.randn(2, 6, 8)).sum().backward()
+                tc.step()
+    except tracecmp.OverflowDetected as exc:
+        return exc
+    return None
+
+
+def test_a_causal_mask_of_minus_inf_is_given_and_the_real_overflow_after_it_is_named(tmp_path: Path) -> None:
+    # The mask's -inf were handed to masked_fill; the gelu output that turns Inf is the overflow,
+    # offline, recorded while capturing, and raised.
+    _causal(tmp_path / "offline", InfInto(torch.ops.aten.gelu.default, 1))
+    found = find_overflows(tmp_path / "offline")
+    assert [(o.op, o.module) for o in found[:1]] == [("aten.gelu.default", "act")]
+    assert all(o.op != "aten.masked_fill.Scalar" for o in found)
+    assert _causal(tmp_path / "record", InfInto(torch.ops.aten.gelu.default, 1), "record") is None
+    (recorded,) = recorded_overflows(tmp_path / "record")
+    assert (recorded.op, recorded.module) == ("aten.gelu.default", "act")
+    raised = _causal(tmp_path / "raise", InfInto(torch.ops.aten.gelu.default, 1), "raise")
+    assert raised is not None and raised.op == "aten.gelu.default"
+    # With no overflow, the mask alone is nothing to report.
+    _causal(tmp_path / "clean", contextlib.nullcontext())
+    assert first_overflow(tmp_path / "clean") is None
+
+
+def test_log_of_zero_is_reported_with_a_note_that_its_input_reached_zero(tmp_path: Path) -> None:
+    with tracecmp.TraceCompare(tmp_path / "t") as tc:
+        p = torch.tensor([0.5, 0.25, 0.0])
+        torch.log(p).sum()
+        tc.step()
+    first = first_overflow(tmp_path / "t")
+    assert first is not None and first.op == "aten.log.default"
+    assert any("reaches 0" in note and "exact result is infinite" in note for note in first.notes)

@@ -101,13 +101,17 @@ def test_fused_op_against_its_decomposition(tmp_path):
     assert [tn[o][0] for o in tn if o not in pairs] == ["npu.fused_layer_norm.default"]
     assert {tn[o][0] for o in pairs} == {"source.input", "source.parameter", "aten.gelu.default", "aten.sum.default"}
     assert all(tn[o] == bn[p] for o, p in pairs.items())
-    # and the comparison runs through it: the fused output is measured against the bench's last
-    # decomposition op, read by the paired gelu.
+    # and the comparison runs through it: the fused op and the six bench ops form one region,
+    # judged at its output, which is measured against the bench's last decomposition op (the
+    # tensor the paired gelu reads); nothing is left unpaired.
     result = tracecmp.compare(tmp_path / "t", tmp_path / "b")
     fused = result.nodes[result.nodes["op"] == "npu.fused_layer_norm.default"].iloc[0]
-    assert fused["status"] == "unpaired"
+    assert fused["status"] == "agrees"
     assert int(fused["op_id"]) in set(result.tensors["op_id"])
-    assert len(result.unpaired_bench) == 6
+    (region,) = result.regions
+    assert region.kind == "fused" and region.target_ops == (int(fused["op_id"]),) and len(region.bench_ops) == 6
+    assert fused["region"] == region.region_id
+    assert result.unpaired_bench.empty and result.agrees
 
 
 def test_renamed_module_pairs_in_the_leftover_pass(tmp_path):

@@ -211,14 +211,16 @@ def test_random_op_divergence_says_so(tmp_path):
     assert "random" in d.reason
 
 
-def test_extra_exact_op_is_unpaired_not_a_divergence(tmp_path):
+def test_extra_exact_op_is_a_pass_through_not_a_divergence(tmp_path):
     result = pair(tmp_path, extra_clone=True)
     assert result.first_divergence is None
     clone = result.nodes[result.nodes["op"] == "aten.clone.default"].iloc[0]
-    assert clone["status"] == "unpaired"
-    assert not result.agrees  # an unpaired node is never agreement
-    assert result.verdict().startswith("INCOMPLETE")
-    assert set(result.nodes.loc[result.nodes["op"] != "aten.clone.default", "status"]) == {"agrees"}
+    # A copy on one side only is judged as one: its output against the bench value it stands for.
+    (region,) = result.regions
+    assert (region.kind, region.target_ops, region.bench_ops) == ("pass-through", (int(clone["op_id"]),), ())
+    assert clone["status"] == "agrees" and clone["region"] == region.region_id
+    assert result.agrees and result.verdict().startswith("AGREE")
+    assert set(result.nodes["status"]) == {"agrees"}
 
 
 def test_extra_value_changing_op_is_a_structure_root(tmp_path):
@@ -234,7 +236,9 @@ def test_op_missing_from_the_target_is_named(tmp_path):
     d = result.first_divergence
     assert d.kind == "structure" and d.op == "aten.gelu.default"
     assert "aten.mul.Tensor" in d.reason
-    assert len(result.unpaired_bench) == 1
+    (region,) = result.regions  # the bench-only op, accounted for as a region with no target side
+    assert region.kind == "missing" and region.target_ops == () and len(region.bench_ops) == 1
+    assert result.unpaired_bench.empty
 
 
 def test_exact_mode_names_the_first_bitwise_change(tmp_path):
@@ -287,7 +291,8 @@ def test_result_tables_and_statuses(tmp_path):
     assert {"tensor_id", "bench_tensor_id", "e_ext", "e_sys", "exact", "status", "cosine"} <= set(frame.columns)
     assert len(frame) == len(frame["tensor_id"].unique())
     paths = result.write_tables(tmp_path / "out", xlsx=True)
-    assert {p.name for p in paths} == {"nodes.csv", "tensors.csv", "suspects.csv", "unpaired_bench.csv", "compare.xlsx"}
+    assert {p.name for p in paths} == {"nodes.csv", "tensors.csv", "suspects.csv", "unpaired_bench.csv", "regions.csv",
+                                       "compare.xlsx"}
     text = result.summary()
     assert text.splitlines()[0].startswith("DIVERGED") and "aten.gelu.default" in text
 

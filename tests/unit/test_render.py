@@ -286,14 +286,16 @@ def test_could_not_compare_is_never_drawn_as_agreement(tmp_path: Path) -> None:
     assert "Could not compare" in text and "the runs agree" not in text
 
 
-def test_nan_root_and_unpaired_styles(tmp_path: Path) -> None:
+def test_nan_root_and_region_box(tmp_path: Path) -> None:
     result = compared(tmp_path, transformer_recipe(fault_layer=None, nan_layer=1, extra_op=True))
     d = result.first_divergence
     assert d is not None and d.kind == "nan" and d.module == "blocks.1.mlp.fc2"
     text = build_dot(result, depth=3)
     assert re.search(rf'n{d.op_id} \[label=<.*1 Inf \(first\).*fillcolor="#2d004b".*fontcolor="#ffffff"', text)
-    unpaired = result.nodes[result.nodes["status"] == "unpaired"]
-    assert len(unpaired) == 1
+    # The extra op the bench lacks is a one-sided region: drawn in a box that says so.
+    (region,) = result.regions
+    (clone,) = region.target_ops
     text = build_dot(result, depth=60, max_nodes=200)
-    assert re.search(rf'n{int(unpaired["op_id"].iloc[0])} \[.*style="filled,rounded,dashed"', text)
-    assert "no bench counterpart" in text
+    box = re.search(rf'subgraph cluster_region{region.region_id}_\d+ {{(.*?)\n\s*}}', text, re.S)
+    assert box is not None and f"n{clone} [" in box.group(1)
+    assert "pass-through" in box.group(1) and "bench: nothing (target-only ops)" in box.group(1)

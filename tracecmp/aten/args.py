@@ -209,7 +209,7 @@ def _decode_text(value: str, type_name: str, golden: bool) -> Any:
         return fmt if isinstance(fmt, torch.memory_format) else NOT_DECODABLE
     if "Device" in type_name:
         return torch.device("cpu")  # replay runs on the CPU whatever the run used
-    if "float" in type_name or "Scalar" in type_name:
+    if "float" in type_name or "Scalar" in type_name or "number" in type_name:  # a Scalar's real_type is "number"
         if value in ("nan", "inf", "-inf"):
             return float(value)
         return value if "Scalar" in type_name else NOT_DECODABLE

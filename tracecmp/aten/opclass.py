@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Mapping
+
+from tracecmp.trace import boundedjson
 
 KINDS = ("copy", "lipschitz", "product", "exp", "contract", "reduce", "normalize", "select", "factory", "uninit", "other")
 
@@ -218,6 +221,15 @@ _FACTORY = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "s
 _UNINIT = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted", "_empty_affine_quantized",
            "resize_", "resize_as_", "_resize_output_", "empty_quantized", "_empty_per_channel_affine_quantized"}
 
+# Argument positions a matmul/conv multiplies (a bias is added, not multiplied: a device at
+# reduced precision rounds only these); ops not listed multiply every floating input.
+_OPERANDS = {name: (1, 2) for name in ("addmm", "addmm_", "baddbmm", "addbmm", "addmv")}
+_OPERANDS.update({name: (0, 1) for name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                                            "conv_transpose2d", "conv_transpose3d", "cudnn_convolution",
+                                            "mkldnn_convolution", "_slow_conv2d_forward", "slow_conv3d_forward",
+                                            "thnn_conv2d", "linear")})
+
+
 def base_name(op: str) -> str:
     """``"aten.add_.Tensor"`` -> ``"add_"``; ``"npu.fast_gelu.default"`` -> ``"fast_gelu"``.
 
@@ -247,7 +259,7 @@ def classify(op: str) -> OpClass:
     if name in _SELECT:
         return OpClass("select")
     if name in _CONTRACT:
-        operands = (1, 2) if name in ("addmm", "addmm_", "baddbmm", "addbmm", "addmv") else ()
+        operands = _OPERANDS.get(name, ())
         return OpClass("contract", precision_variable=True, accumulates=True, operands=operands)
     if name in _NORMALIZE:
         forward = not name.endswith(("_backward", "backward")) and name not in _NORM_STATS
@@ -280,3 +292,88 @@ def is_copy(op: str) -> bool:
                              "lift_fresh_copy", "_copy_from", "copy_", "_unsafe_view", "reshape", "flatten",
                              "view_copy", "expand_copy", "permute_copy", "transpose_copy", "t_copy", "resolve_conj",
                              "resolve_neg"}
+
+
+# Arguments that switch an op's random draw off when they hold these values: a drop probability
+# of 0 (``dropout_p``, RNN ``dropout``, a dropout op's ``p``), a keep probability of 1, or
+# ``train``/``training`` false. ``_fused_dropout``'s ``p`` is its keep probability.
+_NO_DRAW_ARGS = {"dropout_p": 0.0, "dropout": 0.0, "keep_prob": 1.0, "train": False, "training": False}
+
+
+def draws_random(op: str, args: Mapping[str, Any] | None, may_draw: bool = True) -> bool:
+    """Whether a call of ``op`` with the recorded non-tensor ``args`` drew random numbers.
+
+    ``may_draw`` is what the schema says (the trace's ``random`` column: the op is tagged
+    nondeterministic-seeded or takes a Generator). An op that draws only to drop values draws
+    nothing when told to drop none: fused attention with ``dropout_p=0.0``, ``native_dropout`` with
+    ``p=0`` or ``train=False``, an RNN with ``dropout=0``, ``rrelu`` outside training.
+
+    >>> draws_random("aten._scaled_dot_product_flash_attention_for_cpu.default", {"dropout_p": 0.0})
+    False
+    >>> draws_random("aten.native_dropout.default", {"p": 0.1, "train": True})
+    True
+    >>> draws_random("aten.bernoulli_.float", {"p": 0.9})
+    True
+    """
+    if not may_draw:
+        return False
+    if not args:
+        return True
+    name = base_name(op)
+    switches = dict(_NO_DRAW_ARGS)
+    if "dropout" in name:
+        switches["p"] = 1.0 if name == "_fused_dropout" else 0.0
+    seen = False
+    for key, off in switches.items():
+        value = args.get(key)
+        if value is None or isinstance(value, (dict, list)):
+            continue  # absent, or a tensor argument: says nothing
+        if isinstance(off, bool):
+            if value is off:
+                return False  # train=False: the op does not drop whatever its probability
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        seen = True
+        if float(value) != off:
+            return True
+    return not seen
+
+
+_NONFINITE_TEXT = ('"inf"', '"-inf"', '"nan"')
+
+
+def given_nonfinite(args: str | None) -> bool:
+    """Whether a call was handed a NaN or an infinity as a non-tensor argument (recorded
+    arguments as JSON, where such floats are the strings "inf", "-inf", "nan"): the NaN/Inf it
+    makes then were asked for (a causal mask ``masked_fill(mask, -inf)``, ``full(size, inf)``,
+    ``clamp(x, max=inf)``), not produced by overflowing arithmetic.
+
+    >>> given_nonfinite('{"self": {"tensor": 0}, "mask": {"tensor": 1}, "value": "-inf"}')
+    True
+    >>> given_nonfinite('{"self": {"tensor": 0}, "value": -3.4028234663852886e+38}')
+    False
+    """
+    if not args or not any(mark in args for mark in _NONFINITE_TEXT):
+        return False
+    try:
+        value = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES)
+    except ValueError:
+        return False
+    return _holds_nonfinite(value)
+
+
+def _holds_nonfinite(value: Any) -> bool:
+    if isinstance(value, str):
+        return value in ("inf", "-inf", "nan")
+    if isinstance(value, dict):
+        return set(value) != {"tensor"} and any(_holds_nonfinite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_nonfinite(v) for v in value)
+    return False
+
+
+# Ops whose exact result is infinite where an input is 0 (a pole): log(0) = -inf, 1/0 = inf.
+POLES = frozenset({"log", "log_", "log2", "log2_", "log10", "log10_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_",
+                   "div", "div_", "true_divide", "xlogy", "_foreach_log", "_foreach_reciprocal_", "_foreach_div",
+                   "_foreach_div_", "_foreach_rsqrt_", "logit", "atanh", "digamma", "lgamma", "polygamma"})

@@ -62,6 +62,7 @@ from tracecmp.aten.schema import (
     op_info,
 )
 from tracecmp.capture.rng import rewrite
+from tracecmp.capture.select import Selection
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -145,6 +146,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         no_dropout: bool = False,
         watch: OverflowWatch | None = None,
         on_overflow: Callable[[], None] | None = None,
+        only: Selection | None = None,
         rank: int = 0,
         ddp: torch.nn.Module | None = None,
     ) -> None:
@@ -161,6 +163,11 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         self.devices: dict[torch.device, tuple[str, int]] = {}
         self._locator = locator
         self._save_data = save_data
+        # only= (capture/select.py): tensors are saved for the selected ops alone, their inputs
+        # included (saved when the op runs if nothing saved them before: ``_saved_ids``).
+        self._only = only if save_data else None
+        self._saving = save_data
+        self._saved_ids: set[int] = set()
         self._stack = stack
         self._max_ops = max_ops
         self._max_bytes = max_bytes
@@ -191,7 +198,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         self._forget_cb: Callable[[_Rec], Any] = self._forget
         # What was not recorded, or recorded without statistics, and why: reason -> count.
         self.skipped: dict[str, int] = {}
-        if _crecord is not None and USE_NATIVE:
+        if _crecord is not None and USE_NATIVE and self._only is None:  # the C path knows no only=: per op, it is Python's call
             # The C copy of __torch_dispatch__ (csrc/record.cpp), bound to this mode: torch looks
             # the method up on the instance, so it shadows the reference below, which it calls
             # for the ops it does not handle itself.
@@ -246,11 +253,16 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         stack = self._locator.stack(1) if self._stack else ""
         known = self._known
         inputs: list[int] = []
+        only = self._only
+        if only is not None:
+            self._saving = only.matches(self.step, phase, module, info.name)
         unread = _write_only(info, kwargs) if info.write_only else ()
         for t in tensors:
             rec = known.get(id(t))
             if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
                 inputs.append(rec.tid)
+                if only is not None and self._saving and rec.tid not in self._saved_ids and unreadable(t) is None:
+                    self._save(t, rec.tid)  # made outside the selection: a replay of this op needs it
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack, unread=_among(t, unread)))
         if self._awaited_groups:  # reads a collective's output: it completed (collectives.py)
@@ -632,7 +644,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         dtype = t.dtype
         stats = self._stats_of(t, kind)
         has_stats = stats is not None
-        key = self._save(t, tid) if self._save_data and has_stats else ""
+        key = self._save(t, tid) if self._saving and has_stats else ""
         self.tensor_rows.append(
             (tid, op_id, index, dims(t), self._dtypes.get(dtype) or self._dtype(dtype), device, view_of, has_stats)
             + (stats or _NO_STATS)
@@ -693,6 +705,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         key = f"{self.chunk}/{tid}"
         self.saved[key] = copy
         self.saved_bytes += copy.numel() * copy.element_size()
+        if self._only is not None:
+            self._saved_ids.add(tid)
         return key
 
     def _dtype(self, dtype: torch.dtype) -> str:

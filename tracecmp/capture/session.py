@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -21,6 +21,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope, is_compiling
 from tracecmp.capture.rng import DropoutOff, Rewrites
+from tracecmp.capture.select import Selection
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.errors import (
     CaptureError,
@@ -88,8 +89,12 @@ class TraceCompare:
     see :mod:`tracecmp.capture.folders`) and prints where the trace went at exit. ``steps``
     selects the recorded steps (``None``: all); in the others nothing is installed, so they run at
     full speed, and once the last of them ends the trace is committed and marked complete.
-    ``data="tensors"`` also saves every recorded value (safetensors); ``stack=True`` keeps each
-    op's whole user stack. Module paths, parameter and input names read as
+    ``data="tensors"`` also saves every recorded value (safetensors); ``only`` (with
+    ``data="tensors"``) saves tensors for the matching ops alone, e.g.
+    ``only={"modules": ["transformer.h.3"], "steps": [1]}`` (see :mod:`tracecmp.capture.select`;
+    ``CompareResult.selection()`` and ``CheckResult.selection()`` write one around their
+    suspects), and every op still gets its statistics. ``stack=True`` keeps each op's whole user
+    stack. Module paths, parameter and input names read as
     ``model.named_modules()`` spells them; without ``model``, the outermost modules that run are
     the model (give it when several models run side by side).
 
@@ -172,6 +177,7 @@ class TraceCompare:
         flush_secs: float = 1.0,
         overwrite: bool = False,
         on_error: str = "warn",
+        only: Selection | Mapping[str, Any] | str | None = None,
     ) -> None:
         if data not in DATA_MODES:
             raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
@@ -193,6 +199,9 @@ class TraceCompare:
                 raise CaptureError(f"steps must be an iterable of step numbers or None ({exc})") from None
             if any(s < 0 for s in selected):
                 raise CaptureError("steps must not be negative")
+        selection = None if only is None else Selection.of(only)
+        if selection is not None and data != "tensors":
+            raise CaptureError('only= chooses the ops whose tensors are saved: use it with data="tensors"')
         if max_ops < 1 or max_bytes < 1:
             raise CaptureError("max_ops and max_bytes must be positive")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not 0 <= flush_secs < math.inf:
@@ -208,6 +217,7 @@ class TraceCompare:
         self.dropout = None if dropout is None else 0.0
         self.overflow = overflow
         self._steps = selected
+        self.only = selection
         self._max_ops = max_ops
         self._max_bytes = max_bytes
         self._step = 0
@@ -279,6 +289,7 @@ class TraceCompare:
             "rng": self.rng,
             "dropout": self.dropout,
             "overflow": self.overflow,
+            "only": None if self.only is None else self.only.to_dict(),
         }
         run_info = {
             "world_size": world_size,
@@ -321,6 +332,7 @@ class TraceCompare:
             no_dropout=self.dropout is not None,
             watch=OverflowWatch() if self.overflow else None,
             on_overflow=self._raise_overflow if self.overflow == "raise" else None,
+            only=self.only,
             rank=rank,
             ddp=_ddp_module(self.model),
         )

@@ -3,18 +3,21 @@
 The statistics capture computes anyway carry NaN and Inf counts, so watching costs no pass over
 the data: :class:`OverflowWatch` reads the rows as the mode appends them. A tensor is non-finite
 when its counts say so; a view (no statistics of its own) when its base is. The first ``op`` row
-with a non-finite output and no non-finite input is the overflow, the same rule as
+with a non-finite output and no non-finite input is the overflow, unless the op was handed a
+NaN/Inf as an argument (a causal mask's ``masked_fill(mask, -inf)``): the same rule as
 :func:`tracecmp.overflow.find_overflows` applies to a finished trace.
 """
 from __future__ import annotations
 
+from tracecmp.aten.opclass import given_nonfinite
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 
 _T_ID, _T_OP, _T_VIEW_OF, _T_HAS_STATS, _T_NAN, _T_INF = (
     TENSORS_SCHEMA.names.index(c) for c in ("tensor_id", "op_id", "view_of", "has_stats", "nan_count", "inf_count")
 )
-_O_ID, _O_KIND, _O_INPUTS, _O_OUTPUTS = (OPS_SCHEMA.names.index(c) for c in ("op_id", "kind", "inputs", "outputs"))
+_O_ID, _O_KIND, _O_ARGS, _O_INPUTS, _O_OUTPUTS = (
+    OPS_SCHEMA.names.index(c) for c in ("op_id", "kind", "args", "inputs", "outputs"))
 
 
 class OverflowWatch:
@@ -62,6 +65,7 @@ class OverflowWatch:
                 and row[_O_KIND] == "op"
                 and not any(t in bad for t in row[_O_INPUTS])
                 and any(t in bad for t in row[_O_OUTPUTS])
+                and not given_nonfinite(row[_O_ARGS])
             ):
                 self.found = row[_O_ID]
                 self._bad = set()

@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
                      exact=args.exact, replay=args.replay, progress=args.progress, workers=args.workers,
                      max_memory=int(args.max_memory * 2**30) if args.max_memory else None)
     print(result.summary(top=args.top))
+    selection = result.selection()
+    if selection is not None:
+        print(f"\nRe-run the target with tensors around the suspects only:\n  {selection.code(args.target)}")
     if args.out:
         paths = result.write_tables(args.out, xlsx=args.xlsx)
         if not args.no_report:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from tracecmp.errors import TracecmpError
 
-SUBCOMMANDS = ("record", "ab", "demo", "compare", "inspect", "overflow")
+SUBCOMMANDS = ("record", "ab", "demo", "compare", "check", "inspect", "overflow")
 
 
 def build_parser() -> argparse.ArgumentParser:

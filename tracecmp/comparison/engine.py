@@ -10,19 +10,23 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from tracecmp.comparison.align import align_nodes
+from tracecmp.aten.opclass import draws_random
+from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
-from tracecmp.replay import OwnError, replay_rank
+from tracecmp.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
-from tracecmp.comparison.tolerances import Tolerances, is_float_dtype
+from tracecmp.comparison.tolerances import Tolerances, eps_of, is_float_dtype
 from tracecmp.errors import CompareError
 from tracecmp.graph import view_bases
+from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace, load
 
 _STAT_COLUMNS = ["tensor_id", "op_id", "index", "shape", "dtype", "has_stats", "min", "max", "mean", "norm",
                  "nan_count", "inf_count", "checksum", "data_key"]
 _PROGRESS_NODES = 20_000
+# Regions whose computation a replay checks (casts and copies need none).
+_REPLAYED_REGIONS = ("fused", "rewritten", "extra")
 
 
 class _Progress:
@@ -159,7 +163,8 @@ def compare(
     compared_steps: set[int] = set()
     for r in common:
         prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar, False if exact else replay,
-                                 reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None)
+                                 reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None,
+                                 sum(len(ri.regions) for ri in rank_inputs))
         if prepared is None:
             continue
         rank_input, t_ops, tensors, unpaired = prepared
@@ -193,10 +198,11 @@ def compare(
     unpaired_bench = pd.concat(unpaired_frames, ignore_index=True)
     first = roots[0] if roots else None
     suspects = sorted(roots, key=lambda d: -d.score)
+    regions = [region for ri in rank_inputs for region in ri.regions.values()]
     result = CompareResult(
         target=t_trace, bench=b_trace, first_divergence=first, suspects=suspects, nodes=nodes, tensors=tensors,
         unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
-        steps=sorted(compared_steps),
+        steps=sorted(compared_steps), regions=regions,
     )
     if len(rank_inputs) > 1:  # order the ranks' roots through their collectives
         from tracecmp.comparison.ranks import attach_cross_rank
@@ -216,7 +222,7 @@ def _multi_rank(target: str | Path, bench: str | Path) -> bool:
 
 def _prepare_rank(
     t_rank: RankTrace, b_rank: RankTrace, rank: int, tol: Tolerances, wanted_steps: set[int] | None,
-    warnings: list[str], bar: _Progress, replay: bool | None, reduced: str | None,
+    warnings: list[str], bar: _Progress, replay: bool | None, reduced: str | None, first_region: int = 0,
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
     t_ops, b_ops = t_rank.ops, b_rank.ops
     t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
@@ -242,10 +248,14 @@ def _prepare_rank(
     t_ten, b_ten = t_rank.tensors, b_rank.tensors
     bar.update(f"rank {rank}: aligning")
     pairs = align_nodes(t_ops, t_ten, b_ops, b_ten)
+    t_base, b_base = view_bases(t_ten), view_bases(b_ten)
+    t_graph = SideGraph.of(t_ops, t_lists[1], t_lists[2], t_ten, t_base)
+    b_graph = SideGraph.of(b_ops, b_lists[1], b_lists[2], b_ten, b_base)
+    match = find_regions(t_graph, b_graph, pairs, rank, first_region)
+    pairs = match.pairs
     bar.update(f"rank {rank}: measuring", len(t_ops))
 
-    t_base, b_base = view_bases(t_ten), view_bases(b_ten)
-    partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, t_ten, b_ten)
+    partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, match.partners)
     measured_frame = _measure(t_rank, b_rank, partner, tol)
     bar.update(f"rank {rank}: measured", len(t_ops))
 
@@ -254,6 +264,7 @@ def _prepare_rank(
     own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
     measured = _states(measured_frame, own)
     own_errors: dict[int, OwnError] = {}
+    region_replays: dict[int, RegionReplay] = {}
     has_data = bool(t_ten["data_key"].astype(bool).any())
     if replay and not has_data:
         warnings.append(f"rank {rank}: no replay: the target trace holds no tensors (capture it with data=\"tensors\")")
@@ -261,31 +272,80 @@ def _prepare_rank(
         bar.update(f"rank {rank}: replaying")
         own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), reduced=reduced,
                                  progress=lambda n: bar.update(f"rank {rank}: replaying"))
+        region_replays = replay_regions(t_rank, b_rank, [r for r in match.regions if r.kind in _REPLAYED_REGIONS])
 
-    b_inputs = {op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])}
-    b_producer = dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist()))
-    paired_bench = set(pairs.values())
-    unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
+    in_region = set(match.bench_member_of)
+    unpaired_mask = ~b_ops["op_id"].isin(set(pairs.values()) | in_region)
     unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     unpaired.insert(0, "rank", rank)
-    bench_ops = dict(zip(unpaired["op_id"].tolist(), zip(unpaired["op"].tolist(), unpaired["module"].tolist())))
     nodes = list(zip(
         t_ops["op_id"].tolist(), t_ops["step"].tolist(), t_ops["phase"].tolist(), t_ops["kind"].tolist(),
         t_ops["op"].tolist(), t_ops["name"].tolist(), t_ops["module"].tolist(), t_ops["location"].tolist(),
         t_ops["args"].tolist(), t_lists[1], t_lists[2],
-        t_ops["random"].tolist(), t_ops["stack"].tolist(),
+        _draws(t_ops), t_ops["stack"].tolist(),
     ))
+    region_ops, region_values = _region_context(match, t_graph, b_graph, t_ten, b_ten)
     rank_input = RankInput(
         rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
-        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), bench_inputs=b_inputs,
-        bench_producer=b_producer, bench_ops=bench_ops, partner=partner, first_step=min(steps), own_errors=own_errors,
-        reduced_precision=reduced,
+        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), first_step=min(steps), own_errors=own_errors,
+        reduced_precision=reduced, regions={r.region_id: r for r in match.regions}, member_of=match.member_of,
+        bench_only=match.bench_only, region_ops=region_ops, region_values=region_values, region_replays=region_replays,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)
     frame.insert(2, "bench_op_id", pd.array([pairs.get(o) for o in frame["op_id"].tolist()], dtype="Int64"))
+    frame.insert(3, "region", pd.array([match.member_of.get(o) for o in frame["op_id"].tolist()], dtype="Int64"))
     measured_frame.insert(0, "rank", rank)
     return rank_input, frame, measured_frame, unpaired
+
+
+def _region_context(
+    match: RegionMatch, t_graph: SideGraph, b_graph: SideGraph, t_ten: pd.DataFrame, b_ten: pd.DataFrame,
+) -> tuple[dict[tuple[str, int], tuple[str, str, str, list[int], list[int]]], dict[tuple[str, int], TensorState]]:
+    """What judging the regions needs of their members: each op (kind, name, args, inputs,
+    outputs) and the recorded magnitudes of every tensor they read or make, per side."""
+    ops: dict[tuple[str, int], tuple[str, str, str, list[int], list[int]]] = {}
+    wanted: dict[str, set[int]] = {"t": set(), "b": set()}
+    for region in match.regions:
+        for side, graph, members in (("t", t_graph, region.target_ops), ("b", b_graph, region.bench_ops)):
+            for o in members:
+                node = graph.nodes[o]
+                ops[(side, o)] = (node.kind, node.op, node.args, node.inputs, node.outputs)
+                wanted[side].update(node.outputs)
+                wanted[side].update(node.inputs)
+    values: dict[tuple[str, int], TensorState] = {}
+    for side, tensors in (("t", t_ten), ("b", b_ten)):
+        if not wanted[side]:
+            continue
+        rows = tensors[tensors["tensor_id"].isin(list(wanted[side])) & tensors["has_stats"].astype(bool)]
+        for tid, shape, dtype, lo, hi, mean, norm, nan, inf in zip(*(rows[c].tolist() for c in (
+                "tensor_id", "shape", "dtype", "min", "max", "mean", "norm", "nan_count", "inf_count"))):
+            numel = int(np.prod(shape)) if shape is not None else 0
+            finite = max(numel - int(nan) - int(inf), 1)
+            amax = max(abs(v) for v in (lo, hi) if v is not None and math.isfinite(v)) if any(
+                v is not None and math.isfinite(v) for v in (lo, hi)) else 0.0
+            values[(side, int(tid))] = TensorState(
+                known=True, exact=True, amax=float(amax), rms=float(norm) / math.sqrt(finite) if norm is not None and math.isfinite(norm) else 0.0,
+                numel=numel, lo=_finite(lo), hi=_finite(hi), mean=_finite(mean), nonfinite=bool(nan or inf),
+                is_float=is_float_dtype(dtype), unit=eps_of(dtype),
+            )
+    return ops, values
+
+
+def _draws(ops: pd.DataFrame) -> list[bool]:
+    """Per row, whether the call drew random numbers: the schema's ``random`` flag, refined by the
+    call's arguments (fused attention with ``dropout_p=0.0`` draws nothing)."""
+    out = []
+    for may, op, args in zip(ops["random"].tolist(), ops["op"].tolist(), ops["args"].tolist()):
+        if not may:
+            out.append(False)
+            continue
+        try:
+            parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else None
+        except ValueError:
+            parsed = None
+        out.append(draws_random(op, parsed if isinstance(parsed, dict) else None))
+    return out
 
 
 def _id_lists(rank: RankTrace, rows: np.ndarray) -> tuple[list[int], list[list[int]], list[list[int]]]:
@@ -306,18 +366,17 @@ def _id_lists(rank: RankTrace, rows: np.ndarray) -> tuple[list[int], list[list[i
 
 def _tensor_partners(
     t_lists: tuple[list[int], list[list[int]], list[list[int]]], b_lists: tuple[list[int], list[list[int]], list[list[int]]],
-    pairs: Mapping[int, int], t_base: Mapping[int, int], b_base: Mapping[int, int], t_ten: pd.DataFrame, b_ten: pd.DataFrame,
+    pairs: Mapping[int, int], t_base: Mapping[int, int], b_base: Mapping[int, int], region_outputs: Mapping[int, int],
 ) -> dict[int, int]:
     """``{target tensor id: bench tensor id}`` for non-view tensors.
 
-    Outputs of paired nodes pair by position. A tensor whose producer found no partner (an extra
-    op, a fused op) takes the bench tensor that the paired consumer reads in the same argument
-    position, when the element counts match.
+    Outputs of paired nodes pair by position; a region's outputs take the bench tensors they stand
+    for (:func:`tracecmp.comparison.align.find_regions`). Nothing inside a region is paired.
     """
     b_outputs = dict(zip(b_lists[0], b_lists[2]))
     b_inputs = dict(zip(b_lists[0], b_lists[1]))
     partner: dict[int, int] = {}
-    t_op_ids, t_inputs, t_outputs = t_lists
+    t_op_ids, _, t_outputs = t_lists
     for op_id, outs in zip(t_op_ids, t_outputs):
         b_op = pairs.get(op_id)
         if b_op is None:
@@ -325,29 +384,9 @@ def _tensor_partners(
         for t, b in zip(outs, b_outputs.get(b_op, [])):
             if t not in t_base and b not in b_base:
                 partner[t] = b
-    candidates: dict[int, int] = {}
-    for op_id, ins in zip(t_op_ids, t_inputs):
-        b_op = pairs.get(op_id)
-        if b_op is None:
-            continue
-        for t, b in zip(ins, b_inputs.get(b_op, [])):
-            tb = t_base.get(t, t)
-            if tb not in partner and tb not in candidates:
-                candidates[tb] = b_base.get(b, b)
-    if candidates:
-        # Same shape, not just the same element count: a bench view that permutes its base would
-        # otherwise be compared element by element against the unpermuted target tensor.
-        t_shape = _shapes(t_ten, candidates.keys())
-        b_shape = _shapes(b_ten, candidates.values())
-        for tb, bb in candidates.items():
-            if tb in t_shape and t_shape[tb] == b_shape.get(bb):
-                partner[tb] = bb
+    for t, b in region_outputs.items():
+        partner.setdefault(t, b)
     return partner
-
-
-def _shapes(tensors: pd.DataFrame, ids: Iterable[int]) -> dict[int, tuple[int, ...]]:
-    rows = tensors[tensors["tensor_id"].isin(list(ids))]
-    return {int(t): tuple(s) for t, s in zip(rows["tensor_id"].tolist(), rows["shape"].tolist())}
 
 
 def _measure(t_rank: RankTrace, b_rank: RankTrace, partner: Mapping[int, int], tol: Tolerances) -> pd.DataFrame:

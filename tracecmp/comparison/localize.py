@@ -33,16 +33,16 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from tracecmp.trace import boundedjson
-from tracecmp.aten.opclass import OpClass, base_name, classify, is_copy
-from tracecmp.comparison.records import Divergence
-from tracecmp.replay import REDUCED_MODELS, OwnError
+from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy
+from tracecmp.comparison.records import Divergence, Region
+from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
 from tracecmp.trace.schema import UNREAD_SOURCE
 
@@ -84,6 +84,9 @@ class TensorState:
     unit: float = 0.0
     same_dtype: bool = True
     tainted: bool = False  # carries error from a root
+    # Its NaN/Inf differ from the bench's only where the program handed an op a NaN/Inf (a causal
+    # mask of -inf against the bench's finfo.min): given, not computed.
+    given: bool = False
 
     # Error carried on to consumers: the measurement, raised towards what the inputs predicted when a
     # measurement came out lucky (statistics are single samples of a random error), see _carry.
@@ -121,6 +124,7 @@ class NodeVerdict:
     root_kind: str = ""
     reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    region: int | None = None  # the region (RankInput.regions) the node belongs to
 
 
 @dataclass
@@ -134,13 +138,18 @@ class RankInput:
     own: Mapping[int, tuple[bool, bool, str]]  # target tensor id -> (is_float, nonfinite, dtype) from the target alone
     view_base: Mapping[int, int]
     bench_args: Mapping[int, str]
-    bench_inputs: Mapping[int, list[int]]  # bench op_id -> input tensor ids
-    bench_producer: Mapping[int, int]  # bench tensor id -> producer op_id
-    bench_ops: Mapping[int, tuple[str, str]]  # bench op_id -> (op, module), for unpaired bench ops
-    partner: Mapping[int, int]  # target tensor id -> bench tensor id
     first_step: int = 0
     own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (replay.py)
     reduced_precision: str | None = None  # "tf32"/"bf16": float32 matmul/conv may run at it (replay.py)
+    # Regions (tracecmp.comparison.align.find_regions): judged at their boundary, see _judge_region.
+    regions: Mapping[int, Region] = field(default_factory=dict)  # region id -> region
+    member_of: Mapping[int, int] = field(default_factory=dict)  # target op id -> region id
+    bench_only: Mapping[tuple[int, int], int] = field(default_factory=dict)  # (target op, input position) -> bench-only region
+    # (side "t"/"b", op id) -> (kind, op, args, inputs, outputs) of every region member
+    region_ops: Mapping[tuple[str, int], tuple[str, str, str, list[int], list[int]]] = field(default_factory=dict)
+    # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
+    region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
+    region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (replay.py)
 
 
 def _norm_args(text: str) -> Any:
@@ -622,6 +631,10 @@ def _localize_rank(
         # A value produced outside the compared steps is known only as measured.
         return state.get(tid) or ri.measured.get(tid)
 
+    # Target ops of regions where some member, on either side, was handed a NaN/Inf.
+    given_regions = {o for region in ri.regions.values() if _region_given(region, ri) for o in region.target_ops}
+
+
     # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
     for index, node in enumerate(ri.nodes):
         if progress is not None and index % _PROGRESS_EVERY == 0 and index:
@@ -641,6 +654,8 @@ def _localize_rank(
         # alias.update: a tensor after writes through its views) assembles its inputs' values.
         cls = OpClass("factory") if kind == "source" else OpClass("copy") if kind == "view" else classify(op)
         ins_all = [(pos, lookup(t) if t not in base else _through_view(lookup(t))) for pos, t in enumerate(inputs)]
+        if ri.bench_only:
+            ins_all = [(pos, _past_bench_cast(s, ri, ri.bench_only.get((op_id, pos)))) for pos, s in ins_all]
         # Inputs whose values the op never reads (nll_loss_backward's log-probs) count for nothing.
         ins = [(pos, s) for pos, s in ins_all if s is not None and not s.uninit and cls.input_rule(pos) != "ignore"]
         unknown_input = any(s is None and cls.input_rule(pos) != "ignore" for pos, s in ins_all) or any(not s.known for _, s in ins)
@@ -649,6 +664,8 @@ def _localize_rank(
         inputs_exact = not unknown_input and all(s.exact for _, s in ins)
         out_states: list[TensorState] = []
         roles: list[str] = []  # what each of out_states is among the op's outputs (normalization ops)
+        given_in = any(s.given for _, s in ins)
+        hands_nonfinite = op_id in given_regions or given_nonfinite(args)
         for position, tid in enumerate(outputs):
             if tid in base:  # an op returning a view of an input (e.g. an in-place op's alias)
                 continue
@@ -661,20 +678,30 @@ def _localize_rank(
                 # No partner: carry the inputs' error through (an extra copy, a fused op's piece).
                 worst = max((s for _, s in float_ins), key=lambda s: s.level, default=None)
                 est = TensorState(known=not unknown_input and worst is not None or (not ins and not inputs),
-                                  exact=inputs_exact and kind != "source", nonfinite=nonfinite, is_float=is_float)
+                                  exact=inputs_exact and (kind != "source" or op_id in ri.member_of), nonfinite=nonfinite,
+                                  is_float=is_float)
                 if worst is not None:
                     est.e_ext, est.e_sys, est.e_rms = worst.e_ext, worst.e_sys, worst.e_rms
                     est.c_ext, est.c_sys, est.c_rms = worst.c_ext, worst.c_sys, worst.c_rms
                     est.amax, est.rms, est.numel = worst.amax, worst.rms, worst.numel
                     est.lo, est.hi, est.mean = worst.lo, worst.hi, worst.mean
-                est.known = est.known and kind != "source"
+                # A source inside a region is a constant of its implementation (the eager side's
+                # causal-mask buffer, which the fused op has built in).
+                est.known = est.known and (kind != "source" or op_id in ri.member_of)
                 est.tainted = any(s.tainted for _, s in ins)
                 est.nonfinite_mismatch = any(s.nonfinite_mismatch for _, s in ins)
+                est.given = est.nonfinite_mismatch and (given_in or hands_nonfinite)
                 state[tid] = est
                 continue
+            if m.nonfinite_mismatch and (given_in or hands_nonfinite):
+                m.given = True
             state[tid] = m
             out_states.append(m)
             roles.append(cls.output_role(position))
+        if op_id in ri.member_of:
+            # Judged with its region at the boundary, never on its own against the other side.
+            judged.append(None)
+            continue
         if not out_states:
             judged.append(None)
             continue
@@ -749,6 +776,9 @@ def _localize_rank(
         judged.append(_Judged(index, op_id, (op, dtype), cls, judgeable, inputs_exact, outputs_exact, best_e, best_x,
                               best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa))
 
+    for op_id, region_id in ri.member_of.items():
+        verdicts[op_id].region = region_id
+
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
     exact_input_nodes = [j for j in judged if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
     # Matmuls/convs allowed to run at TF32 have their own rule and do not decide the regime.
@@ -757,8 +787,13 @@ def _localize_rank(
     # A matmul/conv that turned identical, non-zero inputs into identical outputs shows that this
     # target does not run them at reduced (TF32) precision.
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
+    region_judged = {region_id: _judge_region(region, ri, lookup, tol, exact_matmul)
+                     for region_id, region in ri.regions.items() if region.target_ops}
     ambient = _ambient(judged, ri.nodes, tol) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
+    bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
+    tf32_spread = _tf32_spread(judged) if not exact_matmul else None
+    bitwise_ops = _bitwise_ops(ri)
 
     roots: list[tuple[tuple, Divergence]] = []
 
@@ -767,7 +802,7 @@ def _localize_rank(
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
         root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits,
-                                              tainted_in)
+                                              bounds_hold, tf32_spread, bitwise_ops, tainted_in)
         verdict.metric = deciding
         if not root_kind:
             return
@@ -780,13 +815,18 @@ def _localize_rank(
                 verdict.introduced = units if not verdict.introduced >= units else verdict.introduced
         verdict.root_kind = root_kind
         verdict.reason = reason
+        if root_kind == "nan":
+            # NaN/Inf made from finite values: no count of rounding units measures that, and it
+            # outranks every root of a few units.
+            verdict.introduced = math.inf
         divergence = Divergence(
             op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
             bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=root_kind, reason=reason,
-            score=float(verdict.introduced if math.isfinite(verdict.introduced) else 0.0), metrics=verdict.metrics,
+            score=float(verdict.introduced if not math.isnan(verdict.introduced) else 0.0), metrics=verdict.metrics,
             stack=stack,
         )
         roots.append(((int(step), int(op_id), ri.rank), divergence))
+    root_regions = _region_roots(ri, region_judged, verdicts, tol, exact_matmul, roots)
 
     for node, j in zip(ri.nodes, judged):
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -805,10 +845,25 @@ def _localize_rank(
 
     # ---- pass 3: statuses ------------------------------------------------------------------
     producer_status: dict[int, str] = {}
+    region_status: dict[int, str] = {}
     for node in ri.nodes:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         paired = op_id in ri.pairs
+        region_id = ri.member_of.get(op_id)
+        if region_id is not None:
+            # Members share their region's status; a root region taints what it makes.
+            if region_id not in region_status:
+                region_status[region_id] = _region_status(ri.regions[region_id], region_judged.get(region_id),
+                                                          region_id in root_regions, lookup)
+            tainted = region_id in root_regions or region_status[region_id] == "diverged"
+            for t in outputs:
+                s = state.get(base.get(t, t))
+                if s is not None and not s.exact and tainted:
+                    s.tainted = True
+                producer_status[base.get(t, t)] = region_status[region_id]
+            verdict.status = region_status[region_id]
+            continue
         if kind == "view" and all(t in base for t in outputs):
             src = base.get(outputs[0], inputs[0] if inputs else -1) if outputs else -1
             verdict.status = producer_status.get(src, "uncompared") if paired else "unpaired"
@@ -820,7 +875,7 @@ def _localize_rank(
             status = "unpaired"
         elif op_id in crossed and not all(s.exact for s in measured):
             status = "uncompared"
-        elif any(s.nonfinite_mismatch for s in measured):
+        elif any(s.nonfinite_mismatch and not s.given for s in measured):
             status = "nan"
         elif not outs:
             status = "agrees" if all(s is not None and s.exact for s in ins) or not ins else "uncompared"
@@ -939,7 +994,8 @@ def _metric_dict(j: _Judged) -> dict[str, float]:
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
-    fits: Mapping[str, _ModelFit], tainted: bool = False,
+    fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
+    bitwise_ops: Mapping[str, int] | None = None, tainted: bool = False,
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name.
 
@@ -952,7 +1008,7 @@ def _decide(
     outs = [s for s in outs if s is not None]
     # NaN/Inf from finite inputs: judged from the target's own statistics, whatever else is known.
     nonfinite_out = [s for s in outs if s.nonfinite and s.nonfinite_mismatch]
-    if nonfinite_out:
+    if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
             return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count"
@@ -963,17 +1019,26 @@ def _decide(
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)
         if diff:
             return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
+    if any(s.nonfinite_mismatch and s.given for s in outs):
+        # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
+        return "", "", "nan_count"
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
-    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op))
+    replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
     if not j.judgeable:
         return ("computation", replayed, "replay") if replayed else ("", "", deciding)
     # Which channel is furthest beyond what the inputs explain.
     amb = ambient.get(j.group) or ambient.get((j.cls.kind, j.group[1]))
     excess = []
+    tf32 = j.uses_tf32 and not exact_matmul
     for c, (e, x, f) in enumerate(zip(j.e, j.x, j.f1)):
         if math.isnan(e):
             continue
-        threshold = tol.local * j.lam * f
+        lam = j.lam
+        if tf32 and tf32_spread is not None:
+            # How far this run's TF32 calls typically stray beyond their inputs' error: a fault
+            # a unit out is found where the device's own rounding stays well inside one.
+            lam = max(_TF32_LAM_MIN, min(j.lam, tf32_spread[c])) if not math.isnan(tf32_spread[c]) else j.lam
+        threshold = tol.local * lam * f
         margin = tol.margin
         if amb is not None:
             threshold = max(threshold, tol.ambient * amb[0][c] * f)
@@ -986,7 +1051,9 @@ def _decide(
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
     # then any difference is this op's own doing, however small. A float32 matmul/conv may still
     # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
-    tf32_like = j.uses_tf32 and not exact_matmul and j.e[0] >= TF32_EPS / 100
+    # A call TF32 rounding of its own operands can explain (from their statistics: K and sizes,
+    # at most) is not held to the bitwise rule, even its op's only call; one beyond that can't be TF32.
+    tf32_like = tf32 and _within_tf32(j, node, lookup, tol)
     strict = exact_mode or (bitwise and j.inputs_exact and j.same_dtype and not tf32_like)
     if strict and not exact_mode and j.kappa_local > _STRICT_KAPPA:
         # A sum whose terms cancel moves by many of its own units when merely reordered (thread
@@ -994,6 +1061,12 @@ def _decide(
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
         return ("computation", replayed, "replay") if replayed else ("", "", channels[channel])
+    if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
+        # Its inputs already differ from the bench's, and a replay of the op on its own recorded
+        # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
+        # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
+        # replay decides; the statistics only estimated.
+        return "", "", "replay"
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
         label = op.removeprefix("source.")
@@ -1060,6 +1133,106 @@ def _model_fits(ri: RankInput) -> dict[str, _ModelFit]:
     return out
 
 
+def _reproduced(own: OwnError | None, j: _Judged, ri: RankInput, exact_matmul: bool) -> bool:
+    """A replay shows the op computed what its recorded inputs give: a reduced-precision
+    matmul/conv within the accumulation bound of one of its replays, any other op within
+    ``replay_margin`` times an honest kernel's error (the ratio rule's own test)."""
+    if own is None:
+        return False
+    if ri.reduced_precision and own.bounds and _reduced_matmul(own, j, exact_matmul, ri.reduced_precision):
+        return min(own.bounds) <= 1.0
+    return not own.misrounded and (own.honest > 0 or own.error == 0)
+
+
+_TF32_LAM_MIN = 0.25  # a TF32 call's threshold never drops below one TF32 unit (times its condition)
+_TF32_SPREAD_MIN = 8  # calls needed to learn how far a run's TF32 matmuls stray
+
+
+def _tf32_spread(judged: list[_Judged | None]) -> tuple[float, ...] | None:
+    """Per channel, the 90th percentile of what this rank's TF32-allowed matmul/conv calls
+    introduce beyond their inputs' error, in units of their own TF32 allowance (half the ``lam``
+    scale): where the device rounds to nearest it is a fraction of a unit, toward zero more."""
+    rows = [j for j in judged if j is not None and j.uses_tf32 and j.judgeable]
+    if len(rows) < _TF32_SPREAD_MIN:
+        return None
+    spread = []
+    for c in range(3):
+        values = sorted(max(0.0, e - x) / f for j in rows for e, x, f in [(j.e[c], j.x[c], j.f1[c])]
+                        if not math.isnan(e) and math.isfinite(x) and f > 0)
+        spread.append(values[int(0.9 * (len(values) - 1))] if len(values) >= _TF32_SPREAD_MIN else math.nan)
+    return tuple(spread)
+
+
+def _within_tf32(j: _Judged, node: tuple, lookup: Callable[[int], TensorState | None], tol: Tolerances) -> bool:
+    """Whether TF32 rounding of this matmul/conv's operands can account for its output error at
+    most: each product moves by at most 2 TF32 units (2^-10 each, truncation's), so an output
+    element by 2u (|A||B|)_ij <= 2u K max|a| max|b|, and the output's norm by 2u ||A|| ||B||."""
+    ins = [(pos, lookup(t)) for pos, t in enumerate(node[9])]
+    floats = [(pos, s) for pos, s in ins if s is not None and s.is_float and not s.uninit]
+    operands = _operands(j.cls, floats)
+    outs = [s for s in (lookup(t) for t in node[10]) if s is not None and s.measured and s.is_float]
+    if len(operands) != 2 or not outs:
+        return True  # nothing to bound it by: as before, TF32-like
+    (_, a), (_, b) = operands
+    unit = 2.0 * TF32_EPS
+    for out in outs:
+        k = math.sqrt(max(a.numel * b.numel / max(out.numel, 1), 1.0))
+        bound_ext = unit * k * a.amax * b.amax / max(out.amax, _TINY)
+        bound_sys = unit * k * a.rms * b.rms / max(out.rms, _TINY)
+        if out.e_ext > tol.margin * j.x[0] + bound_ext or out.e_sys > tol.margin * j.x[1] + bound_sys:
+            return False
+    return True
+
+
+_BITWISE_MEMBERS = 3  # calls of an op its replay must give bit for bit before any other call must too
+_BITWISE_RANK = 8  # informative calls a rank needs before they speak for ops with fewer calls of their own
+
+
+def _bitwise_ops(ri: RankInput) -> dict[str, int]:
+    """Ops whose replay gives this rank's calls bit for bit: the device computes them as this CPU
+    does, so a call that differs in one bit (a fault far below any rounding budget) is wrong.
+    Op name -> the calls that speak for it. An op speaks for itself with at least three calls
+    reproduced, all but one in ten; an op with fewer is covered, unless its own calls say
+    otherwise, when nine in ten of the rank's informative calls (ops that round, at least eight: no
+    copy, max or single IEEE operation, which every device gives bit for bit) are reproduced: then
+    this is the machine the run ran on."""
+    names = {node[0]: node[4] for node in ri.nodes}
+    same: dict[str, int] = defaultdict(int)
+    other: dict[str, int] = defaultdict(int)
+    rank_same = rank_other = 0
+    for op_id, own in ri.own_errors.items():
+        name = names.get(op_id)
+        if name is None:
+            continue
+        if own.bitwise:
+            same[name] += 1
+        else:
+            other[name] += 1
+        if own.informative:
+            rank_same += own.bitwise
+            rank_other += not own.bitwise
+    rank_held = rank_same >= _BITWISE_RANK and rank_other <= 0.1 * (rank_same + rank_other)
+    held = {}
+    for name in set(same) | set(other):
+        if other[name] > max(1, 0.1 * (same[name] + other[name])):
+            continue  # its own calls say the device computes it otherwise
+        if same[name] >= _BITWISE_MEMBERS:
+            held[name] = same[name]
+        elif rank_held:
+            held[name] = rank_same
+    return held
+
+
+def _bounds_hold(ri: RankInput) -> bool:
+    """Whether this rank's reduced-precision matmul/conv calls are reproduced within their
+    accumulation bounds by some rounding of their operands (most of them, at least three): then
+    the device's arithmetic is known, and a call no rounding reproduces is wrong."""
+    names = {node[0]: node[4] for node in ri.nodes}
+    best = [min(own.bounds) for op_id, own in ri.own_errors.items()
+            if own.bounds and own.dtype == "float32" and classify(names.get(op_id, "")).precision_variable]
+    return len(best) >= _FIT_MEMBERS and _quantile(best) <= 1.0
+
+
 def _quantile(values: list[float]) -> float:
     """The 75th percentile, lower of the two neighbours (the median for three values)."""
     ordered = sorted(values)
@@ -1103,12 +1276,36 @@ def _reduced_matmul(own: OwnError, j: _Judged, exact_matmul: bool, reduced: str 
 
 def _replayed_root(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: _ModelFit | None,
+    bounds_hold: bool = False, bitwise_ops: Mapping[str, int] | None = None,
 ) -> str:
-    """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error)."""
+    """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).
+
+    A reduced-precision matmul/conv call that one of its replays reproduces within the
+    accumulation bound is noise, even its op's only call. One that none reproduces is a root when
+    the run's other such calls are reproduced (``bounds_hold``: the device's rounding is known);
+    on an unknown device the ratio rule decides instead.
+    """
     own = ri.own_errors.get(node[0])
     reduced = ri.reduced_precision
     if own is None or node[3] != "op":
         return ""
+    reduced_call = bool(reduced and _reduced_matmul(own, j, exact_matmul, reduced))
+    if reduced_call and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
+        how = REDUCED_MODELS[reduced][fit.model][0]
+        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
+                f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    if reduced_call and own.bounds and min(own.bounds) <= 1.0:
+        return ""  # a float32 sum of its rounded operands' products gives this: noise, even as the only call
+    if reduced_call and own.bounds and bounds_hold:
+        return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
+                f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
+                f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    same_cpu = (bitwise_ops or {}).get(node[4], 0)
+    if same_cpu and not own.bitwise:
+        how = f"rounded to {reduced} " if reduced_call else ""
+        return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
+                f"other calls bit for bit ({same_cpu} of them: the run computed as this CPU does; own error {own.error:.2e})")
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
             return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
@@ -1117,27 +1314,383 @@ def _replayed_root(
             return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
         return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
                 f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
-    if reduced and _reduced_matmul(own, j, exact_matmul, reduced) and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
-        how = REDUCED_MODELS[reduced][fit.model][0]
-        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
-                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
-                f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
     return ""
 
 
 def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:
-    """Non-empty when the paired bench op reads a value the target op does not (a bench-only op in between)."""
-    bench_op = ri.pairs.get(op_id)
-    if bench_op is None:
-        return ""
-    b_inputs = ri.bench_inputs.get(bench_op, [])
-    paired_bench = set(ri.pairs.values())
-    for pos, tid in enumerate(inputs):
-        if pos >= len(b_inputs):
-            break
-        partner = ri.partner.get(ri.view_base.get(tid, tid))
-        producer = ri.bench_producer.get(b_inputs[pos])
-        if partner is not None and partner != b_inputs[pos] and producer is not None and producer not in paired_bench:
-            bop, bmodule = ri.bench_ops.get(producer, ("?", ""))
-            return f"the bench applies {bop} ({bmodule or '<top>'}) to input {pos} and the target does not"
+    """Non-empty when the bench reads, at one of this op's inputs, what bench-only ops made of it
+    (ops the target lacks, other than casts and copies)."""
+    for pos in range(len(inputs)):
+        region_id = ri.bench_only.get((op_id, pos))
+        region = ri.regions.get(region_id) if region_id is not None else None
+        if region is not None and region.kind != "pass-through":
+            names = [n for n in region.bench_names if not n.startswith("source.")] or list(region.bench_names)
+            return f"the bench applies {names[-1]} ({region.module or '<top>'}) to input {pos} and the target does not"
     return ""
+
+
+# ---- regions -----------------------------------------------------------------------------------
+#
+# A region (tracecmp.comparison.align.find_regions) is judged like one op at its boundary: its
+# outputs' error against the bench tensors they stand for, beside what its inputs carried in and
+# what an honest implementation of the composite computation rounds. Both come from walking the
+# side that spells the computation out op by op (the bench's decomposition when there is one, else
+# the target's ops) with that side's recorded magnitudes: each op passes on its inputs' error the
+# way its class does (the inherited error) and adds its own rounding, amplified by its condition
+# (the honest budget), both carried on through the ops after it.
+
+
+@dataclass
+class _RegionJudged:
+    """What the region's boundary shows (pass 1), for the verdict and the statuses."""
+
+    region: Region
+    judgeable: bool
+    inputs_exact: bool
+    outputs: list[tuple[int, TensorState]]  # (target tensor id, measured state)
+    e: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the worst output's measured error per channel
+    x: tuple[float, float, float] = (0.0, 0.0, 0.0)  # inherited error
+    r: tuple[float, float, float] = (0.0, 0.0, 0.0)  # honest rounding budget
+    worst: int | None = None  # target tensor id of the worst output
+    inputs_finite: bool = True
+    given: bool = False  # a member was handed a NaN/Inf as an argument
+
+
+def _past_bench_cast(s: TensorState | None, ri: RankInput, region_id: int | None) -> TensorState | None:
+    """The error an input shows against what the bench op really reads when a bench-only cast
+    (autocast's ``_to_copy``) sits between: the input's own, plus that dtype's rounding."""
+    if s is None or region_id is None:
+        return s
+    region = ri.regions.get(region_id)
+    if region is None or region.kind != "pass-through":
+        return s
+    unit = max((v.unit for (side, _), v in _region_made(ri, region, "b")), default=0.0)
+    if unit <= 0.0:
+        return s
+    seen = copy.copy(s)
+    seen.exact = False
+    seen.c_ext, seen.c_sys = s.c_ext + unit, s.c_sys + unit
+    seen.c_rms = s.c_rms + unit if not math.isnan(s.c_rms) else unit
+    return seen
+
+
+def _region_made(ri: RankInput, region: Region, side: str) -> list[tuple[tuple[str, int], TensorState]]:
+    ops = region.bench_ops if side == "b" else region.target_ops
+    out = []
+    for o in ops:
+        entry = ri.region_ops.get((side, o))
+        if entry is None:
+            continue
+        for tid in entry[4]:
+            value = ri.region_values.get((side, tid))
+            if value is not None:
+                out.append(((side, tid), value))
+    return out
+
+
+def _judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances,
+                  exact_matmul: bool = False) -> _RegionJudged:
+    """Pass-1 numbers of a region: its outputs' error, what its inputs carried in, its honest budget."""
+    base = ri.view_base
+    outputs = []
+    for T, _ in region.outputs:
+        m = ri.measured.get(base.get(T, T))
+        if m is not None:
+            outputs.append((T, m))
+    ins = [(T, lookup(T)) for T, _ in region.inputs if T is not None]
+    unknown = any(s is None or not s.known for _, s in ins)
+    known = [s for _, s in ins if s is not None and not s.uninit]
+    judged = _RegionJudged(
+        region, judgeable=bool(outputs) and not unknown, inputs_exact=not unknown and all(s.exact for s in known),
+        outputs=outputs, inputs_finite=not any(s.nonfinite for s in known),
+        given=_region_given(region, ri),
+    )
+    if any(s.nonfinite_mismatch for s in known) or any(not s.exact for s in known if not s.is_float):
+        judged.judgeable = False  # NaN or a changed index/mask reaching it: its arithmetic is not on trial
+    if not judged.judgeable:
+        return judged
+    predicted = _region_prediction(region, ri, lookup, tol, exact_matmul)
+    best = -math.inf
+    for T, m in outputs:
+        if not m.is_float or (m.nonfinite_mismatch and (m.given or judged.given)):
+            continue  # NaN/Inf the program handed in, which differ from the bench's: no statistic reads through them
+        x, r = predicted.get(T, ((math.inf,) * 3, (math.inf,) * 3))
+        e = (m.e_ext, m.e_sys, m.e_rms)
+        ratio = max(((ec - tol.margin * xc) / max(tol.local * rc, _TINY) for ec, xc, rc in zip(e, x, r)
+                     if not math.isnan(ec) and math.isfinite(xc)), default=-math.inf)
+        if ratio > best:
+            best, judged.e, judged.x, judged.r, judged.worst = ratio, e, x, r, T
+    if judged.worst is None:
+        judged.judgeable = False
+    return judged
+
+
+def _region_given(region: Region, ri: RankInput) -> bool:
+    return any(given_nonfinite(ri.region_ops[(side, o)][2]) for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+               for o in ops if (side, o) in ri.region_ops)
+
+
+def _region_prediction(
+    region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances, exact_matmul: bool = False,
+) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:
+    """Per target output of ``region``: (inherited error, honest rounding budget) per channel."""
+    # The side that spells the computation out in more ops (the decomposition) models it best.
+    computing = {side: sum(1 for o in ops if ri.region_ops.get((side, o), ("",))[0] == "op")
+                 for side, ops in (("t", region.target_ops), ("b", region.bench_ops))}
+    side = "b" if computing["b"] >= computing["t"] and computing["b"] else "t"
+    ops = region.bench_ops if side == "b" else region.target_ops
+    base = ri.view_base
+    # The region's output dtypes: a fused kernel rounds at least to them, whatever the bench used.
+    floor = max((ri.measured[base.get(T, T)].unit for T, _ in region.outputs if base.get(T, T) in ri.measured), default=0.0)
+    inherited: dict[int, TensorState] = {}
+    budget: dict[int, TensorState] = {}
+    for T, B in region.inputs:
+        key = B if side == "b" else T
+        if key is None:
+            continue
+        s = lookup(T) if T is not None else None
+        if s is None:
+            s = ri.region_values.get((side, key)) or TensorState(known=True, exact=True)
+        inherited[key] = s
+        budget[key] = _with_error(s, (0.0, 0.0, 0.0))
+    for o in ops:
+        entry = ri.region_ops.get((side, o))
+        if entry is None:
+            continue
+        kind, op, args, inputs, outputs = entry
+        if kind != "op":
+            # A view (or a source inside the region): shows its input's values, or is a constant.
+            src = inherited.get(inputs[0]) if inputs else None
+            for tid in outputs:
+                inherited[tid] = _through_view(src) if src is not None else TensorState(known=True, exact=True)
+                budget[tid] = budget.get(inputs[0], inherited[tid]) if inputs else inherited[tid]
+            continue
+        cls = classify(op)
+        # Rounding is relative to each element: a denominator's unit is the quotient's unit, not
+        # max|x| / min|x| of them (that factor is for an error spread evenly over small and large).
+        budget_cls = replace(cls, inverse_inputs=())
+        for index, tid in enumerate(outputs):
+            out = ri.region_values.get((side, tid))
+            if out is None or cls.kind == "uninit":
+                continue
+            read = _read_by(op, args, inputs, index)
+            ins_x = [(pos, inherited[t]) for pos, t in read if t in inherited and cls.input_rule(pos) != "ignore"]
+            ins_r = [(pos, budget[t]) for pos, t in read if t in budget and cls.input_rule(pos) != "ignore"]
+            float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
+            float_r = [(pos, s) for pos, s in ins_r if s.is_float and not s.uninit]
+            if not out.is_float:
+                exact = all(s.exact for _, s in ins_x)
+                inherited[tid] = _with_error(out, (0.0 if exact else 1.0,) * 3, exact=exact)
+                budget[tid] = _with_error(out, (0.0,) * 3)
+                continue
+            x = _expected(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            carried = _expected(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
+            if cls.precision_variable and tol.allow_tf32 and not exact_matmul and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_x):
+                unit, lam, tf32 = TF32_EPS, 0.5, True
+            fresh = unit * lam * (_local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
+            neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
+            own = (fresh, fresh if tf32 else fresh / math.sqrt(neff), fresh)
+            inherited[tid] = _with_error(out, x)
+            budget[tid] = _with_error(out, tuple(c + f for c, f in zip(carried, own)))
+    result = {}
+    for T, B in region.outputs:
+        key = B if side == "b" else T
+        if key in inherited and key in budget:
+            x, r = inherited[key], budget[key]
+            result[T] = ((x.e_ext, x.e_sys, x.e_rms if not math.isnan(x.e_rms) else x.e_ext),
+                         (r.e_ext, r.e_sys, r.e_rms if not math.isnan(r.e_rms) else r.e_ext))
+    return result
+
+
+def _read_by(op: str, args: str, inputs: list[int], index: int) -> list[tuple[int, int]]:
+    """(position, tensor id) of the inputs output ``index`` is computed from. A multi-tensor op
+    (``_foreach_addcdiv_``, ``_fused_adamw_``) takes lists of n tensors and computes element k of
+    each list it returns from element k of each list it reads: positions then count lists."""
+    if not base_name(op).startswith(("_foreach_", "_fused_")):
+        return list(enumerate(inputs))
+    n = _list_length(args)
+    if n < 2 or len(inputs) < n:
+        return list(enumerate(inputs))
+    lists, k = len(inputs) // n, index % n
+    read = [(j, inputs[j * n + k]) for j in range(lists)]
+    return read + [(lists + i, t) for i, t in enumerate(inputs[lists * n:])]  # single tensors after the lists
+
+
+def _list_length(args: str) -> int:
+    """How many tensors the first tensor-list argument of a recorded call holds (0 if none)."""
+    try:
+        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
+    except ValueError:
+        return 0
+    for value in parsed.values() if isinstance(parsed, dict) else ():
+        if isinstance(value, list) and value and all(isinstance(v, dict) and "tensor" in v for v in value):
+            return len(value)
+    return 0
+
+
+def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None) -> TensorState:
+    out = copy.copy(s)
+    out.e_ext, out.e_sys, out.e_rms = (float(v) for v in e)
+    out.c_ext, out.c_sys, out.c_rms = out.e_ext, out.e_sys, out.e_rms
+    out.exact = all(v == 0.0 for v in e) if exact is None else exact
+    out.known = True
+    return out
+
+
+def _region_roots(
+    ri: RankInput, judged: Mapping[int, _RegionJudged], verdicts: dict[int, NodeVerdict], tol: Tolerances,
+    exact_matmul: bool, roots: list[tuple[tuple, Divergence]],
+) -> set[int]:
+    """Decide every judged region (and replay roots among target members); returns the root regions."""
+    nodes = {node[0]: node for node in ri.nodes if node[0] in ri.member_of}
+    root_regions: set[int] = set()
+    for region_id, j in judged.items():
+        region = j.region
+        kind, reason, op_id, score = _decide_region(j, ri, tol)
+        if not kind:
+            continue
+        root_regions.add(region_id)
+        _add_region_root(ri, region, nodes, verdicts, roots, op_id, kind, reason, score, j)
+    # A member op whose own replay is far from an honest kernel's is named itself.
+    for op_id, node in nodes.items():
+        own = ri.own_errors.get(op_id)
+        region_id = ri.member_of[op_id]
+        if own is None or node[3] != "op" or region_id in root_regions:
+            continue
+        cls = classify(node[4])
+        probe = _Judged(0, op_id, (node[4], own.dtype), cls, False, False, False, (0.0,) * 3, (0.0,) * 3, (1.0,) * 3,
+                        1.0, False, True, True, 1.0)
+        reason = _replayed_root(probe, node, ri, tol, exact_matmul, None)
+        if not reason:
+            continue
+        root_regions.add(region_id)
+        score = own.error / EPS.get(own.dtype, _FP32)
+        _add_region_root(ri, ri.regions[region_id], nodes, verdicts, roots, op_id, "computation", reason, score, None,
+                         own=own)
+    return root_regions
+
+
+def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[str, str, int | None, float]:
+    """(root kind or "", reason, the target op to name, score in rounding units)."""
+    region = j.region
+    name = _region_name(region)
+    worst_nan = [(T, s) for T, s in j.outputs if s.nonfinite and s.nonfinite_mismatch]
+    if worst_nan and j.inputs_finite and not j.given:
+        return ("nan", f"NaN/Inf appear in the output of {name} although every input is finite (the bench's is not)",
+                _producer(ri, region, worst_nan[0][0]), math.inf)
+    if not j.outputs or all(s.exact for _, s in j.outputs):
+        return "", "", None, 0.0
+    replay = ri.region_replays.get(region.region_id)
+    if replay is not None:
+        unit = EPS.get(replay.dtype, _FP32)
+        if replay.sides_differ > _SIDES_DIFFER:
+            return ("computation", f"{name}: the target's ops and the bench's compute different functions: on the "
+                    f"target's recorded inputs their float64 replays differ by {replay.sides_differ:.2e}",
+                    _producer(ri, region, replay.output), replay.sides_differ / unit)
+        excess = replay.error / max(tol.replay_margin * replay.honest, tol.replay_local * unit)
+        if excess > 1.0:
+            against = "its own ops" if replay.reference == "target" else "the bench's ops"
+            return ("computation", f"{name}: own error {replay.error:.2e} against a float64 replay of {against} on "
+                    f"its recorded inputs is {replay.error / max(replay.honest, _TINY):.0f}x what an honest replay "
+                    f"makes ({replay.honest:.1e})", _producer(ri, region, replay.output), replay.error / unit)
+    if not j.judgeable:
+        return "", "", None, 0.0
+    channels = ("max/min", "norm/mean", "rms")
+    excess = [((e - tol.margin * x) / max(tol.local * r, _TINY), c, e, x)
+              for c, (e, x, r) in enumerate(zip(j.e, j.x, j.r)) if not math.isnan(e) and math.isfinite(x)]
+    if not excess:
+        return "", "", None, 0.0
+    score, c, e, x = max(excess)
+    if score <= 1.0:
+        return "", "", None, 0.0
+    what = f"relative error {e:.2e} ({channels[c]})"
+    unit = max(j.r[c], _TINY)
+    if not region.bench_ops and region.kind != "pass-through":
+        reason = f"target-only ops ({name}) change the values: {what}"
+        return "structure", reason, _producer(ri, region, j.worst), (e - x) / unit
+    if j.inputs_exact:
+        reason = f"{name}: output differs ({what}) while every input agrees bitwise"
+    elif x > 0:
+        reason = f"{name}: output error {e:.2e} ({channels[c]}) is {e / x:.0f}x what its inputs carried in ({x:.1e})"
+    else:
+        reason = f"{name}: output error {e:.2e} ({channels[c]}) beyond an honest implementation's rounding ({j.r[c]:.1e})"
+    return "computation", reason, _producer(ri, region, j.worst), (e - x) / unit
+
+
+# Two float64 replays of the same function by different ops differ by float64 rounding times the
+# computation's condition (1e-13 for attention); a different eps or scale moves them by 1e-7 or more.
+_SIDES_DIFFER = 1e-9
+
+
+def _region_name(region: Region) -> str:
+    def ops(names: tuple[str, ...]) -> str:
+        computing = [n for n in names if not n.startswith("source.")]
+        shown = ", ".join(dict.fromkeys(base_name(n) for n in computing[:6]))
+        return shown + (", ..." if len(computing) > 6 else "")
+
+    if not region.bench_ops:
+        return ops(region.target_names)
+    if not region.target_ops:
+        return f"bench-only {ops(region.bench_names)}"
+    return f"region {region.region_id} ({region.kind}: {ops(region.target_names)} against the bench's {ops(region.bench_names)})"
+
+
+def _producer(ri: RankInput, region: Region, tid: int | None) -> int | None:
+    """The target op that made ``tid`` (or the region's one computing op)."""
+    computing = [o for o in region.target_ops if ri.region_ops.get(("t", o), ("",))[0] == "op"]
+    if len(computing) == 1:
+        return computing[0]
+    wanted = {tid, ri.view_base.get(tid, tid)} if tid is not None else set()
+    for o in computing:
+        if wanted & set(ri.region_ops[("t", o)][4]):
+            return o  # the op that computed the worst output's values, not a view of them
+    return computing[-1] if computing else (region.target_ops[-1] if region.target_ops else None)
+
+
+def _add_region_root(
+    ri: RankInput, region: Region, nodes: Mapping[int, tuple], verdicts: dict[int, NodeVerdict],
+    roots: list[tuple[tuple, Divergence]], op_id: int | None, kind: str, reason: str, score: float,
+    j: _RegionJudged | None, own: OwnError | None = None,
+) -> None:
+    if op_id is None or op_id not in nodes:
+        return
+    op_id_, step, phase, node_kind, op, name, module, location, args, inputs, outputs, random, stack = nodes[op_id]
+    verdict = verdicts[op_id]
+    metrics: dict[str, float] = {}
+    if j is not None:
+        for label, e, x, r in zip(("ext", "sys", "rms"), j.e, j.x, j.r):
+            if not math.isnan(e):
+                metrics[f"rel_err_{label}"] = float(e)
+                if math.isfinite(x):
+                    metrics[f"expected_{label}"] = float(x)
+                metrics[f"budget_{label}"] = float(r)
+    replay = own or ri.region_replays.get(region.region_id)
+    if replay is not None:
+        metrics.update(own_error=replay.error, honest_error=replay.honest)
+        if isinstance(replay, RegionReplay) and not math.isnan(replay.sides_differ):
+            metrics["sides_differ"] = replay.sides_differ
+    verdict.root_kind, verdict.reason, verdict.metrics = kind, reason, metrics
+    verdict.introduced = score
+    bench_op = region.bench_ops[-1] if region.bench_ops else None
+    roots.append(((int(step), int(op_id), ri.rank), Divergence(
+        op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
+        bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=kind, reason=reason,
+        score=float(score), metrics=metrics, stack=stack, region=region.region_id,
+    )))
+
+
+def _region_status(region: Region, j: _RegionJudged | None, root: bool, lookup: Callable[[int], TensorState | None]) -> str:
+    if j is None or not j.outputs:
+        return "uncompared"
+    states = [s for _, s in j.outputs]
+    if any(s.nonfinite_mismatch and not (s.given or j.given) for s in states):
+        return "nan"
+    if len(j.outputs) < len(region.outputs):
+        return "uncompared"
+    if all(s.exact for s in states):
+        return "agrees"
+    ins = [lookup(T) for T, _ in region.inputs if T is not None]
+    if root or any(s is not None and s.tainted for s in ins):
+        return "diverged"
+    return "noise"

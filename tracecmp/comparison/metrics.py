@@ -4,7 +4,7 @@ Statistics give *lower bounds* of the true error, which is what makes them safe 
 
 * ``e_ext`` = max(|max_t - max_b|, |min_t - min_b|) / amax  <= max|t - b| / amax
   (rounding is monotone, so rounding alone moves an extreme by at most one rounding unit);
-* ``e_sys`` = max(|norm_t - norm_b| / sqrt(n), |mean_t - mean_b|) / rms  <= rms(t - b) / rms
+* ``e_sys`` = max(|rms_t - rms_b|, |mean_t - mean_b|) / rms  <= rms(t - b) / rms
   (triangle and Cauchy-Schwarz inequalities). Random rounding moves it only by ~u/sqrt(n), a
   systematic error (a scale, a bias, a changed eps) by its full size, so it sees small systematic
   faults that drown in elementwise noise.
@@ -92,7 +92,10 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         mean_diff = np.abs(mean_t - mean_b)
         norm_diff = np.abs(norm_t - norm_b)
         e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, _TINY)
-        e_sys = np.fmax(norm_diff / np.sqrt(np.maximum(numel, 1.0)), mean_diff) / np.maximum(rms, _TINY)
+        # Each side's rms over its own finite elements: the same as |norm_t - norm_b| / sqrt(n) for
+        # two tensors of n finite elements, and zero for a tensor against its broadcast copy (a
+        # region's [T, T] mask against the bench's [B, 1, T, T] one).
+        e_sys = np.fmax(np.abs(rms_t - rms_b), mean_diff) / np.maximum(rms, _TINY)
         norm_rel = norm_diff / np.maximum(np.fmax(norm_t, norm_b), _TINY)
         both_zero = (amax == 0) & (rms == 0)
     e_ext = np.where(both_zero | exact, 0.0, np.nan_to_num(e_ext, nan=0.0))

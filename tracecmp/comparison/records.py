@@ -5,6 +5,7 @@ They hold ids, names and numbers, never tensors, so a result can be built by han
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 # Status of one target node after localization, worst last; render colours by it.
 STATUSES = ("agrees", "noise", "uncompared", "unpaired", "diverged", "nan")
@@ -42,7 +43,92 @@ class Divergence:
     score: float = 0.0  # error introduced by this node, in rounding units of its dtype; ranks suspects
     metrics: dict[str, float] = field(default_factory=dict)  # the deciding numbers (rel_err, cosine, ...)
     stack: str = ""
+    region: int | None = None  # id of the region (CompareResult.regions) this root is, when it is one
 
     def __str__(self) -> str:
         where = f"{self.module or '<top>'} [{self.phase}, step {self.step}]"
         return f"{self.op} in {where} at {self.location or '?'}: {self.reason}"
+
+
+# What a region is (see :class:`Region`).
+REGION_KINDS = (
+    "fused",  # one computing op on one side against several on the other (flash attention vs matmul, softmax, matmul)
+    "rewritten",  # several ops on both sides computing the same values another way
+    "pass-through",  # ops on one side only that move or cast values (autocast's _to_copy, an extra clone)
+    "extra",  # ops on the target side only that change values
+    "missing",  # ops on the bench side only that change values
+)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Target ops and bench ops that compute the same values only at their boundary.
+
+    Alignment pairs ops one to one where it can. Where it cannot (a fused kernel on one side and
+    its decomposition on the other, a different decomposition, casts that autocast inserts on one
+    side), the unpaired ops and the pairs caught between them form a region, found by dataflow:
+    its ``inputs`` are tensors that both sides read (paired), its ``outputs`` tensors that paired
+    ops downstream read in the same argument position (or the last version of a tensor both sides
+    wrote in place, such as a parameter a fused optimizer updates). A region is judged at its
+    boundary like one op; nothing inside it is compared with the other side. A one-sided region
+    (``bench_ops`` or ``target_ops`` empty) stands between a tensor and its consumer on one side
+    only.
+
+    Other stages that line up many ops with one (compiled graphs against eager ops) build the same
+    record and hand it to localization.
+
+    >>> r = Region(0, rank=0, step=0, phase="forward", module="attn.core", kind="fused",
+    ...            target_ops=(24,), bench_ops=(31, 33, 36, 37, 44), inputs=((21, 21), (23, 23), (25, 25)),
+    ...            outputs=((26, 47),))
+    >>> r.describe()
+    'fused: 1 target op against 5 bench ops in attn.core (forward)'
+    """
+
+    region_id: int
+    rank: int
+    step: int
+    phase: str
+    module: str  # the module the region's target ops share (their common dotted prefix)
+    kind: str  # one of REGION_KINDS
+    target_ops: tuple[int, ...]  # target op ids, execution order (views included)
+    bench_ops: tuple[int, ...]  # bench op ids, execution order
+    # (target tensor id, bench tensor id): what both sides read; None on the side that does not read it
+    inputs: tuple[tuple[int | None, int | None], ...]
+    outputs: tuple[tuple[int, int], ...]  # (target tensor id, bench tensor id) the region is judged on
+    target_names: tuple[str, ...] = ()  # op names of target_ops (same order), for reports
+    bench_names: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line: what kind of region, how many ops on each side, where."""
+        def count(n: int, side: str) -> str:
+            return f"{n} {side} op{'s' if n != 1 else ''}"
+
+        where = f"{self.module or '<top>'} ({self.phase})"
+        return f"{self.kind}: {count(len(self.target_ops), 'target')} against {count(len(self.bench_ops), 'bench')} in {where}"
+
+
+# Ops that only re-label or alias values; left out of a region's summary unless it has nothing else.
+VIEW_OPS = frozenset({"view", "transpose", "expand", "permute", "t", "alias", "detach", "unsqueeze", "squeeze", "slice",
+                      "select", "split", "as_strided", "_reshape_alias", "unbind", "reshape", "narrow"})
+
+
+def op_counts(names: Iterable[str], *, views: bool = False, limit: int | None = None) -> str:
+    """``bmm x2, mul, _softmax``: a region side's op names, short, counted, in order of first
+    appearance (sources and, unless ``views``, view ops left out; past ``limit`` names, "...").
+
+    >>> op_counts(["aten.bmm.default", "aten.view.default", "aten.mul.Tensor", "aten.bmm.default"])
+    'bmm x2, mul'
+    """
+    counts: dict[str, int] = {}
+    for name in names:
+        parts = str(name).split(".")
+        if parts[0] == "source" or len(parts) < 2:
+            continue
+        short = parts[1] if parts[0] == "aten" else ".".join(parts[:-1] if len(parts) > 2 else parts)
+        if short in VIEW_OPS and not views:
+            continue
+        counts[short] = counts.get(short, 0) + 1
+    items = [f"{n} x{c}" if c > 1 else n for n, c in counts.items()]
+    if limit is not None and len(items) > limit:
+        items = items[:limit] + ["..."]
+    return ", ".join(items)

@@ -9,12 +9,12 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence
+from tracecmp.comparison.records import Divergence, Region, op_counts
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
 
-NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "step", "phase", "kind", "op", "name", "module", "location", "status",
+NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "region", "step", "phase", "kind", "op", "name", "module", "location", "status",
                 "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
 
 
@@ -45,6 +45,7 @@ class CompareResult:
     exact: bool = False
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)  # many-to-many correspondences, by region_id
     job: Any = None  # several ranks: tracecmp.comparison.ranks.JobReport (ranks side by side, paths)
 
     @property
@@ -67,6 +68,7 @@ class CompareResult:
         return {
             "target nodes": len(counted),
             "paired": int(counted["bench_op_id"].notna().sum()),
+            "in regions": int(counted["region"].notna().sum()) if "region" in counted.columns else 0,
             "unpaired target": int(status.get("unpaired", 0)),
             "unpaired bench": int(len(self.unpaired_bench[self.unpaired_bench["kind"] != "view"])) if len(self.unpaired_bench) else 0,
             **{name: int(status.get(name, 0)) for name in ("agrees", "noise", "uncompared", "diverged", "nan")},
@@ -112,6 +114,10 @@ class CompareResult:
                              f"{s.kind:<11} score {_fmt(s.score)}")
         counts = self.counts()
         lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items())]
+        if self.regions:
+            kinds = pd.Series([r.kind for r in self.regions]).value_counts()
+            lines.append("Regions (ops matched as groups, judged at their boundary): "
+                         + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + " (regions.csv)")
         replayed = int(self.nodes["own_error"].notna().sum()) if "own_error" in self.nodes else 0
         if replayed:
             computing = int((self.nodes["kind"] == "op").sum())
@@ -149,16 +155,42 @@ class CompareResult:
             gaps.append("see the warnings")
         return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
 
+    def regions_frame(self) -> pd.DataFrame:
+        """One row per region (:class:`tracecmp.comparison.records.Region`): what it is, its ops on
+        each side (names and ids), its boundary, and its status as judged (that of its target ops).
+
+        >>> result.regions_frame()[["region", "kind", "target_ops", "bench_ops", "status"]]  # doctest: +SKIP
+        """
+        columns = ["rank", "region", "step", "phase", "module", "kind", "status", "root", "target_ops", "bench_ops",
+                   "target_op_ids", "bench_op_ids", "inputs", "outputs"]
+        status = {}
+        if len(self.nodes) and "region" in self.nodes.columns:
+            members = self.nodes[self.nodes["region"].notna()]
+            status = dict(zip(members["region"].astype(int).tolist(), members["status"].tolist()))
+        roots = {d.region for d in self.suspects if d.region is not None}
+        rows = []
+        for r in self.regions:
+            rows.append({
+                "rank": r.rank, "region": r.region_id, "step": r.step, "phase": r.phase, "module": r.module,
+                "kind": r.kind, "status": status.get(r.region_id, "" if r.target_ops else "bench-only"),
+                "root": r.region_id in roots, "target_ops": op_counts(r.target_names, views=not _computes(r.target_names)),
+                "bench_ops": op_counts(r.bench_names, views=not _computes(r.bench_names)),
+                "target_op_ids": " ".join(map(str, r.target_ops)), "bench_op_ids": " ".join(map(str, r.bench_ops)),
+                "inputs": " ".join(f"{'-' if t is None else t}:{'-' if b is None else b}" for t, b in r.inputs),
+                "outputs": " ".join(f"{t}:{b}" for t, b in r.outputs),
+            })
+        return pd.DataFrame(rows, columns=columns)
+
     def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
-        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv (ranks.csv for several ranks,
-        and compare.xlsx); returns the paths."""
+        """Write nodes.csv, tensors.csv, suspects.csv, unpaired_bench.csv, regions.csv (ranks.csv for
+        several ranks, and compare.xlsx); returns the paths."""
         out = Path(out_dir)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
         tables = {"nodes": self.nodes, "tensors": self.tensors, "suspects": self.suspects_frame(),
-                  "unpaired_bench": self.unpaired_bench}
+                  "unpaired_bench": self.unpaired_bench, "regions": self.regions_frame()}
         if self.job is not None:
             tables["ranks"] = self.job.to_frame()
         paths = []
@@ -183,9 +215,24 @@ class CompareResult:
 
     def suspects_frame(self) -> pd.DataFrame:
         """The suspects as a table, first divergence first, then by score."""
-        columns = ["rank", "op_id", "bench_op_id", "step", "phase", "op", "module", "location", "kind", "score", "reason"]
+        columns = ["rank", "op_id", "bench_op_id", "region", "step", "phase", "op", "module", "location", "kind", "score", "reason"]
         rows = [{c: getattr(s, c) for c in columns} for s in self.suspects]
         return pd.DataFrame(rows, columns=columns)
+
+    def selection(self, top: int = 3) -> Any:
+        """A capture filter (:class:`tracecmp.capture.select.Selection`) around the first divergence
+        and the top suspects: their modules in their steps, or None without a divergence. Paste
+        ``str()`` of it into ``TraceCompare(..., data="tensors", only=...)`` to re-run the target
+        with tensors there only (statistics everywhere, tensors for the region: replay then finds
+        what statistics hide).
+
+        >>> print(result.selection().code("runs/target"))   # doctest: +SKIP
+        tracecmp.TraceCompare("runs/target", model=model, data="tensors", only={"modules": ["blocks.1.mlp"], "steps": [0]})
+        """
+        from tracecmp.capture.select import around  # only when asked: judging does not load capture
+
+        ranked = sorted(self.suspects, key=lambda s: -s.score)
+        return around([d for d in [self.first_divergence, *ranked] if d is not None], top=top)
 
     def render(self, path: str | Path, depth: int = 2) -> Path:
         """Draw the suspicious subgraph to ``path`` (.svg / .png / .dot by suffix)."""
@@ -195,6 +242,10 @@ class CompareResult:
 
     def __repr__(self) -> str:
         return f"<CompareResult {self.verdict()}>"
+
+
+def _computes(names: tuple[str, ...]) -> bool:
+    return bool(op_counts(names))
 
 
 def _missing(value: Any) -> bool:

@@ -13,10 +13,12 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from tracecmp.errors import TracecmpError
 from tracecmp.render.chart import error_chart
+from tracecmp.comparison.records import op_counts
 from tracecmp.render.subgraph import find_focus, format_number, render_subgraph, short_op
 
 REPORT_NAME = "report.html"
@@ -96,6 +98,8 @@ def _num(value: Any) -> float:
 
 def _sort_value(value: Any) -> str:
     x = _num(value)
+    if math.isinf(x):
+        return "1e308" if x > 0 else "-1e308"  # what the page's sort can read
     return "" if math.isnan(x) else repr(x)
 
 
@@ -164,6 +168,10 @@ def _first_divergence_html(result: Any) -> str:
         ("metrics", metrics),
         ("node", f"target op {d.op_id}" + (f", bench op {d.bench_op_id}" if d.bench_op_id is not None else ", no bench counterpart")),
     ]
+    region = next((r for r in getattr(result, "regions", ()) if r.region_id == d.region), None)
+    if region is not None:
+        rows[-1] = ("region", f"{escape(region.describe())}: target <code>{escape(op_counts(region.target_names, views=True))}</code>"
+                              f" against bench <code>{escape(op_counts(region.bench_names, views=True) or 'nothing')}</code>")
     body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
     stack = (
         f"<pre>{escape(d.stack)}</pre>"
@@ -197,17 +205,41 @@ def _suspects_html(result: Any) -> str:
     return head + "".join(rows) + "</tbody></table>"
 
 
+def _regions_html(result: Any) -> str:
+    frame = result.regions_frame() if hasattr(result, "regions_frame") else pd.DataFrame()
+    if frame.empty:
+        return '<p class="note">Every op found its counterpart one to one.</p>'
+    first = result.first_divergence
+    rows = []
+    for row in frame.itertuples():
+        css = ' class="first"' if first is not None and first.region == row.region and first.rank == row.rank else ""
+        rows.append(
+            f'<tr{css}><td class="num" data-sort="{row.region}">{row.region}</td><td>{escape(row.kind)}</td>'
+            f"<td><code>{escape(row.module or '<top>')}</code></td><td>{escape(row.phase)}</td>"
+            f"<td><code>{escape(row.target_ops or '—')}</code></td><td><code>{escape(row.bench_ops or '—')}</code></td>"
+            f"<td>{escape(str(row.status))}{' (root)' if row.root else ''}</td></tr>"
+        )
+    return (
+        '<table class="sortable" id="regions-table"><thead><tr><th data-type="num">region</th><th>kind</th>'
+        "<th>module</th><th>phase</th><th>target ops</th><th>bench ops</th><th>status</th></tr></thead><tbody>"
+        + "".join(rows) + "</tbody></table>"
+    )
+
+
 def _modules_html(result: Any) -> str:
     table = module_rollup(result.nodes)
     if table.empty:
         return '<p class="note">No modules.</p>'
-    top = table["max_introduced"].max()
+    finite = table["max_introduced"][np.isfinite(table["max_introduced"].astype(float))]
+    top = finite.max() if len(finite) else 0.0  # NaN/Inf made from finite values (infinite) get the full bar
     first = result.first_divergence
     rows = []
     for row in table.itertuples():
         introduced = _num(row.max_introduced)
         width = 0.0
-        if top > 0 and introduced > 0:
+        if math.isinf(introduced) and introduced > 0:
+            width = 120.0
+        elif top > 0 and introduced > 0:
             # Log scale over eight decades below the largest: errors span orders of magnitude.
             width = max(2.0, 120 * (1 + math.log10(introduced / top) / 8))
         css = ' class="first"' if first is not None and row.module == first.module else ""
@@ -319,6 +351,11 @@ Shaded stretches are backward and optimizer ops; hover a point for its op.</p>
 <h2 id="suspects">Suspects</h2>
 <p class="note">Ranked root causes (click a header to sort).</p>
 {_suspects_html(result)}
+<h2 id="regions">Regions</h2>
+<p class="note">Ops that pair only as groups: a fused op against its decomposition, another decomposition of the
+same values, casts or copies one side makes alone. Each is compared at its boundary, never inside; in the picture a
+dashed box holds its target ops, with a note naming the bench ops it stands against.</p>
+{_regions_html(result)}
 <h2 id="modules">Modules</h2>
 <p class="note">Per module: the largest error one of its ops introduced itself (and which op), how many of its ops
 diverged; the module of the first divergence is highlighted. Click a header to sort.</p>

@@ -21,7 +21,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from tracecmp.comparison.records import STATUSES
+from tracecmp.comparison.records import STATUSES, op_counts
 from tracecmp.errors import TracecmpError
 
 FORMATS = ("svg", "png", "dot", "gv")
@@ -307,6 +307,15 @@ def select(result: Any, depth: int = 2, max_nodes: int = 60) -> Selection:
                         parent[other] = (node, direction)
                         nxt.append(other)
             frontier = nxt
+    # A root that is a region is drawn with all its ops (the picture's box around them).
+    region = info.get(root, "region")
+    if region is not None:
+        members = info.rows.index[info.rows["region"].eq(region).fillna(False).to_numpy(bool)] if "region" in info.rows.columns else []
+        for member in members:
+            member = int(member)
+            if member != root and member in graph and not info.is_view(member) and member not in distance:
+                distance[member] = 1
+                parent[member] = (root, "up" if member < root else "down")
     root_phase = info.get(root, "phase")
 
     def priority(node: int) -> tuple[Any, ...]:
@@ -512,9 +521,19 @@ def build_dot(result: Any, depth: int = 2, max_nodes: int = 60) -> str:
     errors = [info.error(n) for n in sel.shown if info.status(n) == "diverged" and info.error(n) > 0]
     low, high = (min(errors), max(errors)) if errors else (1.0, 1.0)
     by_module: dict[str, list[str]] = defaultdict(list)
+    regions = {r.region_id: r for r in getattr(result, "regions", ()) if r.rank == sel.focus.rank}
+    in_region: dict[int, list[str]] = defaultdict(list)
     for node in sel.shown:
         attrs = _node_attrs(info, node, low, high, node == root, sel.focus.tag)
-        by_module[str(info.get(node, "module", "") or "")].append(f"n{node} [{_attr_text(attrs)}];")
+        region = info.get(node, "region")
+        if region is not None and int(region) in regions:
+            in_region[int(region)].append(f"n{node} [{_attr_text(attrs)}];")
+        else:
+            by_module[str(info.get(node, "module", "") or "")].append(f"n{node} [{_attr_text(attrs)}];")
+    root_region = info.get(root, "region") if root is not None else None
+    for region_id, statements in in_region.items():
+        region = regions[region_id]
+        by_module[region.module].append(_region_cluster(region, statements, region_id == root_region))
     for index, (anchor, direction, hidden) in enumerate(sel.more):
         names = sorted({short_op(str(info.get(h, "op", "?"))) for h in hidden})
         listed = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
@@ -540,13 +559,13 @@ def build_dot(result: Any, depth: int = 2, max_nodes: int = 60) -> str:
             + (' fontcolor="' + _ROOT_COLOR + '";' if module == root_module else "")
         )
         for statement in by_module.get(module, []):
-            lines.append(f"{pad}  {statement}")
+            lines.append(f"{pad}  " + statement.replace("\n", f"\n{pad}  "))
         for child in tree.get(module, []):
             emit(child, indent + 1)
         lines.append(f"{pad}}}")
 
     for statement in by_module.get("", []):
-        lines.append(f"  {statement}")
+        lines.append("  " + statement.replace("\n", "\n  "))
     for module in tree.get("", []):
         emit(module, 1)
     for producer, consumer, label in sel.edges:
@@ -558,6 +577,25 @@ def build_dot(result: Any, depth: int = 2, max_nodes: int = 60) -> str:
         lines.append(f'  {pair[0]} -> {pair[1]} [style=dashed, color="#999999"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _region_cluster(region: Any, statements: list[str], is_root: bool) -> str:
+    """A box around a region's target ops, titled with its kind, and a note naming the bench ops
+    it stands against (tracecmp.comparison.records.Region)."""
+    counter = next(_REGION_BOXES)
+    bench = op_counts(region.bench_names, limit=6) or (
+        f"views only ({op_counts(region.bench_names, views=True, limit=6)})" if region.bench_names else "nothing (target-only ops)")
+    title = f"region {region.region_id} · {region.kind}"
+    note = (f'region{region.region_id}_{counter} [shape=note, style="filled", fillcolor="#ffffff", color="#999999", '
+            f'fontsize=8, label="{_dot_escape("bench: " + bench)}"];')
+    color = _ROOT_COLOR if is_root else "#6a51a3"
+    body = "\n".join(["  " + st for st in statements] + ["  " + note])
+    return (f"subgraph cluster_region{region.region_id}_{counter} {{\n"
+            f'  label="{_dot_escape(title)}"; style="dashed,rounded"; color="{color}"; penwidth=2; fontsize=10; '
+            f'fontcolor="{color}";\n{body}\n}}')
+
+
+_REGION_BOXES = iter(range(1 << 62))
 
 
 def run_dot(text: str, fmt: str) -> bytes | None:

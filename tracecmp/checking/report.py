@@ -1,0 +1,239 @@
+"""The HTML report and the picture of a ``check``: compare's report pieces, in check's words.
+
+The page reads top to bottom: the verdict (and whether the evidence is statistics only), the
+first erring op with its source line and stack, the graph around it, the own error of every op
+along the run, the ranked suspects, the modules, the ops that could not be judged and why, and
+the capture filter for a re-run with tensors around the suspects.
+"""
+from __future__ import annotations
+
+import math
+import time
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tracecmp.errors import TracecmpError
+from tracecmp.render.chart import error_chart
+from tracecmp.render.html import _CSS, _JS, _inline_svg, module_rollup
+from tracecmp.render.subgraph import build_dot, format_number, run_dot, short_op
+
+REPORT_NAME = "check.html"
+PICTURE_NAME = "check.svg"
+# compare's legend and labels, as check says them.
+_WORDS = (
+    (">agrees<", ">pass<"), (">noise<", ">warning<"), (">diverged<", ">error<"), (">unpaired<", ">—<"),
+    ("FIRST DIVERGENCE", "FIRST ERROR"), ("LARGEST ERROR", "LARGEST OWN ERROR"),
+    ("err: output error in rounding units (u) of its dtype; own: what the op added itself",
+     "err: own error against a float64 replay of its inputs, in rounding units (u) of its dtype"),
+    ("First divergence:", "First erring op:"), ("No divergence: the runs agree", "No op errs"),
+    ("Could not compare: no divergence found, but not everything was compared", "No op errs among those judged"),
+)
+
+
+class _View:
+    """A :class:`~tracecmp.checking.result.CheckResult` as compare's picture code reads a result."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.nodes = result.render_nodes()
+        self.first_divergence = result.first_error
+        self.suspects = result.suspects
+        self.agrees = result.passed
+        self.target = result.trace
+
+    def graph(self, rank: int = 0, step: int | None = None) -> Any:
+        return self.result.graph(rank=rank, step=step)
+
+
+def _words(text: str) -> str:
+    for old, new in _WORDS:
+        text = text.replace(old, new)
+    return text
+
+
+def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: int = 60) -> Path:
+    """Draw the first erring op (or the worst op) with its producers and consumers; .svg/.png/.dot by suffix."""
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in ("svg", "png", "dot", "gv"):
+        raise TracecmpError(f"cannot render to {path.suffix or 'a file without suffix'}: use .svg, .png or .dot", path=path)
+    text = _words(build_dot(_View(result), depth=depth, max_nodes=max_nodes))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fmt in ("dot", "gv"):
+            path.write_text(text, encoding="utf-8")
+            return path
+        data = run_dot(text, fmt)
+        if data is None:
+            fallback = path.with_suffix(".dot")
+            fallback.write_text(text, encoding="utf-8")
+            return fallback
+        path.write_bytes(data)
+    except OSError as exc:
+        raise TracecmpError(f"cannot write the picture: {exc.strerror}", path=path) from exc
+    return path
+
+
+def _counts_html(counts: dict[str, int]) -> str:
+    css = {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""}
+    return '<div class="counts">' + "".join(
+        f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
+        for name, value in counts.items()
+    ) + "</div>"
+
+
+def _first_html(result: Any) -> str:
+    d = result.first_error
+    if d is None:
+        return '<p class="note">No op errs.</p>'
+    metrics = ", ".join(f"{escape(k)} = {format_number(v)}" for k, v in d.metrics.items() if not _nan(v)) or "—"
+    evidence = result._evidence_of(d)
+    rows = [
+        ("op", f"<code>{escape(d.op)}</code>"),
+        ("module", f"<code>{escape(d.module or '<top>')}</code>"),
+        ("where", f"{escape(d.phase)}, step {d.step}, rank {d.rank}"),
+        ("source line", f"<code>{escape(d.location or '?')}</code>"),
+        ("why", escape(d.reason)),
+        ("evidence", escape(evidence)),
+        ("beyond the standard", f"{format_number(d.score)}x"),
+        ("metrics", metrics),
+        ("node", f"op {d.op_id}"),
+    ]
+    body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
+    stack = (f"<pre>{escape(d.stack)}</pre>" if d.stack else
+             '<p class="note">No stack recorded (capture with <code>TraceCompare(..., stack=True)</code> to keep it).</p>')
+    return f'<dl class="first">{body}</dl><h3>Stack</h3>{stack}'
+
+
+def _suspects_html(result: Any) -> str:
+    if not result.suspects:
+        return '<p class="note">No erring op.</p>'
+    first = result.first_error
+    rows = []
+    for index, d in enumerate(result.suspects, 1):
+        css = ' class="first"' if first is not None and (d.rank, d.op_id) == (first.rank, first.op_id) else ""
+        score = d.score if math.isfinite(d.score) else 1e308
+        rows.append(
+            f'<tr{css}><td class="num" data-sort="{index}">{index}</td>'
+            f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
+            f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
+            f'<td class="num" data-sort="{d.step}">{d.step}</td>'
+            f'<td class="num" data-sort="{score!r}">{format_number(d.score)}x</td>'
+            f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
+        )
+    return ('<table class="sortable" id="suspects-table"><thead><tr><th data-type="num">#</th><th>op</th><th>module</th>'
+            '<th>phase</th><th data-type="num">step</th><th data-type="num">beyond the standard</th><th>why</th>'
+            "<th>source line</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def _modules_html(result: Any) -> str:
+    nodes = result.render_nodes()
+    erring = pd.to_numeric(result.nodes["score"], errors="coerce").where(result.nodes["status"] == "error")
+    nodes = nodes.assign(introduced=erring)
+    table = module_rollup(nodes)
+    if table.empty:
+        return '<p class="note">No modules.</p>'
+    rows = []
+    for row in table.itertuples():
+        worst = "" if _nan(row.max_introduced) else format_number(row.max_introduced)
+        rows.append(
+            f"<tr><td><code>{escape(row.module or '<top>')}</code></td><td class=\"num\">{row.ops}</td>"
+            f'<td class="num">{row.diverged}</td><td class="num">{worst}</td>'
+            f"<td>{escape(row.introduced_by)}</td><td><code>{escape(row.first_diverged)}</code></td></tr>"
+        )
+    return ('<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
+            '<th data-type="num">erring ops</th><th data-type="num">worst (x the standard)</th><th>by</th>'
+            "<th>first erring op</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def _skipped_html(result: Any) -> str:
+    table = result.skipped()
+    if table.empty:
+        return '<p class="note">Every op was judged.</p>'
+    rows = "".join(f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td>'
+                   f'<td><code>{escape(row.names)}</code></td></tr>'
+                   for row in table.itertuples())
+    return ('<table class="sortable" id="skipped-table"><thead><tr><th data-type="num">ops</th><th>why skipped</th>'
+            f"<th>ops such as</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
+def _nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes: int = 60) -> Path:
+    """Write ``out_dir/check.html`` (self-contained) and ``out_dir/check.svg``; returns the report's path.
+
+    >>> write_report(tracecmp.check("runs/target"), "out")   # doctest: +SKIP
+    PosixPath('out/check.html')
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
+    picture = render_subgraph(result, out / PICTURE_NAME, depth=depth, max_nodes=max_nodes)
+    if picture.suffix == ".svg":
+        graph = f'<div class="figure graph">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+    else:
+        graph = ('<p class="note">graphviz <code>dot</code> is not installed: the graph as DOT text '
+                 f"(also in <code>{escape(picture.name)}</code>).</p><pre>{escape(picture.read_text(encoding='utf-8'))}</pre>")
+    sentence = result.verdict()
+    css = "diverged" if result.first_error is not None else ("agree" if result.counts()["pass"] else "incomplete")
+    warnings = "".join(f'<div class="warn">Warning: {escape(w)}</div>' for w in result.warnings)
+    notes = "".join(f"<li>{escape(n)}</li>" for n in result.notes)
+    selection = result.selection()
+    rerun = (f"<h2 id=\"rerun\">Re-run with tensors around the suspects</h2><p class=\"note\">Statistics for every op, whole "
+             f"tensors only where it matters; then check again.</p><pre>{escape(selection.code(str(result.trace.path)))}</pre>"
+             if selection is not None else "")
+    render_nodes = result.render_nodes()
+    focus_rank = result.first_error.rank if result.first_error is not None else (result.ranks[0] if result.ranks else 0)
+    chart = _words(error_chart(render_nodes, root=result.first_error.op_id if result.first_error else None, rank=focus_rank))
+    chart = chart.replace("first divergence:", "first error:")
+    chart = chart.replace("output error (rounding units, log)", "own error (rounding units, log)")
+    from tracecmp import __version__
+
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>tracecmp check — {escape(css)}</title>
+<style>{_CSS}</style></head>
+<body><main>
+<h1>tracecmp check</h1>
+<div class="runs">trace: <code>{escape(str(result.trace.path))}</code> · evidence: {escape(result.evidence)}</div>
+<div class="verdict {css}" id="verdict">{escape(sentence)}</div>
+{warnings}
+{_counts_html(result.counts())}
+<h2 id="first-error">First erring op</h2>
+{_first_html(result)}
+<h2 id="graph">Around it</h2>
+<p class="note">The op with its producers and consumers ({depth} hops), grouped by module; colour is the verdict.</p>
+{graph}
+<h2 id="chart">Own error along the run</h2>
+<p class="note">Each op's own error against a float64 replay of its inputs, in rounding units of its dtype, in
+execution order (rank {focus_rank}); statistics-judged ops show their pinned statistics' deviation.</p>
+<div class="figure">{chart}</div>
+<h2 id="suspects">Erring ops</h2>
+<p class="note">Ranked by how far beyond the standard (click a header to sort).</p>
+{_suspects_html(result)}
+<h2 id="modules">Modules</h2>
+{_modules_html(result)}
+<h2 id="skipped">Not judged</h2>
+<p class="note">Ops that could not be replayed, never counted as passing.</p>
+{_skipped_html(result)}
+{rerun}
+<h2 id="notes">Notes</h2><ul>{notes}</ul>
+<footer>tracecmp {escape(__version__)} · {escape(time.strftime("%Y-%m-%d %H:%M:%S"))}</footer>
+</main>
+<script>{_JS}</script>
+</body></html>
+"""
+    path = out / REPORT_NAME
+    try:
+        path.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise TracecmpError(f"cannot write the report: {exc.strerror}", path=path) from exc
+    return path
