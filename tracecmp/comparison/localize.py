@@ -150,6 +150,10 @@ class RankInput:
     # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
     region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
     region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (replay.py)
+    # For pairs whose bench partner holds another value (see _crossed_pairs):
+    bench_inputs: Mapping[int, list[int]] = field(default_factory=dict)  # bench op_id -> input tensor ids (view bases)
+    bench_producer: Mapping[int, int] = field(default_factory=dict)  # bench tensor id -> producer op_id
+    partner: Mapping[int, int] = field(default_factory=dict)  # target tensor id -> bench tensor id
 
 
 def _norm_args(text: str) -> Any:
