@@ -513,6 +513,10 @@ class Injector:
         self._shared = _Shared()
         self._phases = _Phases()
         self._modules = _Modules(model)
+        # One SiteMode for the whole run, so that call counts go on across steps when a run
+        # enters inner() once per step (as it must: TraceCompare leaves and re-enters its own
+        # mode at a step's hand-over, which pops whatever mode sits above it).
+        self._site_mode = SiteMode(plan, self._shared, self.obs, self._phases, self._modules, self.calls, self.outputs)
 
     @contextmanager
     def outer(self) -> Iterator[None]:
@@ -524,7 +528,7 @@ class Injector:
         self._phases.install()
         self._modules.install()
         try:
-            with SiteMode(self.plan, self._shared, self.obs, self._phases, self._modules, self.calls, self.outputs):
+            with self._site_mode:
                 yield
         finally:
             self._modules.remove()

@@ -93,6 +93,8 @@ class Result:
     exact: bool = False  # ... and it is the very same node (op_id)
     top3: bool = False
     rank: int | None = None  # 1-based position of the truth among the ranked suspects
+    roots: int = 0  # how many roots compare reported
+    suspects_exact: bool = False  # every root is the fault itself (or its own backward, for an argument)
     outcome: str = ""  # hit | missed | early | late | same-node-other-attrs | false-alarm | clean | error
     truth_detail: dict[str, Any] = field(default_factory=dict)  # compare's verdict on the true op
     warnings: list[str] = field(default_factory=list)
@@ -240,6 +242,21 @@ def _blank(v: Any) -> bool:
     return v is None or (isinstance(v, str) and v == "") or (isinstance(v, float) and math.isnan(v))
 
 
+def suspects_exact(suspects: list[Any], truth: Record) -> bool:
+    """True when compare reported the fault and nothing else: every root is the true node, or an
+    argument root at that op's own backward in the same module (a changed argument both share)."""
+    parts = truth.op.split(".")
+    backward = parts[1] + "_backward" if len(parts) >= 3 else ""
+    for d in suspects:
+        if d.op_id == truth.op_id:
+            continue
+        name = d.op.split(".")[1] if d.op.count(".") >= 2 else d.op
+        if d.kind == "argument" and backward and name == backward and d.module == truth.module:
+            continue
+        return False
+    return bool(suspects)
+
+
 def score(case: Case, result: Any, truth: Record | None, out: Result) -> None:
     """Fill the scoring fields of ``out`` from a CompareResult."""
     first = result.first_divergence
@@ -251,10 +268,12 @@ def score(case: Case, result: Any, truth: Record | None, out: Result) -> None:
         if all(rec.op_id != r.op_id for r in ranked):
             ranked.append(rec)
     out.ranked = ranked[:10]
+    out.roots = len(result.suspects or [])
     if not case.expect_divergence:
         out.outcome = "clean" if first is None else "false-alarm"
         return
     assert truth is not None
+    out.suspects_exact = suspects_exact(result.suspects or [], truth)
     out.top1 = out.found is not None and _matches(out.found, truth)
     out.exact = out.top1 and out.found is not None and out.found.op_id == truth.op_id
     hits = [i for i, r in enumerate(ranked) if _matches(r, truth)]
@@ -402,6 +421,8 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
         f"runtime {seconds:.0f} s",
         f"- **top-1: {_pct(sum(r.top1 for r in pos), n)}** (goal >= 95%); exact node: {_pct(sum(r.exact for r in pos), n)}; "
         f"**top-3: {_pct(sum(r.top3 for r in pos), n)}**",
+        f"- suspects exactly the fault (no other root; goal >= 95%): {_pct(sum(r.suspects_exact for r in pos), n)}; "
+        f"plain variant: {_pct(sum(r.suspects_exact for r in plain), len(plain))}",
         f"- top-1 with identical structure and no background noise (variant plain): "
         f"{_pct(sum(r.top1 for r in plain), len(plain))} (goal 100%)",
         f"- top-1 under tf32 background where the fault is >= 10x the background at its site: "
@@ -443,13 +464,14 @@ def _group_table(title: str, rows: list[Result], key: Any) -> list[str]:
     groups: dict[str, list[Result]] = defaultdict(list)
     for r in rows:
         groups[key(r)].append(r)
-    out = [f"### {title}", "", "| group | n | top-1 | top-3 | exact node | missed | early | late |", "|---|---|---|---|---|---|---|---|"]
+    out = [f"### {title}", "", "| group | n | top-1 | top-3 | exact node | missed | early | late | suspects exact |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for name in sorted(groups):
         g = groups[name]
         out.append(
             f"| {name} | {len(g)} | {_pct(sum(r.top1 for r in g), len(g))} | {_pct(sum(r.top3 for r in g), len(g))} | "
             f"{sum(r.exact for r in g)} | {sum(r.outcome == 'missed' for r in g)} | {sum(r.outcome == 'early' for r in g)} | "
-            f"{sum(r.outcome == 'late' for r in g)} |"
+            f"{sum(r.outcome == 'late' for r in g)} | {_pct(sum(r.suspects_exact for r in g), len(g))} |"
         )
     return out + [""]
 

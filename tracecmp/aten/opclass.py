@@ -50,12 +50,17 @@ class OpClass:
     # the product of the others: its absolute error carries over), "normalized" (divided by its
     # own spread: a scale or shift it carried does not reach the output's norm and mean).
     inputs: tuple[tuple[int, str], ...] = ()
+    # normalize: what each output is, by position (see _NORM_OUTPUTS); "" past the end.
+    outputs: tuple[str, ...] = ()
 
     def input_rule(self, position: int) -> str:
         for pos, how in self.inputs:
             if pos == position:
                 return how
         return ""
+
+    def output_role(self, position: int) -> str:
+        return self.outputs[position] if position < len(self.outputs) else ""
 
 
 _COPY = {
@@ -171,7 +176,34 @@ _NORMALIZE = {"native_layer_norm", "layer_norm", "native_batch_norm", "batch_nor
               "cudnn_batch_norm_backward", "_fused_rms_norm_backward", "batch_norm_backward", "_batch_norm_with_update",
               "_batch_norm_with_update_functional", "_batch_norm_no_update", "normalize", "renorm", "weight_norm",
               "_weight_norm_interface", "_weight_norm_interface_backward", "local_response_norm",
-              "batch_norm_stats", "batch_norm_elemt", "batch_norm_gather_stats_with_counts", "_fused_layer_norm"}
+              "batch_norm_stats", "batch_norm_elemt", "batch_norm_gather_stats_with_counts", "_fused_layer_norm",
+              "miopen_batch_norm_backward"}
+# What each output of a normalization op holds, by position: the normalized tensor ("out"), the
+# per-row (per-channel) mean and inverse spread it used ("mean", "rstd"), updated running
+# statistics ("running"), scratch space ("reserve"); for backward ops the input's gradient
+# ("grad") and the weight's and bias's, sums over the rows ("reduced"). They carry error
+# differently: a mean moves with its input's mean, an inverse spread with its scale.
+_NORM_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "native_layer_norm": ("out", "mean", "rstd"),
+    "native_group_norm": ("out", "mean", "rstd"),
+    "native_batch_norm": ("out", "mean", "rstd"),
+    "_native_batch_norm_legit": ("out", "mean", "rstd"),
+    "_native_batch_norm_legit_no_training": ("out", "mean", "rstd"),
+    "_native_batch_norm_legit_functional": ("out", "mean", "rstd", "running", "running"),
+    "_batch_norm_with_update": ("out", "mean", "rstd", "reserve"),
+    "_batch_norm_with_update_functional": ("out", "mean", "rstd", "reserve", "running", "running"),
+    "_batch_norm_no_update": ("out", "mean", "rstd", "reserve"),
+    "cudnn_batch_norm": ("out", "mean", "rstd", "reserve"),
+    "miopen_batch_norm": ("out", "mean", "rstd"),
+    "_fused_rms_norm": ("out", "rstd"),
+    "native_layer_norm_backward": ("grad", "reduced", "reduced"),
+    "native_group_norm_backward": ("grad", "reduced", "reduced"),
+    "native_batch_norm_backward": ("grad", "reduced", "reduced"),
+    "batch_norm_backward": ("grad", "reduced", "reduced"),
+    "cudnn_batch_norm_backward": ("grad", "reduced", "reduced"),
+    "miopen_batch_norm_backward": ("grad", "reduced", "reduced"),
+    "_fused_rms_norm_backward": ("grad", "reduced"),
+}
 _SELECT = {"sign", "sgn",
            "round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "frac", "eq", "ne", "lt", "le",
            "gt", "ge", "eq_", "ne_", "lt_", "le_", "gt_", "ge_", "isnan", "isinf", "isfinite", "isclose", "argmax",
@@ -231,7 +263,8 @@ def classify(op: str) -> OpClass:
         return OpClass("contract", precision_variable=True, accumulates=True, operands=operands)
     if name in _NORMALIZE:
         forward = not name.endswith(("_backward", "backward")) and name not in _NORM_STATS
-        return OpClass("normalize", accumulates=True, inputs=((0, "normalized"),) if forward else ())
+        return OpClass("normalize", accumulates=True, inputs=((0, "normalized"),) if forward else (),
+                       outputs=_NORM_OUTPUTS.get(name, ()))
     if name in _REDUCE_MEAN:
         return OpClass("reduce", mean_like=True, accumulates=True)
     if name in _REDUCE_SUM:

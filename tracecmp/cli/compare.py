@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--steps", type=_int_list, metavar="S,S", help="compare only these steps")
     parser.add_argument("--ranks", type=_int_list, metavar="R,R", help="compare only these ranks")
     parser.add_argument("--tol", metavar="SPEC", default="",
-                        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,'
+                        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,downstream=32,'
                         'replay_margin=4,replay_local=4,allow_tf32=0"')
     parser.add_argument("--xlsx", action="store_true", help="also write compare.xlsx (needs openpyxl)")
     parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")

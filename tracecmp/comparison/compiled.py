@@ -581,7 +581,7 @@ def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pair
     values depart from the eager ones (:func:`_narrow`). A decomposition's rounding is the sum of
     what honest kernels make in its ops (``own_errors``: :func:`tracecmp.replay.replay_rank`).
     """
-    from tracecmp.trace.saved import SavedTensors
+    from tracecmp.replay import Replayer
 
     for unit in units.units:
         if unit.kind == "decomposition":
@@ -589,12 +589,14 @@ def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pair
             if honest and len(honest) == len([o for o in unit.members if o in own_errors or o in unit.judged]):
                 unit.rounding = sum(honest)
     regions = [u for u in units.units if u.kind == "region"]
-    t_bind, b_bind = _recorded_values(t_rank), _recorded_values(b_rank)
-    if not regions or t_bind is None:
+    if not regions:
         return
-    with SavedTensors(t_rank) as t_saved, SavedTensors(b_rank) as b_saved:
-        t_get = t_bind(t_saved)
-        b_get = b_bind(b_saved) if b_bind is not None else None
+    # Recorded values by tensor id, views rebuilt from their base, read as replay reads them.
+    with Replayer(t_rank) as t_side, Replayer(b_rank) as b_side:
+        if not t_side.has_data:
+            return
+        t_get = t_side.value
+        b_get = b_side.value if b_side.has_data else None
         for unit in regions:
             try:
                 _judge_region(unit, t_get, b_get, pairing, measured, tol)
@@ -602,25 +604,6 @@ def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pair
                 unit.own = None
                 units.warnings.append(f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed "
                                       f"({type(exc).__name__}: {exc})")
-
-
-def _recorded_values(rank: RankTrace) -> Callable[[Any], Callable[[int], Any]] | None:
-    """A loader of recorded values by tensor id (views rebuilt from their base), or None without data."""
-    from tracecmp.replay import _Op, _Values
-
-    tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "data_key"]).to_pydict()
-    if not any(tensors["data_key"]):
-        return None
-    info = {t: (op, idx, dtype, -1 if view is None else view, key) for t, op, idx, dtype, view, key in zip(
-        tensors["tensor_id"], tensors["op_id"], tensors["index"], tensors["dtype"], tensors["view_of"], tensors["data_key"])}
-    table = rank.ops_table.select(["op_id", "kind", "op", "args", "inputs", "outputs", "random"]).to_pydict()
-    ops = {o: _Op(o, k, n, a or "{}", list(i or ()), list(out or ()), bool(r)) for o, k, n, a, i, out, r in zip(
-        table["op_id"], table["kind"], table["op"], table["args"], table["inputs"], table["outputs"], table["random"])}
-
-    def bind(saved: Any) -> Callable[[int], Any]:
-        return _Values(saved, info, ops).get
-
-    return bind
 
 
 def _judge_region(unit: Unit, t_get: Callable[[int], Any], b_get: Callable[[int], Any] | None, pairing: Pairing,

@@ -325,6 +325,8 @@ def _prepare_rank(
         reduced_precision=reduced, regions={r.region_id: r for r in match.regions}, member_of=match.member_of,
         bench_only=match.bench_only, region_ops=region_ops, region_values=region_values, region_replays=region_replays,
         units=units.by_judged,
+        bench_inputs={op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])},
+        bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())), partner=partner,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)

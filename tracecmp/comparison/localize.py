@@ -153,6 +153,10 @@ class RankInput:
     # Ops judged for a compiled unit as a whole (comparison/compiled.py): op id -> its Unit, whose
     # decide() replaces the rules below for them.
     units: Mapping[int, Any] = field(default_factory=dict)
+    # For pairs whose bench partner holds another value (see _crossed_pairs):
+    bench_inputs: Mapping[int, list[int]] = field(default_factory=dict)  # bench op_id -> input tensor ids (view bases)
+    bench_producer: Mapping[int, int] = field(default_factory=dict)  # bench tensor id -> producer op_id
+    partner: Mapping[int, int] = field(default_factory=dict)  # target tensor id -> bench tensor id
 
 
 def _norm_args(text: str) -> Any:
@@ -204,10 +208,105 @@ def _schema_defaults(op: str) -> dict[str, Any]:
     return defaults
 
 
+@lru_cache(maxsize=1)
+def _dtype_constants() -> dict[float, frozenset[str]]:
+    """Values that are a property of a floating dtype (``torch.finfo``: min, max, eps, tiny and the
+    smallest subnormal of float16, bfloat16, float32, float64), as :func:`_norm_args` writes them,
+    to the properties they are.
+
+    A program that fills a mask with ``torch.finfo(x.dtype).min`` or guards a division with
+    ``finfo(dtype).eps`` passes its own dtype's value: in a bf16 run another number than in an
+    fp32 run, yet the same argument. (``resolution``, a round power of ten, and the float8 types'
+    small round numbers are left out: they are also the values people write by hand.)
+    """
+    import torch
+
+    table: dict[float, set[str]] = defaultdict(set)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        info = torch.finfo(dtype)
+        for name, value in (("max", info.max), ("eps", info.eps), ("tiny", info.tiny), ("subnormal", info.tiny * info.eps)):
+            table[float(f"{value:.9g}")].add(name)
+            table[float(f"{-value:.9g}")].add("-" + name)
+    return {value: frozenset(names) for value, names in table.items()}
+
+
+def _same_argument(x: Any, y: Any) -> bool:
+    """Equal, or the same dtype property (``finfo(dtype).min`` and the like) of each run's own dtype."""
+    if x == y:
+        return True
+    if isinstance(x, float) and isinstance(y, float):
+        constants = _dtype_constants()
+        return bool(constants.get(x, frozenset()) & constants.get(y, frozenset()))
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_same_argument(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return set(x) == set(y) and all(_same_argument(x[k], y[k]) for k in x)
+    return False
+
+
+def _dtype_constant_args(t_args: str, b_args: str) -> bool:
+    """The arguments differ only by properties of each run's own dtype (see :func:`_same_argument`)."""
+    if t_args == b_args or not b_args:
+        return False
+    a, b = _norm_args(t_args), _norm_args(b_args)
+    return a != b and _same_argument(a, b)
+
+
+def _constant_pairs(x: Any, y: Any) -> Iterable[tuple[float, float]]:
+    """The (target, bench) pairs of unequal floats in two argument structures of one shape."""
+    if isinstance(x, float) and isinstance(y, float):
+        if x != y:
+            yield x, y
+    elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        for a, b in zip(x, y):
+            yield from _constant_pairs(a, b)
+    elif isinstance(x, dict) and isinstance(y, dict):
+        for key in x.keys() & y.keys():
+            yield from _constant_pairs(x[key], y[key])
+
+
+def _constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, ins: list[tuple[int, TensorState]],
+                    rstd: TensorState | None) -> tuple[float, float, float]:
+    """Error (ext, sys, rms channels) the output shows because each run took its own dtype's constant.
+
+    ``finfo(dtype).eps`` added to a norm, ``finfo(dtype).min`` filling a mask: the same argument,
+    yet other numbers (bf16's eps is 0.0078, float32's 1.2e-7), so the output may move by up to
+    their difference: as an absolute shift (a sum, a clamp, a fill), a relative one (a product
+    or quotient), or through a normalization's variance (its epsilon). Zero when the arguments
+    are equal or differ otherwise (then the difference is an argument root).
+    """
+    if not b_args or t_args == b_args or not _dtype_constant_args(t_args, b_args):
+        return 0.0, 0.0, 0.0
+    amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
+    ext = sys_ = env = 0.0
+    for a, b in _constant_pairs(_norm_args(t_args), _norm_args(b_args)):
+        shift = abs(a - b)
+        if cls.kind == "normalize":
+            # 1/sqrt(var + eps): relative error up to half the shift over the variance
+            x = ins[0][1] if ins else None
+            var = 1.0 / rstd.rms ** 2 if rstd is not None and rstd.rms > 0 else (
+                max(x.rms ** 2 - x.mean ** 2, 0.0) if x is not None else 0.0)
+            rel = min(CAP, 0.5 * shift / max(var, _TINY))
+            ext, sys_, env = ext + rel, sys_ + rel, env + rel
+        elif cls.kind in ("product", "exp", "other"):
+            rel = min(CAP, shift / max(min(abs(a), abs(b)), _TINY))
+            ext, sys_, env = ext + rel, sys_ + rel, env + rel
+        else:
+            ext, sys_, env = ext + shift / amax_o, sys_ + shift / rms_o, env + shift / rms_o
+    return ext, sys_, env
+
+
 def _arg_difference(t_args: str, b_args: str, op: str = "") -> str:
     """Empty when the arguments agree, else a short description of the first difference.
 
-    An argument passed explicitly with its default value equals one left out (``alpha=1``).
+    An argument passed explicitly with its default value equals one left out (``alpha=1``), and
+    a property of each run's own dtype equals its counterpart (``finfo(bfloat16).min`` against
+    ``finfo(float32).min``).
+
+    >>> _arg_difference('{"value": -3.3895313892515355e+38}', '{"value": -3.4028234663852886e+38}')
+    ''
+    >>> _arg_difference('{"eps": 1e-05}', '{"eps": 1e-06}')
+    'eps=1e-05 vs 1e-06'
     """
     if t_args == b_args:
         return ""
@@ -225,14 +324,16 @@ def _arg_difference(t_args: str, b_args: str, op: str = "") -> str:
             # that input's, not here.
             if {type(a[key]), type(b[key])} & {int, float} and "<tensor>" in (a[key], b[key]):
                 a[key] = b[key] = "<tensor>"
-        if a == b:
+        if _same_argument(a, b):
             return ""
         for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
+            if not _same_argument(a.get(key), b.get(key)):
                 return f"{key}={a.get(key)!r} vs {b.get(key)!r}"
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        if _same_argument(a, b):
+            return ""
         for index, (x, y) in enumerate(zip(a, b)):
-            if x != y:
+            if not _same_argument(x, y):
                 return f"argument {index}: {x!r} vs {y!r}"
     return f"{t_args} vs {b_args}"
 
@@ -245,8 +346,81 @@ def _inverse_factor(s: TensorState) -> float:
     return min(CAP, max(1.0, max(abs(s.lo), abs(s.hi)) / max(small, _TINY)))
 
 
-def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: TensorState) -> tuple[float, float, float]:
-    """Error (ext, sys, rms channels) the output would show if the op were exact and only inputs were off."""
+def _norm_condition(x: TensorState, rstd: TensorState | None) -> float:
+    """How much normalizing ``x`` amplifies its relative error: rms(x) over the spread it is divided
+    by. The op's own inverse-spread output gives that spread row by row (rms(x) * rms(rstd)); the
+    tensor-wide mean gives it only where every row has the same mean (rms(x) / std(x))."""
+    spread = math.sqrt(max(x.rms * x.rms - x.mean * x.mean, 0.0))
+    kappa = x.rms / max(spread, _TINY)
+    if rstd is not None and rstd.measured and rstd.rms > 0:
+        kappa = max(kappa, x.rms * rstd.rms)
+    return min(CAP, max(1.0, kappa))
+
+
+def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorState]], out: TensorState,
+                        rstd: TensorState | None) -> tuple[float, float, float, float]:
+    """The prediction (ext, sys, rms channels, and the sys channel's random envelope before
+    averaging) for one output of a normalization op (see ``_NORM_OUTPUTS`` in opclass).
+
+    * ``out``/``grad``: the normalized tensor (a forward op's input 0 is divided by its own spread,
+      so a scale of it does not reach the norm and mean) or the input's gradient;
+    * ``mean``: a mean over each row of input 0, moving with its mean and up to its largest error;
+    * ``rstd``, ``running``: one over the spread of each row: relative error as the normalized
+      tensor's, a scale of the input included;
+    * ``reduced``: the weight's or bias's gradient, a sum over the rows of the incoming gradient
+      (times the normalized input): terms that cancel amplify their relative error.
+    """
+    amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
+    forward = bool(cls.inputs)  # forward ops mark input 0 as normalized
+    ext = sys_ = env = env_sys = 0.0
+    grad = next((s for pos, s in ins if pos == 0), None)
+    x_state = next((s for pos, s in ins if pos == (0 if forward else 1)), None)
+    kappa_x = _norm_condition(x_state, rstd) if x_state is not None else 1.0
+    for pos, s in ins:
+        mix, lvl = s.mix_level, s.level
+        abs_err, env_before = lvl * s.rms, env
+        if role == "mean":
+            if pos != 0:
+                continue  # a row's mean depends on the input alone
+            k = max(s.numel / max(out.numel, 1), 1.0)
+            kappa = min(CAP, max(1.0, s.rms / (math.sqrt(k) * rms_o)))
+            ext += max(kappa * mix, abs_err / amax_o)
+            sys_ += max(kappa * s.c_sys, s.c_sys * s.rms / rms_o)
+            env += max(kappa * mix, abs_err / rms_o)
+        elif role == "reduced" and grad is not None:
+            # sum over k rows of grad * normalized input: each term's relative error is the
+            # gradient's plus the normalized input's (kappa_x times the input's own).
+            k = max(grad.numel / max(out.numel, 1), 1.0)
+            kappa = min(CAP, max(1.0, math.sqrt(k) * grad.rms / rms_o))
+            own = kappa_x if pos == 1 else 1.0
+            ext += kappa * own * mix
+            sys_ += max(kappa * own * s.c_sys, own * s.c_sys)
+            env += kappa * own * mix
+        else:
+            if pos == 0 or (not forward and pos == 1):
+                kappa = 2.0 * (kappa_x if s is x_state else _norm_condition(s, None))
+            else:
+                kappa = 2.0  # weight, bias, saved statistics: relative error carries over
+            ext += kappa * mix
+            scale_free = forward and pos == 0 and role in ("", "out")
+            sys_ += 0.0 if scale_free else kappa * s.c_sys
+            env += kappa * mix
+        if lvl > 0:  # the norm/mean channel's random envelope, from the typical error level
+            env_sys += (env - env_before) * min(1.0, mix / lvl)
+    return ext, sys_, env, env_sys
+
+
+def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: TensorState, role: str = "",
+              rstd: TensorState | None = None) -> tuple[float, float, float]:
+    """Error (ext, sys, rms channels) the output would show if the op were exact and only inputs were off.
+
+    ``role`` is what the output is among the op's outputs (normalization ops), ``rstd`` the
+    inverse spread a normalization op reported alongside (its condition, row by row).
+    """
+    if cls.kind == "normalize":
+        ext, sys_, env, env_sys = _normalize_expected(cls, role, ins, out, rstd)
+        neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
+        return ext, sys_ + env_sys / math.sqrt(neff), env
     amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
     neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
     ext = sys_ = env = 0.0
@@ -321,14 +495,11 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
         else:
             if kind == "contract":
                 kappa = kappa_contract
-            elif kind == "normalize":
-                spread = math.sqrt(max(s.rms * s.rms - s.mean * s.mean, 0.0))
-                kappa = min(CAP, max(2.0, 2.0 * s.rms / max(spread, _TINY)))
             else:  # other: unknown semantics, be generous both ways
                 kappa = 4.0
             mix = max(lvl, abs_err / amax_o, abs_err / rms_o) if kind == "other" else s.mix_level
             ext += kappa * mix
-            sys_ += 0.0 if rule == "normalized" else kappa * s.c_sys
+            sys_ += kappa * s.c_sys
             env += kappa * mix
         # The norm/mean channel's random envelope, from the typical (not the worst) error level.
         if not (linear and pos in full) and lvl > 0:
@@ -364,10 +535,16 @@ def _contracts_nonzero(cls: OpClass, ins: list[tuple[int, TensorState]]) -> bool
 
 
 # Tuning constants (set on the fault-injection benchmark's kept traces, see benchmarks/localization).
-def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorState) -> float:
+def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorState, role: str = "") -> float:
     """How much the op's own rounding (one unit per partial sum) is amplified relative to its output:
     the condition factor of a sum or product whose terms cancel (1 when nothing cancels)."""
     rms_o = max(out.rms, _TINY)
+    if cls.kind == "normalize" and role in ("mean", "reduced") and ins:
+        # A row's mean, or a sum over the rows: the condition of that sum (see reduce below).
+        s = ins[0][1]
+        k = max(s.numel / max(out.numel, 1), 1.0)
+        kappa = s.rms / (math.sqrt(k) * rms_o) if role == "mean" else math.sqrt(k) * s.rms / rms_o
+        return min(_KAPPA_CAP, max(1.0, kappa))
     if cls.kind == "contract":
         operands = _operands(cls, ins)
         if len(operands) == 2 and out.numel > 0:
@@ -386,6 +563,11 @@ def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorSt
     return 1.0
 
 
+# Rounding bias of an op that applies one constant to every element, in units of its dtype, is up
+# to _ROUNDING_BIAS * sqrt(unit) = 2 * 2^(-p/2) for p mantissa bits (bf16 0.18, fp16 0.06): over
+# the 2^p mantissas the rounding errors of x * c do not cancel (measured over random constants).
+_ROUNDING_BIAS = 2.0
+_ONE_MAGNITUDE = 0.9  # rms / max |x| above which a tensor's values count as one magnitude
 _CARRY = 2.0  # a measurement is trusted to be at most this many times below the inputs' prediction
 _CARRY_SYS = 4.0  # the same for norm/mean differences
 _M_MIN = 2.0  # with calibration: the smallest margin over the predicted error ...
@@ -455,6 +637,7 @@ def _localize_rank(
     base = ri.view_base
     first_nonexact: int | None = None
     channels = ("max/min", "norm/mean", "rms")
+    crossed = _crossed_pairs(ri)
 
     def lookup(tid: int) -> TensorState | None:
         tid = base.get(tid, tid)
@@ -493,9 +676,10 @@ def _localize_rank(
         discrete_changed = any(not s.exact for _, s in ins if not s.is_float)
         inputs_exact = not unknown_input and all(s.exact for _, s in ins)
         out_states: list[TensorState] = []
+        roles: list[str] = []  # what each of out_states is among the op's outputs (normalization ops)
         given_in = any(s.given for _, s in ins)
         hands_nonfinite = op_id in given_regions or given_nonfinite(args)
-        for tid in outputs:
+        for position, tid in enumerate(outputs):
             if tid in base:  # an op returning a view of an input (e.g. an in-place op's alias)
                 continue
             if cls.kind == "uninit":
@@ -531,6 +715,7 @@ def _localize_rank(
                 m.given = True
             state[tid] = m
             out_states.append(m)
+            roles.append(cls.output_role(position))
         if op_id in ri.member_of:
             # Judged with its region at the boundary, never on its own against the other side.
             judged.append(None)
@@ -552,12 +737,20 @@ def _localize_rank(
                      and cls.kind != "uninit" and kind != "view")
         if cls.kind == "select" and not inputs_exact:
             judgeable = False  # comparisons, rounding, argmax: a changed input may change anything
+        bench_args = ri.bench_args.get(ri.pairs.get(op_id, -1), "")
+        if op_id in crossed:
+            # Measured against a bench value that the bench computes differently: neither this
+            # node nor what its outputs pass on can be judged.
+            judgeable = False
+            for m in out_states:
+                m.known = m.known and m.exact
         best_e, best_x, best_f1, best_ratio = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), -math.inf
         best_kappa = kappa_local = 1.0
         lam = 2.0 if cls.accumulates else 1.0
         uses_tf32 = False
         nontrivial = False
-        for out in out_states:
+        rstd = next((m for m, role in zip(out_states, roles) if role == "rstd"), None)
+        for out, role in zip(out_states, roles):
             if not out.is_float:
                 e = (0.0 if out.exact else 1.0, 0.0, math.nan)
                 x = (0.0 if inputs_exact else math.inf, 0.0, 0.0)
@@ -567,16 +760,25 @@ def _localize_rank(
                 if cls.precision_variable and tol.allow_tf32 and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_ins):
                     # TF32 rounding, not accumulation order, then sets the local error.
                     unit, lam, uses_tf32 = TF32_EPS, 0.5, True
-                kappa_local = _local_kappa(cls, float_ins, out) if cls.accumulates else 1.0
+                kappa_local = _local_kappa(cls, float_ins, out, role) if cls.accumulates else 1.0
                 # Reordered (or TF32-rounded) terms differ by a unit each, amplified where they cancel.
                 unit *= kappa_local
                 neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
                 # Independent rounding errors average out in norm and mean; TF32 taken by truncation
                 # (a tensor core fed float32 as is) shrinks every product alike, so there they do not.
-                averaged = unit if uses_tf32 else unit / math.sqrt(neff)
+                # Nor does the final rounding where one constant meets every element (x / c, x * beta):
+                # rounding to p bits then has a bias of up to ~2 * 2^(-p/2) units of the output itself
+                # that no size averages away; where every element has one magnitude (a bias after
+                # Adam's first step is +-lr), every rounding is the same one.
+                bias = 1.0 if out.rms >= _ONE_MAGNITUDE * out.amax else _ROUNDING_BIAS * math.sqrt(out.unit)
+                averaged = unit if uses_tf32 else max(unit / math.sqrt(neff), out.unit * bias)
                 f1 = (max(unit, _TINY), max(averaged, _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
-                x = _expected(cls, base_name(op), float_ins, out) if judgeable else (math.inf, math.inf, math.inf)
+                x = _expected(cls, base_name(op), float_ins, out, role, rstd) if judgeable else (math.inf, math.inf, math.inf)
+                if judgeable and kind != "source":
+                    # full(finfo(dtype).min), x + finfo(dtype).eps: each run took its own dtype's number
+                    shift = _constant_shift(cls, args, bench_args, out, float_ins, rstd)
+                    x = (x[0] + shift[0], x[1] + shift[1], x[2] + shift[2])
                 nontrivial = nontrivial or (out.amax > 0 and (cls.kind != "contract" or _contracts_nonzero(cls, float_ins)))
                 if judgeable:
                     _carry(out, x)
@@ -607,25 +809,23 @@ def _localize_rank(
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
     region_judged = {region_id: _judge_region(region, ri, lookup, tol, exact_matmul)
                      for region_id, region in ri.regions.items() if region.target_ops}
-    ambient = _ambient(own_rules, ri.nodes) if not exact_mode else {}
+    ambient = _ambient(own_rules, ri.nodes, tol) if not exact_mode else {}
     fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
     bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
     tf32_spread = _tf32_spread(own_rules) if not exact_matmul else None
     bitwise_ops = _bitwise_ops(ri)
 
     roots: list[tuple[tuple, Divergence]] = []
-    for j in judged:
-        if j is None:
-            continue
-        node = ri.nodes[j.index]
+
+    def judge(j: _Judged, node: tuple, tainted_in: bool) -> None:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
         root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits,
-                                              bounds_hold, tf32_spread, bitwise_ops)
+                                              bounds_hold, tf32_spread, bitwise_ops, tainted_in)
         verdict.metric = deciding
         if not root_kind:
-            continue
+            return
         verdict.metrics = _metric_dict(j)
         own = ri.own_errors.get(op_id)
         if own is not None:
@@ -648,7 +848,22 @@ def _localize_rank(
         roots.append(((int(step), int(op_id), ri.rank), divergence))
     root_regions = _region_roots(ri, region_judged, verdicts, tol, exact_matmul, roots)
 
-    # ---- pass 3: taint (error that comes from a root) and statuses ----------------------------
+    for node, j in zip(ri.nodes, judged):
+        op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+        # Taint: error that comes from a root. Once a root put its error into a node's inputs, that
+        # error is no rounding noise, and what statistics say of it is a lower bound only.
+        tainted_in = any(s is not None and s.tainted for s in map(lookup, inputs))
+        # A parameter or buffer in a later step was moved by an optimizer that a root's error reached.
+        tainted_in = tainted_in or (kind == "source" and op != "source.input" and any(r[0][0] < step for r in roots))
+        if j is not None:
+            judge(j, node, tainted_in)
+        if not (kind == "view" and all(t in base for t in outputs)):
+            for t in outputs:
+                s = state.get(t) if t not in base else None
+                if s is not None and not s.exact and (tainted_in or verdicts[op_id].root_kind):
+                    s.tainted = True
+
+    # ---- pass 3: statuses ------------------------------------------------------------------
     producer_status: dict[int, str] = {}
     region_status: dict[int, str] = {}
     for node in ri.nodes:
@@ -674,14 +889,12 @@ def _localize_rank(
             verdict.status = producer_status.get(src, "uncompared") if paired else "unpaired"
             continue
         ins = [lookup(t) for t in inputs]
-        tainted_in = any(s is not None and s.tainted for s in ins)
         outs = [state.get(t) for t in outputs if t not in base]
         measured = [s for s in outs if s is not None and s.measured]
-        for s in outs:
-            if s is not None and not s.exact and (tainted_in or verdict.root_kind):
-                s.tainted = True
         if not paired:
             status = "unpaired"
+        elif op_id in crossed and not all(s.exact for s in measured):
+            status = "uncompared"
         elif any(s.nonfinite_mismatch and not s.given for s in measured):
             status = "nan"
         elif not outs:
@@ -700,12 +913,51 @@ def _localize_rank(
     return verdicts, roots
 
 
-def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tuple[tuple[float, ...], tuple[float, ...]]]:
-    """Per (op, dtype) and per (class, dtype): the median error introduced (rounding units) and the
-    median ratio of output error to predicted input error, per channel, over this comparison.
+def _crossed_pairs(ri: RankInput) -> set[int]:
+    """Paired target ops whose bench partner holds another value than theirs.
+
+    Where two runs accumulate one sum in another order (autograd adds the gradients of a tensor
+    used twice as its graph dictates, and a cast on one side changes the graph), alignment may
+    pair a partial sum with the final one. A paired consumer then shows it: the bench op reads,
+    at some argument, a tensor that is not the partner of what the target op reads there, but
+    the output of a bench op paired with another target op. Both producers' outputs are measured
+    against the wrong value (a bench-only op in between is another matter: see _structure_note).
+    """
+    b2t = {b: t for t, b in ri.pairs.items()}
+    producer: dict[int, int] = {}
+    crossed: set[int] = set()
+    for node in ri.nodes:
+        op_id, kind, inputs, outputs = node[0], node[3], node[9], node[10]
+        b_op = ri.pairs.get(op_id)
+        if b_op is not None and kind == "op":
+            b_inputs = ri.bench_inputs.get(b_op, [])
+            for tid, b_tid in zip(inputs, b_inputs):
+                tb = ri.view_base.get(tid, tid)
+                partner = ri.partner.get(tb)
+                if partner is None or partner == b_tid:
+                    continue
+                other = b2t.get(ri.bench_producer.get(b_tid, -1))
+                mine = producer.get(tb)
+                if other is not None and mine is not None and other != mine:
+                    crossed.update((mine, other))
+        for t in outputs:
+            producer.setdefault(ri.view_base.get(t, t), op_id)
+    return crossed
+
+
+def _ambient(judged: list[_Judged | None], nodes: list[tuple], tol: Tolerances) -> dict[Any, tuple[tuple[float, ...], ...]]:
+    """Per (op, dtype) and per (class, dtype), per channel, over this comparison: the median error
+    introduced (rounding units), the median ratio of output error to predicted input error, and
+    how far that ratio reaches among the group's calls.
 
     The first absorbs fresh noise every node of a kind adds (TF32 matmuls, a bf16 softmax); the
-    second corrects the propagation model where an op amplifies more than its class predicts.
+    second corrects the propagation model where an op amplifies more than its class predicts. The
+    third covers the spread of that correction where statistics cannot bound it call by call (a
+    sum over a row of products, in fp32 on bf16 data): the ratio's largest value among n calls
+    of a log-normal spread, estimated from their median and median deviation
+    (10^(median + sqrt(2 ln n) * sigma)), with a factor ``_TAIL_SAFETY``, over the calls whose
+    error is beyond their rounding (where the ratio decides), and at most ``tol.downstream``.
+    With more calls a clean run reaches further, and a fault still has to stand out from all.
     """
     by_group: dict[Any, list[tuple[tuple[float, ...], tuple[float, ...]]]] = defaultdict(list)
     for j in judged:
@@ -713,20 +965,38 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple]) -> dict[Any, tupl
             continue
         intro = tuple(max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(j.e, j.x, j.f1))
         ratio = tuple(e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(j.e, j.x))
-        by_group[j.group].append((intro, ratio))
-        by_group[(j.cls.kind, j.group[1])].append((intro, ratio))
-    out: dict[Any, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+        # the ratio where it decides: an error beyond the node's own rounding (else 0, left out)
+        beyond = tuple(r if e > tol.local * j.lam * f else 0.0 for r, e, f in zip(ratio, j.e, j.f1))
+        by_group[j.group].append((intro, ratio, beyond))
+        by_group[(j.cls.kind, j.group[1])].append((intro, ratio, beyond))
+    out: dict[Any, tuple[tuple[float, ...], ...]] = {}
     for key, rows in by_group.items():
         if len(rows) < 5:
             continue
         intro = np.median(np.asarray([r[0] for r in rows], dtype=np.float64), axis=0)
         ratios = np.asarray([r[1] for r in rows], dtype=np.float64)
-        ratio = []
-        for column in ratios.T:
+        beyond = np.asarray([r[2] for r in rows], dtype=np.float64)
+        ratio, tail = [], []
+        for column, deciding in zip(ratios.T, beyond.T):
             seen = column[~np.isnan(column)]
             ratio.append(float(np.median(seen)) if len(seen) >= 5 else 0.0)
-        out[key] = (tuple(float(v) for v in intro), tuple(ratio))
+            tail.append(min(tol.downstream, _tail_ratio(deciding[deciding > 0])))
+        out[key] = (tuple(float(v) for v in intro), tuple(ratio), tuple(tail))
     return out
+
+
+_TAIL_MIN_CALLS = 8  # fewer calls say too little about a spread
+_TAIL_SAFETY = 2.0
+
+
+def _tail_ratio(ratios: np.ndarray) -> float:
+    """How far the observed/predicted ratios of a group's ``n`` calls reach (0 for too few calls)."""
+    if len(ratios) < _TAIL_MIN_CALLS:
+        return 0.0
+    logs = np.log10(ratios)
+    center = float(np.median(logs))
+    sigma = 1.4826 * float(np.median(np.abs(logs - center)))
+    return _TAIL_SAFETY * 10.0 ** (center + math.sqrt(2.0 * math.log(len(ratios))) * sigma)
 
 
 def _metric_dict(j: _Judged) -> dict[str, float]:
@@ -743,11 +1013,16 @@ def _metric_dict(j: _Judged) -> dict[str, float]:
 
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
-    ambient: Mapping[Any, tuple[float, float, float]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
+    ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
     fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
-    bitwise_ops: Mapping[str, int] | None = None,
+    bitwise_ops: Mapping[str, int] | None = None, tainted: bool = False,
 ) -> tuple[str, str, str]:
-    """Root kind ('' when not a root), the one-line reason, and the deciding metric's name."""
+    """Root kind ('' when not a root), the one-line reason, and the deciding metric's name.
+
+    ``tainted``: an input carries error from a root before it. Such error is no rounding noise:
+    its statistics bound it from below only (its largest element may sit anywhere, its spread is
+    unknown), so the node's own share must exceed ``tol.downstream`` times the prediction.
+    """
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
     outs = [ri.measured.get(t) for t in outputs]
     outs = [s for s in outs if s is not None]
@@ -791,7 +1066,9 @@ def _decide(
         if amb is not None:
             threshold = max(threshold, tol.ambient * amb[0][c] * f)
             if amb[1][c] > 0:
-                margin = max(_M_MIN, _M_RATIO * amb[1][c])
+                margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2][c])
+        if tainted:
+            margin = max(margin, tol.downstream)
         excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
     score, channel, e, x, threshold = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0)
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:

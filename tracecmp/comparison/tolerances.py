@@ -84,7 +84,9 @@ class Tolerances:
     errors in rounding units: a node is a root when the error it *introduces* is more than
     ``margin`` times what its inputs carried in (after the op's expected amplification) plus
     ``local`` rounding units, and more than ``ambient`` times the typical error that the other
-    nodes of the same op and dtype introduce in this comparison.
+    nodes of the same op and dtype introduce in this comparison. Downstream of a root, where the
+    inputs carry that root's error (no rounding noise, which statistics bound from below only), a
+    node must exceed ``downstream`` times what its inputs carried in to be a root of its own.
 
     >>> Tolerances().rtol("bfloat16")
     0.016
@@ -96,6 +98,7 @@ class Tolerances:
     margin: float = 4.0
     local: float = 4.0
     ambient: float = 8.0
+    downstream: float = 32.0
     # Seeds' rule thresholds, used only when whole tensors are in both traces.
     cosine_warn: float = 0.99
     cosine_fail: float = 0.9
@@ -118,7 +121,7 @@ class Tolerances:
     allow_tf32: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local", "region_units"):
+        for name in ("margin", "local", "ambient", "downstream", "rel_floor", "replay_margin", "replay_local", "region_units"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise CompareError(f"tolerance {name} must be a finite non-negative number, got {value!r}")
@@ -149,7 +152,7 @@ class Tolerances:
 
     @classmethod
     def parse(cls, text: str, base: "Tolerances | None" = None) -> "Tolerances":
-        """Read the CLI form ``"bf16=RTOL:ATOL,fp32=RTOL:ATOL,margin=M,ambient=A,local=L"``."""
+        """Read the CLI form ``"bf16=RTOL:ATOL,fp32=RTOL:ATOL,margin=M,ambient=A,local=L,downstream=D"``."""
         base = base or cls()
         per_dtype: dict[str, tuple[float, float]] = {}
         scalars: dict[str, object] = {}
@@ -159,7 +162,7 @@ class Tolerances:
             if not sep:
                 raise CompareError(f"bad tolerance {item!r}: expected NAME=VALUE")
             try:
-                if key in ("margin", "local", "ambient", "rel_floor", "replay_margin", "replay_local", "region_units", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
+                if key in ("margin", "local", "ambient", "downstream", "rel_floor", "replay_margin", "replay_local", "region_units", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
                     scalars[key] = float(value)
                 elif key == "allow_tf32":
                     flag = value.strip().lower()

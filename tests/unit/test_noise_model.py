@@ -1,0 +1,175 @@
+"""The noise model at the sizes where reduced precision first fooled it.
+
+Each test is the smallest hand-built trace (``tests.tracebuild``) that still showed a false root
+of a clean bf16 or mixed-precision run against fp32, and checks that a real fault at the same
+place is still found.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import tracecmp
+from tests.tracebuild import TraceBuilder
+
+A = torch.ops.aten
+
+
+def _masked_scores(path: Path, dtype: torch.dtype, fill: float | None = None) -> Path:
+    """An additive attention mask filled with ``torch.finfo(dtype).min`` (``fill`` instead, when given)."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    scores = b.source("input.0", torch.randn(2, 4, 8, generator=g).to(dtype))
+    keep = b.source("input.1", torch.rand(2, 1, 8, generator=g) > 0.3)
+    value = torch.finfo(dtype).min if fill is None else fill
+    masked_value = b.call(A.scalar_tensor.default, value, dtype=dtype, module="attn")
+    masked = b.call(A.where.self, keep, scores, masked_value, module="attn")
+    b.call(A.exp.default, masked, module="attn")  # 0 where masked, in any dtype
+    return b.write(path)
+
+
+def test_finfo_min_of_each_runs_dtype_is_the_same_argument(tmp_path: Path) -> None:
+    result = tracecmp.compare(_masked_scores(tmp_path / "t", torch.bfloat16), _masked_scores(tmp_path / "b", torch.float32))
+    assert result.first_divergence is None, result.summary()
+    # fp16's own minimum against fp32's is the same argument too
+    result = tracecmp.compare(_masked_scores(tmp_path / "t16", torch.float16), _masked_scores(tmp_path / "b", torch.float32))
+    assert result.first_divergence is None, result.summary()
+
+
+def test_a_changed_constant_is_still_an_argument_root(tmp_path: Path) -> None:
+    # -1e4 (a hand-written "large negative") where the bench takes its dtype's minimum
+    result = tracecmp.compare(_masked_scores(tmp_path / "t", torch.float32, fill=-1e4),
+                              _masked_scores(tmp_path / "b", torch.float32))
+    d = result.first_divergence
+    assert d is not None and (d.op, d.kind) == ("aten.scalar_tensor.default", "argument")
+    # another property of the same dtype is another argument: max is not min
+    result = tracecmp.compare(_masked_scores(tmp_path / "t2", torch.bfloat16, fill=torch.finfo(torch.bfloat16).max),
+                              _masked_scores(tmp_path / "b", torch.float32))
+    d = result.first_divergence
+    assert d is not None and d.kind == "argument" and "3.38953139e+38" in d.reason
+
+
+def _residual_layer_norm(path: Path, low: torch.dtype, *, fault: str = "", rows: int = 32, features: int = 256) -> Path:
+    """A mixed-precision residual block's first half: an fp32 residual stream with a few outlier
+    features, plus a matmul computed in ``low`` (bf16 in the target, fp32 in the bench), then a
+    layer norm in fp32, as autocast runs it. ``fault`` scales the output of "mm" or "ln" by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    resid = torch.randn(rows, features, generator=g)
+    resid[:, :3] *= 10.0  # outlier features, as GPT-style residual streams carry them
+    a = torch.randn(rows, features, generator=g)
+    w = torch.randn(features, features, generator=g) / features**0.5
+    scale = {name: (lambda t: t * 1.05) for name in (fault,) if name}
+    b = TraceBuilder()
+    x = b.source("input.0", resid)
+    h_in = b.source("input.1", a)
+    weight = b.param("fc.weight", w, module="fc")
+    h_low = b.call(A._to_copy.default, h_in, dtype=low, module="fc")
+    w_low = b.call(A._to_copy.default, weight, dtype=low, module="fc")
+    h = b.call(A.mm.default, h_low, b.call(A.t.default, w_low, module="fc"), module="fc", fault=scale.get("mm"))
+    r = b.call(A.add.Tensor, x, h, module="block")
+    ln_w = b.param("ln.weight", torch.ones(features), module="ln")
+    ln_b = b.param("ln.bias", torch.zeros(features), module="ln")
+    b.call(A.native_layer_norm.default, r, [features], ln_w, ln_b, 1e-5, module="ln", fault=scale.get("ln"))
+    b.call(A.relu.default, x)  # an op whose inputs agree bitwise, and its output too
+    return b.write(path)
+
+
+def test_layer_norm_over_outlier_features_is_noise(tmp_path: Path) -> None:
+    # The row means a layer norm returns are small against rows with outlier features: their
+    # relative error is the input's mean error times rms(x) / rms(mean), not a root.
+    bench = _residual_layer_norm(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_residual_layer_norm(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+
+
+def test_layer_norm_faults_are_found_over_outlier_features(tmp_path: Path) -> None:
+    bench = _residual_layer_norm(tmp_path / "b", torch.float32)
+    for site, op in (("mm", "aten.mm.default"), ("ln", "aten.native_layer_norm.default")):
+        result = tracecmp.compare(_residual_layer_norm(tmp_path / site, torch.bfloat16, fault=site), bench)
+        d = result.first_divergence
+        assert d is not None and d.op == op, result.summary()
+        # the layer norm after a faulty matmul inherits its error and is no root of its own
+        assert [s.op for s in result.suspects] == [op], result.summary()
+
+
+def _adam_denominator(path: Path, dtype: torch.dtype, *, fault: float = 1.0, size: int = 256) -> Path:
+    """Adam's denominator in ``dtype``: sqrt(v) / sqrt(1 - beta2) + eps, then the update.
+
+    sqrt(v) holds the same (bf16) numbers in both runs, so all the division's error is its own
+    rounding: in bf16 by one constant, whose rounding errors do not average out."""
+    g = torch.Generator().manual_seed(0)
+    root_v = (torch.randn(size, size, generator=g).abs() * 1e-3).to(torch.bfloat16).to(dtype)
+    b = TraceBuilder()
+    param = b.param("fc.weight", (torch.randn(size, size, generator=g) * 0.02).to(dtype), module="fc")
+    exp_avg = b.source("input.0", (torch.randn(size, size, generator=g) * 1e-4).to(torch.bfloat16).to(dtype))
+    denom = b.source("input.1", root_v)
+    denom = b.call(A.div.Tensor, denom, (1 - 0.999) ** 0.5, phase="optimizer",
+                   fault=(lambda t: t * fault) if fault != 1.0 else None)
+    denom = b.call(A.add_.Tensor, denom, 1e-8, phase="optimizer")
+    b.call(A.addcdiv_.default, param, exp_avg, denom, value=-1e-3 / 0.1, phase="optimizer")
+    return b.write(path)
+
+
+def test_optimizer_division_in_bf16_is_noise(tmp_path: Path) -> None:
+    bench = _adam_denominator(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_adam_denominator(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    result = tracecmp.compare(_adam_denominator(tmp_path / "f", torch.bfloat16, fault=1.05), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.phase) == ("aten.div.Tensor", "optimizer"), result.summary()
+    assert len(result.suspects) == 1, result.summary()
+
+
+def _eps_guarded_normalize(path: Path, dtype: torch.dtype, *, fault: str = "", eps: float | None = None,
+                           scale: float = 0.025) -> Path:
+    """x / (||x|| + finfo(dtype).eps) over rows of norm ~ 4 * ``scale``, in ``dtype`` (``eps``
+    instead, when given). bfloat16's eps (0.0078) moves norms of 0.1 by 8%: far beyond rounding,
+    yet the program's own choice, made alike in both runs. ``fault`` scales the output of "add" by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    x = b.source("input.0", (torch.randn(64, 16, generator=g) * scale).to(dtype))
+    norm = b.call(A.linalg_vector_norm.default, x, 2, [-1], True, module="norm")
+    value = torch.finfo(dtype).eps if eps is None else eps
+    denom = b.call(A.add.Tensor, norm, value, module="norm", fault=(lambda t: t * 1.05) if fault == "add" else None)
+    b.call(A.div.Tensor, x, denom, module="norm")
+    return b.write(path)
+
+
+def test_finfo_eps_of_each_runs_dtype_moves_the_output_as_noise(tmp_path: Path) -> None:
+    bench = _eps_guarded_normalize(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    # A 5% fault at the very op that adds the constant is still its root, and the only one, where
+    # the constant's own effect is smaller than the fault (norms near 1: the epsilon moves them by
+    # 1%). Statistics cannot tell a fault from the constant's effect where that is larger.
+    bench = _eps_guarded_normalize(tmp_path / "b1", torch.float32, scale=0.2)
+    result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "f", torch.bfloat16, fault="add", scale=0.2), bench)
+    assert [(s.op, s.kind) for s in result.suspects] == [("aten.add.Tensor", "computation")], result.summary()
+    # a hand-written epsilon is an argument like any other
+    result = tracecmp.compare(_eps_guarded_normalize(tmp_path / "e", torch.bfloat16, eps=1e-2, scale=0.2), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.kind) == ("aten.add.Tensor", "argument"), result.summary()
+
+
+def _layer_norm_eps(path: Path, dtype: torch.dtype, *, eps: float | None = None) -> Path:
+    """A layer norm whose epsilon is ``finfo(dtype).eps`` (``eps`` instead, when given), over rows
+    of spread 0.1: bfloat16's eps (0.0078) is most of their variance."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    x = b.source("input.0", (torch.randn(32, 64, generator=g) * 0.1).to(dtype))
+    w = b.param("ln.weight", torch.ones(64, dtype=dtype), module="ln")
+    bias = b.param("ln.bias", torch.zeros(64, dtype=dtype), module="ln")
+    value = torch.finfo(dtype).eps if eps is None else eps
+    out, _, _ = b.call(A.native_layer_norm.default, x, [64], w, bias, value, module="ln")
+    b.call(A.relu.default, out, module="act")
+    return b.write(path)
+
+
+def test_finfo_eps_as_a_layer_norms_epsilon_is_the_same_argument(tmp_path: Path) -> None:
+    bench = _layer_norm_eps(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_layer_norm_eps(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    result = tracecmp.compare(_layer_norm_eps(tmp_path / "e", torch.bfloat16, eps=1e-5), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.kind) == ("aten.native_layer_norm.default", "argument"), result.summary()
