@@ -31,44 +31,53 @@ SEQ = 8
 BATCH = 4
 
 
-# A fused SwiGLU: silu(a) * b in one kernel, and its backward in another, each rounding once.
-@torch.library.custom_op("tracecmp_bench::swiglu", mutates_args=())
-def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b`` computed in float64 and rounded once to ``a``'s dtype."""
-    a64, b64 = a.double(), b.double()
-    return (a64 * torch.sigmoid(a64) * b64).to(a.dtype)
+# The fused parts need torch.library.custom_op and F.rms_norm (torch >= 2.4); the eager parts
+# and the other workloads run on any torch tracecmp supports.
+CUSTOM_OPS = hasattr(torch.library, "custom_op")
+
+if CUSTOM_OPS:
+    # A fused SwiGLU: silu(a) * b in one kernel, and its backward in another, each rounding once.
+    @torch.library.custom_op("tracecmp_bench::swiglu", mutates_args=())
+    def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``silu(a) * b`` computed in float64 and rounded once to ``a``'s dtype."""
+        a64, b64 = a.double(), b.double()
+        return (a64 * torch.sigmoid(a64) * b64).to(a.dtype)
 
 
-@swiglu.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(a)
+    @swiglu.register_fake
+    def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(a)
 
 
-@torch.library.custom_op("tracecmp_bench::swiglu_backward", mutates_args=())
-def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`swiglu` with respect to ``a`` and ``b``, in float64, rounded once."""
-    g64, a64, b64 = grad.double(), a.double(), b.double()
-    sig = torch.sigmoid(a64)
-    silu = a64 * sig
-    grad_a = g64 * b64 * (sig + silu * (1.0 - sig))
-    return grad_a.to(a.dtype), (g64 * silu).to(b.dtype)
+    @torch.library.custom_op("tracecmp_bench::swiglu_backward", mutates_args=())
+    def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of :func:`swiglu` with respect to ``a`` and ``b``, in float64, rounded once."""
+        g64, a64, b64 = grad.double(), a.double(), b.double()
+        sig = torch.sigmoid(a64)
+        silu = a64 * sig
+        grad_a = g64 * b64 * (sig + silu * (1.0 - sig))
+        return grad_a.to(a.dtype), (g64 * silu).to(b.dtype)
 
 
-@swiglu_backward.register_fake
-def _(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(a), torch.empty_like(b)
+    @swiglu_backward.register_fake
+    def _(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(a), torch.empty_like(b)
 
 
-def _setup(ctx: object, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+    def _setup(ctx: object, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
 
 
-def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    a, b = ctx.saved_tensors  # type: ignore[attr-defined]
-    return swiglu_backward(grad, a, b)
+    def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors  # type: ignore[attr-defined]
+        return swiglu_backward(grad, a, b)
 
 
-swiglu.register_autograd(_backward, setup_context=_setup)
+    swiglu.register_autograd(_backward, setup_context=_setup)
+else:
+
+    def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"the fused SwiGLU needs torch.library.custom_op (torch >= 2.4), not {torch.__version__}")
 
 
 @dataclass(frozen=True)
