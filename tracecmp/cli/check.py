@@ -9,14 +9,8 @@ import argparse
 import sys
 from typing import Any
 
+from tracecmp.cli.compare import _int_list
 from tracecmp.errors import TracecmpError
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_parser(subparsers: Any) -> None:
