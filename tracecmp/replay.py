@@ -32,10 +32,15 @@ treats those as "not replayed", never as "correct".
 
 Scale. Replay streams in execution order: an op's inputs are read from the trace when it needs
 them (``trace.saved`` reads exactly their bytes) and dropped again, with a small cache of recent
-values (the next op usually reads what the last one wrote), so memory is bounded by the largest
-op, not by the trace. A ``_foreach_*`` or fused optimizer op over a model's every parameter is
-replayed one list element at a time. :func:`replay_ops` can spread the ops over worker processes,
-each opening the trace itself.
+values (the next op usually reads what the last one wrote; it makes room for a large op), so
+memory is bounded by the largest op, not by the trace. Within an op it stays near the op's own
+recorded values: a ``_foreach_*`` or fused optimizer op over a model's every parameter is replayed
+one list element at a time; a pointwise call over many elements (Adam's steps on a 38.6M-element
+embedding) gets its float64 reference in pieces, whose elements take the kernel paths they take
+in a whole call; every large output is measured piece by piece; float64 copies of inputs an op
+does not return are dropped as soon as it ran. The honest replay always runs whole. After a
+large op, memory the C heap keeps is handed back. :func:`replay_ops` can spread the ops over
+worker processes, each opening the trace itself.
 
 >>> own = replay_rank(tracecmp.load("runs/target").rank(0))   # doctest: +SKIP
 >>> own[42].error, own[42].honest                            # doctest: +SKIP
