@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tracecmp
-import tracecmp.replay as replay
+from tracecmp import replay
 from tests.tracebuild import TraceBuilder
 from tracecmp.replay import ELEMENT_ULPS, OwnError, Replayer, replay_ops
 
