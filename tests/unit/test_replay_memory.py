@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tracecmp
-from tracecmp import replay
 from tests.tracebuild import TraceBuilder
+from tracecmp import replay
 from tracecmp.replay import ELEMENT_ULPS, OwnError, Replayer, replay_ops
 
 A = torch.ops.aten
