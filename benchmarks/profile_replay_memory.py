@@ -58,8 +58,9 @@ def profile(trace_path: Path, check: bool, top: int) -> dict:
     tensors = rank.tensors_table.select(["tensor_id", "shape", "dtype"]).to_pydict()
     nbytes = {t: _BYTES.get(d, 8) * math.prod(s or ())
               for t, s, d in zip(tensors["tensor_id"], tensors["shape"], tensors["dtype"])}
-    inputs = dict(zip(ops["op_id"].tolist(), ops["inputs"].tolist()))
-    outputs = dict(zip(ops["op_id"].tolist(), ops["outputs"].tolist()))
+    table = rank.ops_table.select(["op_id", "inputs", "outputs"]).to_pydict()
+    recorded_bytes = {o: sum(nbytes.get(t, 0) for t in [*(i or []), *(out or [])])
+                      for o, i, out in zip(table["op_id"], table["inputs"], table["outputs"])}
     rows = []
     start = time.perf_counter()
     options = {"detail": ELEMENT_ULPS, "small_on_one_thread": True} if check else {}
@@ -70,8 +71,7 @@ def profile(trace_path: Path, check: bool, top: int) -> dict:
             _reset_peak()
             replayer.replay(op_id)
             peak = _status()["VmHWM"]
-            recorded = sum(nbytes.get(t, 0) for t in [*(inputs[op_id] or []), *(outputs[op_id] or [])])
-            rows.append({"op_id": op_id, "op": names[op_id], "before": before, "peak": peak, "recorded": recorded})
+            rows.append({"op_id": op_id, "op": names[op_id], "before": before, "peak": peak, "recorded": recorded_bytes[op_id]})
     seconds = time.perf_counter() - start
     rows.sort(key=lambda r: -r["peak"])
     return {"ready": ready, "seconds": seconds, "ops": len(wanted), "top": rows[:top],

@@ -343,6 +343,8 @@ class Replayer:
         if not any(self.info.get(t, (0, 0, "", -1, ""))[4] for t in op.outputs):
             return Skipped(op_id, "its outputs were not saved", data_missing=True)
         held = self._make_room(op)
+        if held >= _TRIM_BYTES:
+            _release_freed_memory()  # what earlier ops freed, before this one's peak
         with _threads_for(self._elements(op) if self.small_on_one_thread else _PARALLEL_ELEMENTS):
             results = [self._measure(call) for call in _calls(op, args)]
         if held >= _TRIM_BYTES:
@@ -538,7 +540,7 @@ class Replayer:
 
 _ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
                "uint8": 1, "bool": 1}
-# After an op whose recorded values take this much, freed memory goes back to the system (see below).
+# Before and after an op whose recorded values take this much, freed memory goes back to the system (see below).
 _TRIM_BYTES = 16 << 20
 
 
