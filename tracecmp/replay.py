@@ -532,6 +532,7 @@ class Replayer:
         if worst is None:
             return None
         extra = detail.fields() if detail is not None else {}
+        del reference, first, made, honest, replays, alternatives, accumulated  # measured: the bound makes its own replays
         bounds = _bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating]) if models else ()
         return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
                         bounds=bounds, bitwise=bitwise and bool(floating), informative=not basic and worst.honest > 0,
@@ -726,7 +727,8 @@ def _bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
                 recorded: list[tuple[int, torch.Tensor | None]]) -> tuple[float, ...]:
     """Per input set (each rounding of the operands, then the operands as they are): the largest
     ratio, over the recorded outputs' elements, of the distance from a float64 replay on that set
-    to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails."""
+    to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails.
+    The ratios are taken piece by piece (``_PIECE_ELEMENTS``): a piece's temporaries, not an output's."""
     if base_name(name) not in _SUMS_OF_PRODUCTS or any(r is None for _, r in recorded):
         return ()
     ones = _invoke(name, args, [torch.ones_like(x) if x.is_floating_point() else x for x in sets[-1]], golden=True)
@@ -745,16 +747,21 @@ def _bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
             if max(position, 0) >= min(len(exact_out), len(size_out), len(counts)):
                 return ()
             center = exact_out[position]
-            if value.shape != center.shape:
+            if value.shape != center.shape or counts[position].shape != center.shape or size_out[position].shape != center.shape:
                 return ()
-            bound = _accumulation_bound(counts[position], size_out[position], center)
-            gap = (value.to(torch.float64) - center).abs()
-            finite = torch.isfinite(center) & torch.isfinite(gap)
-            if bool((~torch.isfinite(value) & torch.isfinite(center)).any()):
-                return tuple([math.inf] * len(sets))
-            if bool(finite.any()):
-                ratio = gap[finite] / bound[finite].clamp_min(_TINY)
-                worst = max(worst, float(ratio.max()))
+            flat = [t.reshape(-1) for t in (counts[position], size_out[position], center, value)]
+            for start in range(0, center.numel(), _PIECE_ELEMENTS):
+                count, size, middle, got = (t[start : start + _PIECE_ELEMENTS] for t in flat)
+                if bool((~torch.isfinite(got) & torch.isfinite(middle)).any()):
+                    return tuple([math.inf] * len(sets))
+                bound = _accumulation_bound(count, size, middle)
+                gap = (got.to(torch.float64) - middle).abs()
+                finite = torch.isfinite(middle) & torch.isfinite(gap)
+                if bool(finite.any()):
+                    ratio = gap[finite] / bound[finite].clamp_min(_TINY)
+                    worst = max(worst, float(ratio.max()))
+            del flat
+        del exact, sizes, exact_out, size_out  # before the next set's replays
         fits.append(worst)
     return tuple(fits)
 

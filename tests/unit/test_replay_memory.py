@@ -64,14 +64,16 @@ def _trace(path: Path) -> Path:
     return b.write(path)
 
 
-def test_calls_replayed_in_pieces_measure_as_whole_ones(tmp_path, monkeypatch, one_thread):
+@pytest.mark.parametrize("reduced", [None, "tf32"])
+def test_calls_replayed_in_pieces_measure_as_whole_ones(tmp_path, monkeypatch, one_thread, reduced):
+    """With ``reduced`` the matmul's roundings and accumulation bounds are measured in pieces too."""
     rank = tracecmp.load(_trace(tmp_path / "run")).rank(0)
-    whole = replay_ops(rank, detail=ELEMENT_ULPS)
+    whole = replay_ops(rank, detail=ELEMENT_ULPS, reduced=reduced)
     pieced_calls = []
     monkeypatch.setattr(replay, "_PIECE_ELEMENTS", PIECE)
     real = replay._pieces_of
     monkeypatch.setattr(replay, "_pieces_of", lambda inputs, span: pieced_calls.append(span) or real(inputs, span))
-    pieced = replay_ops(rank, detail=ELEMENT_ULPS)
+    pieced = replay_ops(rank, detail=ELEMENT_ULPS, reduced=reduced)
     assert len(pieced_calls) >= 10 * 4  # every large pointwise call went piece by piece
     assert set(whole) == set(pieced)
     names = dict(zip(rank.ops["op_id"], rank.ops["op"]))
@@ -83,11 +85,13 @@ def test_calls_replayed_in_pieces_measure_as_whole_ones(tmp_path, monkeypatch, o
         for field in dataclasses.fields(OwnError):
             x, y = getattr(a, field.name), getattr(b, field.name)
             # Norms added from pieces may differ from one whole norm in the last bits.
-            same = y == pytest.approx(x, rel=1e-13, abs=0) if field.name in ("error", "honest") else y == x
+            same = y == pytest.approx(x, rel=1e-13, abs=0) if field.name in ("error", "honest", "fits") else y == x
             assert same, (names[op_id], field.name, x, y)
     errs = {names[o]: e for o, e in whole.items() if isinstance(e, OwnError) and e.error > 4 * e.honest}
     assert set(errs) == {"aten.gelu.default", "aten.mul.Tensor"}  # the scaled gelu and the NaNs
     assert any(e.nonfinite == 3 for e in errs.values())
+    matmul = next(e for o, e in whole.items() if names[o] == "aten.mm.default")
+    assert (len(matmul.fits), len(matmul.bounds)) == ((3, 4) if reduced else (0, 0))
 
 
 @pytest.mark.parametrize("op,args", [
