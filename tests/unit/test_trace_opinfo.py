@@ -87,3 +87,16 @@ def test_memoized_text_matches_a_fresh_encoding() -> None:
     again = encoder.encode(info, scan((x, 2.5), {}, []), (x, 2.5), {})
     assert first == again == ArgsEncoder().encode(info, scan((x, 2.5), {}, []), (x, 2.5), {})
     assert encoder.encode(info, scan((x, 3.5), {}, []), (x, 3.5), {}) != first
+
+
+def test_resolve_finds_inductors_prims_in_a_fresh_interpreter() -> None:
+    # A graph inductor compiled names prims.fma (its softmax backward); torch defines it only once
+    # inductor is imported, which a process that only compares never does by itself.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from tracecmp.aten.schema import resolve; "
+            "assert 'torch._inductor' not in sys.modules; "
+            "assert resolve('prims.fma.default') is not None; assert resolve('prims.no_such_op.default') is None")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
