@@ -265,3 +265,54 @@ def test_a_replay_takes_the_sizes_a_backward_reads_from_its_forward() -> None:
     given = {"sym_size_int": 2, "tangents_1": torch.linspace(-1.0, 1.0, 6)}
     values = _run(GraphPart("backward", nodes), lambda name, golden: given.get(name), {}, golden=True)
     assert torch.equal(values["relu"], given["tangents_1"].double().view(2, 3).relu())
+
+
+def _two_matmuls(tmp_path: Path, wrong: float) -> tracecmp.CompareResult:
+    """Eager: ``(x @ w1 + x @ w2) * 2``. The target's region computes it with a graph whose last
+    node a pass changed (``* 2.5``), and its compiled code dispatched the two matmuls in the other
+    order than its graph's (capture files them by order); ``wrong`` scales what it dispatched for
+    the second one."""
+    x, w1, w2 = torch.linspace(-1.0, 1.0, 12).reshape(3, 4), torch.linspace(0.5, 2.0, 16).reshape(4, 4), \
+        torch.linspace(-1.5, 0.5, 16).reshape(4, 4)
+    b = TraceBuilder(data=True)
+    refs = b.source("input.0", x), b.param("fc1.weight", w1), b.param("fc2.weight", w2)
+    added = b.call(ATEN.add.Tensor, b.call(ATEN.mm.default, refs[0], refs[1], module="fc1"),
+                   b.call(ATEN.mm.default, refs[0], refs[2], module="fc2"), module="out")
+    b.call(ATEN.sum.default, b.call(ATEN.mul.Tensor, added, 2.0, module="scale"))
+    bench = b.write(tmp_path / "bench")
+    t = {"tensor": 0}
+    mm = {"self": t, "mat2": {"tensor": 1}}
+    nodes = (
+        *(GraphNode(f"primals_{i}", "placeholder") for i in (1, 2, 3)),
+        _node("mm", "aten.mm.default", ("primals_1", "primals_2"), mm, "fc1", 1, "aten.mm.default", ((3, 4),)),
+        _node("mm_1", "aten.mm.default", ("primals_1", "primals_3"), mm, "fc2", 2, "aten.mm.default", ((3, 4),)),
+        _node("add", "aten.add.Tensor", ("mm", "mm_1"), {"self": t, "other": {"tensor": 1}}, "out", 3,
+              "aten.add.Tensor", ((3, 4),)),
+        _node("mul", "aten.mul.Tensor", ("add",), {"self": t, "other": 2.5}, "scale", 4, "aten.mul.Tensor", ((3, 4),)),
+        GraphNode("output", "output", ("mul",)),
+    )
+    graph = CompiledGraph("g0", "0/0", "inductor", "model.py:1 forward", "", ("L['x']", "L['w1']", "L['w2']"),
+                          {"forward": GraphPart("forward", nodes, (), 1)})
+    tb = TraceBuilder(data=True)
+    xs = tb.source("input.0", x), tb.param("fc1.weight", w1), tb.param("fc2.weight", w2)
+    second = tb.op("aten.mm.out", [xs[0], xs[2]], x @ w2 * wrong)  # dispatched first: filed under mm
+    first = tb.op("aten.mm.out", [xs[0], xs[1]], x @ w1)
+    out = tb.op("compiled.forward", list(xs), (x @ w1 + x @ w2 * wrong) * 2.5)
+    tb.ops[-1]["name"] = graph.id
+    tb.call(ATEN.sum.default, out)
+    call = RegionCall(graph=graph.id, part="forward", mode="boundary", step=0, op_id=out.op_id, first_op=second.op_id,
+                      last_op=out.op_id, inputs=tuple(r.tensor_id for r in xs), outputs=(out.tensor_id,),
+                      nodes={"mm": (second.op_id,), "mm_1": (first.op_id,)})
+    tb.compiled = {"graphs": [graph.to_json()], "calls": [call.to_json()]}
+    return tracecmp.compare(tb.write(tmp_path / "target"), bench)
+
+
+def test_extern_kernels_dispatched_out_of_graph_order_are_not_wrong_kernels(tmp_path: Path) -> None:
+    first = _two_matmuls(tmp_path / "clean", 1.0).first_divergence
+    assert first is not None and first.op == "compiled.forward"
+    assert "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:4): the graph's own value there differs" in first.reason
+    # A wrong kernel is still named, whichever node capture filed its value under.
+    first = _two_matmuls(tmp_path / "wrong", 1.01).first_divergence
+    assert first is not None and first.op == "compiled.forward"
+    assert "narrowed to FX node mm_1 (aten.mm.default, fc2, model.py:2): what the compiled code computed for it is off" \
+           in first.reason
