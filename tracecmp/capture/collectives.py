@@ -435,14 +435,7 @@ class CollectiveRecorder:
             phase = "backward"
             module, location, seq = self._backward_context(node)
         stack = self._locator.stack(2) if self._stack else ""
-        known = self._known
-        inputs: list[int] = []
-        for t in tensors:
-            rec = known.get(id(t))
-            if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
-                inputs.append(rec.tid)
-            else:
-                inputs.append(self._enter(t, rec, phase, module, location, stack))
+        inputs = self._input_ids(tensors, phase, module, location, stack)
         if self._awaited_groups:
             self._complete_inputs(info, args, kwargs, tensors)
         meta = describe(sig, args, kwargs, self._groups, self._rank, self._ddp.process_group() if self._ddp else None)
