@@ -234,7 +234,8 @@ class TraceBuilder:
         """A view op with one output per shape (``unbind``, ``split``), each aliasing ``base``."""
         op_id = len(self.ops)
         tids = [self._tensor_id() for _ in shapes]
-        self.ops.append(self._op_row(op_id, op, "view", "", module, phase, location, args, [base], tids, False, False, -1, ""))
+        self.ops.append(self._op_row(op_id, op, "view", "", module, phase, location, args, [base], tids, False, False, -1,
+                                     ""))
         for index, (tid, shape) in enumerate(zip(tids, shapes)):
             self.tensors.append(self._tensor_row(tid, op_id, index, tuple(shape), base.dtype, base.tensor_id, None))
         return tuple(Ref(tid, op_id, tuple(shape), base.dtype) for tid, shape in zip(tids, shapes))

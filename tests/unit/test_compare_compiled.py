@@ -259,7 +259,8 @@ def test_a_replay_takes_the_sizes_a_backward_reads_from_its_forward() -> None:
         GraphNode("tangents_1", "placeholder"),
         _node("view", "aten.view.default", ("tangents_1",), {"self": {"tensor": 0}, "size": ["<node sym_size_int>", 3]},
               "fc", 1, "aten.view.default", ((2, 3),)),
-        _node("relu", "aten.relu.default", ("view",), {"self": {"tensor": 0}}, "act", 2, "aten.relu.default", ((2, 3),)),
+        _node("relu", "aten.relu.default", ("view",), {"self": {"tensor": 0}}, "act", 2, "aten.relu.default",
+              ((2, 3),)),
         GraphNode("output", "output", ("relu",)),
     )
     given = {"sym_size_int": 2, "tangents_1": torch.linspace(-1.0, 1.0, 6)}
@@ -310,9 +311,10 @@ def _two_matmuls(tmp_path: Path, wrong: float) -> tracecmp.CompareResult:
 def test_extern_kernels_dispatched_out_of_graph_order_are_not_wrong_kernels(tmp_path: Path) -> None:
     first = _two_matmuls(tmp_path / "clean", 1.0).first_divergence
     assert first is not None and first.op == "compiled.forward"
-    assert "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:4): the graph's own value there differs" in first.reason
+    assert "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:4): the graph's own value there differs" \
+        in first.reason
     # A wrong kernel is still named, whichever node capture filed its value under.
     first = _two_matmuls(tmp_path / "wrong", 1.01).first_divergence
     assert first is not None and first.op == "compiled.forward"
-    assert "narrowed to FX node mm_1 (aten.mm.default, fc2, model.py:2): what the compiled code computed for it is off" \
-           in first.reason
+    assert "narrowed to FX node mm_1 (aten.mm.default, fc2, model.py:2): what the compiled code computed for it is " \
+           "off" in first.reason

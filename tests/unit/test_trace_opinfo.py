@@ -102,5 +102,5 @@ def test_resolve_finds_inductors_prims_in_a_fresh_interpreter() -> None:
     code = ("import sys, torch; from tracecmp.aten.schema import resolve; "
             "assert 'torch._inductor' not in sys.modules; "
             f"assert resolve({name!r}) is not None; assert resolve('prims.no_such_op.default') is None")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

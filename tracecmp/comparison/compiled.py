@@ -961,7 +961,8 @@ def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str,
     departing: dict[str, list[str]] = defaultdict(list)  # op -> nodes whose filed value departs
     for n in part.nodes:
         value, r = _tensor(recorded.get(n.name)), _tensor(ref.get(n.name))
-        if value is not None and r is not None and r.is_floating_point() and value.shape == r.shape and not fits(value, n.name):
+        if (value is not None and r is not None and r.is_floating_point() and value.shape == r.shape
+                and not fits(value, n.name)):
             departing[n.op].append(n.name)
     wrong: dict[str, float] = {}
     for names in departing.values():
