@@ -1318,17 +1318,19 @@ def _replayed_root(
         return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
                 f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
                 f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    # Bit-for-bit evidence outranks the accumulation bound: where a replay gives the run's other
+    # calls of this op exactly, the device rounds as that replay does, and this call should match too.
+    same_cpu = (bitwise_ops or {}).get(node[4], 0)
+    if same_cpu and not own.bitwise:
+        how = f"rounded to {reduced} " if reduced_call else ""
+        return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
+                f"other calls bit for bit ({same_cpu} of them: the run computed as this CPU does; own error {own.error:.2e})")
     if reduced_call and own.bounds and min(own.bounds) <= 1.0:
         return ""  # a float32 sum of its rounded operands' products gives this: noise, even as the only call
     if reduced_call and own.bounds and bounds_hold:
         return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
                 f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
                 f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
-    same_cpu = (bitwise_ops or {}).get(node[4], 0)
-    if same_cpu and not own.bitwise:
-        how = f"rounded to {reduced} " if reduced_call else ""
-        return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
-                f"other calls bit for bit ({same_cpu} of them: the run computed as this CPU does; own error {own.error:.2e})")
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
             return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
