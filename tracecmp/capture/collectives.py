@@ -409,12 +409,18 @@ class CollectiveRecorder:
         self._awaiting: dict[int, tuple[int, torch.Tensor, Any, int]] = {}
         # View family -> awaited c10d outputs in it: an op that reads any member may complete them.
         self._awaited_groups: dict[int, list[int]] = {}
-        self._groups: dict[Any, Group] = {}
+        self._groups: dict[Any, Group] = {}  # also holds the process groups it names (see release_groups)
         self._counters: dict[str, int] = {}
         self._rank = rank
         self._ddp = DDPBuckets(ddp) if ddp is not None else None
         self.ddp_buckets: list[list[str]] | None = None  # bucket -> parameter names, for the manifest
         self.process_groups: dict[str, dict[str, Any]] = {}
+
+    def release_groups(self) -> None:
+        """Let go of the program's process groups when the session ends: held past it, a group the
+        program destroys would live on until the interpreter's exit, and gloo's threads torn down
+        that late abort the process ("terminate called without an active exception")."""
+        self._groups.clear()
 
     def _collective(self: CaptureMode, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Record a collective call (see the module docstring); bookkeeping ops run unrecorded."""
