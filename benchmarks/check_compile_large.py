@@ -73,7 +73,8 @@ def main() -> None:
         result = tracecmp.compare(target, bench)
         statuses = result.nodes["status"].value_counts().to_dict()
         first = result.first_divergence
-        verdict = "AGREE (no root)" if first is None else f"DIVERGED at {first.op} in {first.module}: {first.reason}"
+        # The result's own verdict: no root is not "agree" when some of it could not be compared.
+        verdict = result.verdict() if first is None else f"DIVERGED at {first.op} in {first.module}: {first.reason}"
         print(f"{mode:<9} regions {len(rank.compiled.graphs)} graphs / {len(rank.compiled.calls)} calls, "
               f"{len(rank.ops):,} ops; traced {traced:.1f} s, compared {time.perf_counter() - start:.1f} s: "
               f"{verdict}; node states {statuses}", flush=True)

@@ -1,4 +1,5 @@
-"""A small transformer for ``torch.compile`` tests, and a backend that counts what it compiles and runs.
+"""A small transformer for ``torch.compile`` tests, a backend that counts what it compiles and runs,
+and a graph pass that miscompiles one node on purpose.
 
 >>> model = TinyGPT(); batch = tiny_batch()
 >>> float(model(*batch)) > 0
@@ -11,6 +12,7 @@ True
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -25,18 +27,28 @@ FAULTS = {"between": 2.0, "gelu": 1.0}
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    """Causal-free softmax attention. ``heads_layout="split"`` splits the projection into q, k, v
+    and lays out each one's heads; ``"unbind"`` lays out the heads of all three at once and unbinds
+    them (nanoGPT's and timm's ``view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)``)."""
+
+    def __init__(self, dim: int, heads: int, heads_layout: str = "split") -> None:
         super().__init__()
+        if heads_layout not in ("split", "unbind"):
+            raise ValueError(f"heads_layout is 'split' or 'unbind', not {heads_layout!r}")
         self.heads = heads
+        self.heads_layout = heads_layout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q = q.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-        k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-        v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        if self.heads_layout == "unbind":
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = self.qkv(x).split(d, dim=-1)
+            q = q.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
         y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
         return self.proj(y)
@@ -54,10 +66,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, heads_layout: str = "split") -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
+        self.attn = Attention(dim, heads, heads_layout)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim)
 
@@ -72,13 +84,15 @@ class TinyGPT(nn.Module):
     ``graph_break=True`` breaks Dynamo's graph after the first block and runs ``between`` there
     on the activations, eagerly (``torch.compiler.disable``): outside any compiled region.
     ``custom_gelu=True`` computes the last block's GELU with :func:`custom_gelu`.
+    ``heads_layout`` is how attention lays out its heads (:class:`Attention`).
     """
 
     def __init__(self, layers: int = 2, dim: int = 32, heads: int = 4, graph_break: bool = False,
-                 between: Callable[[torch.Tensor], torch.Tensor] | None = None, custom_gelu: bool = False) -> None:
+                 between: Callable[[torch.Tensor], torch.Tensor] | None = None, custom_gelu: bool = False,
+                 heads_layout: str = "split") -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, heads_layout) for _ in range(layers))
         if custom_gelu:  # the last block's GELU as a custom op inductor calls as it is
             self.blocks[-1].mlp.act = CustomGELU()
         self.ln = nn.LayerNorm(dim)
@@ -163,3 +177,49 @@ class CustomGELU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return custom_gelu(x)
+
+
+try:  # torch >= 2.6 asks inductor's custom passes for this interface (a plain callable before)
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _GraphPass
+except ImportError:  # pragma: no cover - older torch
+    _GraphPass = object  # type: ignore[assignment,misc]
+
+
+class ScaleNode(_GraphPass):  # type: ignore[misc,valid-type]
+    """A joint-graph pass that multiplies the value of the first node ``pick`` accepts by
+    ``factor``: a compiled region that computes something else than the eager program.
+
+    Set it as ``torch._inductor.config.joint_custom_post_pass`` while a model compiles; inductor
+    and tracecmp's record of the graph both run it. The product carries the scaled node's
+    metadata (module, source line, eager op), as inductor's own rewrites do; ``scaled`` is its
+    name in the last graph the pass rewrote.
+    """
+
+    def __init__(self, pick: Callable[[torch.fx.Node], bool], factor: float) -> None:
+        self.pick = pick
+        self.factor = factor
+        self.scaled = ""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        node = next((n for n in graph.nodes if self.pick(n)), None)
+        if node is None:
+            return
+        with graph.inserting_after(node):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, self.factor))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        scaled.meta.update(node.meta)
+        self.scaled = scaled.name
+
+    def uuid(self) -> None:
+        return None  # not cacheable: a compile with it never reuses one without it
+
+
+def unbind_output(index: int) -> Callable[[torch.fx.Node], bool]:
+    """Picks output ``index`` of an ``unbind`` (attention's k for 1 in ``heads_layout="unbind"``)."""
+
+    def pick(node: torch.fx.Node) -> bool:
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        return (isinstance(source, torch.fx.Node) and source.target is torch.ops.aten.unbind.int
+                and node.args[1] == index)
+
+    return pick

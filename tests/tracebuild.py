@@ -216,12 +216,29 @@ class TraceBuilder:
         location: str = "",
     ) -> Ref:
         """A view op: its output aliases ``base`` and carries no statistics."""
+        (ref,) = self.views(op, base, [tuple(base.shape if shape is None else shape)], module=module, phase=phase,
+                            args=args, location=location)
+        return ref
+
+    def views(
+        self,
+        op: str,
+        base: Ref,
+        shapes: Sequence[Sequence[int]],
+        *,
+        module: str = "",
+        phase: str = "forward",
+        args: Mapping[str, Any] | None = None,
+        location: str = "",
+    ) -> tuple[Ref, ...]:
+        """A view op with one output per shape (``unbind``, ``split``), each aliasing ``base``."""
         op_id = len(self.ops)
-        tid = self._tensor_id()
-        out_shape = tuple(base.shape if shape is None else shape)
-        self.ops.append(self._op_row(op_id, op, "view", "", module, phase, location, args, [base], [tid], False, False, -1, ""))
-        self.tensors.append(self._tensor_row(tid, op_id, 0, out_shape, base.dtype, base.tensor_id, None))
-        return Ref(tid, op_id, out_shape, base.dtype)
+        tids = [self._tensor_id() for _ in shapes]
+        self.ops.append(self._op_row(op_id, op, "view", "", module, phase, location, args, [base], tids, False, False, -1,
+                                     ""))
+        for index, (tid, shape) in enumerate(zip(tids, shapes)):
+            self.tensors.append(self._tensor_row(tid, op_id, index, tuple(shape), base.dtype, base.tensor_id, None))
+        return tuple(Ref(tid, op_id, tuple(shape), base.dtype) for tid, shape in zip(tids, shapes))
 
     def value(self, ref: Ref) -> torch.Tensor:
         """The real tensor behind ``ref`` (only for tensors recorded from real values)."""
@@ -259,11 +276,12 @@ class TraceBuilder:
             outs[0] = fault(outs[0])
         recorded_args = _schema_args(op, args, kwargs)
         name = str(op)
-        if getattr(op, "is_view", False) and len(outs) == 1 and refs:
-            ref = self.view(name, refs[0], tuple(outs[0].shape), module=module, phase=phase, args=recorded_args,
-                            location=location)
-            self.values[ref.tensor_id] = outs[0]
-            return ref
+        if getattr(op, "is_view", False) and outs and refs:
+            views = self.views(name, refs[0], [tuple(o.shape) for o in outs], module=module, phase=phase,
+                               args=recorded_args, location=location)
+            for ref, tensor in zip(views, outs):
+                self.values[ref.tensor_id] = tensor
+            return views[0] if len(views) == 1 and isinstance(result, torch.Tensor) else views
         mutable = bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
         out_refs = self.op(name, refs, [o.detach().clone() for o in outs], module=module, phase=phase,
                            args=recorded_args, location=location, random=random, inplace=mutable)

@@ -70,6 +70,9 @@ _CACHE_BYTES = 256 << 20  # recent recorded values kept while walking (the next 
 _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten._empty")
 _COLLECTIVES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 _RESHAPING_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten._reshape_alias.default")
+# Ops that return views of their input without declaring it (capture records their outputs as values).
+_UNSAFE_VIEWS = frozenset({"aten.unsafe_split.Tensor", "aten.unsafe_split_with_sizes.default",
+                           "aten.unsafe_chunk.default"})
 _VIEW_DEPTH = 64  # views of views rebuilt from their base at most this deep (then: not replayed)
 _TINY = 1e-300
 _PROGRESS_EVERY = 1000
@@ -293,6 +296,11 @@ class Replayer:
             return None
         producer, index, _, view_of, key = row
         if key:
+            op = self.ops.get(producer)
+            if op is not None and op.name in _UNSAFE_VIEWS and depth <= _VIEW_DEPTH:
+                laid_out = self._unsafe_view(op, index, tid, depth)
+                if laid_out is not None:
+                    return laid_out
             return self.saved.get(key)
         if view_of < 0 or depth > _VIEW_DEPTH:
             return None
@@ -318,6 +326,20 @@ class Replayer:
             return None
         produced = _returned(op.name, *out)
         return produced[index] if index < len(produced) else None
+
+    def _unsafe_view(self, op: RecordedOp, index: int, tid: int, depth: int) -> torch.Tensor | None:
+        """Output ``index`` of an ``unsafe_split``-like op remade from its input: views in memory
+        that capture saved as copies (the op declares no aliasing). An op on them ran over
+        strided memory, and only the same layout gives its bits again (LSTM cells' gates)."""
+        args = op.arguments()
+        inputs = [self.value(t, depth + 1) for t in op.inputs]
+        if args is None or any(v is None for v in inputs):
+            return None
+        out = _invoke(op.name, args, inputs, golden=False)
+        produced = _returned(op.name, *out) if out is not None else []
+        if index >= len(produced) or tuple(produced[index].shape) != self.shapes.get(tid):
+            return None
+        return produced[index]
 
     # -- replaying -----------------------------------------------------------------------------
     def skip_reason(self, op: RecordedOp) -> str:

@@ -87,3 +87,20 @@ def test_memoized_text_matches_a_fresh_encoding() -> None:
     again = encoder.encode(info, scan((x, 2.5), {}, []), (x, 2.5), {})
     assert first == again == ArgsEncoder().encode(info, scan((x, 2.5), {}, []), (x, 2.5), {})
     assert encoder.encode(info, scan((x, 3.5), {}, []), (x, 3.5), {}) != first
+
+
+def test_resolve_finds_inductors_prims_in_a_fresh_interpreter() -> None:
+    # A graph inductor compiled names prims.fma (its softmax backward); torch defines it only once
+    # inductor is imported, which a process that only compares never does by itself.
+    import subprocess
+    import sys
+
+    from torch._inductor import inductor_prims
+
+    # fma came with a later torch than inductor's random seed prim.
+    name = "prims.fma.default" if hasattr(inductor_prims, "fma") else "prims.inductor_seed.default"
+    code = ("import sys, torch; from tracecmp.aten.schema import resolve; "
+            "assert 'torch._inductor' not in sys.modules; "
+            f"assert resolve({name!r}) is not None; assert resolve('prims.no_such_op.default') is None")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

@@ -168,6 +168,31 @@ def decode_call(
     return args, kwargs
 
 
+_STRIDED_SPAN = 8  # a strided copy may take at most this many times the elements it holds
+
+
+def copy_laid_out(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` with its strides, also where they leave gaps (a column block of a wider
+    tensor, as ``split`` and ``chunk`` make): CPU kernels take another path over such memory than
+    over contiguous memory (row by row, with other vector tails), with other bits in the last place.
+
+    >>> copy_laid_out(torch.zeros(4, 64)[:, 16:32]).stride()
+    (64, 1)
+    """
+    copy = tensor.clone()  # keeps the strides of dense memory (a transpose) as they are
+    if copy.stride() == tensor.stride():
+        return copy
+    dims = sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n > 1)
+    span = 1  # elements from the first to one past the last, over the dims of smaller strides
+    for st, n in dims:
+        if st < span:  # zero, negative, or reaching into the dims below: overlapping or not a plain layout
+            return copy
+        span += (n - 1) * st
+    if span > _STRIDED_SPAN * tensor.numel():
+        return copy
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
 def decode_value(value: Any, type_name: str, inputs: list[torch.Tensor], golden: bool) -> Any:
     """A recorded JSON argument back as a Python value (tensors from ``inputs``, by position)."""
     if isinstance(value, dict):
@@ -178,7 +203,7 @@ def decode_value(value: Any, type_name: str, inputs: list[torch.Tensor], golden:
             tensor = inputs[index]
             if golden and tensor.is_floating_point():
                 return tensor.to(torch.float64, copy=True)
-            return tensor.clone()
+            return copy_laid_out(tensor)
         if "complex" in value:
             re, im = value["complex"]
             return complex(_float(re), _float(im))

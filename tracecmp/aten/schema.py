@@ -11,6 +11,7 @@ a small record so capture's per-op path only does lookups and replay knows what 
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -193,17 +194,31 @@ def arg_value(ref: ArgRef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return kwargs.get(name)
 
 
+# Ops that exist only once a torch module defining them is imported: inductor's prims
+# (``prims.fma`` in its softmax backward) are in the graphs inductor compiles.
+_DEFINED_BY = {"prims": "torch._inductor.inductor_prims"}
+_imported: set[str] = set()
+
+
 @lru_cache(maxsize=None)
 def resolve(name: str) -> Any:
     """The operator a recorded name stands for (``"aten.mm.default"``), or None where this torch
     has no such overload (a vendor op whose library is not loaded)."""
     namespace, _, rest = name.partition(".")
     packet_name, _, overload = rest.rpartition(".")
-    try:
-        packet = getattr(getattr(torch.ops, namespace), packet_name)
-        return getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        return None
+    while True:
+        try:
+            packet = getattr(getattr(torch.ops, namespace), packet_name)
+            return getattr(packet, overload)
+        except (AttributeError, RuntimeError):
+            module = _DEFINED_BY.get(namespace)
+            if module is None or module in _imported:
+                return None
+            _imported.add(module)
+            try:
+                importlib.import_module(module)
+            except ImportError:  # a torch without it
+                return None
 
 
 def outputs_in_order(func: Any, result: Any, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:

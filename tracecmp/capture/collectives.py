@@ -409,12 +409,18 @@ class CollectiveRecorder:
         self._awaiting: dict[int, tuple[int, torch.Tensor, Any, int]] = {}
         # View family -> awaited c10d outputs in it: an op that reads any member may complete them.
         self._awaited_groups: dict[int, list[int]] = {}
-        self._groups: dict[Any, Group] = {}
+        self._groups: dict[Any, Group] = {}  # also holds the process groups it names (see release_groups)
         self._counters: dict[str, int] = {}
         self._rank = rank
         self._ddp = DDPBuckets(ddp) if ddp is not None else None
         self.ddp_buckets: list[list[str]] | None = None  # bucket -> parameter names, for the manifest
         self.process_groups: dict[str, dict[str, Any]] = {}
+
+    def release_groups(self) -> None:
+        """Let go of the program's process groups when the session ends: held past it, a group the
+        program destroys would live on until the interpreter's exit, and gloo's threads torn down
+        that late abort the process ("terminate called without an active exception")."""
+        self._groups.clear()
 
     def _collective(self: CaptureMode, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Record a collective call (see the module docstring); bookkeeping ops run unrecorded."""
@@ -435,14 +441,7 @@ class CollectiveRecorder:
             phase = "backward"
             module, location, seq = self._backward_context(node)
         stack = self._locator.stack(2) if self._stack else ""
-        known = self._known
-        inputs: list[int] = []
-        for t in tensors:
-            rec = known.get(id(t))
-            if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
-                inputs.append(rec.tid)
-            else:
-                inputs.append(self._enter(t, rec, phase, module, location, stack))
+        inputs = self._input_ids(tensors, phase, module, location, stack)
         if self._awaited_groups:
             self._complete_inputs(info, args, kwargs, tensors)
         meta = describe(sig, args, kwargs, self._groups, self._rank, self._ddp.process_group() if self._ddp else None)

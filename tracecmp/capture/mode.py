@@ -36,7 +36,7 @@ import functools
 import os
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch._C import _current_autograd_node
@@ -345,15 +345,21 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         if self._unsettled:
             self.settle()
         stack = self._locator.stack(1) if self._stack else ""
+        with _disable_current_modes():
+            return self._input_ids(tensors, phase, module, location, stack)
+
+    def _input_ids(self, tensors: Iterable[torch.Tensor], phase: str, module: str, location: str, stack: str
+                   ) -> list[int]:
+        """The ids of the values ``tensors`` hold now; a tensor capture does not know (or knows an
+        older value of) enters as a source node. ``__torch_dispatch__`` inlines this loop (its hot path)."""
         known = self._known
         ids: list[int] = []
-        with _disable_current_modes():
-            for t in tensors:
-                rec = known.get(id(t))
-                if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
-                    ids.append(rec.tid)
-                else:
-                    ids.append(self._enter(t, rec, phase, module, location, stack))
+        for t in tensors:
+            rec = known.get(id(t))
+            if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
+                ids.append(rec.tid)
+            else:
+                ids.append(self._enter(t, rec, phase, module, location, stack))
         return ids
 
     def append_node(

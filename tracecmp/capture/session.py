@@ -401,6 +401,8 @@ class TraceCompare:
             if self._regions is not None:
                 self._regions.remove()
             TraceCompare._active = None
+            if self._mode is not None:
+                self._mode.release_groups()
             self._mode = self._scope = self._regions = None  # drop the weak records: dying tensors stop calling back
         if self.auto_named and self.announce and self._rank == 0 and self._stopped is None:
             print(f"tracecmp: {self.summary()}", file=sys.stderr, flush=True)

@@ -8,7 +8,6 @@ the capture filter for a re-run with tensors around the suspects.
 from __future__ import annotations
 
 import math
-import time
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,8 @@ import pandas as pd
 
 from tracecmp.errors import TracecmpError
 from tracecmp.render.chart import error_chart
-from tracecmp.render.html import _CSS, _JS, _inline_svg, module_rollup
-from tracecmp.render.subgraph import build_dot, format_number, run_dot, short_op
+from tracecmp.render.html import counts_html, inline_svg, module_rollup, write_page
+from tracecmp.render.subgraph import build_dot, format_number, short_op, write_picture
 
 REPORT_NAME = "check.html"
 PICTURE_NAME = "check.svg"
@@ -55,34 +54,12 @@ def _words(text: str) -> str:
 
 
 def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: int = 60) -> Path:
-    """Draw the first erring op (or the worst op) with its producers and consumers; .svg/.png/.dot by suffix."""
-    path = Path(path)
-    fmt = path.suffix.lower().lstrip(".")
-    if fmt not in ("svg", "png", "dot", "gv"):
-        raise TracecmpError(f"cannot render to {path.suffix or 'a file without suffix'}: use .svg, .png or .dot", path=path)
-    text = _words(build_dot(_View(result), depth=depth, max_nodes=max_nodes))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if fmt in ("dot", "gv"):
-            path.write_text(text, encoding="utf-8")
-            return path
-        data = run_dot(text, fmt)
-        if data is None:
-            fallback = path.with_suffix(".dot")
-            fallback.write_text(text, encoding="utf-8")
-            return fallback
-        path.write_bytes(data)
-    except OSError as exc:
-        raise TracecmpError(f"cannot write the picture: {exc.strerror}", path=path) from exc
-    return path
+    """Draw the first erring op (or the worst op) with its producers and consumers; .svg/.png/.dot by suffix.
 
-
-def _counts_html(counts: dict[str, int]) -> str:
-    css = {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""}
-    return '<div class="counts">' + "".join(
-        f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
-        for name, value in counts.items()
-    ) + "</div>"
+    >>> render_subgraph(tracecmp.check("runs/target"), "out/check.svg")   # doctest: +SKIP
+    PosixPath('out/check.svg')
+    """
+    return write_picture(_words(build_dot(_View(result), depth=depth, max_nodes=max_nodes)), path)
 
 
 def _first_html(result: Any) -> str:
@@ -176,13 +153,10 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     except OSError as exc:
         raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
     picture = render_subgraph(result, out / PICTURE_NAME, depth=depth, max_nodes=max_nodes)
-    if picture.suffix == ".svg":
-        graph = f'<div class="figure graph">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
-    else:
-        graph = ('<p class="note">graphviz <code>dot</code> is not installed: the graph as DOT text '
-                 f"(also in <code>{escape(picture.name)}</code>).</p><pre>{escape(picture.read_text(encoding='utf-8'))}</pre>")
+    graph = f'<div class="figure graph">{inline_svg(picture.read_text(encoding="utf-8"))}</div>'
     sentence = result.verdict()
-    css = "diverged" if result.first_error is not None else ("agree" if result.counts()["pass"] else "incomplete")
+    counts = result.counts()
+    css = "diverged" if result.first_error is not None else ("agree" if counts["pass"] else "incomplete")
     warnings = "".join(f'<div class="warn">Warning: {escape(w)}</div>' for w in result.warnings)
     notes = "".join(f"<li>{escape(n)}</li>" for n in result.notes)
     selection = result.selection()
@@ -194,19 +168,11 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     chart = _words(error_chart(render_nodes, root=result.first_error.op_id if result.first_error else None, rank=focus_rank))
     chart = chart.replace("first divergence:", "first error:")
     chart = chart.replace("output error (rounding units, log)", "own error (rounding units, log)")
-    from tracecmp import __version__
-
-    page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>tracecmp check — {escape(css)}</title>
-<style>{_CSS}</style></head>
-<body><main>
-<h1>tracecmp check</h1>
+    body = f"""<h1>tracecmp check</h1>
 <div class="runs">trace: <code>{escape(str(result.trace.path))}</code> · evidence: {escape(result.evidence)}</div>
 <div class="verdict {css}" id="verdict">{escape(sentence)}</div>
 {warnings}
-{_counts_html(result.counts())}
+{counts_html(counts, {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""})}
 <h2 id="first-error">First erring op</h2>
 {_first_html(result)}
 <h2 id="graph">Around it</h2>
@@ -226,14 +192,5 @@ execution order (rank {focus_rank}); statistics-judged ops show their pinned sta
 {_skipped_html(result)}
 {rerun}
 <h2 id="notes">Notes</h2><ul>{notes}</ul>
-<footer>tracecmp {escape(__version__)} · {escape(time.strftime("%Y-%m-%d %H:%M:%S"))}</footer>
-</main>
-<script>{_JS}</script>
-</body></html>
 """
-    path = out / REPORT_NAME
-    try:
-        path.write_text(page, encoding="utf-8")
-    except OSError as exc:
-        raise TracecmpError(f"cannot write the report: {exc.strerror}", path=path) from exc
-    return path
+    return write_page(out / REPORT_NAME, f"tracecmp check — {css}", body)

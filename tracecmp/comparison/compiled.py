@@ -217,15 +217,12 @@ def _replaces(part: GraphPart | None, names: list[str]) -> str:
 def _decompositions(call: RegionCall, graph: CompiledGraph, part: GraphPart, outputs_of: Mapping[int, list[int]],
                     inputs_of: Mapping[int, list[int]]) -> list[Unit]:
     """Graph mode: the nodes each eager op was decomposed into, as units judged at their exits."""
-    by_name = {n.name: n for n in part.nodes}
+    index = _PartIndex(part)
+    by_name = index.by_name
     groups: dict[tuple[str, str, int], list[GraphNode]] = defaultdict(list)
     for n in part.nodes:
         if n.original and n.original != n.op and n.op not in ("placeholder", "output"):
-            groups[(n.module, n.original, n.seq_nr)].append(n)
-    users: dict[str, set[str]] = defaultdict(set)
-    for n in part.nodes:
-        for i in n.inputs:
-            users[i].add(n.name)
+            groups[index.group(n)].append(n)
     units = []
     for (module, original, _), nodes in groups.items():
         names = {n.name for n in nodes}
@@ -237,7 +234,7 @@ def _decompositions(call: RegionCall, graph: CompiledGraph, part: GraphPart, out
         outputs: list[tuple[int, str]] = []
         judged: list[int] = []
         for n in nodes:
-            if not users[n.name] - names:
+            if not {u.name for u in index.users[n.name]} - names:
                 continue  # used only inside the group
             found = _value_of(n, call, by_name, outputs_of)
             if found is None:
@@ -269,6 +266,70 @@ def _value_of(node: GraphNode, call: RegionCall, by_name: Mapping[str, GraphNode
     return None
 
 
+class _PartIndex:
+    """What pairing reads of one graph part: its nodes by name, each value's users, and the
+    eager op each node was made for (:meth:`group`)."""
+
+    def __init__(self, part: GraphPart) -> None:
+        self.by_name = {n.name: n for n in part.nodes}
+        self.users: dict[str, list[GraphNode]] = defaultdict(list)
+        for n in part.nodes:
+            for i in dict.fromkeys(n.inputs):
+                self.users[i].append(n)
+        # A pass that rewrites nodes inside an eager op's decomposition (inductor's stable softmax:
+        # ``x - amax(x)`` becomes a ``where`` carrying the replaced node's metadata) leaves its
+        # nodes without a sequence number; one feeding a node of the same module and eager op
+        # belongs to that op's group: an inside value, not the op's output.
+        self._seq: dict[str, int] = {}
+        for n in reversed(part.nodes):  # users come after the nodes they read
+            seq = n.seq_nr
+            if seq < 0:
+                op = (n.module, n.original or n.op)
+                seq = next((self._seq[u.name] for u in self.users[n.name]
+                            if self._seq[u.name] >= 0 and (u.module, u.original or u.op) == op), -1)
+            self._seq[n.name] = seq
+        self._leaves: dict[str, bool] = {}
+
+    def group(self, node: GraphNode) -> tuple[str, str, int]:
+        """(module, eager op, autograd sequence number) of the eager op ``node`` was made for."""
+        return node.module, node.original or node.op, self._seq.get(node.name, node.seq_nr)
+
+    def leaves_group(self, node: GraphNode) -> bool:
+        """Whether the node's value is used outside the nodes its eager op was decomposed into
+        (only such values have an eager counterpart: a layer norm's output, not its variance plus
+        eps). A getitem is the value it takes: its users count."""
+        if node.name not in self._leaves:
+            group = self.group(node)
+            self._leaves[node.name] = any(
+                self.leaves_group(u) if u.op == "getitem" else (u.op == "output" or self.group(u) != group)
+                for u in self.users[node.name])
+        return self._leaves[node.name]
+
+    def output_index(self, name: str, group: tuple[str, str, int]) -> int | None:
+        """Which output of ``group``'s eager op the value ``name`` is, where the graph says so:
+        the index of the getitem that takes it from a node computing that very op (unbind's q, k
+        and v; split's parts), found up through views and the op's other nodes (a value a pass
+        scaled). None when no getitem, or getitems of several outputs, lead there."""
+        found: set[int] = set()
+        todo, seen = [name], {name}
+        while todo:
+            node = self.by_name.get(todo.pop())
+            if node is None:
+                continue
+            if node.op == "getitem":
+                source = self.by_name.get(node.inputs[0]) if node.inputs else None
+                if source is not None and source.op == group[1] and self.group(source) == group:
+                    found.add(int(json.loads(node.args).get("index", 0)))
+                    continue
+            elif self.group(node) != group and not _same_values(node):
+                continue
+            for i in node.inputs:
+                if i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+        return found.pop() if len(found) == 1 else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Pairing with the bench
 
@@ -297,28 +358,49 @@ class Pairing:
                                                               b_ops["module"].tolist())))
         self.bench = _bench_groups(b_ops)
         self.anchor = {(call.first_op, call.part): anchor for call, _, anchor in units.calls}
-        self.ordinals = _ordinals(units, t_ops, self.step_of, self.phase_of)
+        self._parts = {(call.first_op, call.part): graph.parts[call.part] for call, graph, _ in units.calls
+                       if call.part in graph.parts}
+        self._indexes: dict[tuple[int, str], _PartIndex] = {}
+        self.ordinals = _ordinals(units, t_ops, self.step_of, self.phase_of, self.index)
+
+    def index(self, call: RegionCall) -> _PartIndex | None:
+        """The index of the graph part ``call`` ran (None when the trace has no such part)."""
+        key = (call.first_op, call.part)
+        if key not in self._indexes:
+            part = self._parts.get(key)
+            if part is None:
+                return None
+            self._indexes[key] = _PartIndex(part)
+        return self._indexes[key]
 
     def bench_tensor(self, unit: Unit, name: str, shape: tuple[int, ...],
                      peers: list[tuple[str, tuple[int, ...], int | None]], tensor: int | None = None) -> int | None:
         """The bench tensor of node ``name``'s value (of ``shape``, the target's ``tensor`` when it
-        has one); ``peers`` are the (node, shape, tensor) values of the unit being paired, which
-        decide which of an eager op's same-shaped outputs is whose."""
-        part = unit.graph.parts.get(unit.call.part)
-        if part is None:
+        has one), a view as the eager op made it (see :meth:`measured_as`); ``peers`` are the
+        (node, shape, tensor) values of the unit being paired, which decide which of an eager op's
+        same-shaped outputs is whose where the graph does not say."""
+        index = self.index(unit.call)
+        if index is None:
             return None
-        by_name = {n.name: n for n in part.nodes}
-        node, same = self._stands_for(unit, by_name, name, shape)
+        node, same = self._stands_for(unit, index, name, shape)
         if node is None or not same:
             return None
-        group = (node.module, node.original or node.op, node.seq_nr)
+        group = index.group(node)
+        if len(same) > 1:
+            # Several outputs of one shape: where a getitem of the eager op itself leads to the
+            # value (q, k and v of an unbind, through views and what a pass did to them), its
+            # index says which.
+            at = index.output_index(name, group)
+            picked = self._output_at(unit.call, node, at) if at is not None else None
+            if picked in same:
+                return picked
         # The unit's values that stand for this group's outputs of this shape.
         fellows: dict[str, int | None] = {}
         for other, other_shape, other_tensor in [*peers, (name, shape, tensor)]:
             if other_shape != shape or other in fellows:
                 continue
-            candidate, _ = self._stands_for(unit, by_name, other, shape)
-            if candidate is not None and (candidate.module, candidate.original or candidate.op, candidate.seq_nr) == group:
+            candidate, _ = self._stands_for(unit, index, other, shape)
+            if candidate is not None and index.group(candidate) == group:
                 fellows[other] = other_tensor
         if len(same) == 1 and len(fellows) == 1:
             chosen = same[0]
@@ -328,16 +410,25 @@ class Pairing:
             # (the normalized input it saves): values pair with the outputs nearest to them, both
             # ways, or not at all.
             chosen = self._nearest(tensor, same, fellows)
-        return None if chosen is None else self.b_base.get(chosen, chosen)
+        return chosen
 
-    def _stands_for(self, unit: Unit, by_name: Mapping[str, GraphNode], name: str, shape: tuple[int, ...]
+    def measured_as(self, bench: int) -> int | None:
+        """The bench tensor whose statistics are ``bench``'s: itself, or the base it is a view of
+        when it holds all of the base's elements (a reshape or permute of it); None for a view of
+        part of its base (unbind's q: the base's statistics are those of q, k and v together)."""
+        base = self.b_base.get(bench)
+        if base is None:
+            return bench
+        return base if math.prod(self.b_shape.get(bench, (-1,))) == math.prod(self.b_shape.get(base, ())) else None
+
+    def _stands_for(self, unit: Unit, index: _PartIndex, name: str, shape: tuple[int, ...]
                     ) -> tuple[GraphNode | None, list[int]]:
         """The node whose eager op a value stands for (itself, or through views and getitems the
         node that computed it) and that op's bench outputs of ``shape``."""
-        node = by_name.get(name)
+        node = index.by_name.get(name)
         found = self._group_outputs(unit, node, shape)
         if not found:
-            node = _producer(by_name, name)
+            node = _producer(index.by_name, name)
             found = self._group_outputs(unit, node, shape)
             if not found:  # a reshape of what it computed: the same elements, as its statistics are
                 size = math.prod(shape)
@@ -355,11 +446,22 @@ class Pairing:
         if node is None or node.op in ("placeholder", "output", "getitem") or node.recomputed:
             return []
         anchor = self.anchor.get((call.first_op, call.part))
-        op = node.original or node.op
-        key = (self.step_of.get(anchor), self.phase_of.get(anchor), node.module, op)
-        ordinal = self.ordinals.get((call.first_op, call.part, node.module, op, node.seq_nr))
+        index = self.index(call)
+        module, op, seq = index.group(node) if index is not None else (node.module, node.original or node.op,
+                                                                        node.seq_nr)
+        key = (self.step_of.get(anchor), self.phase_of.get(anchor), module, op)
+        ordinal = self.ordinals.get((call.first_op, call.part, module, op, seq))
         groups = self.bench.get(key, [])
         return groups[ordinal] if ordinal is not None and ordinal < len(groups) else []
+
+    def _output_at(self, call: RegionCall, node: GraphNode, at: int) -> int | None:
+        """Output ``at`` of the bench op, among those ``node`` stands for, that is its eager op."""
+        eager = node.original or node.op
+        for op in self._group(call, node):
+            outputs = self.b_outputs.get(op, [])
+            if self.b_op.get(op) == eager and at < len(outputs):
+                return outputs[at]
+        return None
 
     def pair_ops(self, units: CompiledUnits) -> dict[int, int]:
         """``{target op id: bench op id}`` for graph-mode nodes that are eager ops of their own: the
@@ -452,8 +554,9 @@ def pair_units(pairing: Pairing, units: CompiledUnits) -> dict[int, int]:
             if shape is None:
                 continue
             found = pairing.bench_tensor(unit, name, shape, peers, tensor)
-            if found is not None:
-                partner[tensor] = found
+            measured = pairing.measured_as(found) if found is not None else None
+            if measured is not None:
+                partner[tensor] = measured
     return partner
 
 
@@ -495,12 +598,18 @@ def _producer(by_name: Mapping[str, GraphNode], name: str) -> GraphNode | None:
     """The node whose eager op made a value: through getitems and views to the computing node."""
     node = by_name.get(name)
     for _ in range(16):
-        if node is None or not (node.op == "getitem" or (node.op.startswith(_SAME_VALUES) and node.original in ("", node.op))):
+        if node is None or not (node.op == "getitem" or _same_values(node)):
             return node
         if not node.inputs or node.inputs[0] not in by_name:
             return node
         node = by_name[node.inputs[0]]
     return node
+
+
+def _same_values(node: GraphNode) -> bool:
+    """Whether the node rearranges or copies a value as an eager op of its own (not as a step of
+    another op's decomposition): its value stands for what the op it reads computed."""
+    return node.op.startswith(_SAME_VALUES) and node.original in ("", node.op)
 
 
 def _bench_groups(b_ops: pd.DataFrame) -> dict[tuple, list[list[int]]]:
@@ -522,8 +631,8 @@ def _bench_groups(b_ops: pd.DataFrame) -> dict[tuple, list[list[int]]]:
     return groups
 
 
-def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, int], phase_of: Mapping[int, str]
-              ) -> dict[tuple, int]:
+def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, int], phase_of: Mapping[int, str],
+              index_of: Callable[[RegionCall], _PartIndex | None]) -> dict[tuple, int]:
     """Per (call, part, module, op, seq) node group: how many groups of that module and op came
     before it in its step and phase, counting the target's own eager ops and earlier calls' groups."""
     events: dict[tuple, list[tuple[int, int, tuple]]] = defaultdict(list)
@@ -534,15 +643,15 @@ def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, i
         if kind != "source" and op_id not in covered:
             events[(step, phase, module, op)].append((op_id, 0, ()))
     for call, graph, anchor in units.calls:
-        part = graph.parts.get(call.part)
-        if part is None:
+        part, index = graph.parts.get(call.part), index_of(call)
+        if part is None or index is None:
             continue
         step, phase = step_of.get(anchor), phase_of.get(anchor)
         seen: set[tuple] = set()
         for position, n in enumerate(part.nodes):
             if n.op in ("placeholder", "output", "getitem") or n.recomputed:
                 continue
-            group = (n.module, n.original or n.op, n.seq_nr)
+            group = index.group(n)
             if group in seen:
                 continue
             seen.add(group)
@@ -552,7 +661,7 @@ def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, i
                 # The autograd engine runs the eager backward by decreasing sequence number (the
                 # forward ops' order, reversed); a backward graph is ordered as its partitioner
                 # pleased. Both follow the forward's numbering.
-                at = (call.first_op, -n.seq_nr)
+                at = (call.first_op, -group[2])
             elif call.mode == "graph":
                 at = (min(call.nodes[n.name]), 0)  # where its first op lies among the target's ops
             else:
@@ -703,6 +812,8 @@ def _run(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping
             value = outside(name, golden)
             if isinstance(value, torch.Tensor):
                 env[name] = value.to(torch.float64) if golden and value.is_floating_point() else value.clone()
+            elif isinstance(value, (int, float)):  # a size the forward saved for a backward of dynamic shape
+                env[name] = value
             else:
                 env[name] = _MISSING
         return env[name]
@@ -722,7 +833,7 @@ def _run(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping
         func = resolve(n.op)
         call = None
         if func is not None and hasattr(func, "_schema"):
-            arguments = _with_sizes(json.loads(n.args), env)
+            arguments = _with_sizes(json.loads(n.args), get)
             info = op_info(func)
             # A random op draws other numbers here, unless all it could draw is a dropout of 0
             # (attention kernels: random by schema, deterministic at dropout_p=0).
@@ -743,19 +854,20 @@ def _run(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping
     return env
 
 
-def _with_sizes(value: Any, env: Mapping[str, Any]) -> Any:
+def _with_sizes(value: Any, size_of: Callable[[str], Any]) -> Any:
     """Recorded arguments with the symbolic sizes capture named (``"<node sym_size_int>"``) set to
-    the values those nodes took in this replay; None when one is unknown."""
+    the values those nodes (or the placeholders a backward reads them from) took in this replay,
+    as ``size_of(name)`` gives them; None when one is unknown."""
     if isinstance(value, str) and value.startswith("<node ") and value.endswith(">"):
-        size = env.get(value[6:-1], _MISSING)
+        size = size_of(value[6:-1])
         return size if isinstance(size, (int, float)) and not isinstance(size, bool) else None
     if isinstance(value, list):
-        items = [_with_sizes(v, env) for v in value]
+        items = [_with_sizes(v, size_of) for v in value]
         return None if any(i is None and v is not None for i, v in zip(items, value)) else items
     if isinstance(value, dict):
         if "tensor" in value or "complex" in value:
             return value
-        items = {k: _with_sizes(v, env) for k, v in value.items()}
+        items = {k: _with_sizes(v, size_of) for k, v in value.items()}
         return None if any(items[k] is None and value[k] is not None for k in value) else items
     return value
 
@@ -784,11 +896,14 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
     from tracecmp.replay import _Scale
 
     carried = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
-    computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and _leaves_group(n, part)]
+    index = pairing.index(unit.call)
+    if index is None:
+        return ""
+    computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
     peers = [(n.name, tuple(_tensor(ref.get(n.name)).shape), None) for n in computing
              if _tensor(ref.get(n.name)) is not None]
-    recorded_of = _recorded_by_node(unit.call, t_get, pairing)
-    by_name = {n.name: n for n in part.nodes}
+    wrong = _wrong_kernels(part, ref, honest, _recorded_by_node(unit.call, t_get, pairing), tol)
+    by_name = index.by_name
     agreeing: set[str] = set()  # nodes whose value matched the bench's
     unmatched: set[str] = set()  # computing nodes with no eager counterpart (a custom op, a fused pattern)
     for n in computing:
@@ -798,12 +913,9 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
         scale = _Scale.of(r)
         honest_error = scale.error(h)
         unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), _FP32)
-        recorded = recorded_of.get(n.name)
-        if recorded is not None and recorded.shape == r.shape:
-            error = scale.error(recorded)
-            if error > max(tol.replay_margin * honest_error, tol.replay_local * unit_eps):
-                return (f"narrowed to {_where(n)}: what the compiled code computed for it is off by {error:.1e} from "
-                        f"a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)")
+        if n.name in wrong:
+            return (f"narrowed to {_where(n)}: what the compiled code computed for it is off by {wrong[n.name]:.1e} "
+                    f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)")
         bench = pairing.bench_tensor(unit, n.name, tuple(r.shape), peers)
         if bench is None:
             unmatched.add(n.name)
@@ -825,18 +937,39 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
     return ""
 
 
-def _leaves_group(node: GraphNode, part: GraphPart) -> bool:
-    """Whether the node's value is used outside the nodes its eager op was decomposed into (only
-    such values have an eager counterpart: a layer norm's output, not its variance plus eps)."""
-    group = (node.module, node.original or node.op, node.seq_nr)
-    for other in part.nodes:
-        if node.name in other.inputs and (other.op == "output" or (other.module, other.original or other.op,
-                                                                   other.seq_nr) != group):
-            if other.op != "getitem":
-                return True
-            if _leaves_group(other, part):
-                return True
-    return False
+def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str, Any], recorded: Mapping[str, Any],
+                   tol: Tolerances) -> dict[str, float]:
+    """The nodes whose value the compiled code dispatched wrong (an extern kernel off by more than
+    eager kernels are from a float64 replay), with the error of what was filed under them.
+
+    Capture files a region's dispatched ops under its nodes in dispatch order, and inductor may run
+    the extern kernels of one op in another order than its graph's (the four matmuls of an
+    attention's backward): a value that departs from the node it was filed under but fits another
+    departing node of the same op and shape is that node's, and neither is wrong. A node is wrong
+    when no departing value of its op fits it.
+    """
+    from tracecmp.replay import _Scale
+
+    def fits(value: Any, name: str) -> bool:
+        r, h = _tensor(ref.get(name)), _tensor(honest.get(name))
+        if r is None or h is None or value.shape != r.shape:
+            return False
+        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), _FP32)
+        scale = _Scale.of(r)
+        return scale.error(value) <= max(tol.replay_margin * scale.error(h), tol.replay_local * unit_eps)
+
+    departing: dict[str, list[str]] = defaultdict(list)  # op -> nodes whose filed value departs
+    for n in part.nodes:
+        value, r = _tensor(recorded.get(n.name)), _tensor(ref.get(n.name))
+        if (value is not None and r is not None and r.is_floating_point() and value.shape == r.shape
+                and not fits(value, n.name)):
+            departing[n.op].append(n.name)
+    wrong: dict[str, float] = {}
+    for names in departing.values():
+        for name in names:
+            if not any(fits(recorded[other], name) for other in names if other != name):
+                wrong[name] = _Scale.of(ref[name]).error(recorded[name])
+    return wrong
 
 
 def _is_view(op: str) -> bool:
@@ -897,7 +1030,8 @@ def _departure(ref: Any, bench_tensor: int, b_get: Callable[[int], Any] | None, 
         value = b_get(bench_tensor)
         if value is not None and value.shape == ref.shape:
             return _Scale.of(ref).error(value)
-    stats = pairing.b_stats.get(bench_tensor)
+    measured = pairing.measured_as(bench_tensor)
+    stats = pairing.b_stats.get(measured) if measured is not None else None
     if stats is None:
         return None
     lo, hi, mean, norm = stats

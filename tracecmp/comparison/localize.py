@@ -1015,7 +1015,7 @@ def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
     fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
-    bitwise_ops: Mapping[str, int] | None = None, tainted: bool = False,
+    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None, tainted: bool = False,
 ) -> tuple[str, str, str]:
     """Root kind ('' when not a root), the one-line reason, and the deciding metric's name.
 
@@ -1211,10 +1211,10 @@ _BITWISE_MEMBERS = 3  # calls of an op its replay must give bit for bit before a
 _BITWISE_RANK = 8  # informative calls a rank needs before they speak for ops with fewer calls of their own
 
 
-def _bitwise_ops(ri: RankInput) -> dict[str, int]:
+def _bitwise_ops(ri: RankInput) -> dict[str, tuple[int, bool]]:
     """Ops whose replay gives this rank's calls bit for bit: the device computes them as this CPU
     does, so a call that differs in one bit (a fault far below any rounding budget) is wrong.
-    Op name -> the calls that speak for it. An op speaks for itself with at least three calls
+    Op name -> (the calls that speak for it, whether they are its own). An op speaks for itself with at least three calls
     reproduced, all but one in ten; an op with fewer is covered, unless its own calls say
     otherwise, when nine in ten of the rank's informative calls (ops that round, at least eight: no
     copy, max or single IEEE operation, which every device gives bit for bit) are reproduced: then
@@ -1240,9 +1240,9 @@ def _bitwise_ops(ri: RankInput) -> dict[str, int]:
         if other[name] > max(1, 0.1 * (same[name] + other[name])):
             continue  # its own calls say the device computes it otherwise
         if same[name] >= _BITWISE_MEMBERS:
-            held[name] = same[name]
+            held[name] = (same[name], True)
         elif rank_held:
-            held[name] = rank_same
+            held[name] = (rank_same, False)
     return held
 
 
@@ -1299,7 +1299,7 @@ def _reduced_matmul(own: OwnError, j: _Judged, exact_matmul: bool, reduced: str 
 
 def _replayed_root(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: _ModelFit | None,
-    bounds_hold: bool = False, bitwise_ops: Mapping[str, int] | None = None,
+    bounds_hold: bool = False, bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
 ) -> str:
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).
 
@@ -1318,17 +1318,21 @@ def _replayed_root(
         return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
                 f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
                 f"of {node[4]} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    # Bit-for-bit evidence outranks the accumulation bound, where it is the op's own: when a replay
+    # gives the run's other calls of this matmul exactly, the device rounds (which operands, which
+    # way, the bias added where) as that replay does, and this call should match too. The rank's
+    # other ops cannot say that for a matmul with no calls of its own to show it.
+    same_cpu, by_own_calls = (bitwise_ops or {}).get(node[4], (0, False))
+    if same_cpu and not own.bitwise and (by_own_calls or not reduced_call):
+        return _not_reproduced(own, reduced if reduced_call else None, same_cpu)
     if reduced_call and own.bounds and min(own.bounds) <= 1.0:
         return ""  # a float32 sum of its rounded operands' products gives this: noise, even as the only call
     if reduced_call and own.bounds and bounds_hold:
         return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
                 f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
                 f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
-    same_cpu = (bitwise_ops or {}).get(node[4], 0)
     if same_cpu and not own.bitwise:
-        how = f"rounded to {reduced} " if reduced_call else ""
-        return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
-                f"other calls bit for bit ({same_cpu} of them: the run computed as this CPU does; own error {own.error:.2e})")
+        return _not_reproduced(own, reduced if reduced_call else None, same_cpu)
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
             return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
@@ -1338,6 +1342,12 @@ def _replayed_root(
         return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
                 f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
     return ""
+
+
+def _not_reproduced(own: Any, reduced: str | None, calls: int) -> str:
+    how = f"rounded to {reduced} " if reduced else ""
+    return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
+            f"other calls bit for bit ({calls} of them: the run computed as this CPU does; own error {own.error:.2e})")
 
 
 def _structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:

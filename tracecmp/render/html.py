@@ -271,20 +271,21 @@ def _counts_with_replay(result: Any) -> dict[str, int]:
     return counts
 
 
-def _counts_html(counts: dict[str, int]) -> str:
+def counts_html(counts: dict[str, int], css: dict[str, str]) -> str:
+    """The row of count boxes at the top of a report; ``css`` classes a box by its name ("bad", "nan")."""
+    return '<div class="counts">' + "".join(
+        f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
+        for name, value in counts.items()
+    ) + "</div>"
+
+
+def _compare_counts_html(counts: dict[str, int]) -> str:
     css = {"diverged": "bad", "roots": "bad", "nan": "nan"}
     css.update({k: "bad" for k in ("unpaired target", "unpaired bench", "uncompared") if counts.get(k)})
-    return (
-        '<div class="counts">'
-        + "".join(
-            f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
-            for name, value in counts.items()
-        )
-        + "</div>"
-    )
+    return counts_html(counts, css)
 
 
-def _inline_svg(svg: str) -> str:
+def inline_svg(svg: str) -> str:
     """dot's SVG without the XML prolog and doctype, ready to sit inside HTML."""
     return re.sub(r"^.*?(?=<svg\b)", "", svg, count=1, flags=re.S)
 
@@ -319,24 +320,16 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
         raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
     picture = render_subgraph(result, out / SUBGRAPH_NAME, depth=depth, max_nodes=max_nodes)
     # At its natural size (scrolling when wide): shrunk to fit, a big graph's labels become unreadable.
-    subgraph = f'<div class="figure graph">{_inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+    subgraph = f'<div class="figure graph">{inline_svg(picture.read_text(encoding="utf-8"))}</div>'
     css_class, sentence = verdict(result)
     focus = find_focus(result)
     chart_root = result.first_divergence.op_id if result.first_divergence is not None else None
     warnings_html = "".join(f'<div class="warn">Warning: {escape(note)}</div>' for note in result.warnings)
-    from tracecmp import __version__
-
-    page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>tracecmp — {escape(css_class)}</title>
-<style>{_CSS}</style></head>
-<body><main>
-<h1>tracecmp report</h1>
+    body = f"""<h1>tracecmp report</h1>
 <div class="runs">{_run_line(result)}</div>
 <div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
 {warnings_html}
-{_counts_html(_counts_with_replay(result))}
+{_compare_counts_html(_counts_with_replay(result))}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
 {result.job.html() if getattr(result, "job", None) is not None else ""}
@@ -360,12 +353,30 @@ dashed box holds its target ops, with a note naming the bench ops it stands agai
 <p class="note">Per module: the largest error one of its ops introduced itself (and which op), how many of its ops
 diverged; the module of the first divergence is highlighted. Click a header to sort.</p>
 {_modules_html(result)}
-<footer>tracecmp {escape(__version__)} · {escape(time.strftime("%Y-%m-%d %H:%M:%S"))}</footer>
+"""
+    return write_page(out / REPORT_NAME, f"tracecmp — {css_class}", body)
+
+
+def write_page(path: Path, title: str, body: str) -> Path:
+    """Write ``body`` inside the reports' page frame (inline style and sorting script, a footer with
+    the version and time) to ``path``; returns it.
+
+    >>> write_page(Path("out/page.html"), "a title", "<h1>hello</h1>")   # doctest: +SKIP
+    PosixPath('out/page.html')
+    """
+    from tracecmp import __version__
+
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{escape(title)}</title>
+<style>{_CSS}</style></head>
+<body><main>
+{body}<footer>tracecmp {escape(__version__)} · {escape(time.strftime("%Y-%m-%d %H:%M:%S"))}</footer>
 </main>
 <script>{_JS}</script>
 </body></html>
 """
-    path = out / REPORT_NAME
     try:
         path.write_text(page, encoding="utf-8")
     except OSError as exc:

@@ -623,20 +623,34 @@ def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: in
     PosixPath('out/divergence.svg')
     """
     path = Path(path)
-    fmt = path.suffix.lower().lstrip(".")
-    if fmt not in FORMATS:
+    _check_format(path)
+    return write_picture(build_dot(result, depth=depth, max_nodes=max_nodes), path)
+
+
+def _check_format(path: Path) -> None:
+    if path.suffix.lower().lstrip(".") not in FORMATS:
         raise TracecmpError(f"cannot render to {path.suffix or 'a file without suffix'}: use .svg, .png or .dot", path=path)
-    text = build_dot(result, depth=depth, max_nodes=max_nodes)
+
+
+def write_picture(dot_text: str, path: str | Path) -> Path:
+    """Write DOT text to ``path`` as the picture its suffix names (.svg, .png, or the text for .dot/.gv).
+
+    >>> write_picture('digraph { a -> b }', "out/ab.svg")   # doctest: +SKIP
+    PosixPath('out/ab.svg')
+    """
+    path = Path(path)
+    _check_format(path)
+    fmt = path.suffix.lower().lstrip(".")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if fmt in ("dot", "gv"):
-            path.write_text(text, encoding="utf-8")
+            path.write_text(dot_text, encoding="utf-8")
             return path
-        data = run_dot(text, fmt)
+        data = run_dot(dot_text, fmt)
         if data is None:
             from tracecmp.render.layout import draw
 
-            data = draw(text, fmt)
+            data = draw(dot_text, fmt)
         path.write_bytes(data)
     except OSError as exc:
         raise TracecmpError(f"cannot write the picture: {exc.strerror}", path=path) from exc

@@ -1,0 +1,117 @@
+"""Replay that gives the run's bits: inputs laid out in memory as the run had them, and a single
+call that a bit-for-bit replay does not reproduce, where it reproduces the op's other calls."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracecmp
+from tests.tracebuild import TraceBuilder
+from tests.unit.test_localize import _round_tf32
+from tracecmp.aten.args import copy_laid_out
+from tracecmp.replay import replay_rank
+
+A = torch.ops.aten
+
+
+def test_a_copy_keeps_the_strides_of_a_column_block():
+    wide = torch.randn(4, 64)
+    block = wide[:, 16:32]
+    copy = copy_laid_out(block)
+    assert copy.stride() == (64, 1) and torch.equal(copy, block) and copy.data_ptr() != block.data_ptr()
+    assert copy_laid_out(torch.randn(3, 4).t()).stride() == (1, 4)  # dense: clone's own strides
+    # Overlapping memory, and a block so narrow that its layout would cost far more memory: contiguous.
+    assert copy_laid_out(torch.randn(4, 1).expand(4, 5)).is_contiguous()
+    assert copy_laid_out(torch.randn(100, 1000)[:, :1]).is_contiguous()
+
+
+def _lstm_gates(path: Path) -> Path:
+    """An LSTM cell's gates as eager LSTMs make them: one matmul, ``unsafe_split`` into four
+    column blocks (views in memory the op does not declare), each activated in place."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(32, 24), torch.randn(160, 24) / 5, torch.randn(160) / 5
+    with tracecmp.TraceCompare(path, data="tensors"):
+        gates = torch.addmm(b, x, w.t())
+        i, f, g, o = gates.unsafe_split(40, 1)
+        i.sigmoid_()
+        f.sigmoid_()
+        g.tanh_()
+        o.sigmoid_()
+        (i * g + f * o).sum()
+    return path
+
+
+def test_outputs_of_unsafe_split_are_replayed_with_their_strides(tmp_path):
+    rank = tracecmp.load(_lstm_gates(tmp_path / "run")).rank(0)
+    ops = rank.ops
+    activations = ops[ops["op"].isin(["aten.sigmoid_.default", "aten.tanh_.default"])]["op_id"].tolist()
+    assert len(activations) == 4
+    own = replay_rank(rank, activations)
+    # On contiguous copies of the blocks the vectorized kernel splits rows differently and some
+    # elements come out one bit apart; over the strided blocks the replay is the run itself.
+    assert all(own[o].bitwise and own[o].error == own[o].honest for o in activations), own
+
+
+def _tf32_matmuls(path: Path, tf32: bool, flip: int | None = None) -> Path:
+    """Five matmuls (tanh between), at TF32 in a target (inputs rounded to nearest even, float32
+    sums as this CPU makes them); ``flip`` moves one element of that matmul's output by one ulp."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 48, generator=g)
+    b = TraceBuilder(data=True)
+    h = b.source("input.0", x)
+    for i in range(5):
+        w = torch.randn(48, 48, generator=g) / 7
+        W = b.param(f"fc{i}.weight", w, module=f"fc{i}")
+        hv = b.value(h)
+
+        def device(_: torch.Tensor, hv: torch.Tensor = hv, w: torch.Tensor = w, i: int = i) -> torch.Tensor:
+            out = _round_tf32(hv) @ _round_tf32(w) if tf32 else hv @ w
+            if i == flip:
+                out = out.clone()
+                out.view(-1)[7] = torch.nextafter(out.view(-1)[7], torch.tensor(math.inf))
+            return out
+
+        h = b.call(A.mm.default, h, W, module=f"fc{i}", fault=device)
+        h = b.call(A.tanh.default, h, module=f"act{i}")
+    return b.write(path)
+
+
+def test_one_ulp_in_a_tf32_matmul_is_a_root_where_replays_give_its_other_calls_bit_for_bit(tmp_path):
+    bench = _tf32_matmuls(tmp_path / "bench", tf32=False)
+    clean = tracecmp.compare(_tf32_matmuls(tmp_path / "clean", tf32=True), bench)
+    assert clean.first_divergence is None, clean.first_divergence
+    result = tracecmp.compare(_tf32_matmuls(tmp_path / "target", tf32=True, flip=2), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module) == ("aten.mm.default", "fc2"), result.suspects
+    assert "bit for bit" in d.reason
+    # Far inside TF32's own error: the accumulation bound alone calls it noise.
+    assert d.metrics["own_error"] < d.metrics["honest_error"]
+    assert [s.module for s in result.suspects] == ["fc2"]
+
+
+@pytest.mark.parametrize("flip", [None, 2])
+def test_a_device_that_sums_in_another_order_is_not_held_to_bits(tmp_path, flip):
+    bench = _tf32_matmuls(tmp_path / "bench", tf32=False)
+    target = TraceBuilder(data=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 48, generator=g)
+    h = target.source("input.0", x)
+    for i in range(5):
+        w = torch.randn(48, 48, generator=g) / 7
+        W = target.param(f"fc{i}.weight", w, module=f"fc{i}")
+        hv = target.value(h)
+
+        def device(_: torch.Tensor, hv: torch.Tensor = hv, w: torch.Tensor = w, i: int = i) -> torch.Tensor:
+            out = (_round_tf32(hv).double() @ _round_tf32(w).double()).float()  # another order, and exact sums
+            if i == flip:
+                out.view(-1)[7] = torch.nextafter(out.view(-1)[7], torch.tensor(math.inf))
+            return out
+
+        h = target.call(A.mm.default, h, W, module=f"fc{i}", fault=device)
+        h = target.call(A.tanh.default, h, module=f"act{i}")
+    result = tracecmp.compare(target.write(tmp_path / "target"), bench)
+    # No replay gives these calls' bits: one ulp is within what such a device may do.
+    assert result.first_divergence is None, result.first_divergence
