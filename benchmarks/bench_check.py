@@ -40,14 +40,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("default-threads", "one-thread", "two-workers")
-FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "gpt2-small-2l": "transformer.h.1", "resnet50": "resnet.encoder.stages.2", "mlp": "2",
+FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "gpt2-small-2l": "transformer.h.1", "gpt2-small-amp": "transformer.h.5", "resnet50": "resnet.encoder.stages.2", "mlp": "2",
            "block64": "mlp"}
 
 
 def _build(name: str) -> tuple[Any, Any]:
-    """(model, step) for ``name``: the overhead benchmark's models, GPT-2 small, and GPT-2 small with
+    """(model, step) for ``name``: the overhead benchmark's models, GPT-2 small, GPT-2 small with
     two layers (``gpt2-small-2l``: the same 50257 x 768 embedding, whose optimizer ops are the
-    largest, in a sixth of the trace)."""
+    largest, in a sixth of the trace), and GPT-2 small under autocast to bfloat16 (``gpt2-small-amp``,
+    issue 21's target: ``GPT2Config()`` defaults)."""
     if not name.startswith("gpt2-small"):
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from bench_overhead import build
@@ -59,14 +60,19 @@ def _build(name: str) -> tuple[Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
+    import contextlib
+
     layers = 2 if name == "gpt2-small-2l" else 12
-    model = GPT2LMHeadModel(GPT2Config(n_positions=128, n_layer=layers)).train()  # 124M parameters (12 layers), vocab 50257
+    config = GPT2Config() if name == "gpt2-small-amp" else GPT2Config(n_positions=128, n_layer=layers)
+    model = GPT2LMHeadModel(config).train()  # 124M parameters (12 layers), vocab 50257
     tokens = torch.randint(0, 50257, (2, 129))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
     def step() -> Any:
-        loss = F.cross_entropy(model(x).logits.reshape(-1, 50257), y.reshape(-1))
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if name == "gpt2-small-amp" else contextlib.nullcontext()
+        with amp:
+            loss = F.cross_entropy(model(x).logits.reshape(-1, 50257), y.reshape(-1))  # autocast runs it in float32
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -233,7 +239,7 @@ def _print_margins(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "gpt2-small-2l", "mlp", "block64"])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "gpt2-small-2l", "gpt2-small-amp", "mlp", "block64"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, "replay_rank"])
     parser.add_argument("--filtered", action="store_true", help="also capture with tensors for one module and compare sizes")

@@ -9,15 +9,16 @@ on one thread), and before each op resets the kernel's high-water mark of reside
 (Linux: ``/proc/self/clear_refs``), so that each op's own peak can be read after it (``VmHWM``).
 Prints the resident size before the replay, the ops with the highest peaks (resident size before
 the op, its peak, what it adds, its recorded inputs and outputs) and the largest peak of all.
-``--capture`` first captures one Adam step of a model of ``bench_check.py`` with tensors (GPT-2
-small with two layers keeps its 50257 x 768 embedding, whose optimizer ops are the largest).
-Linux only. To profile another version of tracecmp, put it first on ``PYTHONPATH``.
+``--capture`` first captures one Adam step of a model of ``bench_check.py`` with tensors, in a
+child process (GPT-2 small with two layers keeps its 50257 x 768 embedding, whose optimizer ops
+are the largest). Linux only. To profile another version of tracecmp, put it first on ``PYTHONPATH``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,11 +87,12 @@ def main() -> None:
     parser.add_argument("--capture", metavar="MODEL", help="first capture one step of MODEL (bench_check.py's models) into TRACE")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args()
-    if args.capture:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from bench_check import capture
-
-        made = capture(args.capture, args.trace, None)
+    if args.capture:  # in a child process, so that the model is not part of the replay's resident size
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_check.py"), "--child", "capture", args.capture,
+                               str(args.trace)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"capture failed:\n{done.stderr[-3000:]}")
+        made = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"captured {args.capture}: {made['bytes'] / 2**30:.2f} GB in {made['seconds']:.0f} s", file=sys.stderr)
     found = profile(args.trace, args.check, args.top)
     if args.json:
