@@ -7,12 +7,14 @@ is that configuration's alone: one process at torch's default thread count, one 
 thread, and two worker processes. Configurations run in rounds, interleaved, so machine noise
 hits them alike. ``--filtered`` also captures the same step with tensors for one module only
 (``only={"modules": [...]}``), under a device fault inside that module (its matmuls, convolutions
-and attention read float16-rounded inputs), reports both traces' sizes and what ``check`` names. ``--gpt2-small`` captures GPT-2
-small (124M parameters, 2 x 128 tokens) with tensors and reports replay's peak RSS on it
-(compare's path: ``replay_rank``), the figure issue 21 asks to keep under 3 GB.
+and attention read float16-rounded inputs), reports both traces' sizes and what ``check`` names. ``--models gpt2-small``
+captures GPT-2 small (124M parameters, 2 x 128 tokens) with tensors; ``--configs replay_rank``
+measures compare's path (``replay_rank``) beside check's; replay's peak RSS there is the figure
+issue 21 asks to keep under 3 GB. ``--baseline DIR`` runs every configuration a second time, with
+the tracecmp in DIR, interleaved (before and after a change, side by side).
 
     python benchmarks/bench_check.py --models gpt2 resnet50 --rounds 2 --filtered
-    python benchmarks/bench_check.py --models gpt2-small --only-replay --baseline /tmp/before
+    python benchmarks/bench_check.py --models gpt2-small --configs one-thread replay_rank --rounds 1 --baseline /tmp/before
     python benchmarks/bench_check.py --margins
 
 ``--margins`` measures no time: it checks the integration tests' clean and faulty runs of the demo
@@ -38,13 +40,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("default-threads", "one-thread", "two-workers")
-FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "resnet50": "resnet.encoder.stages.2", "mlp": "2",
+FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "gpt2-small-2l": "transformer.h.1", "resnet50": "resnet.encoder.stages.2", "mlp": "2",
            "block64": "mlp"}
 
 
 def _build(name: str) -> tuple[Any, Any]:
-    """(model, step) for ``name``: the overhead benchmark's models, and GPT-2 small."""
-    if name != "gpt2-small":
+    """(model, step) for ``name``: the overhead benchmark's models, GPT-2 small, and GPT-2 small with
+    two layers (``gpt2-small-2l``: the same 50257 x 768 embedding, whose optimizer ops are the
+    largest, in a sixth of the trace)."""
+    if not name.startswith("gpt2-small"):
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from bench_overhead import build
 
@@ -55,7 +59,8 @@ def _build(name: str) -> tuple[Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_positions=128)).train()  # 124M parameters, vocab 50257
+    layers = 2 if name == "gpt2-small-2l" else 12
+    model = GPT2LMHeadModel(GPT2Config(n_positions=128, n_layer=layers)).train()  # 124M parameters (12 layers), vocab 50257
     tokens = torch.randint(0, 50257, (2, 129))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -181,6 +186,7 @@ def replay(path: Path, config: str) -> dict[str, Any]:
     except ImportError:  # --baseline: a tracecmp from before check
         pass
 
+    config = config.partition("@")[0]  # "<config>@baseline": the same, run with another tracecmp
     if config == "one-thread":
         torch.set_num_threads(1)
     workers = 2 if config == "two-workers" else 1
@@ -227,12 +233,12 @@ def _print_margins(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "mlp", "block64"])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "gpt2-small-2l", "mlp", "block64"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, "replay_rank"])
     parser.add_argument("--filtered", action="store_true", help="also capture with tensors for one module and compare sizes")
     parser.add_argument("--only-replay", action="store_true", help="measure compare's replay_rank only (peak RSS)")
-    parser.add_argument("--baseline", type=Path, help="also run compare's replay_rank with the tracecmp in this folder "
+    parser.add_argument("--baseline", type=Path, help="also run every configuration with the tracecmp in this folder "
                         "(say `git archive <commit> | tar -x -C DIR` plus its built extension), interleaved")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--timeout", type=int, default=3600)
@@ -252,7 +258,7 @@ def main() -> None:
         return
     configs = ["replay_rank"] if args.only_replay else args.configs
     if args.baseline is not None:
-        configs = [*configs, "replay_rank@baseline"]
+        configs = [c for config in configs for c in (f"{config}@baseline", config)]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; torch threads by default; rounds {args.rounds}")
     rows = []
     for name in args.models:

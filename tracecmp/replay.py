@@ -32,10 +32,15 @@ treats those as "not replayed", never as "correct".
 
 Scale. Replay streams in execution order: an op's inputs are read from the trace when it needs
 them (``trace.saved`` reads exactly their bytes) and dropped again, with a small cache of recent
-values (the next op usually reads what the last one wrote), so memory is bounded by the largest
-op, not by the trace. A ``_foreach_*`` or fused optimizer op over a model's every parameter is
-replayed one list element at a time. :func:`replay_ops` can spread the ops over worker processes,
-each opening the trace itself.
+values (the next op usually reads what the last one wrote; it makes room for a large op), so
+memory is bounded by the largest op, not by the trace. Within an op it stays near the op's own
+recorded values: a ``_foreach_*`` or fused optimizer op over a model's every parameter is replayed
+one list element at a time; a pointwise call over many elements (Adam's steps on a 38.6M-element
+embedding) gets its float64 reference in pieces, whose elements take the kernel paths they take
+in a whole call; every large output is measured piece by piece; float64 copies of inputs an op
+does not return are dropped as soon as it ran. The honest replay always runs whole. After a
+large op, memory the C heap keeps is handed back. :func:`replay_ops` can spread the ops over
+worker processes, each opening the trace itself.
 
 >>> own = replay_rank(tracecmp.load("runs/target").rank(0))   # doctest: +SKIP
 >>> own[42].error, own[42].honest                            # doctest: +SKIP
@@ -45,8 +50,10 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -357,8 +364,13 @@ class Replayer:
             return Skipped(op_id, f"its inputs were not saved (tensor {missing[0]})", data_missing=True)
         if not any(self.info.get(t, (0, 0, "", -1, ""))[4] for t in op.outputs):
             return Skipped(op_id, "its outputs were not saved", data_missing=True)
+        held = self._make_room(op)
+        if held >= _TRIM_BYTES:
+            _release_freed_memory()  # what earlier ops freed, before this one's peak
         with _threads_for(self._elements(op) if self.small_on_one_thread else _PARALLEL_ELEMENTS):
             results = [self._measure(call) for call in _calls(op, args)]
+        if held >= _TRIM_BYTES:
+            _release_freed_memory()
         failed = next((r for r in results if isinstance(r, str)), None)
         if failed is not None:
             return Skipped(op_id, failed)
@@ -386,6 +398,23 @@ class Replayer:
             if isinstance(dtype, torch.dtype) and not self.saved_value(tid):
                 out[tid] = torch.zeros(self.shapes.get(tid, ()), dtype=dtype)
         return out
+
+    def _make_room(self, op: RecordedOp) -> int:
+        """Before replaying ``op``: evict the cached values it does not read, oldest first, until
+        the cache and the op's recorded values fit in the cache's limit together (the cache gets
+        what the op leaves), so that the cache never adds to the peak of a large op. Returns the
+        bytes of the op's recorded values."""
+        need = sum(self.sizes.get(t, 0) * _ITEM_BYTES.get(self.info.get(t, (0, 0, "", -1, ""))[2], 8)
+                   for t in (*op.inputs, *op.outputs))
+        if self._cache_bytes + need > self._cache_limit:
+            reads = set(op.inputs)
+            for tid in [t for t in self._cache if t not in reads]:
+                old = self._cache.pop(tid)
+                if old is not None:
+                    self._cache_bytes -= old.numel() * old.element_size()
+                if self._cache_bytes + need <= self._cache_limit:
+                    break
+        return need
 
     def _elements(self, op: RecordedOp) -> int:
         """Elements an op reads and writes, from the recorded shapes (to pick its thread count)."""
@@ -422,67 +451,96 @@ class Replayer:
             values.update({t: v for t, v in zip(op.outputs, produced)})
         return values
 
+    def _inputs(self, call: _Call) -> list[torch.Tensor | None]:
+        """A call's recorded inputs, each tensor read once where the call reads it twice (``grad * grad``)."""
+        loaded: dict[int, torch.Tensor | None] = dict(self._stand_ins(call.op))
+        for tid in call.inputs:
+            if tid not in loaded:
+                loaded[tid] = self.value(tid)
+        return [loaded[tid] for tid in call.inputs]
+
     def _measure(self, call: _Call) -> OwnError | str | None:
-        """One call's own error (worst output), None when it has no output to compare, or a reason."""
+        """One call's own error (worst output), None when it has no output to compare, or a reason.
+
+        Memory stays near what the call's recorded values take: the float64 copies of the
+        inputs a replay does not return are dropped as soon as it ran, a pointwise call over many
+        elements gets its float64 reference piece by piece (:func:`_spans`), and each output is
+        measured piece by piece. The honest replay always runs whole, as the recorded call did.
+        """
         op, info = call.op, self.info
         saved = [(i, t) for i, t in enumerate(call.outputs) if info.get(t, (0, 0, "", -1, ""))[4]]
         floating = [(i, t) for i, t in saved if _is_float(info[t][2])]
         integral = [(i, t) for i, t in saved if not _is_float(info[t][2])]
         if not floating and not (self.detail is not None and integral):
             return None
-        stand_ins = self._stand_ins(op)
-        inputs = [self.value(t) if t not in stand_ins else stand_ins[t] for t in call.inputs]
+        inputs = self._inputs(call)
         if any(v is None for v in inputs):
             return "an input could not be read or rebuilt from its base"
         models = _reduced_models(op.name, inputs, self.reduced)
         honest_inputs = models[0] if models else inputs
-        golden = _invoke(op.name, call.args, inputs, golden=True)
-        if golden is None:
+        spans = None if models else _spans(op.name, inputs, [self.shapes.get(t) for t in call.outputs])
+        first: list[torch.Tensor] | None = None  # the reference's first piece, where it is made in pieces
+        if spans is not None:
+            first = _outputs(op.name, call.args, _pieces_of(inputs, spans[0]), golden=True)
+            if first is None:  # the call needs its whole shape (a memory format, say): made whole
+                spans = None
+        reference = _outputs(op.name, call.args, inputs, golden=True) if spans is None else None
+        if spans is None and reference is None:
             return "it does not run on the CPU in float64" + _last_error()
-        same = _invoke(op.name, call.args, honest_inputs, golden=False)
-        if same is None:
+        honest = _outputs(op.name, call.args, honest_inputs, golden=False)
+        if honest is None:
             return "it does not run on the CPU in its recorded dtypes" + _last_error()
-        reference, honest = _returned(op.name, *golden), _returned(op.name, *same)
         # At reduced precision: the other roundings of the inputs, and float32 itself (its
         # accumulation error is how closely a device can match any of these replays).
-        alternatives = [_invoke(op.name, call.args, rounded, golden=False) for rounded in models[1:]]
-        plain = _invoke(op.name, call.args, inputs, golden=False) if models else None
-        if models and (plain is None or any(a is None for a in alternatives)):
-            models = []
-        replays = [honest] + [_returned(op.name, *a) for a in alternatives if a is not None]
-        accumulated = _returned(op.name, *plain) if plain is not None else []
+        alternatives = [_outputs(op.name, call.args, rounded, golden=False) for rounded in models[1:]]
+        accumulated = _outputs(op.name, call.args, inputs, golden=False) if models else None
+        if models and (accumulated is None or any(a is None for a in alternatives)):
+            models, accumulated = [], None
+        replays = [honest] + [a for a in alternatives if a is not None]
         basic = _correctly_rounded(op.name, call.args, inputs)
+        if spans is None and not models:
+            inputs.clear()  # no longer needed (the cache keeps the small ones)
         misrounded = False
         bitwise = True
         worst: OwnError | None = None
         fits = [0.0] * len(models)
         detail = _Detail() if self.detail is not None else None
+        made = reference if reference is not None else first
+        assert made is not None
         for position, tid in floating:
-            if any(position >= len(r) for r in (reference, *replays, *([accumulated] if models else []))):
+            if any(position >= len(r) for r in (made, *replays, *([accumulated] if accumulated is not None else []))):
                 return "its replay returned fewer outputs than were recorded"
             recorded = self.value(tid)
             if recorded is None:
                 return "a recorded output could not be read"
-            if not _comparable(recorded, honest[position], reference[position]):
+            if not _comparable(recorded, honest[position], made[position], spans[0][1] if spans is not None else None):
                 return "its replay gave outputs of another shape or kind than recorded"
-            scale = _Scale.of(reference[position])
-            errors = _errors_on(recorded, honest[position], scale)
+            if spans is not None:
+                assert first is not None
+                pieces = _Reference(first[position], call=(op.name, call.args, inputs, spans, position))
+            else:
+                assert reference is not None
+                pieces = _Reference(reference[position])
+            gauge = _Gauge(recorded, [r[position] for r in replays], accumulated[position] if accumulated is not None else None,
+                           pieces)
+            failed = gauge.run(detail, self.detail.get(info[tid][2], 4.0) if self.detail is not None else 0.0)
+            if failed:
+                return failed
+            error, honest_error = gauge.errors()
             same = _same_bits(recorded, honest[position])
             bitwise = bitwise and (same or any(_same_bits(recorded, r[position]) for r in replays[1:]))
             if basic and not same:
                 misrounded = True
             if models:
-                unit = max(scale.error(accumulated[position]), _FP32_UNIT)
-                for m, replay in enumerate(replays):
-                    fits[m] = max(fits[m], scale.error(recorded, center=replay[position]) / unit)
+                unit = max(gauge.accumulated_error(), _FP32_UNIT)
+                for m, fit in enumerate(gauge.fits()):
+                    fits[m] = max(fits[m], fit / unit)
                 # An honest kernel may round either way; truncation's error is biased and can be a
                 # few times round-to-nearest's where terms cancel.
-                errors = (errors[0], max([errors[1]] + [scale.error(replay[position]) for replay in replays[1:]]))
-            if detail is not None:
-                assert self.detail is not None
-                detail.add(recorded, honest[position], scale, self.detail.get(info[tid][2], 4.0))
-            if worst is None or _excess(*errors) > _excess(worst.error, worst.honest):
-                worst = OwnError(op.op_id, errors[0], errors[1], info[tid][2])
+                honest_error = max([honest_error] + gauge.other_errors())
+            if worst is None or _excess(error, honest_error) > _excess(worst.error, worst.honest):
+                worst = OwnError(op.op_id, error, honest_error, info[tid][2])
+            del recorded, gauge, pieces
         for position, tid in integral if detail is not None else ():
             recorded = self.value(tid)
             if recorded is None or position >= len(honest) or not isinstance(honest[position], torch.Tensor):
@@ -496,10 +554,41 @@ class Replayer:
         if worst is None:
             return None
         extra = detail.fields() if detail is not None else {}
+        del reference, first, made, honest, replays, alternatives, accumulated  # measured: the bound makes its own replays
         bounds = _bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating]) if models else ()
         return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
                         bounds=bounds, bitwise=bitwise and bool(floating), informative=not basic and worst.honest > 0,
                         **extra)
+
+
+_ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+               "uint8": 1, "bool": 1}
+# Before and after an op whose recorded values take this much, freed memory goes back to the system (see below).
+_TRIM_BYTES = 16 << 20
+
+
+def _release_freed_memory() -> None:
+    """Hand memory that is free inside the C heap back to the system (glibc's ``malloc_trim``).
+
+    A large replay frees hundreds of MB of tensors of all sizes; glibc keeps the heap's freed
+    pages when a live block sits above them, so the resident size of a long replay creeps up by
+    what its largest ops once took (~0.5 GB on GPT-2's embedding). Elsewhere a no-op."""
+    trim = _MALLOC_TRIM[0]
+    if trim is None:
+        trim = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                trim = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):
+                trim = False
+        _MALLOC_TRIM[0] = trim
+    if trim:
+        trim(0)
+
+
+_MALLOC_TRIM: list[Any] = [None]  # glibc's malloc_trim, once looked up (False where there is none)
 
 
 # Below this many elements an op runs on one thread: its work is too small to split, and entering
@@ -567,7 +656,8 @@ class _Detail:
     """Accumulates the element-level measurements of one call's outputs (``OwnError`` detail fields).
 
     Written for memory: beyond the reference, one float64 copy of the output and the spacing are
-    alive at a time (in-place arithmetic, no masked copies), so a 40M-element output costs ~1 GB.
+    alive at a time (in-place arithmetic, no masked copies); a large output is added piece by
+    piece (:class:`_Gauge`), so that these copies are a piece's, not the output's.
     """
 
     def __init__(self) -> None:
@@ -575,12 +665,13 @@ class _Detail:
         self.max_ulps = self.honest_max_ulps = 0.0
         self.beyond = self.honest_beyond = 0  # counts
 
-    def add(self, recorded: torch.Tensor, honest: torch.Tensor, scale: _Scale, bound: float) -> None:
-        ref = scale.ref
+    def add(self, recorded: torch.Tensor, honest: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, bound: float) -> None:
+        """Count in the elements of ``recorded`` and ``honest`` (or of one piece of them) against
+        ``ref``, the float64 reference of the same elements (``finite``: where it is finite)."""
         spacing = _ulp(ref, recorded.dtype)
         for name, value in (("", recorded), ("honest_", honest)):
             out = value.detach().to(torch.float64, copy=True)
-            bad = torch.isfinite(out).logical_and_(scale.finite).logical_not_()
+            bad = torch.isfinite(out).logical_and_(finite).logical_not_()
             if bool(bad.any()):
                 same = (out == ref).logical_or_(torch.isnan(out).logical_and_(torch.isnan(ref)))
                 mismatch = int(bad.logical_and(same.logical_not_()).sum())
@@ -658,7 +749,8 @@ def _bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
                 recorded: list[tuple[int, torch.Tensor | None]]) -> tuple[float, ...]:
     """Per input set (each rounding of the operands, then the operands as they are): the largest
     ratio, over the recorded outputs' elements, of the distance from a float64 replay on that set
-    to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails."""
+    to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails.
+    The ratios are taken piece by piece (``_PIECE_ELEMENTS``): a piece's temporaries, not an output's."""
     if base_name(name) not in _SUMS_OF_PRODUCTS or any(r is None for _, r in recorded):
         return ()
     ones = _invoke(name, args, [torch.ones_like(x) if x.is_floating_point() else x for x in sets[-1]], golden=True)
@@ -677,16 +769,21 @@ def _bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
             if max(position, 0) >= min(len(exact_out), len(size_out), len(counts)):
                 return ()
             center = exact_out[position]
-            if value.shape != center.shape:
+            if value.shape != center.shape or counts[position].shape != center.shape or size_out[position].shape != center.shape:
                 return ()
-            bound = _accumulation_bound(counts[position], size_out[position], center)
-            gap = (value.to(torch.float64) - center).abs()
-            finite = torch.isfinite(center) & torch.isfinite(gap)
-            if bool((~torch.isfinite(value) & torch.isfinite(center)).any()):
-                return tuple([math.inf] * len(sets))
-            if bool(finite.any()):
-                ratio = gap[finite] / bound[finite].clamp_min(_TINY)
-                worst = max(worst, float(ratio.max()))
+            flat = [t.reshape(-1) for t in (counts[position], size_out[position], center, value)]
+            for start in range(0, center.numel(), _PIECE_ELEMENTS):
+                count, size, middle, got = (t[start : start + _PIECE_ELEMENTS] for t in flat)
+                if bool((~torch.isfinite(got) & torch.isfinite(middle)).any()):
+                    return tuple([math.inf] * len(sets))
+                bound = _accumulation_bound(count, size, middle)
+                gap = (got.to(torch.float64) - middle).abs()
+                finite = torch.isfinite(middle) & torch.isfinite(gap)
+                if bool(finite.any()):
+                    ratio = gap[finite] / bound[finite].clamp_min(_TINY)
+                    worst = max(worst, float(ratio.max()))
+            del flat
+        del exact, sizes, exact_out, size_out  # before the next set's replays
         fits.append(worst)
     return tuple(fits)
 
@@ -860,9 +957,7 @@ class _Scale:
         ref = reference.detach().to(torch.float64)
         finite = torch.isfinite(ref)
         all_finite = bool(finite.all())
-        masked = ref if all_finite else torch.where(finite, ref, 0.0)
-        amax = float(torch.linalg.vector_norm(masked, ord=math.inf)) if masked.numel() else 0.0
-        norm = float(torch.linalg.vector_norm(masked)) if amax > 0 else 0.0
+        amax, norm = _Size().add(ref, finite, all_finite).total()
         return cls(ref, finite, all_finite, amax, norm)
 
     def error(self, value: Any, center: torch.Tensor | None = None) -> float:
@@ -875,6 +970,189 @@ class _Scale:
         middle = center.detach().to(torch.float64)
         finite = torch.isfinite(middle)
         return _relative(value.detach(), middle, finite, self.amax, self.norm, bool(finite.all()))
+
+
+# A pointwise call over more elements than this gets its float64 reference in pieces of this many
+# elements, and any output larger than this is measured in such pieces: the float64 copies and
+# the measurement's temporaries are then a piece's, not the output's. A multiple of every
+# vector width, so that a piece's elements take the path they take in a whole call.
+_PIECE_ELEMENTS = 1 << 21
+# Elementwise ops that torch does not tag pointwise.
+_ELEMENTWISE = frozenset({"aten._to_copy.default", "aten.copy.default", "aten.copy_.default"})
+
+
+@lru_cache(maxsize=None)
+def _pointwise(name: str) -> bool:
+    """Whether each output element of ``name`` depends only on the input elements at its own
+    position (torch's ``pointwise`` tag; a ``_foreach_`` op's list elements, where the op it
+    applies to each is pointwise)."""
+    if name in _ELEMENTWISE:
+        return True
+    func = resolve(name)
+    if func is None:
+        return False
+    if torch.Tag.pointwise in getattr(func, "tags", ()):
+        return True
+    namespace, _, rest = name.partition(".")
+    packet = rest.rpartition(".")[0]
+    if namespace != "aten" or not packet.startswith("_foreach_"):
+        return False
+    single = getattr(torch.ops.aten, packet.removeprefix("_foreach_"), None)
+    overloads = single.overloads() if single is not None else []
+    return any(torch.Tag.pointwise in getattr(getattr(single, o), "tags", ()) for o in overloads)
+
+
+def _spans(name: str, inputs: Sequence[torch.Tensor], shapes: Sequence[Sequence[int] | None]) -> list[tuple[int, int]] | None:
+    """The flat ranges to make a call's float64 reference in, one at a time (see
+    ``_PIECE_ELEMENTS``), or None to make it whole: a pointwise op whose outputs all have one
+    shape and more elements than a piece, and whose inputs have that shape, contiguous, or are
+    scalars (no broadcasting, so that a piece of every input makes that piece of the output)."""
+    if not shapes or any(shape is None for shape in shapes):
+        return None
+    shape = tuple(shapes[0])  # type: ignore[arg-type]
+    count = math.prod(shape)
+    if count <= _PIECE_ELEMENTS or any(tuple(other) != shape for other in shapes):  # type: ignore[arg-type]
+        return None
+    if not inputs or not _pointwise(name):
+        return None
+    if any(x.dim() and (tuple(x.shape) != shape or not x.is_contiguous()) for x in inputs):
+        return None
+    return [(start, min(start + _PIECE_ELEMENTS, count)) for start in range(0, count, _PIECE_ELEMENTS)]
+
+
+def _pieces_of(inputs: Sequence[torch.Tensor], span: tuple[int, int]) -> list[torch.Tensor]:
+    """The elements ``span`` of each input, flattened (scalars whole)."""
+    start, stop = span
+    return [x.view(-1)[start:stop] if x.dim() else x for x in inputs]
+
+
+def _outputs(name: str, args: dict[str, Any], inputs: list[torch.Tensor], *, golden: bool) -> list[torch.Tensor] | None:
+    """A call's outputs in capture's order (see :func:`_invoke`), or None when it cannot run. The
+    arguments it was called with go: a float64 replay's copies of inputs it does not return with them."""
+    found = _invoke(name, args, inputs, golden=golden)
+    return None if found is None else _returned(name, *found)
+
+
+class _Reference:
+    """One output's float64 reference: whole, or made piece by piece over flat spans of a
+    pointwise call (``call``: its name, arguments, recorded inputs, spans, and which output;
+    ``value`` is then the first piece)."""
+
+    def __init__(self, value: torch.Tensor, call: tuple[str, dict[str, Any], list[torch.Tensor], list[tuple[int, int]], int] | None = None) -> None:
+        self.value = value
+        self.call = call
+        self.spans: list[tuple[int, int]] | None = call[3] if call is not None else None
+
+    def split(self, tensors: Sequence[Any]) -> None:
+        """Measure a whole reference in pieces where it and ``tensors`` are large and contiguous."""
+        count = self.value.numel()
+        if self.call is None and count > _PIECE_ELEMENTS and all(
+            isinstance(t, torch.Tensor) and t.is_contiguous() for t in (self.value, *tensors)
+        ):
+            self.spans = [(start, min(start + _PIECE_ELEMENTS, count)) for start in range(0, count, _PIECE_ELEMENTS)]
+
+    def piece(self, index: int) -> torch.Tensor | None:
+        """Piece ``index`` (the whole reference when there are no spans), None when it cannot be made."""
+        if self.spans is None:
+            return self.value
+        if self.call is None:
+            start, stop = self.spans[index]
+            return self.value.view(-1)[start:stop]
+        if index == 0:
+            return self.value
+        name, args, inputs, spans, position = self.call
+        made = _outputs(name, args, _pieces_of(inputs, spans[index]), golden=True)
+        if made is None or position >= len(made) or made[position].shape != (spans[index][1] - spans[index][0],):
+            return None
+        return made[position]
+
+
+class _Gauge:
+    """One recorded output measured against its float64 reference, piece by piece: the relative
+    errors of the recorded output, of each replay (the honest one first) and of float32's
+    accumulation, how far the recorded output lies from each replay, and the element detail.
+    On a reference in one piece this is what ``_Scale.error`` and ``_Detail.add`` give."""
+
+    def __init__(self, recorded: torch.Tensor, replays: list[Any], accumulated: Any, reference: _Reference) -> None:
+        self.recorded, self.replays, self.accumulated, self.reference = recorded, replays, accumulated, reference
+        self.size = _Size()
+        self.own = _Distance()
+        self.from_reference = [_Distance() for _ in replays]  # each replay's error
+        self.from_replays = [_Distance() for _ in replays] if accumulated is not None else []  # recorded from each
+        self.unit = _Distance()
+        # Replays of another kind or shape than the recorded output are infinitely far.
+        usable = [isinstance(r, torch.Tensor) and r.shape == recorded.shape for r in replays]
+        for distance, ok in zip(self.from_reference, usable):
+            distance.infinite = not ok
+        for distance, ok in zip(self.from_replays, usable):
+            distance.infinite = not ok
+        self.unit.infinite = accumulated is not None and not (
+            isinstance(accumulated, torch.Tensor) and accumulated.shape == recorded.shape)
+        reference.split([recorded, *(r for r, ok in zip(replays, usable) if ok),
+                         *([accumulated] if accumulated is not None and not self.unit.infinite else [])])
+        self.flat: dict[int, torch.Tensor] = {}  # flattened tensors (views where contiguous), for pieces
+
+    def _piece(self, value: Any, span: tuple[int, int] | None) -> Any:
+        if span is None or not isinstance(value, torch.Tensor):
+            return value
+        flat = self.flat.get(id(value))
+        if flat is None:
+            flat = self.flat[id(value)] = value.reshape(-1)
+        return flat[span[0]:span[1]]
+
+    def _pieces(self) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor | None]]:
+        spans = self.reference.spans
+        for index, span in enumerate(spans if spans is not None else [None]):
+            ref = self.reference.piece(index)
+            yield span, None if ref is None else ref.detach().to(torch.float64)
+
+    def run(self, detail: _Detail | None, bound: float) -> str:
+        """Measure every piece; a reason when a piece of the reference could not be made, else ""."""
+        for span, ref in self._pieces():
+            if ref is None:
+                return "its float64 replay failed on part of its elements" + _last_error()
+            finite = torch.isfinite(ref)
+            all_finite = bool(finite.all())
+            self.size.add(ref, finite, all_finite)
+            recorded = self._piece(self.recorded, span).detach()
+            self.own.add(recorded, ref, finite, all_finite)
+            for distance, replay in zip(self.from_reference, self.replays):
+                if not distance.infinite:
+                    distance.add(self._piece(replay, span).detach(), ref, finite, all_finite)
+            if self.accumulated is not None and not self.unit.infinite:
+                self.unit.add(self._piece(self.accumulated, span).detach(), ref, finite, all_finite)
+            for distance, replay in zip(self.from_replays, self.replays):
+                if not distance.infinite:
+                    middle = self._piece(replay, span).detach().to(torch.float64)
+                    middle_finite = torch.isfinite(middle)
+                    distance.add(recorded, middle, middle_finite, bool(middle_finite.all()))
+            if detail is not None:
+                detail.add(recorded, self._piece(self.replays[0], span), ref, finite, bound)
+        return ""
+
+    def errors(self) -> tuple[float, float]:
+        """(the recorded output's relative error, the honest replay's)."""
+        amax, norm = self.size.total()
+        error, honest = self.own.relative(amax, norm), self.from_reference[0].relative(amax, norm)
+        if error > 0 and honest == 0 and self.recorded.is_floating_point() and all(
+            ref is not None and _only_flushed(self._piece(self.recorded, span), ref) for span, ref in self._pieces()
+        ):
+            error = 0.0
+        return error, honest
+
+    def other_errors(self) -> list[float]:
+        """The relative errors of the replays after the honest one (the other roundings)."""
+        amax, norm = self.size.total()
+        return [d.relative(amax, norm) for d in self.from_reference[1:]]
+
+    def accumulated_error(self) -> float:
+        """The relative error of the plain float32 replay (its accumulation error)."""
+        return self.unit.relative(*self.size.total())
+
+    def fits(self) -> list[float]:
+        """How far the recorded output lies from each replay, on the reference's scale."""
+        amax, norm = self.size.total()
+        return [d.relative(amax, norm) for d in self.from_replays]
 
 
 def _excess(error: float, honest: float) -> float:
@@ -892,22 +1170,30 @@ def _errors(recorded: torch.Tensor, honest: Any, reference: Any) -> tuple[float,
     return _errors_on(recorded, honest, _Scale.of(reference))
 
 
-def _comparable(recorded: torch.Tensor, honest: Any, reference: Any) -> bool:
-    """Whether the replay gave tensors of the recorded output's shape (and not complex ones)."""
-    return (isinstance(reference, torch.Tensor) and isinstance(honest, torch.Tensor) and not reference.is_complex()
-            and recorded.shape == reference.shape == honest.shape)
+def _comparable(recorded: torch.Tensor, honest: Any, reference: Any, piece: int | None = None) -> bool:
+    """Whether the replay gave tensors of the recorded output's shape (and not complex ones);
+    ``piece``: the reference is the first piece, of that many elements, of a flattened one."""
+    if not (isinstance(reference, torch.Tensor) and isinstance(honest, torch.Tensor) and not reference.is_complex()):
+        return False
+    if piece is not None:
+        return recorded.shape == honest.shape and reference.shape == (piece,)
+    return recorded.shape == reference.shape == honest.shape
 
 
 def _errors_on(recorded: torch.Tensor, honest: torch.Tensor, scale: _Scale) -> tuple[float, float]:
     error, honest_error = scale.error(recorded), scale.error(honest)
-    if error > 0 and honest_error == 0 and recorded.is_floating_point():
-        # The op is exact here (a max, a copy, a sum that needs no rounding), so any difference is
-        # the op's doing, unless it is only denormals flushed to zero, as many accelerators do.
-        out, ref = recorded.to(torch.float64), scale.ref
-        differs = out != ref
-        if bool(((out[differs] == 0) & (ref[differs].abs() < torch.finfo(recorded.dtype).tiny)).all()):
-            error = 0.0
+    if error > 0 and honest_error == 0 and recorded.is_floating_point() and _only_flushed(recorded, scale.ref):
+        error = 0.0
     return error, honest_error
+
+
+def _only_flushed(recorded: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether ``recorded`` differs from ``ref`` only where it holds zero for a denormal. Where an
+    op is exact (a max, a copy, a sum that needs no rounding) any difference is the op's doing,
+    unless it is only denormals flushed to zero, as many accelerators do."""
+    out = recorded.to(torch.float64)
+    differs = out != ref
+    return bool(((out[differs] == 0) & (ref[differs].abs() < torch.finfo(recorded.dtype).tiny)).all())
 
 
 def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scale: float, norm: float,
@@ -915,25 +1201,83 @@ def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scal
     """``max(max|v - ref| / max|ref|, ||v - ref|| / ||ref||)`` over the reference's finite
     positions; inf when NaN/Inf sit where the reference has none (or differ from its own).
     One float64 copy of ``value`` is made and worked on in place."""
-    out = value.to(torch.float64, copy=True)
-    if all_finite is None:
-        all_finite = bool(finite.all())
-    if not all_finite:
-        special = ~finite
-        got, want = out[special], ref[special]
-        if not bool(((got == want) | (torch.isnan(got) & torch.isnan(want))).all()):
-            return math.inf
-        out = torch.where(finite, out, 0.0)  # equal there: no difference
-        ref = torch.where(finite, ref, 0.0)
-    if not bool(torch.isfinite(out).all()):
-        return math.inf
-    diff = out.sub_(ref).abs_()
-    worst = float(diff.max()) if diff.numel() else 0.0
-    if worst == 0.0:
+    return _Distance().add(value, ref, finite, all_finite).relative(scale, norm)
+
+
+def _total_norm(norms: list[float]) -> float:
+    """The norm of a vector from the norms of its pieces (one piece: its own, unchanged)."""
+    if not norms:
         return 0.0
-    if scale == 0.0:
-        return math.inf
-    return max(worst / scale, float(torch.linalg.vector_norm(diff)) / max(norm, _TINY))
+    return norms[0] if len(norms) == 1 else math.hypot(*norms)
+
+
+class _Size:
+    """The largest magnitude and the norm of a reference's finite elements, added piece by piece."""
+
+    __slots__ = ("amax", "norms")
+
+    def __init__(self) -> None:
+        self.amax = 0.0
+        self.norms: list[float] = []
+
+    def add(self, ref: torch.Tensor, finite: torch.Tensor, all_finite: bool) -> _Size:
+        masked = ref if all_finite else torch.where(finite, ref, 0.0)
+        amax = float(torch.linalg.vector_norm(masked, ord=math.inf)) if masked.numel() else 0.0
+        if amax > 0:
+            self.norms.append(float(torch.linalg.vector_norm(masked)))
+        self.amax = max(self.amax, amax)
+        return self
+
+    def total(self) -> tuple[float, float]:
+        """(largest magnitude, norm)."""
+        return self.amax, _total_norm(self.norms) if self.amax > 0 else 0.0
+
+
+class _Distance:
+    """How far a value lies from a center (the float64 reference, or a replay), added piece by
+    piece over the center's finite positions: the largest difference and the norm of the
+    differences, or infinite where NaN/Inf sit where the center has none (or other ones)."""
+
+    __slots__ = ("worst", "norms", "infinite")
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.norms: list[float] = []
+        self.infinite = False
+
+    def add(self, value: torch.Tensor, center: torch.Tensor, finite: torch.Tensor, all_finite: bool | None = None) -> _Distance:
+        if self.infinite:
+            return self
+        out = value.to(torch.float64, copy=True)
+        if all_finite is None:
+            all_finite = bool(finite.all())
+        if not all_finite:
+            special = ~finite
+            got, want = out[special], center[special]
+            if not bool(((got == want) | (torch.isnan(got) & torch.isnan(want))).all()):
+                self.infinite = True
+                return self
+            out = torch.where(finite, out, 0.0)  # equal there: no difference
+            center = torch.where(finite, center, 0.0)
+        if not bool(torch.isfinite(out).all()):
+            self.infinite = True
+            return self
+        diff = out.sub_(center).abs_()
+        worst = float(diff.max()) if diff.numel() else 0.0
+        if worst > 0.0:
+            self.norms.append(float(torch.linalg.vector_norm(diff)))
+        self.worst = max(self.worst, worst)
+        return self
+
+    def relative(self, scale: float, norm: float) -> float:
+        """The distance relative to a reference of largest magnitude ``scale`` and norm ``norm``."""
+        if self.infinite:
+            return math.inf
+        if self.worst == 0.0:
+            return 0.0
+        if scale == 0.0:
+            return math.inf
+        return max(self.worst / scale, _total_norm(self.norms) / max(norm, _TINY))
 
 
 _LAST_ERROR: list[str] = [""]  # the message of the latest call that raised (for the skip reason)

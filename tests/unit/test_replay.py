@@ -407,3 +407,15 @@ def test_non_finite_scalars_are_decoded_as_numbers(golden: bool) -> None:
     assert torch.ops.aten.masked_fill.Scalar(*call[0], **call[1]).tolist() == [-math.inf, 2.0]
     call = decode_call(torch.ops.aten.ne.Scalar, {"self": {"tensor": 0}, "other": "inf"}, [x], golden=golden)
     assert call is not None and torch.ops.aten.ne.Scalar(*call[0], **call[1]).all()
+
+
+def test_an_in_place_op_of_a_float64_run_replays_to_its_own_bits(tmp_path):
+    """The float64 replay of a float64 run copies its inputs too: an in-place op must not write
+    the recorded value that the honest replay reads next."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder(data=True)
+    x = b.source("input.0", torch.randn(64, generator=g, dtype=torch.float64))
+    y = b.source("input.1", torch.randn(64, generator=g, dtype=torch.float64))
+    b.call(A.add_.Tensor, b.call(A.mul.Tensor, x, y), y, alpha=0.3)
+    own = replay_rank(tracecmp.load(b.write(tmp_path / "run")).rank(0))
+    assert [(e.error, e.honest, e.bitwise) for e in own.values()] == [(0.0, 0.0, True)] * 2

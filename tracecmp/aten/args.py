@@ -148,7 +148,7 @@ def decode_call(
     ``inputs`` in their recorded order; None when an argument cannot be rebuilt.
 
     ``golden`` promotes floating tensors and dtype arguments to float64; devices become the CPU.
-    Tensors are cloned so that an in-place op cannot write the caller's copy.
+    Tensors are copied (float64 ones too) so that an in-place op cannot write the caller's copy.
     """
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
@@ -202,7 +202,7 @@ def decode_value(value: Any, type_name: str, inputs: list[torch.Tensor], golden:
                 return NOT_DECODABLE
             tensor = inputs[index]
             if golden and tensor.is_floating_point():
-                return tensor.to(torch.float64)
+                return tensor.to(torch.float64, copy=True)
             return copy_laid_out(tensor)
         if "complex" in value:
             re, im = value["complex"]
