@@ -292,3 +292,30 @@ def test_a_nan_root_outranks_roots_of_a_few_rounding_units(tmp_path):
     nan, rounding = result.suspects[:2]
     assert nan.kind == "nan" and math.isinf(nan.score) and rounding.score < 100
     assert result.first_divergence.op == "aten.exp.default"  # the first in execution order stays first
+
+
+def test_an_autocast_cast_of_a_one_magnitude_bias_is_its_own_rounding(tmp_path):
+    # After Adam's first step a bias that started at zero is +-lr in every element: its cast to
+    # bfloat16 rounds every element the same way, so the norm and mean move by the full rounding,
+    # which no size averages away (GPT-2 small under autocast named 9 such casts as roots).
+    g = torch.Generator().manual_seed(3)
+    sign = torch.randint(0, 2, (768,), generator=g).float() * 2 - 1
+    bias = sign * 1.0009e-3 + torch.randn(768, generator=g) * 1e-9
+    inputs = torch.randn(16, 768, generator=g) / 4
+
+    def run(path: Path, cast: bool) -> Path:
+        b = TraceBuilder()
+        x = b.source("input.0", inputs)
+        p = b.param("fc.bias", bias, module="fc")
+        if cast:
+            p = b.call(A._to_copy.default, p, dtype=torch.bfloat16, module="fc")
+            x = b.call(A._to_copy.default, x, dtype=torch.bfloat16, module="fc")
+        y = b.call(A.add.Tensor, x, p, module="fc")
+        if cast:
+            y = b.call(A._to_copy.default, y, dtype=torch.float32, module="fc")
+        b.call(A.sum.default, y)
+        return b.write(path)
+
+    result = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False))
+    assert result.first_divergence is None, result.suspects
+    assert {r.kind for r in result.regions} == {"pass-through"}

@@ -9,8 +9,9 @@ Pairing works per rank, in three passes:
    (TroubleShooter's idea), anchors pair in order, and only the stretches between anchors go through
    an LCS dynamic programme. One extra op (a ``contiguous``, a ``_to_copy`` cast) therefore shifts
    nothing else, and a fused op against its decomposition leaves just those ops unpaired.
-3. *Leftovers*: nodes unpaired after pass 2 (a module renamed, a backward op attributed to another
-   module) are aligned the same way per (step, phase), ignoring the module.
+3. *Leftovers*: nodes unpaired after pass 2 are aligned again within their module (two ops whose
+   order flipped), then per (step, phase), ignoring the module (a module renamed, a backward op
+   attributed to another module).
 
 Everything is hashing and list comparison except the DP on differing stretches, so 200,000-op traces
 align in seconds.
@@ -143,12 +144,15 @@ def align_nodes(t_ops: pd.DataFrame, t_tensors: pd.DataFrame, b_ops: pd.DataFram
         return ("scope", step, phase, module)
 
     _align_groups(t_rows, b_rows, scope, pairs)
-    # Pass 3: leftovers per (step, phase), ignoring modules; then named sources across steps.
-    t_left = [r for r in t_rows if r[0] not in pairs]
-    paired_b = set(pairs.values())
-    b_left = [r for r in b_rows if r[0] not in paired_b]
-    if t_left and b_left:
-        _align_groups(t_left, b_left, lambda r: (r[1], r[2]), pairs)
+    # Pass 3: leftovers, first within their own module (ops whose order flipped there: autocast's
+    # casts move where AccumulateGrad detaches a bias gradient), then per (step, phase) ignoring
+    # modules. Straight to the second, one module's leftover shifted every later module's by one.
+    for leftover_scope in (lambda r: (r[1], r[2], r[4]), lambda r: (r[1], r[2])):
+        t_left = [r for r in t_rows if r[0] not in pairs]
+        paired_b = set(pairs.values())
+        b_left = [r for r in b_rows if r[0] not in paired_b]
+        if t_left and b_left:
+            _align_groups(t_left, b_left, leftover_scope, pairs)
     return pairs
 
 

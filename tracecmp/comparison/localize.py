@@ -763,15 +763,7 @@ def _localize_rank(
                 kappa_local = _local_kappa(cls, float_ins, out, role) if cls.accumulates else 1.0
                 # Reordered (or TF32-rounded) terms differ by a unit each, amplified where they cancel.
                 unit *= kappa_local
-                neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
-                # Independent rounding errors average out in norm and mean; TF32 taken by truncation
-                # (a tensor core fed float32 as is) shrinks every product alike, so there they do not.
-                # Nor does the final rounding where one constant meets every element (x / c, x * beta):
-                # rounding to p bits then has a bias of up to ~2 * 2^(-p/2) units of the output itself
-                # that no size averages away; where every element has one magnitude (a bias after
-                # Adam's first step is +-lr), every rounding is the same one.
-                bias = 1.0 if out.rms >= _ONE_MAGNITUDE * out.amax else _ROUNDING_BIAS * math.sqrt(out.unit)
-                averaged = unit if uses_tf32 else max(unit / math.sqrt(neff), out.unit * bias)
+                averaged = _averaged_rounding(unit, out, uses_tf32)
                 f1 = (max(unit, _TINY), max(averaged, _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
                 x = _expected(cls, base_name(op), float_ins, out, role, rstd) if judgeable else (math.inf, math.inf, math.inf)
@@ -997,6 +989,23 @@ def _tail_ratio(ratios: np.ndarray) -> float:
     center = float(np.median(logs))
     sigma = 1.4826 * float(np.median(np.abs(logs - center)))
     return _TAIL_SAFETY * 10.0 ** (center + math.sqrt(2.0 * math.log(len(ratios))) * sigma)
+
+
+def _averaged_rounding(unit: float, out: TensorState, tf32: bool) -> float:
+    """The part of an op's rounding ``unit`` (per element) that an output's norm and mean show.
+
+    Independent rounding errors average out in norm and mean; TF32 taken by truncation (a tensor
+    core fed float32 as is) shrinks every product alike, so there they do not. Nor does the final
+    rounding where one constant meets every element (x / c, x * beta): rounding to p bits then has
+    a bias of up to ~2 * 2^(-p/2) units of the output itself that no size averages away; where
+    every element has one magnitude (a bias after Adam's first step is +-lr, and its autocast
+    copy), every rounding is the same one.
+    """
+    if tf32:
+        return unit
+    neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
+    bias = 1.0 if out.rms >= _ONE_MAGNITUDE * out.amax else _ROUNDING_BIAS * math.sqrt(out.unit)
+    return max(unit / math.sqrt(neff), out.unit * bias)
 
 
 def _metric_dict(j: _Judged) -> dict[str, float]:
@@ -1522,8 +1531,7 @@ def _region_prediction(
             if cls.precision_variable and tol.allow_tf32 and not exact_matmul and 0 < unit <= _FP32 and _contracts_nonzero(cls, float_x):
                 unit, lam, tf32 = TF32_EPS, 0.5, True
             fresh = unit * lam * (_local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
-            neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
-            own = (fresh, fresh if tf32 else fresh / math.sqrt(neff), fresh)
+            own = (fresh, _averaged_rounding(fresh, out, tf32), fresh)
             inherited[tid] = _with_error(out, x)
             budget[tid] = _with_error(out, tuple(c + f for c, f in zip(carried, own)))
     result = {}
