@@ -31,7 +31,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -49,7 +48,7 @@ import torch
 from benchmarks.localization.cases import Case, choose_sites
 from benchmarks.localization.faults import ArgFault, CallRecord, Injector, Observation, OutputFault, Plan, Site
 from benchmarks.localization.realmodels import BENCH_OF, PRECISIONS, REAL_MODELS, build_real
-from benchmarks.localization.run import HarnessError, Record, Result, _group_table, _pct, find_truth, score
+from benchmarks.localization.run import HarnessError, Record, Result, _group_table, _pct, find_truth, publish, score
 
 STEPS = {"n": 2}  # training steps per run (``--steps``, set in every worker)
 SCALE = 0.05
@@ -434,12 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         elif keep:
             print(f"traces kept in {work}", file=sys.stderr)
     command = "python -m benchmarks.localization.realsize " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(results, time.perf_counter() - start, command.strip(), args.data)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
+    publish(report(results, time.perf_counter() - start, command.strip(), args.data), results, args)
     return 0
 
 

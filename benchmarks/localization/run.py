@@ -613,10 +613,14 @@ def main(argv: list[str] | None = None) -> int:
     results.sort(key=lambda r: order[r.id])
     seconds = time.perf_counter() - start
     command = "python -m benchmarks.localization " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = tables(results, seconds, command.strip())
+    publish(tables(results, seconds, command.strip()), results, args)
+    return 0
+
+
+def publish(report: str, results: Iterable[Any], args: argparse.Namespace) -> None:
+    """Print the report; write it to ``--markdown`` and every case result to ``--json`` when asked."""
     print(report)
     if args.markdown:
         args.markdown.write_text(report)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
-    return 0
