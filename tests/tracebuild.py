@@ -202,6 +202,8 @@ class TraceBuilder:
             op, inputs, outs, kind="op", name="", shapes=shapes, dtypes=dtypes, stats=stat_list, module=module,
             phase=phase, location=location, args=args, random=random, inplace=inplace, seq_nr=seq_nr, stack=stack,
         )
+        if not refs:
+            return None  # an op that hands back no tensor (``.item()``'s number)
         return refs[0] if len(refs) == 1 else tuple(refs)
 
     def view(
@@ -285,7 +287,7 @@ class TraceBuilder:
         mutable = bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
         out_refs = self.op(name, refs, [o.detach().clone() for o in outs], module=module, phase=phase,
                            args=recorded_args, location=location, random=random, inplace=mutable)
-        ref_list = [out_refs] if isinstance(out_refs, Ref) else list(out_refs)
+        ref_list = [out_refs] if isinstance(out_refs, Ref) else list(out_refs or ())
         for ref, tensor in zip(ref_list, outs):
             self.values[ref.tensor_id] = tensor.detach().clone()
         return out_refs

@@ -173,3 +173,31 @@ def test_finfo_eps_as_a_layer_norms_epsilon_is_the_same_argument(tmp_path: Path)
     result = tracecmp.compare(_layer_norm_eps(tmp_path / "e", torch.bfloat16, eps=1e-5), bench)
     d = result.first_divergence
     assert d is not None and (d.op, d.kind) == ("aten.native_layer_norm.default", "argument"), result.summary()
+
+
+def _logged_loss(path: Path, dtype: torch.dtype, *, fault: bool = False) -> Path:
+    """A loss computed in ``dtype`` and read out with ``.item()`` (``_local_scalar_dense``), as a
+    training loop logs it; ``fault`` scales the loss by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    x = b.source("input.0", torch.randn(64, 32, generator=g).to(dtype))
+    h = b.call(A.tanh.default, x, module="head")
+    loss = b.call(A.mean.default, h, module="loss", fault=(lambda t: t * 1.05) if fault else None)
+    b.call(A._local_scalar_dense.default, loss)
+    return b.write(path)
+
+
+def test_a_logged_loss_is_judged_as_the_loss_it_reads(tmp_path: Path) -> None:
+    # Capture records no value for ``.item()``'s Python number; the number is the loss itself,
+    # so a bf16 run's logged loss is noise where its loss is, and the verdict is complete.
+    bench = _logged_loss(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_logged_loss(tmp_path / "t", torch.bfloat16), bench)
+    assert result.agrees, result.summary()
+    assert set(result.nodes["status"]) <= {"agrees", "noise"}
+    # a wrong loss is still the root, and what reads it inherits its divergence without a root of its own
+    result = tracecmp.compare(_logged_loss(tmp_path / "f", torch.float32, fault=True), bench)
+    d = result.first_divergence
+    assert d is not None and d.op == "aten.mean.default"
+    assert [s.op for s in result.suspects] == ["aten.mean.default"]
+    readout = result.nodes[result.nodes["op"] == "aten._local_scalar_dense.default"]
+    assert list(readout["status"]) == ["diverged"]

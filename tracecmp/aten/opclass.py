@@ -294,6 +294,18 @@ def is_copy(op: str) -> bool:
                              "resolve_neg"}
 
 
+def is_readout(op: str) -> bool:
+    """Ops that hand their one-element input to Python as a number (``.item()``), computing nothing.
+
+    Capture records no value for a Python number, so such an op's output carries exactly the
+    error its input was judged to carry.
+
+    >>> is_readout("aten._local_scalar_dense.default"), is_readout("aten.sum.default")
+    (True, False)
+    """
+    return base_name(op) == "_local_scalar_dense"
+
+
 # Arguments that switch an op's random draw off when they hold these values: a drop probability
 # of 0 (``dropout_p``, RNN ``dropout``, a dropout op's ``p``), a keep probability of 1, or
 # ``train``/``training`` false. ``_fused_dropout``'s ``p`` is its keep probability.

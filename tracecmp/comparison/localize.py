@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from tracecmp.trace import boundedjson
-from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy
+from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy, is_readout
 from tracecmp.comparison.records import Divergence, Region
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
@@ -889,6 +889,9 @@ def _localize_rank(
             status = "uncompared"
         elif any(s.nonfinite_mismatch and not s.given for s in measured):
             status = "nan"
+        elif not outs and is_readout(op) and inputs:
+            # ``.item()``: the number is its input's value, judged where that was made.
+            status = _readout_status(producer_status.get(base.get(inputs[0], inputs[0]), "uncompared"))
         elif not outs:
             status = "agrees" if all(s is not None and s.exact for s in ins) or not ins else "uncompared"
         elif len(measured) < len([s for s in outs if s is not None and not s.uninit]):
@@ -903,6 +906,13 @@ def _localize_rank(
         for t in outputs:
             producer_status[base.get(t, t)] = status
     return verdicts, roots
+
+
+def _readout_status(input_status: str) -> str:
+    """A readout's status from its input's: the same where judged, never a root of its own."""
+    if input_status in ("agrees", "noise", "uncompared"):
+        return input_status
+    return "diverged" if input_status in ("diverged", "nan") else "uncompared"
 
 
 def _crossed_pairs(ri: RankInput) -> set[int]:
