@@ -441,8 +441,12 @@ def _call_record(site: Site, module: str, func: Any, args: tuple, kwargs: dict, 
     if floats and floats[0].numel() > 1:
         with _disable_current_modes():
             first = floats[0].detach()
-            finite = first[torch.isfinite(first)]
-            varies = finite.numel() > 1 and bool(finite.min() != finite.max())
+            low, high = torch.aminmax(first)
+            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+                # rare: select the finite values (a copy), which the common case need not pay for
+                first = first[torch.isfinite(first)]
+                low, high = (first.min(), first.max()) if first.numel() else (low, low)
+            varies = first.numel() > 1 and bool(low != high)
     return CallRecord(
         site=site,
         module=module,

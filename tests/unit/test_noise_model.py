@@ -201,3 +201,38 @@ def test_a_logged_loss_is_judged_as_the_loss_it_reads(tmp_path: Path) -> None:
     assert [s.op for s in result.suspects] == ["aten.mean.default"]
     readout = result.nodes[result.nodes["op"] == "aten._local_scalar_dense.default"]
     assert list(readout["status"]) == ["diverged"]
+
+
+def _residual_chain(path: Path, low: torch.dtype, *, fault_at: int = -1, fault: float = 1e-3) -> Path:
+    """A matmul computed in ``low`` (its rounding is the run's background noise) feeds a residual
+    stream of elementwise ops, ``r = r + act(gain * r)``, ``act`` a sigmoid that mostly saturates
+    or (every sixth block) a tanh. Saturation and the add of two full-size tensors make the class
+    bound loose, so most calls sit far below it. ``fault_at`` scales that tanh's output by
+    ``1 + fault``: a few times the error its input carries."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    x = b.source("input.0", torch.randn(64, 64, generator=g))
+    w = b.param("fc.weight", torch.randn(64, 64, generator=g) / 8.0, module="fc")
+    h = b.call(A.mm.default, b.call(A._to_copy.default, x, dtype=low, module="fc"),
+               b.call(A._to_copy.default, w, dtype=low, module="fc"), module="fc")
+    r = b.call(A._to_copy.default, h, dtype=torch.float32, module="fc")
+    for i, gain in enumerate((0.5, 4.0, 0.7, 6.0, 1.0, 8.0, 0.6, 5.0, 0.8, 3.0, 0.9, 7.0) * 2):
+        tanh = i % 6 == 2  # too few tanh calls to judge each other
+        t = b.call(A.tanh.default if tanh else A.sigmoid.default,
+                   b.call(A.mul.Scalar, r, 0.5 if tanh else gain, module=f"block{i}"), module=f"block{i}",
+                   fault=(lambda v: v * (1 + fault)) if i == fault_at else None)
+        r = b.call(A.add.Tensor, r, t, module=f"block{i}")
+    return b.write(path)
+
+
+def test_a_fault_stands_out_from_elementwise_ops_whose_bound_is_loose(tmp_path: Path) -> None:
+    # Most calls of the class sit far below its bound, which says nothing about how far above it
+    # a clean call goes (fitted to the whole spread, with the fault among the calls, the reach was
+    # 15x): the fault at 3.5x its input's error is found, the clean chain is noise.
+    bench = _residual_chain(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(_residual_chain(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    result = tracecmp.compare(_residual_chain(tmp_path / "f", torch.bfloat16, fault_at=8), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module) == ("aten.tanh.default", "block8"), result.summary()
+    assert len(result.suspects) == 1, result.summary()

@@ -955,11 +955,11 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple], tol: Tolerances) 
     The first absorbs fresh noise every node of a kind adds (TF32 matmuls, a bf16 softmax); the
     second corrects the propagation model where an op amplifies more than its class predicts. The
     third covers the spread of that correction where statistics cannot bound it call by call (a
-    sum over a row of products, in fp32 on bf16 data): the ratio's largest value among n calls
-    of a log-normal spread, estimated from their median and median deviation
-    (10^(median + sqrt(2 ln n) * sigma)), with a factor ``_TAIL_SAFETY``, over the calls whose
-    error is beyond their rounding (where the ratio decides), and at most ``tol.downstream``.
-    With more calls a clean run reaches further, and a fault still has to stand out from all.
+    sum over a row of products, in fp32 on bf16 data): how far the ratio reaches among the
+    calls whose error is beyond their rounding (where the ratio decides), at most
+    ``tol.downstream``, once as ops that sum many terms spread and once as elementwise ops do
+    (see :func:`_tail_ratio`); each call takes the one of its kind. With more calls a clean run
+    reaches further, and a fault still has to stand out from all.
     """
     by_group: dict[Any, list[tuple[tuple[float, ...], tuple[float, ...]]]] = defaultdict(list)
     for j in judged:
@@ -978,27 +978,51 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple], tol: Tolerances) 
         intro = np.median(np.asarray([r[0] for r in rows], dtype=np.float64), axis=0)
         ratios = np.asarray([r[1] for r in rows], dtype=np.float64)
         beyond = np.asarray([r[2] for r in rows], dtype=np.float64)
-        ratio, tail = [], []
+        ratio, tail, tail_elementwise = [], [], []
         for column, deciding in zip(ratios.T, beyond.T):
             seen = column[~np.isnan(column)]
             ratio.append(float(np.median(seen)) if len(seen) >= 5 else 0.0)
-            tail.append(min(tol.downstream, _tail_ratio(deciding[deciding > 0])))
-        out[key] = (tuple(float(v) for v in intro), tuple(ratio), tuple(tail))
+            tail.append(min(tol.downstream, _tail_ratio(deciding[deciding > 0], accumulates=True)))
+            tail_elementwise.append(min(tol.downstream, _tail_ratio(deciding[deciding > 0], accumulates=False)))
+        out[key] = (tuple(float(v) for v in intro), tuple(ratio), tuple(tail), tuple(tail_elementwise))
     return out
 
 
 _TAIL_MIN_CALLS = 8  # fewer calls say too little about a spread
 _TAIL_SAFETY = 2.0
+# The upper tail is fitted through these quantiles of the log ratios: high enough that a group's
+# bulk (a loose bound, ratios far below 1) does not widen it, low enough that a fault or two
+# among the calls do not move it.
+_TAIL_QUANTILES = (0.75, 0.9)
+_TAIL_Z = (0.6745, 1.2816)  # the standard normal's quantiles at those levels
 
 
-def _tail_ratio(ratios: np.ndarray) -> float:
-    """How far the observed/predicted ratios of a group's ``n`` calls reach (0 for too few calls)."""
+def _tail_ratio(ratios: np.ndarray, accumulates: bool) -> float:
+    """How far the observed/predicted ratios of a group's ``n`` calls reach (0 for too few calls).
+
+    A log-normal fitted to the whole spread (median and median deviation), extrapolated to the
+    largest of ``n`` calls (its median plus sqrt(2 ln n) deviations), times ``_TAIL_SAFETY``.
+    For ops that sum many terms the statistics only estimate the error, which scatters both
+    ways around the estimate, and that fit is the model. For elementwise ops they bound it:
+    most calls sit far below the bound (ratios of 0.01 to 0.5), which widens the fit far
+    beyond any call. There the reach is at most the larger of a log-normal through the upper
+    quantiles and ``_TAIL_SAFETY`` times the second largest ratio: a call must stand out from
+    every other call of its group but one, and from the group's upper tail.
+    """
     if len(ratios) < _TAIL_MIN_CALLS:
         return 0.0
     logs = np.log10(ratios)
+    reach = math.sqrt(2.0 * math.log(len(ratios)))
     center = float(np.median(logs))
     sigma = 1.4826 * float(np.median(np.abs(logs - center)))
-    return _TAIL_SAFETY * 10.0 ** (center + math.sqrt(2.0 * math.log(len(ratios))) * sigma)
+    whole = _TAIL_SAFETY * 10.0 ** (center + reach * sigma)
+    if accumulates:
+        return whole
+    low, high = np.quantile(logs, _TAIL_QUANTILES)
+    sigma = float(high - low) / (_TAIL_Z[1] - _TAIL_Z[0])
+    upper = _TAIL_SAFETY * 10.0 ** (float(low) + (reach - _TAIL_Z[0]) * sigma)
+    second = _TAIL_SAFETY * float(np.partition(ratios, -2)[-2])
+    return min(whole, max(upper, second))
 
 
 def _averaged_rounding(unit: float, out: TensorState, tf32: bool) -> float:
@@ -1085,7 +1109,7 @@ def _decide(
         if amb is not None:
             threshold = max(threshold, tol.ambient * amb[0][c] * f)
             if amb[1][c] > 0:
-                margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2][c])
+                margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2 if j.cls.accumulates else 3][c])
         if tainted:
             margin = max(margin, tol.downstream)
         excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
