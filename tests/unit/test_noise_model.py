@@ -6,6 +6,7 @@ place is still found.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -280,3 +281,43 @@ def test_a_fault_after_adams_first_step_is_found(tmp_path: Path) -> None:
     d = result.first_divergence
     assert d is not None and (d.op, d.step) == ("aten.native_layer_norm.default", 1), result.summary()
     assert len(result.suspects) == 1, result.summary()
+
+
+def _skipped_step(path: Path, *, skip: bool, overflow: bool = False, read: bool = True) -> Path:
+    """A GradScaler's step in miniature: the check for Inf in a matmul's output is read into
+    Python (``.item()``, unless ``read`` is false); ``skip`` skips the optimizer's update, and the
+    next step's update runs with another bias correction (an argument) while the next matmul
+    reads a weight that did not move. ``overflow``: the matmul makes Inf from finite inputs."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g)
+    w0 = torch.randn(16, 16, generator=g)
+    b = TraceBuilder()
+    weight = b.param("fc.weight", w0.clone(), module="fc")  # the update writes into it
+    h = b.call(A.mm.default, b.source("input.0", x), weight, module="fc",
+               fault=(lambda t: t.index_fill(0, torch.tensor([0]), math.inf)) if overflow else None)
+    found = b.call(A.any.default, b.call(A.isinf.default, h))
+    if read:
+        b.call(A._local_scalar_dense.default, found)
+    if not skip:
+        update = b.call(A.mul.Scalar, weight, -1e-2, phase="optimizer")
+        weight = b.call(A.add_.Tensor, weight, update, phase="optimizer")
+    b.step()
+    b.call(A.mm.default, b.source("input.1", x), weight, module="fc")
+    b.call(A.div.Tensor, b.source("input.2", w0), 0.1 if skip else 0.19, phase="optimizer")
+    return b.write(path)
+
+
+def test_what_python_decided_from_a_root_is_inherited(tmp_path: Path) -> None:
+    # The Inf reaches Python through .item(), the program skips its update: the next step's changed
+    # argument and the matmul on the weight that did not move follow from the root, not roots.
+    bench = _skipped_step(tmp_path / "b", skip=False)
+    result = tracecmp.compare(_skipped_step(tmp_path / "t", skip=True, overflow=True), bench)
+    assert [(s.op, s.kind, s.step) for s in result.suspects] == [("aten.mm.default", "nan", 0)], result.summary()
+    inherited = result.nodes[result.nodes["reason"].str.startswith("follows op")]
+    assert set(inherited["op"]) == {"aten.mm.default", "aten.div.Tensor"} and set(inherited["status"]) == {"diverged"}
+    # With no root before it, a skipped update is the program's own doing: still named.
+    result = tracecmp.compare(_skipped_step(tmp_path / "s", skip=True), bench)
+    assert {(s.op, s.kind) for s in result.suspects} == {("aten.mm.default", "structure"), ("aten.div.Tensor", "argument")}
+    # Nor does an Inf that never reaches Python speak for what the program did later.
+    result = tracecmp.compare(_skipped_step(tmp_path / "u", skip=True, overflow=True, read=False), bench)
+    assert any(s.op == "aten.div.Tensor" for s in result.suspects), result.summary()

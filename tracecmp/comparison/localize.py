@@ -848,6 +848,8 @@ def _localize_rank(
         roots.append(((int(step), int(op_id), ri.rank), divergence))
     root_regions = _region_roots(ri, region_judged, verdicts, tol, exact_matmul, roots)
 
+    python_from: int | None = None  # the first op that read a root's error into Python (``.item()``) ...
+    python_step = 0  # ... and its step
     for node, j in zip(ri.nodes, judged):
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         # Taint: error that comes from a root. Once a root put its error into a node's inputs, that
@@ -855,6 +857,8 @@ def _localize_rank(
         tainted_in = any(s is not None and s.tainted for s in map(lookup, inputs))
         # A parameter or buffer in a later step was moved by an optimizer that a root's error reached.
         tainted_in = tainted_in or (kind == "source" and op != "source.input" and any(r[0][0] < step for r in roots))
+        if python_from is None and tainted_in and is_readout(op):
+            python_from, python_step = op_id, step
         if j is not None:
             judge(j, node, tainted_in)
         if not (kind == "view" and all(t in base for t in outputs)):
@@ -862,6 +866,11 @@ def _localize_rank(
                 s = state.get(t) if t not in base else None
                 if s is not None and not s.exact and (tainted_in or verdicts[op_id].root_kind):
                     s.tainted = True
+    if python_from is not None:
+        exact_in = {j.op_id for j in judged if j is not None and j.inputs_exact}
+        exact_in.update(op for op, region_id in ri.member_of.items()
+                        if region_id in region_judged and region_judged[region_id].inputs_exact)
+        roots[:] = [r for r in roots if not _follows_python(r[1], python_from, python_step, exact_in, ri, verdicts)]
 
     # ---- pass 3: statuses ------------------------------------------------------------------
     producer_status: dict[int, str] = {}
@@ -914,6 +923,31 @@ def _localize_rank(
         for t in outputs:
             producer_status[base.get(t, t)] = status
     return verdicts, roots
+
+
+# What a program's Python code decides: the arguments it passes, which ops it runs, the values it
+# creates tensors from, its random draws, and the batches and parameters it feeds.
+_PYTHON_KINDS = ("argument", "structure", "random", "source")
+
+
+def _follows_python(d: Divergence, python_from: int, python_step: int, exact_in: set[int], ri: RankInput,
+                    verdicts: dict[int, NodeVerdict]) -> bool:
+    """Whether root ``d`` is inherited through Python: it comes after a root's error was read into
+    Python (op ``python_from``, an ``.item()`` of a tainted tensor, in step ``python_step``) and
+    is of a kind Python decides, or lies in a later step (a GradScaler that found the Inf a root
+    made skips the optimizer step: the next step runs on parameters the bench moved and the
+    target did not, and its optimizer with other arguments on other state). NaN/Inf made from
+    finite inputs stays a root. The verdict says why."""
+    if d.op_id <= python_from or d.rank != ri.rank or d.kind == "nan":
+        return False
+    decided = d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
+    if not (decided or d.step > python_step):
+        return False
+    verdict = verdicts[d.op_id]
+    verdict.root_kind = ""
+    verdict.reason = (f"follows op {python_from}, which read a diverged value into Python (.item()); what the "
+                      f"program decided from it may differ: {d.reason}")
+    return True
 
 
 def _readout_status(input_status: str) -> str:
