@@ -242,37 +242,35 @@ def test_a_fault_stands_out_from_elementwise_ops_whose_bound_is_loose(tmp_path: 
 def _adam_then_layer_norm(path: Path, low: torch.dtype, *, fault: float = 1.0, size: int = 256) -> Path:
     """Adam's first update of a layer norm's weight (ones), then that layer norm in the next step.
 
-    The gradient is a difference of nearly equal numbers, which ``low`` rounds to 0 where fp32
-    keeps a tiny value of either sign; Adam's first step moves every element by +-lr whatever
-    the gradient's size, so the weight's extremes, mean and norm barely move while its
-    division by a near-zero denominator predicts an error larger than the weight itself.
-    ``fault`` scales the next step's layer-norm output."""
+    The gradient is rounded to ``low`` and a few of its elements are near 0, so the division by
+    the denominator predicts an error far larger than the weight; Adam's first step moves every
+    element by about +-lr whatever the gradient's size, and the target moves two elements the
+    other way round (each takes the other's value). ``fault`` scales the next step's layer norm."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, generator=g)
-    b_ = a + 1e-6 * torch.randn(size, generator=g)
-    a[: size // 2] += 0.1 * torch.randn(size // 2, generator=g)  # half the gradient is well away from 0
+    grad_values = torch.randn(size, generator=g)
+    grad_values[:8] *= 1e-9  # gradients near 0: denominators near eps
     rows = torch.randn(16, size, generator=g)
+    # which two elements trade places: one the update raised, one it lowered
+    up, down = int(torch.nonzero(grad_values[8:] < 0)[0]) + 8, int(torch.nonzero(grad_values[8:] > 0)[0]) + 8
+    swap = (lambda t: t.index_copy(0, torch.tensor([up, down]), t[[down, up]])) if low != torch.float32 else None
     b = TraceBuilder()
     weight = b.param("ln.weight", torch.ones(size), module="ln")
     bias = b.param("ln.bias", torch.zeros(size), module="ln")
-    grad = b.call(A.sub.Tensor, b.call(A._to_copy.default, b.source("input.0", a), dtype=low, module="head"),
-                  b.call(A._to_copy.default, b.source("input.1", b_), dtype=low, module="head"), module="head",
-                  phase="backward")
+    grad = b.call(A._to_copy.default, b.source("input.0", grad_values), dtype=low, phase="backward")
     grad = b.call(A._to_copy.default, grad, dtype=torch.float32, phase="backward")
     exp_avg = b.call(A.mul.Scalar, grad, 0.1, phase="optimizer")
     exp_avg_sq = b.call(A.mul.Scalar, b.call(A.mul.Tensor, grad, grad, phase="optimizer"), 0.001, phase="optimizer")
     denom = b.call(A.add.Scalar, b.call(A.div.Scalar, b.call(A.sqrt.default, exp_avg_sq, phase="optimizer"),
                                         0.001**0.5, phase="optimizer"), 1e-8, phase="optimizer")
-    weight = b.call(A.addcdiv_.default, weight, exp_avg, denom, value=-1e-3 / 0.1, phase="optimizer")
+    weight = b.call(A.addcdiv_.default, weight, exp_avg, denom, value=-1e-3 / 0.1, phase="optimizer", fault=swap)
     b.step()
-    x = b.source("input.2", rows)
-    b.call(A.native_layer_norm.default, x, [size], weight, bias, 1e-5, module="ln",
+    b.call(A.native_layer_norm.default, b.source("input.1", rows), [size], weight, bias, 1e-5, module="ln",
            fault=(lambda t: t * fault) if fault != 1.0 else None)
     return b.write(path)
 
 
 def test_a_fault_after_adams_first_step_is_found(tmp_path: Path) -> None:
-    # The weight's statistics resolve its error, not the division's prediction: the next step's
+    # The weight's range (2 lr) bounds its error, not the division's prediction: the next step's
     # layer norm reads a weight off by +-lr here and there, and a 5% fault in it is a root.
     bench = _adam_then_layer_norm(tmp_path / "b", torch.float32)
     result = tracecmp.compare(_adam_then_layer_norm(tmp_path / "t", torch.bfloat16), bench)

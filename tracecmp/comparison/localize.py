@@ -579,18 +579,16 @@ def _carry(out: TensorState, x: tuple[float, float, float]) -> None:
 
     A channel that measured exactly nothing on a tensor that is not bitwise equal is blind there
     (saturated extremes such as softmax's 0 and 1, a mean fixed by construction): the prediction
-    stands in for it, up to what the norm would have shown: an error of rms level L moves the norm
-    by about L / sqrt(n) of itself, so L stays within sqrt(n) of the norm's measured change (or of
-    the tensor's rounding unit, where the norm did not move) whatever the inputs predicted. (A
-    parameter after an optimizer step that divided by a gradient near 0: the update is small
-    against the parameter, however wrong the division.)
+    stands in for it. No prediction goes beyond the tensor's range, though: every element of both
+    runs lies between their extremes, so no element can be off by more than that span (a weight of
+    ones after Adam's first step spans 2 lr, however wrong the division by gradients near 0 that
+    made its update looks).
     """
     if out.exact:
         return
-    if (out.e_ext == 0.0 or out.e_sys == 0.0) and out.unit > 0:
-        neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
-        hidden = max(out.e_sys, out.unit) * math.sqrt(neff)
-        x = (min(x[0], hidden), min(x[1], hidden), x[2])
+    if out.amax > 0 and out.rms > 0 and math.isfinite(out.hi - out.lo):
+        span = (out.hi - out.lo) + 2.0 * out.e_ext * out.amax
+        x = (min(x[0], span / out.amax), min(x[1], span / out.rms), min(x[2], span / out.rms))
     out.c_ext = out.e_ext and max(out.e_ext, min(x[0], _CARRY * out.e_ext)) or x[0]
     out.c_sys = out.e_sys and max(out.e_sys, min(x[1], _CARRY_SYS * out.e_sys)) or x[1]
     if not math.isnan(out.e_rms):
