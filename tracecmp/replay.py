@@ -222,6 +222,10 @@ class Replayer:
         # Faster, but a reduction's bits follow the thread count: only where no judgement rests on
         # a replay giving the recorded bits (check's; not compare's, see OwnError.bitwise).
         self.small_on_one_thread = small_on_one_thread
+        # The thread count the run was captured at (None for traces that do not say): a large
+        # matmul or sum splits its work by threads, and its bits follow the split.
+        threads = (rank.manifest.get("info") or {}).get("threads")
+        self.threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
         self.reduced = reduced
         self.detail = dict(detail) if detail is not None else None
         self.saved = SavedTensors(rank)
@@ -367,7 +371,13 @@ class Replayer:
         held = self._make_room(op)
         if held >= _TRIM_BYTES:
             _release_freed_memory()  # what earlier ops freed, before this one's peak
-        with _threads_for(self._elements(op) if self.small_on_one_thread else _PARALLEL_ELEMENTS):
+        # Where bits matter (compare), at the capture's thread count; where they do not (check),
+        # small ops on one thread and large ones on all.
+        if self.small_on_one_thread:
+            threads = 1 if self._elements(op) < _PARALLEL_ELEMENTS else None
+        else:
+            threads = self.threads
+        with _threads(threads):
             results = [self._measure(call) for call in _calls(op, args)]
         if held >= _TRIM_BYTES:
             _release_freed_memory()
@@ -591,27 +601,26 @@ def _release_freed_memory() -> None:
 _MALLOC_TRIM: list[Any] = [None]  # glibc's malloc_trim, once looked up (False where there is none)
 
 
-# Below this many elements an op runs on one thread: its work is too small to split, and entering
-# a parallel region costs more than the op (far more when the cores are busy, as OpenMP's
+# Below this many elements check runs an op on one thread: its work is too small to split, and
+# entering a parallel region costs more than the op (far more when the cores are busy, as OpenMP's
 # threads wait for each other). Above it, torch's intra-op threads serve the one big op.
 _PARALLEL_ELEMENTS = 1 << 20
 
 
-class _threads_for:
-    """Run one op's replay on a single thread when it is small (see ``_PARALLEL_ELEMENTS``)."""
+class _threads:
+    """Run one op's replay on ``count`` intra-op threads (as they are when ``None``)."""
 
-    def __init__(self, elements: int) -> None:
-        self.small = elements < _PARALLEL_ELEMENTS
+    def __init__(self, count: int | None) -> None:
+        self.count = count
         self.saved = 0
 
     def __enter__(self) -> None:
-        if self.small:
-            self.saved = torch.get_num_threads()
-            if self.saved != 1:
-                torch.set_num_threads(1)
+        self.saved = torch.get_num_threads()
+        if self.count is not None and self.count != self.saved:
+            torch.set_num_threads(self.count)
 
     def __exit__(self, *exc: Any) -> None:
-        if self.small and self.saved != 1:
+        if self.count is not None and self.count != self.saved:
             torch.set_num_threads(self.saved)
 
 

@@ -100,3 +100,29 @@ def test_a_device_that_sums_in_another_order_is_not_held_to_bits(tmp_path, flip)
     result = tracecmp.compare(_tf32_matmuls(tmp_path / "target", tf32=True, flip=flip, exact_sums=True), bench)
     # No replay gives these calls' bits: one ulp is within what such a device may do.
     assert result.first_divergence is None, result.first_divergence
+
+
+def _long_matmul(path: Path, threads: int) -> Path:
+    """A matmul over 65,536 terms (a weight gradient summed over a long batch), captured on
+    ``threads`` intra-op threads: a CPU kernel splits so long a sum by threads."""
+    torch.manual_seed(0)
+    grad, hidden = torch.randn(32, 65536), torch.randn(65536, 32)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with tracecmp.TraceCompare(path, data="tensors"):
+            torch.mm(grad, hidden)
+    finally:
+        torch.set_num_threads(saved)
+    return path
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two intra-op threads to differ from one")
+def test_replay_runs_at_the_thread_count_the_run_was_captured_at(tmp_path):
+    rank = tracecmp.load(_long_matmul(tmp_path / "run", threads=1)).rank(0)
+    assert rank.manifest["info"]["threads"] == 1
+    (mm,) = rank.ops[rank.ops["op"] == "aten.mm.default"]["op_id"].tolist()
+    # This process runs on more threads than the capture did: the replay takes the capture's.
+    own = replay_rank(rank, [mm])[mm]
+    assert own.bitwise and own.error == own.honest, own
+    assert torch.get_num_threads() >= 2  # restored after the replay

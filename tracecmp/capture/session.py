@@ -328,7 +328,10 @@ class TraceCompare:
                 write_run_manifest(self.path, options=options, extra=run_info)
                 if self.overwrite:
                     remove_extra_ranks(self.path, world_size)
-            rank_writer = RankWriter(self.path, rank=rank, world_size=world_size, device=device, info={"options": options})
+            # The intra-op thread count decides how CPU kernels split a large reduction, and so its
+            # bits: replay runs at the same count to be held to them.
+            rank_writer = RankWriter(self.path, rank=rank, world_size=world_size, device=device,
+                                     info={"options": options, "threads": torch.get_num_threads()})
         except (OSError, TracecmpError) as exc:
             cause = exc.__cause__ or exc if isinstance(exc, TracecmpError) else exc
             raise CaptureWriteError(_cannot_write(cause), path=self.path) from exc
