@@ -184,6 +184,11 @@ def _logged_loss(path: Path, dtype: torch.dtype, *, fault: bool = False) -> Path
     x = b.source("input.0", torch.randn(64, 32, generator=g).to(dtype))
     h = b.call(A.tanh.default, x, module="head")
     loss = b.call(A.mean.default, h, module="loss", fault=(lambda t: t * 1.05) if fault else None)
+    if dtype != torch.float32:
+        # ``loss.float()`` for logging, where only the low-precision run needs a cast; one of
+        # the two casts is never read (the loop kept the other)
+        b.call(A._to_copy.default, loss, dtype=torch.float32)
+        loss = b.call(A._to_copy.default, loss, dtype=torch.float32)
     b.call(A._local_scalar_dense.default, loss)
     return b.write(path)
 

@@ -795,6 +795,13 @@ def _region(
     computing_b = [o for o in b_ops if b.nodes[o].kind == "op"]
     passes = all(is_pass_through(t.nodes[o].op, t.nodes[o].args, t.nodes[o].kind) for o in t_ops) and all(
         is_pass_through(b.nodes[o].op, b.nodes[o].args, b.nodes[o].kind) for o in b_ops)
+    paired_in = [B for _, B in inputs if B is not None]
+    if passes and not set_b and len(paired_in) == 1:
+        # A cast or copy the bench lacks whose output nothing downstream reads (a loss cast for
+        # logging): it stands for the value it was made from, the bench's own tensor.
+        mapped = {T for T, _ in outputs}
+        outputs.extend((T, paired_in[0]) for o in t_ops for T in t.nodes[o].outputs
+                       if T not in mapped and t.nodes[o].kind == "op")
     if passes:
         kind = "pass-through"
     elif t_ops and b_ops:
