@@ -31,6 +31,7 @@ def test_inspect_cli_summarises_a_training_trace(capture: Callable[..., Path]) -
     assert "parameter 6" in out and "input 1" in out
     assert "NaN/Inf:   0 tensor values" in out
     assert " KiB on disk" in out
+    assert f"{torch.get_num_threads()} intra-op threads" in out  # what replay needs to give the run's bits
 
 
 def test_inspect_reports_incomplete_runs_and_nonfinite_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,9 +72,11 @@ def summarize(path: str | Path) -> str:
         lines.append(f"seeding   seed_all({seeded.get('seed')}, deterministic={seeded.get('deterministic')})")
     else:
         lines.append("seeding   tracecmp.seed_all was not called before capture")
+    threads = sorted({t for r in trace.ranks if isinstance(t := (trace.rank(r).manifest.get("info") or {}).get("threads"), int)})
     if determinism:
         lines.append(f"determin. torch deterministic algorithms {determinism.get('torch_deterministic_algorithms')}, "
-                     f"cuDNN deterministic {determinism.get('cudnn_deterministic')}")
+                     f"cuDNN deterministic {determinism.get('cudnn_deterministic')}"
+                     + (f", {'/'.join(map(str, threads))} intra-op threads" if threads else ""))
     lines.append(f"size      {_human(_size(trace.path))} on disk")
     lines.append("")
     if ops.empty:
