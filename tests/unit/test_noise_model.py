@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -15,6 +16,18 @@ import tracecmp
 from tests.tracebuild import TraceBuilder
 
 A = torch.ops.aten
+
+
+def _noise_then_one_root(tmp_path: Path, build: Callable[..., Path], fault: dict[str, Any], **where: Any) -> None:
+    """``build``'s bf16 run against its fp32 run is noise; with ``fault`` its one root has the
+    Divergence fields ``where``."""
+    bench = build(tmp_path / "b", torch.float32)
+    result = tracecmp.compare(build(tmp_path / "t", torch.bfloat16), bench)
+    assert result.first_divergence is None, result.summary()
+    result = tracecmp.compare(build(tmp_path / "f", torch.bfloat16, **fault), bench)
+    d = result.first_divergence
+    assert d is not None and all(getattr(d, k) == v for k, v in where.items()), result.summary()
+    assert len(result.suspects) == 1, result.summary()
 
 
 def _masked_scores(path: Path, dtype: torch.dtype, fill: float | None = None) -> Path:
@@ -113,13 +126,7 @@ def _adam_denominator(path: Path, dtype: torch.dtype, *, fault: float = 1.0, siz
 
 
 def test_optimizer_division_in_bf16_is_noise(tmp_path: Path) -> None:
-    bench = _adam_denominator(tmp_path / "b", torch.float32)
-    result = tracecmp.compare(_adam_denominator(tmp_path / "t", torch.bfloat16), bench)
-    assert result.first_divergence is None, result.summary()
-    result = tracecmp.compare(_adam_denominator(tmp_path / "f", torch.bfloat16, fault=1.05), bench)
-    d = result.first_divergence
-    assert d is not None and (d.op, d.phase) == ("aten.div.Tensor", "optimizer"), result.summary()
-    assert len(result.suspects) == 1, result.summary()
+    _noise_then_one_root(tmp_path, _adam_denominator, {"fault": 1.05}, op="aten.div.Tensor", phase="optimizer")
 
 
 def _eps_guarded_normalize(path: Path, dtype: torch.dtype, *, fault: str = "", eps: float | None = None,
@@ -235,13 +242,7 @@ def test_a_fault_stands_out_from_elementwise_ops_whose_bound_is_loose(tmp_path: 
     # Most calls of the class sit far below its bound, which says nothing about how far above it
     # a clean call goes (fitted to the whole spread, with the fault among the calls, the reach was
     # 15x): the fault at 3.5x its input's error is found, the clean chain is noise.
-    bench = _residual_chain(tmp_path / "b", torch.float32)
-    result = tracecmp.compare(_residual_chain(tmp_path / "t", torch.bfloat16), bench)
-    assert result.first_divergence is None, result.summary()
-    result = tracecmp.compare(_residual_chain(tmp_path / "f", torch.bfloat16, fault_at=8), bench)
-    d = result.first_divergence
-    assert d is not None and (d.op, d.module) == ("aten.tanh.default", "block8"), result.summary()
-    assert len(result.suspects) == 1, result.summary()
+    _noise_then_one_root(tmp_path, _residual_chain, {"fault_at": 8}, op="aten.tanh.default", module="block8")
 
 
 def _adam_then_layer_norm(path: Path, low: torch.dtype, *, fault: float = 1.0, size: int = 256) -> Path:
@@ -277,13 +278,7 @@ def _adam_then_layer_norm(path: Path, low: torch.dtype, *, fault: float = 1.0, s
 def test_a_fault_after_adams_first_step_is_found(tmp_path: Path) -> None:
     # The weight's range (2 lr) bounds its error, not the division's prediction: the next step's
     # layer norm reads a weight off by +-lr here and there, and a 5% fault in it is a root.
-    bench = _adam_then_layer_norm(tmp_path / "b", torch.float32)
-    result = tracecmp.compare(_adam_then_layer_norm(tmp_path / "t", torch.bfloat16), bench)
-    assert result.first_divergence is None, result.summary()
-    result = tracecmp.compare(_adam_then_layer_norm(tmp_path / "f", torch.bfloat16, fault=1.05), bench)
-    d = result.first_divergence
-    assert d is not None and (d.op, d.step) == ("aten.native_layer_norm.default", 1), result.summary()
-    assert len(result.suspects) == 1, result.summary()
+    _noise_then_one_root(tmp_path, _adam_then_layer_norm, {"fault": 1.05}, op="aten.native_layer_norm.default", step=1)
 
 
 def _skipped_step(path: Path, *, skip: bool, overflow: bool = False, read: bool = True) -> Path:
