@@ -52,6 +52,7 @@ import math
 import os
 import sys
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -607,21 +608,18 @@ _MALLOC_TRIM: list[Any] = [None]  # glibc's malloc_trim, once looked up (False w
 _PARALLEL_ELEMENTS = 1 << 20
 
 
-class _threads:
+@contextmanager
+def _threads(count: int | None) -> Iterator[None]:
     """Run one op's replay on ``count`` intra-op threads (as they are when ``None``)."""
-
-    def __init__(self, count: int | None) -> None:
-        self.count = count
-        self.saved = 0
-
-    def __enter__(self) -> None:
-        self.saved = torch.get_num_threads()
-        if self.count is not None and self.count != self.saved:
-            torch.set_num_threads(self.count)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.count is not None and self.count != self.saved:
-            torch.set_num_threads(self.saved)
+    saved = torch.get_num_threads()
+    if count is None or count == saved:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def static_skip_reason(op: RecordedOp) -> str:

@@ -72,7 +72,8 @@ def summarize(path: str | Path) -> str:
         lines.append(f"seeding   seed_all({seeded.get('seed')}, deterministic={seeded.get('deterministic')})")
     else:
         lines.append("seeding   tracecmp.seed_all was not called before capture")
-    threads = sorted({t for r in trace.ranks if isinstance(t := (trace.rank(r).manifest.get("info") or {}).get("threads"), int)})
+    infos = [trace.rank(r).manifest.get("info") or {} for r in trace.ranks]
+    threads = sorted({info["threads"] for info in infos if isinstance(info.get("threads"), int)})
     if determinism:
         lines.append(f"determin. torch deterministic algorithms {determinism.get('torch_deterministic_algorithms')}, "
                      f"cuDNN deterministic {determinism.get('cudnn_deterministic')}"

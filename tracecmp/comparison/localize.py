@@ -868,7 +868,16 @@ def _localize_rank(
         exact_in = {j.op_id for j in judged if j is not None and j.inputs_exact}
         exact_in.update(op for op, region_id in ri.member_of.items()
                         if region_id in region_judged and region_judged[region_id].inputs_exact)
-        roots[:] = [r for r in roots if not _follows_python(r[1], python_from, python_step, exact_in, ri, verdicts)]
+        kept = []
+        for key, d in roots:
+            if not _follows_python(d, python_from, python_step, exact_in, ri.rank):
+                kept.append((key, d))
+                continue
+            verdict = verdicts[d.op_id]  # diverged, no root: the reason says where from
+            verdict.root_kind = ""
+            verdict.reason = (f"follows op {python_from}, which read a diverged value into Python (.item()); "
+                              f"what the program decided from it may differ: {d.reason}")
+        roots[:] = kept
 
     # ---- pass 3: statuses ------------------------------------------------------------------
     producer_status: dict[int, str] = {}
@@ -928,24 +937,17 @@ def _localize_rank(
 _PYTHON_KINDS = ("argument", "structure", "random", "source")
 
 
-def _follows_python(d: Divergence, python_from: int, python_step: int, exact_in: set[int], ri: RankInput,
-                    verdicts: dict[int, NodeVerdict]) -> bool:
+def _follows_python(d: Divergence, python_from: int, python_step: int, exact_in: set[int], rank: int) -> bool:
     """Whether root ``d`` is inherited through Python: it comes after a root's error was read into
     Python (op ``python_from``, an ``.item()`` of a tainted tensor, in step ``python_step``) and
     is of a kind Python decides, or lies in a later step (a GradScaler that found the Inf a root
     made skips the optimizer step: the next step runs on parameters the bench moved and the
     target did not, and its optimizer with other arguments on other state). NaN/Inf made from
-    finite inputs stays a root. The verdict says why."""
-    if d.op_id <= python_from or d.rank != ri.rank or d.kind == "nan":
+    finite inputs stays a root."""
+    if d.op_id <= python_from or d.rank != rank or d.kind == "nan":
         return False
     decided = d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
-    if not (decided or d.step > python_step):
-        return False
-    verdict = verdicts[d.op_id]
-    verdict.root_kind = ""
-    verdict.reason = (f"follows op {python_from}, which read a diverged value into Python (.item()); what the "
-                      f"program decided from it may differ: {d.reason}")
-    return True
+    return decided or d.step > python_step
 
 
 def _readout_status(input_status: str) -> str:
