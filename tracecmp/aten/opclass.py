@@ -306,6 +306,17 @@ def is_readout(op: str) -> bool:
     return base_name(op) == "_local_scalar_dense"
 
 
+def is_overflow_check(op: str) -> bool:
+    """A loss scaler's check of the gradients for NaN/Inf (``GradScaler.unscale_``, on any device):
+    it unscales them in place and sets its ``found_inf`` argument, which capture records as the
+    op's last output, after the gradients it mutated.
+
+    >>> is_overflow_check("aten._amp_foreach_non_finite_check_and_unscale_.default")
+    True
+    """
+    return base_name(op) == "_amp_foreach_non_finite_check_and_unscale_"
+
+
 # Arguments that switch an op's random draw off when they hold these values: a drop probability
 # of 0 (``dropout_p``, RNN ``dropout``, a dropout op's ``p``), a keep probability of 1, or
 # ``train``/``training`` false. ``_fused_dropout``'s ``p`` is its keep probability.

@@ -181,7 +181,7 @@ def compare(
         raise CompareError("the traces have no step in common to compare" + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
                            path=t_trace.path)
     bar.update("localizing")
-    verdicts, roots = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
+    verdicts, roots, skipped = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
     bar.done = bar.total
     bar.update("done")
     bar.close()
@@ -207,7 +207,7 @@ def compare(
     result = CompareResult(
         target=t_trace, bench=b_trace, first_divergence=first, suspects=suspects, nodes=nodes, tensors=tensors,
         unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
-        steps=sorted(compared_steps), regions=regions,
+        steps=sorted(compared_steps), regions=regions, skipped_steps=skipped,
     )
     if len(rank_inputs) > 1:  # order the ranks' roots through their collectives
         from tracecmp.comparison.ranks import attach_cross_rank
@@ -288,6 +288,7 @@ def _prepare_rank(
     own_nonfinite = (t_ten["has_stats"].to_numpy(bool) & ((t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)))
     own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
     measured = _states(measured_frame, own)
+    inf_only = _inf_only(t_ten)
     own_errors: dict[int, OwnError] = {}
     region_replays: dict[int, RegionReplay] = {}
     has_data = bool(t_ten["data_key"].astype(bool).any())
@@ -327,6 +328,7 @@ def _prepare_rank(
         units=units.by_judged,
         bench_inputs={op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])},
         bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())), partner=partner,
+        inf_only=inf_only,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)
@@ -467,6 +469,17 @@ def _states(frame: pd.DataFrame, own: Mapping[int, tuple[bool, bool, str]]) -> d
             unit=float(unit), same_dtype=bool(same_dtype),
         )
     return states
+
+
+def _inf_only(t_ten: pd.DataFrame) -> dict[int, float]:
+    """Target tensors holding Inf and no NaN (what overflow makes) -> the rms of their finite values."""
+    rows = t_ten[t_ten["has_stats"].to_numpy(bool) & (t_ten["inf_count"].to_numpy() > 0) & (t_ten["nan_count"].to_numpy() == 0)]
+    out: dict[int, float] = {}
+    for tid, shape, norm, infs in zip(rows["tensor_id"].tolist(), rows["shape"].tolist(), rows["norm"].tolist(),
+                                      rows["inf_count"].tolist()):
+        finite = math.prod(shape) - infs if shape is not None else 0
+        out[tid] = float(norm) / math.sqrt(finite) if finite > 0 and norm is not None and math.isfinite(norm) else 0.0
+    return out
 
 
 def _finite(value: float) -> float:

@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from tracecmp.trace import boundedjson
-from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy, is_readout
-from tracecmp.comparison.records import Divergence, Region
+from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy, is_overflow_check, is_readout
+from tracecmp.comparison.records import Divergence, Region, SkippedStep
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
 from tracecmp.trace.schema import UNREAD_SOURCE
@@ -157,6 +157,8 @@ class RankInput:
     bench_inputs: Mapping[int, list[int]] = field(default_factory=dict)  # bench op_id -> input tensor ids (view bases)
     bench_producer: Mapping[int, int] = field(default_factory=dict)  # bench tensor id -> producer op_id
     partner: Mapping[int, int] = field(default_factory=dict)  # target tensor id -> bench tensor id
+    # Target tensors holding Inf and no NaN (what overflow makes) -> the rms of their finite values
+    inf_only: Mapping[int, float] = field(default_factory=dict)
 
 
 def _norm_args(text: str) -> Any:
@@ -619,24 +621,27 @@ class _Judged:
 def localize(
     ranks: Iterable[RankInput], tolerances: Tolerances, *, exact: bool = False,
     progress: Callable[[int], None] | None = None,
-) -> tuple[dict[tuple[int, int], NodeVerdict], list[Divergence]]:
-    """Verdicts for every target node (keyed by (rank, op_id)) and the roots, earliest first.
+) -> tuple[dict[tuple[int, int], NodeVerdict], list[Divergence], list[SkippedStep]]:
+    """Verdicts for every target node (keyed by (rank, op_id)), the roots, earliest first, and the
+    steps a loss scaler skipped on overflows it caught (not roots: see :func:`_scaler_skips`).
 
     ``progress(n)`` is called as nodes are walked (n nodes since the previous call).
     """
     verdicts: dict[tuple[int, int], NodeVerdict] = {}
     roots: list[tuple[tuple, Divergence]] = []
+    skipped: list[SkippedStep] = []
     for rank_input in ranks:
-        v, r = _localize_rank(rank_input, tolerances, exact, progress)
+        v, r, s = _localize_rank(rank_input, tolerances, exact, progress)
         verdicts.update({(rank_input.rank, k): x for k, x in v.items()})
         roots.extend(r)
+        skipped.extend(s)
     roots.sort(key=lambda item: item[0])
-    return verdicts, [d for _, d in roots]
+    return verdicts, [d for _, d in roots], sorted(skipped, key=lambda k: (k.step, k.rank))
 
 
 def _localize_rank(
     ri: RankInput, tol: Tolerances, exact_mode: bool, progress: Callable[[int], None] | None = None
-) -> tuple[dict[int, NodeVerdict], list[tuple[tuple, Divergence]]]:
+) -> tuple[dict[int, NodeVerdict], list[tuple[tuple, Divergence]], list[SkippedStep]]:
     state: dict[int, TensorState] = {}
     verdicts: dict[int, NodeVerdict] = {}
     judged: list[_Judged | None] = []
@@ -878,6 +883,7 @@ def _localize_rank(
             verdict.reason = (f"follows op {python_from}, which read a diverged value into Python (.item()); "
                               f"what the program decided from it may differ: {d.reason}")
         roots[:] = kept
+    skipped = _scaler_skips(ri, roots, verdicts, lookup, python_from)
 
     # ---- pass 3: statuses ------------------------------------------------------------------
     producer_status: dict[int, str] = {}
@@ -929,7 +935,7 @@ def _localize_rank(
         verdict.status = status
         for t in outputs:
             producer_status[base.get(t, t)] = status
-    return verdicts, roots
+    return verdicts, roots, skipped
 
 
 # What a program's Python code decides: the arguments it passes, which ops it runs, the values it
@@ -948,6 +954,89 @@ def _follows_python(d: Divergence, python_from: int, python_step: int, exact_in:
         return False
     decided = d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
     return decided or d.step > python_step
+
+
+def _scaler_skips(ri: RankInput, roots: list[tuple[tuple, Divergence]], verdicts: dict[int, NodeVerdict],
+                  lookup: Callable[[int], TensorState | None], python_from: int | None) -> list[SkippedStep]:
+    """Take out of ``roots`` the overflows a loss scaler caught, as the steps it skipped.
+
+    A backward NaN/Inf root is caught when a later check of its step (:func:`is_overflow_check`)
+    found NaN/Inf where the bench's found none, and the root is an overflow: its output holds Inf
+    and no NaN (a fault, 0/0 or inf - inf makes NaN) of values beyond the largest finite value of
+    the target's dtype (float16 gradients at a loss scale of 2**16). The bench's values show that
+    where the root's inputs agree with the bench's within noise; where they carry a divergence from
+    before, or follow a diverged value read into Python (``python_from``: a step the scaler skipped
+    runs the next on parameters the bench moved), the target's own finite values must reach near
+    that largest value. Loss scaling multiplies backward values only: an overflow in the forward pass is beyond
+    any scale and stays a root.
+    """
+    checks = [node for node in ri.nodes if is_overflow_check(node[4]) and _found_overflow(node, ri)]
+    if not checks:
+        return []
+    nan_roots = {d.op_id for _, d in roots if d.kind == "nan" and d.phase == "backward"}
+    nodes = {node[0]: node for node in ri.nodes if node[0] in nan_roots}
+    caught: dict[int, list[Divergence]] = defaultdict(list)
+    kept = []
+    for key, d in roots:
+        check = next((c for c in checks if c[1] == d.step and c[0] > d.op_id), None) if d.op_id in nodes else None
+        inherited = python_from is not None and d.op_id > python_from
+        overflow = _overflow(nodes[d.op_id], ri, lookup, inherited) if check is not None else ""
+        if check is None or not overflow:
+            kept.append((key, d))
+            continue
+        reason = f"{overflow}; the loss scaler's check (op {check[0]}) caught it and skipped step {d.step}'s update"
+        verdicts[d.op_id].root_kind = ""
+        verdicts[d.op_id].reason = reason
+        caught[check[0]].append(replace(d, reason=reason))
+    roots[:] = kept
+    return [SkippedStep(rank=ri.rank, step=int(c[1]), check_op_id=int(c[0]), overflows=tuple(caught[c[0]]))
+            for c in checks if c[0] in caught]
+
+
+def _found_overflow(node: tuple, ri: RankInput) -> bool:
+    """A scaler's check whose ``found_inf`` (its last output) is set in the target and clear in the bench."""
+    outputs = node[10]
+    found = ri.measured.get(outputs[-1]) if outputs else None
+    return found is not None and found.numel == 1 and not found.exact and found.lo == found.hi == 0.0
+
+
+_OVERFLOW_NEAR = 0.5  # inherited inputs: the largest finite values expected within this factor of the dtype's largest
+
+
+def _overflow(node: tuple, ri: RankInput, lookup: Callable[[int], TensorState | None], inherited: bool) -> str:
+    """Why the first of the node's outputs that overflowed did ("" when none did), see :func:`_scaler_skips`."""
+    inherited = inherited or any(s is not None and s.tainted for s in map(lookup, node[9]))
+    for tid in node[10]:
+        s = ri.measured.get(tid)
+        if s is None or not (s.nonfinite and s.nonfinite_mismatch) or tid not in ri.inf_only:
+            continue
+        dtype = ri.own.get(tid, (True, False, ""))[2]
+        top, unit = _float_range(dtype)
+        if not top:
+            continue
+        if not inherited:
+            reach = max(abs(s.lo), abs(s.hi))
+            if reach * (1.0 + unit) >= top:
+                return f"{dtype} overflow: the bench reaches {reach:.3g}, beyond {dtype}'s largest {top:.6g}"
+            continue
+        # the largest of n values of this rms, if they were normal: their tail is where the Inf are
+        reach = ri.inf_only[tid] * math.sqrt(2.0 * math.log(max(s.numel, 2)))
+        if reach >= _OVERFLOW_NEAR * top:
+            return (f"{dtype} overflow of inherited values: the target's own finite values (rms {ri.inf_only[tid]:.3g}) "
+                    f"reach near {dtype}'s largest {top:.6g}")
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _float_range(dtype: str) -> tuple[float, float]:
+    """(largest finite value, eps) of a floating dtype by name; (0, 0) for anything else."""
+    import torch
+
+    kind = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(kind, torch.dtype) or not kind.is_floating_point:
+        return 0.0, 0.0
+    info = torch.finfo(kind)
+    return float(info.max), float(info.eps)
 
 
 def _readout_status(input_status: str) -> str:

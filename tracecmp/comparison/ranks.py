@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence
+from tracecmp.comparison.records import Divergence, SkippedStep
 from tracecmp.errors import CompareError, TracecmpError
 from tracecmp.graph import view_bases
 from tracecmp.trace.links import Collective, Epochs, by_key, collectives, job_order
@@ -75,6 +75,7 @@ class RankOutcome:
     ended: str  # how the target rank's capture ended ("" when it closed normally)
     last: str  # where the target rank's trace ends (step, phase, op)
     manifest: dict[str, Any] = field(default_factory=dict)  # the target rank manifest's info
+    skipped: list[SkippedStep] = field(default_factory=list)  # steps its loss scaler skipped on caught overflows
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,7 @@ def rank_outcome(result: Any, rank: int, t_rank: RankTrace) -> RankOutcome:
         rank=rank, nodes=nodes, tensors=tensors, unpaired=unpaired, roots=roots,
         warnings=list(result.warnings), steps=list(result.steps), calls=calls, complete=t_rank.complete,
         ended=_ended(t_rank), last=last, manifest=info,
+        skipped=[skip for skip in result.skipped_steps if skip.rank == rank],
     )
 
 
@@ -492,6 +494,7 @@ def compare_ranks(
         tolerances=options.get("tolerances") if hasattr(options.get("tolerances"), "replace") else _tolerances(options),
         warnings=_dedupe(warnings), exact=bool(options.get("exact", False)), ranks=sorted(outcomes),
         steps=sorted({s for o in outcomes.values() for s in o.steps}),
+        skipped_steps=sorted((k for o in outcomes.values() for k in o.skipped), key=lambda k: (k.step, k.rank)),
     )
     apply(result, report, [d for o in outcomes.values() for d in o.roots])
     return result

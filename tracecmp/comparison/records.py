@@ -50,6 +50,32 @@ class Divergence:
         return f"{self.op} in {where} at {self.location or '?'}: {self.reason}"
 
 
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """A step whose optimizer update the target's loss scaler (``GradScaler``) skipped, on an overflow
+    its bench did not have: the scaler at work (it lowers its scale and tries again), not a fault.
+
+    ``overflows`` are the ops whose results left the range of the target's dtype where the bench's
+    values lie beyond it (float16's 65504 at a loss scale of 2**16), earliest first; ``check_op_id``
+    is the scaler's check that found them. What the next steps compute from parameters the bench
+    moved and the target did not is inherited from that decision.
+
+    >>> SkippedStep(rank=0, step=0, check_op_id=90, overflows=()).step
+    0
+    """
+
+    rank: int
+    step: int
+    check_op_id: int
+    overflows: tuple[Divergence, ...]
+
+    def __str__(self) -> str:
+        first = self.overflows[0] if self.overflows else None
+        where = f": first {first.op} in {first.module or '<top>'} [{first.phase}, op {first.op_id}]" if first else ""
+        many = f"{len(self.overflows)} ops overflowed" if len(self.overflows) != 1 else "1 op overflowed"
+        return f"step {self.step}{', rank ' + str(self.rank) if self.rank else ''}: {many}{where}"
+
 # What a region is (see :class:`Region`).
 REGION_KINDS = (
     "fused",  # one computing op on one side against several on the other (flash attention vs matmul, softmax, matmul)

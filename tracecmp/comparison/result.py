@@ -9,7 +9,7 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence, Region, op_counts
+from tracecmp.comparison.records import Divergence, Region, SkippedStep, op_counts
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
@@ -47,6 +47,8 @@ class CompareResult:
     steps: list[int] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)  # many-to-many correspondences, by region_id
     job: Any = None  # several ranks: tracecmp.comparison.ranks.JobReport (ranks side by side, paths)
+    # steps whose update the target's loss scaler skipped on overflows the bench did not have
+    skipped_steps: list[SkippedStep] = field(default_factory=list)
 
     @property
     def agrees(self) -> bool:
@@ -112,6 +114,13 @@ class CompareResult:
             for i, s in enumerate(ranked, 1):
                 lines.append(f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
                              f"{s.kind:<11} score {_fmt(s.score)}")
+        if self.skipped_steps:
+            lines += ["", "Loss scaler: the target's skipped updates the bench made, on overflows it caught (the "
+                          "scaler at work, not faults):"]
+            for skip in self.skipped_steps:
+                lines.append(f"  {skip}")
+                if skip.overflows:
+                    lines.append(f"    {skip.overflows[0].reason}")
         counts = self.counts()
         lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items())]
         if self.regions:
@@ -141,6 +150,11 @@ class CompareResult:
             return f"DIVERGED: {mode}first divergence at {where}" + (f" — {d.location}" if d.location else "")
         if self.agrees:
             return f"AGREE: {'every tensor is bitwise identical' if self.exact else 'no op diverges beyond rounding noise'}"
+        if self.skipped_steps:
+            steps = sorted({skip.step for skip in self.skipped_steps})
+            named = ", ".join(map(str, steps))
+            return (f"NO ROOT: the target's loss scaler skipped the update of step{'s' if len(steps) > 1 else ''} {named} on "
+                    "overflows the bench did not have; what follows from parameters the bench moved is inherited")
         c = self.counts()
         gaps = []
         if c["unpaired target"] or c["unpaired bench"]:

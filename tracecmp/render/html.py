@@ -325,6 +325,9 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     focus = find_focus(result)
     chart_root = result.first_divergence.op_id if result.first_divergence is not None else None
     warnings_html = "".join(f'<div class="warn">Warning: {escape(note)}</div>' for note in result.warnings)
+    warnings_html += "".join(
+        f'<div class="warn">Loss scaler skipped {escape(str(skip))}. {escape(skip.overflows[0].reason if skip.overflows else "")}</div>'
+        for skip in getattr(result, "skipped_steps", ()))
     body = f"""<h1>tracecmp report</h1>
 <div class="runs">{_run_line(result)}</div>
 <div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
