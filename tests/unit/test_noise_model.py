@@ -319,3 +319,30 @@ def test_what_python_decided_from_a_root_is_inherited(tmp_path: Path) -> None:
     # Nor does an Inf that never reaches Python speak for what the program did later.
     result = tracecmp.compare(_skipped_step(tmp_path / "u", skip=True, overflow=True, read=False), bench)
     assert any(s.op == "aten.div.Tensor" for s in result.suspects), result.summary()
+
+
+def _centred_layer_norm_backward(path: Path, dtype: torch.dtype, *, fault: float = 1.0, rows: int = 64,
+                                 features: int = 256) -> Path:
+    """A layer norm's forward and backward in ``dtype`` over rows centred on 0: the row means it
+    saves are rounding noise, off by 100% of themselves between bf16 and fp32, yet a few units of
+    x's spread. ``fault`` scales the input gradient the backward returns."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, features, generator=g)
+    x = x - x.mean(dim=1, keepdim=True)
+    b = TraceBuilder()
+    inputs = b.source("input.0", x.to(dtype))
+    weight = b.param("ln.weight", torch.ones(features, dtype=dtype), module="ln")
+    bias = b.param("ln.bias", torch.zeros(features, dtype=dtype), module="ln")
+    _, mean, rstd = b.call(A.native_layer_norm.default, inputs, [features], weight, bias, 1e-5, module="ln")
+    grad = b.source("input.1", torch.randn(rows, features, generator=g).to(dtype))
+    b.call(A.native_layer_norm_backward.default, grad, inputs, [features], mean, rstd, weight, bias, [True, True, True],
+           module="ln", phase="backward", fault=(lambda t: t * fault) if fault != 1.0 else None)
+    return b.write(path)
+
+
+def test_a_saved_mean_counts_by_its_error_against_the_spread(tmp_path: Path) -> None:
+    # The backward subtracts the saved mean from x: its error moves x - mean by its absolute size
+    # over x's spread, not by its size against a mean near 0. Taken relative, it predicted an error
+    # in the backward that hid a 5% fault.
+    _noise_then_one_root(tmp_path, _centred_layer_norm_backward, {"fault": 1.05}, op="aten.native_layer_norm_backward.default",
+                         phase="backward")

@@ -26,7 +26,7 @@ and only its inputs were off. That depends on what the op does with its inputs:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Mapping
 
@@ -48,7 +48,8 @@ class OpClass:
     # "exp" (enters through exp: its absolute error is the output's relative error), "selector"
     # (only decides which elements pass: a changed sign flips a few elements), "add" (added to
     # the product of the others: its absolute error carries over), "normalized" (divided by its
-    # own spread: a scale or shift it carried does not reach the output's norm and mean).
+    # own spread: a scale or shift it carried does not reach the output's norm and mean), "centre"
+    # (a saved mean a normalization's backward subtracts: its absolute error counts, see for_call).
     inputs: tuple[tuple[int, str], ...] = ()
     # normalize: what each output is, by position (see _NORM_OUTPUTS); "" past the end.
     outputs: tuple[str, ...] = ()
@@ -304,6 +305,40 @@ def is_readout(op: str) -> bool:
     (True, False)
     """
     return base_name(op) == "_local_scalar_dense"
+
+
+# Normalization backward ops, by argument name: the mean the forward subtracted ("centre": its
+# error moves x - mean by its absolute size, over the spread) and running statistics a training
+# step's backward never reads ("ignore" when ``train`` is true).
+_NORM_CENTRES: dict[str, tuple[str, ...]] = {
+    "native_layer_norm_backward": ("mean",),
+    "native_group_norm_backward": ("mean",),
+    "native_batch_norm_backward": ("save_mean",),
+    "batch_norm_backward": ("save_mean",),
+    "miopen_batch_norm_backward": ("save_mean",),
+}
+_RUNNING = ("running_mean", "running_var")
+
+
+def for_call(cls: OpClass, op: str, args: Mapping[str, Any]) -> OpClass:
+    """``cls`` with the input rules one call's arguments decide (recorded arguments, tensors as
+    ``{"tensor": position}``): a normalization backward's saved mean is a "centre", and a training
+    batch norm's running statistics, which its backward does not read, are ignored.
+
+    >>> cls = for_call(classify("aten.native_layer_norm_backward.default"), "aten.native_layer_norm_backward.default",
+    ...                {"grad_out": {"tensor": 0}, "input": {"tensor": 1}, "mean": {"tensor": 2}})
+    >>> cls.input_rule(2)
+    'centre'
+    """
+    name = base_name(op)
+    if name not in _NORM_CENTRES:
+        return cls
+    rules = [(args[key]["tensor"], "centre") for key in _NORM_CENTRES[name] if isinstance(args.get(key), dict)]
+    if args.get("train") is True:
+        rules += [(args[key]["tensor"], "ignore") for key in _RUNNING if isinstance(args.get(key), dict)]
+    if not rules:
+        return cls
+    return replace(cls, inputs=cls.inputs + tuple(rules))
 
 
 def is_overflow_check(op: str) -> bool:

@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from tracecmp.trace import boundedjson
-from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_copy, is_overflow_check, is_readout
+from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given_nonfinite, is_copy, is_overflow_check,
+                                   is_readout)
 from tracecmp.comparison.records import Divergence, Region, SkippedStep
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
@@ -185,6 +186,15 @@ def _norm_args(text: str) -> Any:
         return v
 
     return clean(value)
+
+
+def _for_call(cls: OpClass, op: str, args: str) -> OpClass:
+    """``cls`` with the input rules this call's recorded arguments decide (:func:`for_call`)."""
+    try:
+        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES)
+    except (TypeError, ValueError):
+        return cls
+    return for_call(cls, op, parsed) if isinstance(parsed, dict) else cls
 
 
 @lru_cache(maxsize=1024)
@@ -373,14 +383,19 @@ def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorStat
       (times the normalized input): terms that cancel amplify their relative error.
     """
     amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
-    forward = bool(cls.inputs)  # forward ops mark input 0 as normalized
+    forward = cls.input_rule(0) == "normalized"  # forward ops mark input 0 as normalized
     ext = sys_ = env = env_sys = 0.0
     grad = next((s for pos, s in ins if pos == 0), None)
     x_state = next((s for pos, s in ins if pos == (0 if forward else 1)), None)
     kappa_x = _norm_condition(x_state, rstd) if x_state is not None else 1.0
     for pos, s in ins:
-        mix, lvl = s.mix_level, s.level
+        mix, lvl, c_sys = s.mix_level, s.level, s.c_sys
         abs_err, env_before = lvl * s.rms, env
+        if cls.input_rule(pos) == "centre" and x_state is not None:
+            # The saved mean is subtracted: its absolute error moves x - mean over x's spread,
+            # however large it is against the mean itself (a mean near 0).
+            to_normalized = s.rms / max(math.sqrt(max(x_state.rms ** 2 - x_state.mean ** 2, 0.0)), _TINY)
+            mix, lvl, c_sys = mix * to_normalized, lvl * to_normalized, c_sys * to_normalized
         if role == "mean":
             if pos != 0:
                 continue  # a row's mean depends on the input alone
@@ -396,7 +411,7 @@ def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorStat
             kappa = min(CAP, max(1.0, math.sqrt(k) * grad.rms / rms_o))
             own = kappa_x if pos == 1 else 1.0
             ext += kappa * own * mix
-            sys_ += max(kappa * own * s.c_sys, own * s.c_sys)
+            sys_ += max(kappa * own * c_sys, own * c_sys)
             env += kappa * own * mix
         else:
             if pos == 0 or (not forward and pos == 1):
@@ -405,7 +420,7 @@ def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorStat
                 kappa = 2.0  # weight, bias, saved statistics: relative error carries over
             ext += kappa * mix
             scale_free = forward and pos == 0 and role in ("", "out")
-            sys_ += 0.0 if scale_free else kappa * s.c_sys
+            sys_ += 0.0 if scale_free else kappa * c_sys
             env += kappa * mix
         if lvl > 0:  # the norm/mean channel's random envelope, from the typical error level
             env_sys += (env - env_before) * min(1.0, mix / lvl)
@@ -677,6 +692,8 @@ def _localize_rank(
         # Sources have no inputs; a view node whose output carries statistics of its own (capture's
         # alias.update: a tensor after writes through its views) assembles its inputs' values.
         cls = OpClass("factory") if kind == "source" else OpClass("copy") if kind == "view" else classify(op)
+        if cls.kind == "normalize" and args:
+            cls = _for_call(cls, op, args)
         ins_all = [(pos, lookup(t) if t not in base else _through_view(lookup(t))) for pos, t in enumerate(inputs)]
         if ri.bench_only:
             ins_all = [(pos, _past_bench_cast(s, ri, ri.bench_only.get((op_id, pos)))) for pos, s in ins_all]
