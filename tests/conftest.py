@@ -1,9 +1,10 @@
-"""Shared test set-up: the repository on sys.path, torch seeded per test, a captured-trace fixture."""
+"""Shared test set-up: the repository on sys.path, torch seeded per test and its thread count restored per
+module, a captured-trace fixture."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -19,6 +20,15 @@ from tests.models import example_batch, make_model, make_optimizer, train_step  
 def _seed_torch() -> None:
     """Every test starts from the same random state, whatever ran before it."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads() -> Iterator[None]:
+    """A module that runs on one thread (captures that must reproduce bit for bit) leaves the rest
+    of the suite on torch's thread count as it found it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
