@@ -122,6 +122,32 @@ def test_nan_where_the_replay_has_none_is_an_infinite_error():
     assert _errors(same_nan, same_nan, torch.tensor([1.0, math.nan], dtype=torch.float64)) == (0.0, 0.0)
 
 
+def _nan_row_divided(path: Path, recorded_bits: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A bfloat16 gradient with one NaN row divided by 49 (a mean's backward), its recorded output
+    rewritten by ``recorded_bits``; returns the division's replay."""
+    grad = torch.randn(8, 64).to(torch.bfloat16)
+    grad[3] = math.nan
+    b = TraceBuilder(data=True)
+    b.call(A.div.Scalar, b.source("input.0", grad), 49, phase="backward", fault=recorded_bits)
+    return replay_rank(tracecmp.load(b.write(path)).rank(0))[1]
+
+
+def test_a_nans_payload_is_no_result(tmp_path):
+    # One kernel's vectorized and scalar loops make different NaN bits from one NaN input; a replay
+    # that gives every number bit for bit and NaN where NaN is gives the recorded output.
+    def other_nan(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16).masked_fill(torch.isnan(t), 0x7FC0).view(torch.bfloat16)
+
+    assert _nan_row_divided(tmp_path / "nan", other_nan).bitwise
+
+    def one_ulp(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).clone()
+        bits[0, 0] += 1
+        return bits.view(torch.bfloat16)
+
+    assert not _nan_row_divided(tmp_path / "ulp", one_ulp).bitwise
+
+
 def test_ops_that_cannot_be_replayed_are_left_out_not_called_correct(tmp_path):
     b = TraceBuilder(data=True)
     x = b.source("input.0", torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
