@@ -191,7 +191,7 @@ def _free_port() -> int:
 
 DDP = textwrap.dedent(
     """
-    import sys
+    import os, sys
     import torch, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -211,6 +211,10 @@ DDP = textwrap.dedent(
         sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\\n")  # one write: lines of two ranks never mix
         sys.stdout.flush()
     dist.destroy_process_group()
+    # torch's gloo backend aborts at interpreter exit now and then ("terminate called without an
+    # active exception": 2 to 5 of 20 runs of this script under plain torchrun, torch 2.13 CPU): both
+    # runs skip the exit's teardown, so that the return codes compare what recording changed.
+    os._exit(0)
     """
 )
 
