@@ -100,6 +100,11 @@ class TensorState:
             self.c_ext, self.c_sys, self.c_rms = self.e_ext, self.e_sys, self.e_rms
 
     @property
+    def spread(self) -> float:
+        """How far the values lie around their tensor-wide mean: sqrt(rms^2 - mean^2)."""
+        return math.sqrt(max(self.rms * self.rms - self.mean * self.mean, 0.0))
+
+    @property
     def mix_level(self) -> float:
         """Rms-relative error estimate for ops that mix many elements: the error at the extremes,
         converted half-way (geometric mean) between "proportional to magnitude" and "uniform"."""
@@ -297,7 +302,7 @@ def _constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, in
             # 1/sqrt(var + eps): relative error up to half the shift over the variance
             x = ins[0][1] if ins else None
             var = 1.0 / rstd.rms ** 2 if rstd is not None and rstd.rms > 0 else (
-                max(x.rms ** 2 - x.mean ** 2, 0.0) if x is not None else 0.0)
+                x.spread ** 2 if x is not None else 0.0)
             rel = min(CAP, 0.5 * shift / max(var, _TINY))
             ext, sys_, env = ext + rel, sys_ + rel, env + rel
         elif cls.kind in ("product", "exp", "other"):
@@ -362,8 +367,7 @@ def _norm_condition(x: TensorState, rstd: TensorState | None) -> float:
     """How much normalizing ``x`` amplifies its relative error: rms(x) over the spread it is divided
     by. The op's own inverse-spread output gives that spread row by row (rms(x) * rms(rstd)); the
     tensor-wide mean gives it only where every row has the same mean (rms(x) / std(x))."""
-    spread = math.sqrt(max(x.rms * x.rms - x.mean * x.mean, 0.0))
-    kappa = x.rms / max(spread, _TINY)
+    kappa = x.rms / max(x.spread, _TINY)
     if rstd is not None and rstd.measured and rstd.rms > 0:
         kappa = max(kappa, x.rms * rstd.rms)
     return min(CAP, max(1.0, kappa))
@@ -394,7 +398,7 @@ def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorStat
         if cls.input_rule(pos) == "centre" and x_state is not None:
             # The saved mean is subtracted: its absolute error moves x - mean over x's spread,
             # however large it is against the mean itself (a mean near 0).
-            to_normalized = s.rms / max(math.sqrt(max(x_state.rms ** 2 - x_state.mean ** 2, 0.0)), _TINY)
+            to_normalized = s.rms / max(x_state.spread, _TINY)
             mix, lvl, c_sys = mix * to_normalized, lvl * to_normalized, c_sys * to_normalized
         if role == "mean":
             if pos != 0:
@@ -575,8 +579,7 @@ def _local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorSt
         return min(_KAPPA_CAP, max(1.0, kappa))
     elif cls.kind == "normalize" and ins:
         s = max((s for _, s in ins), key=lambda s: s.numel)
-        spread = math.sqrt(max(s.rms * s.rms - s.mean * s.mean, 0.0))
-        return min(_KAPPA_CAP, max(1.0, s.rms / max(spread, _TINY)))
+        return min(_KAPPA_CAP, max(1.0, s.rms / max(s.spread, _TINY)))
     return 1.0
 
 
@@ -984,8 +987,8 @@ def _scaler_skips(ri: RankInput, roots: list[tuple[tuple, Divergence]], verdicts
     where the root's inputs agree with the bench's within noise; where they carry a divergence from
     before, or follow a diverged value read into Python (``python_from``: a step the scaler skipped
     runs the next on parameters the bench moved), the target's own finite values must reach near
-    that largest value. Loss scaling multiplies backward values only: an overflow in the forward pass is beyond
-    any scale and stays a root.
+    that largest value. Loss scaling multiplies backward values only: an overflow in the forward
+    pass is beyond any scale and stays a root.
     """
     checks = [node for node in ri.nodes if is_overflow_check(node[4]) and _found_overflow(node, ri)]
     if not checks:

@@ -50,14 +50,13 @@ class Divergence:
         return f"{self.op} in {where} at {self.location or '?'}: {self.reason}"
 
 
-
 @dataclass(frozen=True)
 class SkippedStep:
     """A step whose optimizer update the target's loss scaler (``GradScaler``) skipped, on an overflow
     its bench did not have: the scaler at work (it lowers its scale and tries again), not a fault.
 
-    ``overflows`` are the ops whose results left the range of the target's dtype where the bench's
-    values lie beyond it (float16's 65504 at a loss scale of 2**16), earliest first; ``check_op_id``
+    ``overflows`` are the ops whose results left the range of the target's dtype (float16's 65504 at
+    a loss scale of 2**16) with values beyond it, earliest first; ``check_op_id``
     is the scaler's check that found them. What the next steps compute from parameters the bench
     moved and the target did not is inherited from that decision.
 
@@ -75,6 +74,7 @@ class SkippedStep:
         where = f": first {first.op} in {first.module or '<top>'} [{first.phase}, op {first.op_id}]" if first else ""
         many = f"{len(self.overflows)} ops overflowed" if len(self.overflows) != 1 else "1 op overflowed"
         return f"step {self.step}{', rank ' + str(self.rank) if self.rank else ''}: {many}{where}"
+
 
 # What a region is (see :class:`Region`).
 REGION_KINDS = (
