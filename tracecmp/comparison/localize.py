@@ -1154,7 +1154,11 @@ def _tail_ratio(ratios: np.ndarray, accumulates: bool) -> float:
     A log-normal fitted to the whole spread (median and median deviation), extrapolated to the
     largest of ``n`` calls (its median plus sqrt(2 ln n) deviations), times ``_TAIL_SAFETY``.
     For ops that sum many terms the statistics only estimate the error, which scatters both
-    ways around the estimate, and that fit is the model. For elementwise ops they bound it:
+    ways around the estimate, and that fit is the model, though never below ``_TAIL_SAFETY``
+    times the second largest ratio: where a group's calls fall into two populations (a batch
+    norm's backward decided by its input gradient in most calls, by its weight and bias
+    gradients in some), the fit follows the bulk and stops short of calls a fault must still
+    stand out from. For elementwise ops they bound it:
     most calls sit far below the bound (ratios of 0.01 to 0.5), which widens the fit far
     beyond any call. There the reach is at most the larger of a log-normal through the upper
     quantiles and ``_TAIL_SAFETY`` times the second largest ratio: a call must stand out from
@@ -1167,12 +1171,12 @@ def _tail_ratio(ratios: np.ndarray, accumulates: bool) -> float:
     center = float(np.median(logs))
     sigma = 1.4826 * float(np.median(np.abs(logs - center)))
     whole = _TAIL_SAFETY * 10.0 ** (center + reach * sigma)
+    second = _TAIL_SAFETY * float(np.partition(ratios, -2)[-2])
     if accumulates:
-        return whole
+        return max(whole, second)
     low, high = np.quantile(logs, _TAIL_QUANTILES)
     sigma = float(high - low) / (_TAIL_Z[1] - _TAIL_Z[0])
     upper = _TAIL_SAFETY * 10.0 ** (float(low) + (reach - _TAIL_Z[0]) * sigma)
-    second = _TAIL_SAFETY * float(np.partition(ratios, -2)[-2])
     return min(whole, max(upper, second))
 
 
