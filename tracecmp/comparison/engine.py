@@ -181,7 +181,8 @@ def compare(
         raise CompareError("the traces have no step in common to compare" + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
                            path=t_trace.path)
     bar.update("localizing")
-    verdicts, roots, skipped = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
+    verdicts, roots, skipped, drifts = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
+    warnings.extend(str(drift) for drift in drifts)
     bar.done = bar.total
     bar.update("done")
     bar.close()
