@@ -130,6 +130,8 @@ class RealResult(Result):
     losses: list[float] = field(default_factory=list)
     trace_mb: float = 0.0
     skipped: list[int] = field(default_factory=list)  # steps the target's loss scaler skipped on overflows it caught
+    verdict: str = ""  # the clean pair's verdict, its first word (AGREE, INCOMPLETE, NO ROOT, DIVERGED)
+    drift: str = ""  # where the runs drifted apart (op id, its max/min difference) and the ops left undecided
 
 
 def _dir_mb(path: Path) -> float:
@@ -165,7 +167,9 @@ seconds = time.perf_counter() - start
 roots = [dict(op=d.op, module=d.module, phase=d.phase, step=d.step, op_id=d.op_id, kind=d.kind, reason=d.reason,
               score=d.score) for d in result.suspects]
 print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "roots": roots, "skipped": [skip.step for skip in result.skipped_steps]}))
+                  "roots": roots, "skipped": [skip.step for skip in result.skipped_steps],
+                  "verdict": result.verdict().split(":")[0],
+                  "drift": "; ".join(f"op {d.op_id} ({d.error:.0%}), {len(d.undecided)} undecided" for d in result.drifts)}))
 """
 
 
@@ -304,6 +308,7 @@ def score_case(case: RealCase, target: Path, bench: Path, info: dict[str, Any], 
                 out.compare_s, out.compare_rss_mb = measured["seconds"], measured["rss_mb"]
                 out.roots = len(measured["roots"])
                 out.skipped = list(measured.get("skipped", []))
+                out.verdict, out.drift = measured.get("verdict", ""), measured.get("drift", "")
                 out.ranked = [Record(r["op"], r["module"], r["phase"], r["step"], r["op_id"], r["kind"], r["reason"], r["score"])
                               for r in sorted(measured["roots"], key=lambda r: r["op_id"])][:10]
                 out.found = out.ranked[0] if out.ranked else None
@@ -349,14 +354,15 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
         "",
         "### Clean pairs (target against its fp32 bench, 2 steps)",
         "",
-        "| model | precision | losses (target) | roots | steps its loss scaler skipped | compare | peak RSS | trace |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | precision | losses (target) | roots | verdict | steps its loss scaler skipped | runs drifted apart from | compare | peak RSS | trace |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in clean:
         losses = ", ".join(f"{v:.4f}" for v in r.losses)
         roots = str(r.roots) if r.status == "ok" else r.status
         skipped = ", ".join(map(str, r.skipped)) or "-"
-        lines.append(f"| {r.model} | {r.precision} | {losses} | {roots} | {skipped} | {r.compare_s:.1f} s | {r.compare_rss_mb:,.0f} MB | "
+        lines.append(f"| {r.model} | {r.precision} | {losses} | {roots} | {r.verdict or '-'} | {skipped} | {r.drift or '-'} | "
+                     f"{r.compare_s:.1f} s | {r.compare_rss_mb:,.0f} MB | "
                      f"{r.trace_mb:,.1f} MB |")
     lines.append("")
     lines += _group_table("Faults by kind", faults, lambda r: r.kind)

@@ -382,11 +382,14 @@ def test_roots_after_the_runs_drift_apart_are_left_undecided(tmp_path: Path) -> 
     # happen to agree then looks like a root. A fault no larger than the drift cannot be told from it.
     bench = _drift_then_fault(tmp_path / "b", torch.float32)
     result = tracecmp.compare(_drift_then_fault(tmp_path / "t", torch.bfloat16), bench)
-    assert result.first_divergence is None, result.summary()
+    # the clean pair agrees, and says from where statistics see only faults larger than the drift
+    assert result.agrees and [d.undecided for d in result.drifts] == [()], result.summary()
+    assert result.drifts[0].op == "aten.add.Scalar" and "Drift:" in result.summary()
     result = tracecmp.compare(_drift_then_fault(tmp_path / "t1", torch.bfloat16, fault=1.05), bench)
     assert result.first_divergence is None and not result.agrees, result.summary()
     assert result.verdict().startswith("INCOMPLETE") and "drifted apart from op" in " ".join(result.warnings)
     node = result.nodes.loc[result.nodes["op"] == "aten.mm.default"].iloc[0]
+    assert result.drifts[0].undecided == (int(node["op_id"]),)
     assert node["status"] == "uncompared" and "drifted apart" in node["reason"], node
     # a fault beyond the drift stands out from it
     result = tracecmp.compare(_drift_then_fault(tmp_path / "t3", torch.bfloat16, fault=3.0), bench)

@@ -182,7 +182,7 @@ def compare(
                            path=t_trace.path)
     bar.update("localizing")
     verdicts, roots, skipped, drifts = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
-    warnings.extend(str(drift) for drift in drifts)
+    warnings.extend(str(drift) for drift in drifts if drift.undecided)
     bar.done = bar.total
     bar.update("done")
     bar.close()
@@ -208,7 +208,7 @@ def compare(
     result = CompareResult(
         target=t_trace, bench=b_trace, first_divergence=first, suspects=suspects, nodes=nodes, tensors=tensors,
         unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
-        steps=sorted(compared_steps), regions=regions, skipped_steps=skipped,
+        steps=sorted(compared_steps), regions=regions, skipped_steps=skipped, drifts=drifts,
     )
     if len(rank_inputs) > 1:  # order the ranks' roots through their collectives
         from tracecmp.comparison.ranks import attach_cross_rank

@@ -1001,7 +1001,7 @@ def _localize_rank(
         for t in outputs:
             producer_status[base.get(t, t)] = status
     found = None
-    if drift is not None and undecided:
+    if drift is not None:
         node = next(n for n in ri.nodes if n[0] == drift[0])
         found = Drift(rank=ri.rank, op_id=drift[0], step=int(node[1]), phase=node[2], op=node[4], module=node[6],
                       error=drift[1], undecided=tuple(d.op_id for d in undecided))

@@ -81,8 +81,9 @@ class Drift:
     """Where a rank's two runs drifted apart: the first op whose output's extremes differ from the
     bench's by more than a fifth of its largest value although its inputs explain it (rounding a
     network amplified until the runs hold other samples of the same values, as ResNet-50 at
-    random initialization does in bf16), and the later ops statistics would have named as roots
-    but cannot tell from that drift (``undecided``: their status is ``uncompared``).
+    random initialization does in bf16). Beyond it, statistics see a fault only where it is larger
+    than that drift; ``undecided`` are the later ops they would have named as roots but cannot tell
+    from it (their status is ``uncompared``).
 
     >>> Drift(rank=0, op_id=794, step=0, phase="backward", op="aten.mm.default", module="fc", error=0.25,
     ...       undecided=(1947,)).undecided
@@ -96,17 +97,20 @@ class Drift:
     op: str
     module: str
     error: float  # its max/min difference, relative to its largest value
-    undecided: tuple[int, ...]
+    undecided: tuple[int, ...] = ()
 
     def __str__(self) -> str:
+        where = (f"rank {self.rank}: the runs drifted apart from op {self.op_id} on ({self.op} in {self.module or '<top>'}, "
+                 f"{self.phase}, step {self.step}: its max/min differ by {self.error:.0%} within what its inputs carried)")
+        if not self.undecided:
+            return (f"{where}; beyond it statistics see a fault only where it is larger than that drift: capture the "
+                    'target with data="tensors" to judge every op by replay')
         one = len(self.undecided) == 1
         many = "1 later op that statistics would name as a root cannot be told from that drift and is" if one else (
             f"{len(self.undecided)} later ops that statistics would name as roots cannot be told from that drift and are")
-        return (f"rank {self.rank}: the runs drifted apart from op {self.op_id} on ({self.op} in {self.module or '<top>'}, "
-                f"{self.phase}, step {self.step}: its max/min differ by {self.error:.0%} within what its inputs carried); "
-                f"{many} left uncompared "
+        return (f"{where}; {many} left uncompared "
                 f"(op {', '.join(map(str, self.undecided[:5]))}{', ...' if len(self.undecided) > 5 else ''}): "
-                "capture the target with data=\"tensors\" to judge them by replay")
+                'capture the target with data="tensors" to judge them by replay')
 
 
 # What a region is (see :class:`Region`).

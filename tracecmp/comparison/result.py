@@ -9,7 +9,7 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence, Region, SkippedStep, op_counts
+from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep, op_counts
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
@@ -49,6 +49,9 @@ class CompareResult:
     job: Any = None  # several ranks: tracecmp.comparison.ranks.JobReport (ranks side by side, paths)
     # steps whose update the target's loss scaler skipped on overflows the bench did not have
     skipped_steps: list[SkippedStep] = field(default_factory=list)
+    # where each rank's runs drifted apart (rounding a network amplified): faults smaller than the
+    # drift are out of statistics' reach beyond it; those it would have named are left undecided
+    drifts: list[Drift] = field(default_factory=list)
 
     @property
     def agrees(self) -> bool:
@@ -121,6 +124,9 @@ class CompareResult:
                 lines.append(f"  {skip}")
                 if skip.overflows:
                     lines.append(f"    {skip.overflows[0].reason}")
+        quiet_drifts = [drift for drift in self.drifts if not drift.undecided]  # the others are warnings
+        if quiet_drifts:
+            lines += ["", "Drift:"] + [f"  {drift}" for drift in quiet_drifts]
         counts = self.counts()
         lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items())]
         if self.regions:

@@ -328,6 +328,8 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     warnings_html += "".join(
         f'<div class="warn">Loss scaler skipped {escape(str(skip))}. {escape(skip.overflows[0].reason if skip.overflows else "")}</div>'
         for skip in getattr(result, "skipped_steps", ()))
+    warnings_html += "".join(f'<div class="warn">Drift: {escape(str(drift))}</div>'
+                             for drift in getattr(result, "drifts", ()) if not drift.undecided)
     body = f"""<h1>tracecmp report</h1>
 <div class="runs">{_run_line(result)}</div>
 <div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
