@@ -385,6 +385,9 @@ def test_roots_after_the_runs_drift_apart_are_left_undecided(tmp_path: Path) -> 
     # the clean pair agrees, and says from where statistics see only faults larger than the drift
     assert result.agrees and [d.undecided for d in result.drifts] == [()], result.summary()
     assert result.drifts[0].op == "aten.add.Scalar" and "Drift:" in result.summary()
+    from tracecmp.render.html import write_report
+
+    assert "Drift: rank 0: the runs drifted apart" in write_report(result, tmp_path / "report").read_text()
     result = tracecmp.compare(_drift_then_fault(tmp_path / "t1", torch.bfloat16, fault=1.05), bench)
     assert result.first_divergence is None and not result.agrees, result.summary()
     assert result.verdict().startswith("INCOMPLETE") and "drifted apart from op" in " ".join(result.warnings)
