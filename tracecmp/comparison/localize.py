@@ -880,10 +880,11 @@ def _localize_rank(
     # _DRIFT), per tensor computed from such values, and per step (a step whose own values drift
     # runs on parameters an earlier drifted step moved, and is chaotic from its start).
     drifted: dict[int, tuple[float, int]] = {}  # tensor -> (how far apart, the step that made it)
+    own_drift = {node[0]: _drifted(ri.measured.get(t) for t in node[10]) for node in ri.nodes}
     step_drift: dict[int, float] = defaultdict(float)
     for node in ri.nodes:
-        step_drift[int(node[1])] = max(step_drift[int(node[1])], _drifted(ri.measured.get(t) for t in node[10]))
-    drift: tuple[int, float, int] | None = None  # where it began: (op_id, its max/min difference, step)
+        step_drift[int(node[1])] = max(step_drift[int(node[1])], own_drift[node[0]])
+    drift: tuple[tuple, float] | None = None  # where it began: the node, its max/min difference
     undecided: list[Divergence] = []  # roots taken back for that
     for node, j in zip(ri.nodes, judged):
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -901,7 +902,7 @@ def _localize_rank(
             far, made = drifted.get(base.get(t, t), (0.0, step))
             if far and not _exact(lookup(t)):
                 drift_in = max(drift_in, far if made >= step else min(far, step_drift[int(step)]))
-        if drift is not None and kind == "source" and op != "source.input" and step > drift[2] and not all(
+        if drift is not None and kind == "source" and op != "source.input" and step > drift[0][1] and not all(
                 map(_exact, map(lookup, outputs))):
             drift_in = max(drift_in, step_drift[int(step)])
         if j is not None:
@@ -915,16 +916,16 @@ def _localize_rank(
                 undecided.append(roots.pop()[1])
                 verdict.root_kind = ""
                 assert drift is not None
-                verdict.reason = (f"computed from values that drifted apart from op {drift[0]} on; statistics cannot tell "
+                verdict.reason = (f"computed from values that drifted apart from op {drift[0][0]} on; statistics cannot tell "
                                   f"a fault here from that drift: {verdict.reason}")
         if not (kind == "view" and all(t in base for t in outputs)):
             for t in outputs:
                 s = state.get(t) if t not in base else None
                 if s is not None and not s.exact and (tainted_in or verdicts[op_id].root_kind):
                     s.tainted = True
-            error = 0.0 if tainted_in or verdicts[op_id].root_kind else _drifted(state.get(t) for t in outputs if t not in base)
+            error = 0.0 if tainted_in or verdicts[op_id].root_kind else own_drift[op_id]
             if error and drift is None:
-                drift = (op_id, error, int(step))
+                drift = (node, error)
             if max(error, drift_in):
                 drifted.update((base.get(t, t), (max(error, drift_in), int(step))) for t in outputs)
     if python_from is not None:
@@ -932,21 +933,23 @@ def _localize_rank(
         exact_in = {j.op_id for j in judged if j is not None and j.inputs_exact}
         exact_in.update(op for op, region_id in ri.member_of.items()
                         if region_id in region_judged and region_judged[region_id].inputs_exact)
-        kept = []
-        for key, d in roots + [((), d) for d in undecided]:
+
+        def inherited(d: Divergence) -> bool:
+            """Whether ``d`` follows Python's reading of a root; then it is diverged, no root."""
             if not _follows_python(d, python_from, python_step, exact_in, ri.rank):
-                kept.append((key, d))
-                continue
-            verdict = verdicts[d.op_id]  # diverged, no root: the reason says where from
+                return False
+            verdict = verdicts[d.op_id]  # the reason says where from
             verdict.root_kind = ""
             verdict.reason = (f"follows op {python_from}, which read a diverged value into Python (.item()); "
                               f"what the program decided from it may differ: {d.reason}")
-            for t in nodes_by_id[d.op_id][10]:
+            for t in nodes_by_id[d.op_id][10]:  # a root taken back for the drift did not taint yet
                 s = state.get(t)
                 if s is not None and not s.exact:
                     s.tainted = True
-        roots[:] = [(key, d) for key, d in kept if key]
-        undecided = [d for key, d in kept if not key]
+            return True
+
+        roots[:] = [(key, d) for key, d in roots if not inherited(d)]
+        undecided = [d for d in undecided if not inherited(d)]
     skipped = _scaler_skips(ri, roots, verdicts, lookup, python_from)
 
     # ---- pass 3: statuses ------------------------------------------------------------------
@@ -1002,9 +1005,9 @@ def _localize_rank(
             producer_status[base.get(t, t)] = status
     found = None
     if drift is not None:
-        node = next(n for n in ri.nodes if n[0] == drift[0])
-        found = Drift(rank=ri.rank, op_id=drift[0], step=int(node[1]), phase=node[2], op=node[4], module=node[6],
-                      error=drift[1], undecided=tuple(d.op_id for d in undecided))
+        (op_id, step, phase, _, op, _, module, *_), error = drift
+        found = Drift(rank=ri.rank, op_id=op_id, step=int(step), phase=phase, op=op, module=module, error=error,
+                      undecided=tuple(d.op_id for d in undecided))
     return verdicts, roots, skipped, found
 
 
