@@ -634,6 +634,9 @@ class _Judged:
     same_dtype: bool
     nontrivial: bool  # some float output is not all zeros
     kappa_local: float  # condition factor of the op's own rounding (sums whose terms cancel)
+    # Outputs with a role of their own (a normalization's input gradient, its weight and bias
+    # gradients ...): (role, e, x, f1) each, judged against the same output of the op's other calls.
+    parts: tuple[tuple[str, tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]], ...] = ()
 
 
 def localize(
@@ -784,6 +787,7 @@ def _localize_rank(
         uses_tf32 = False
         nontrivial = False
         rstd = next((m for m, role in zip(out_states, roles) if role == "rstd"), None)
+        parts = []
         for out, role in zip(out_states, roles):
             if not out.is_float:
                 e = (0.0 if out.exact else 1.0, 0.0, math.nan)
@@ -809,6 +813,8 @@ def _localize_rank(
                 if judgeable:
                     _carry(out, x)
             ratio = max(((ec - xc) / fc if math.isfinite(xc) else ec / fc) for ec, xc, fc in zip(e, x, f1) if not math.isnan(ec))
+            if role and out.is_float:
+                parts.append((role, e, x, f1))
             if ratio > best_ratio:
                 best_ratio, best_e, best_x, best_f1, best_kappa = ratio, e, x, f1, kappa_local
         error = max((ec / fc for ec, fc in zip(best_e, best_f1) if not math.isnan(ec)), default=math.nan)
@@ -818,7 +824,8 @@ def _localize_rank(
         verdict.introduced = float(max(intro)) if judgeable else 0.0
         dtype = ri.own.get(outputs[0], (True, False, ""))[2] if outputs else ""
         judged.append(_Judged(index, op_id, (op, dtype), cls, judgeable, inputs_exact, outputs_exact, best_e, best_x,
-                              best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa))
+                              best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa,
+                              tuple(parts)))
 
     for op_id, region_id in ri.member_of.items():
         verdicts[op_id].region = region_id
@@ -1184,17 +1191,22 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple], tol: Tolerances) 
     ``tol.downstream``, once as ops that sum many terms spread and once as elementwise ops do
     (see :func:`_tail_ratio`); each call takes the one of its kind. With more calls a clean run
     reaches further, and a fault still has to stand out from all.
+
+    Outputs with roles (a normalization's input gradient against its weight and bias gradients)
+    are grouped by role, ``(op, dtype, role)``: their errors relate to their inputs' in ways that
+    spread differently, and a call's own error shows in the role it went wrong in.
     """
     by_group: dict[Any, list[tuple[tuple[float, ...], tuple[float, ...]]]] = defaultdict(list)
     for j in judged:
         if j is None or not j.judgeable or nodes[j.index][3] != "op":
             continue
-        intro = tuple(max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(j.e, j.x, j.f1))
-        ratio = tuple(e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(j.e, j.x))
-        # the ratio where it decides: an error beyond the node's own rounding (else 0, left out)
-        beyond = tuple(r if e > tol.local * j.lam * f else 0.0 for r, e, f in zip(ratio, j.e, j.f1))
-        by_group[j.group].append((intro, ratio, beyond))
-        by_group[(j.cls.kind, j.group[1])].append((intro, ratio, beyond))
+        for role, es, xs, fs in j.parts or (("", j.e, j.x, j.f1),):
+            intro = tuple(max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(es, xs, fs))
+            ratio = tuple(e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(es, xs))
+            # the ratio where it decides: an error beyond the node's own rounding (else 0, left out)
+            beyond = tuple(r if e > tol.local * j.lam * f else 0.0 for r, e, f in zip(ratio, es, fs))
+            by_group[_group_key(j.group, role)].append((intro, ratio, beyond))
+            by_group[_group_key((j.cls.kind, j.group[1]), role)].append((intro, ratio, beyond))
     out: dict[Any, tuple[tuple[float, ...], ...]] = {}
     for key, rows in by_group.items():
         if len(rows) < 5:
@@ -1210,6 +1222,11 @@ def _ambient(judged: list[_Judged | None], nodes: list[tuple], tol: Tolerances) 
             tail_elementwise.append(min(tol.downstream, _tail_ratio(deciding[deciding > 0], accumulates=False)))
         out[key] = (tuple(float(v) for v in intro), tuple(ratio), tuple(tail), tuple(tail_elementwise))
     return out
+
+
+def _group_key(group: tuple[str, str], role: str) -> tuple[str, ...]:
+    """The calibration group of one output: ``(op or class, dtype)``, and its role where it has one."""
+    return (*group, role) if role else group
 
 
 _TAIL_MIN_CALLS = 8  # fewer calls say too little about a spread
@@ -1320,27 +1337,28 @@ def _decide(
     replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
     if not j.judgeable:
         return ("computation", replayed, "replay") if replayed else ("", "", deciding)
-    # Which channel is furthest beyond what the inputs explain.
-    amb = ambient.get(j.group) or ambient.get((j.cls.kind, j.group[1]))
+    # Which channel of which output is furthest beyond what the inputs explain.
     excess = []
     tf32 = j.uses_tf32 and not exact_matmul
-    for c, (e, x, f) in enumerate(zip(j.e, j.x, j.f1)):
-        if math.isnan(e):
-            continue
-        lam = j.lam
-        if tf32 and tf32_spread is not None:
-            # How far this run's TF32 calls typically stray beyond their inputs' error: a fault
-            # a unit out is found where the device's own rounding stays well inside one.
-            lam = max(_TF32_LAM_MIN, min(j.lam, tf32_spread[c])) if not math.isnan(tf32_spread[c]) else j.lam
-        threshold = tol.local * lam * f
-        margin = tol.margin
-        if amb is not None:
-            threshold = max(threshold, tol.ambient * amb[0][c] * f)
-            if amb[1][c] > 0:
-                margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2 if j.cls.accumulates else 3][c])
-        if tainted:
-            margin = max(margin, tol.downstream)
-        excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
+    for role, es, xs, fs in j.parts or (("", j.e, j.x, j.f1),):
+        amb = ambient.get(_group_key(j.group, role)) or ambient.get(_group_key((j.cls.kind, j.group[1]), role))
+        for c, (e, x, f) in enumerate(zip(es, xs, fs)):
+            if math.isnan(e):
+                continue
+            lam = j.lam
+            if tf32 and tf32_spread is not None:
+                # How far this run's TF32 calls typically stray beyond their inputs' error: a fault
+                # a unit out is found where the device's own rounding stays well inside one.
+                lam = max(_TF32_LAM_MIN, min(j.lam, tf32_spread[c])) if not math.isnan(tf32_spread[c]) else j.lam
+            threshold = tol.local * lam * f
+            margin = tol.margin
+            if amb is not None:
+                threshold = max(threshold, tol.ambient * amb[0][c] * f)
+                if amb[1][c] > 0:
+                    margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2 if j.cls.accumulates else 3][c])
+            if tainted:
+                margin = max(margin, tol.downstream)
+            excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
     score, channel, e, x, threshold = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0)
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
     # then any difference is this op's own doing, however small. A float32 matmul/conv may still
