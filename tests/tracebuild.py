@@ -254,14 +254,15 @@ class TraceBuilder:
         phase: str = "forward",
         location: str = "",
         random: bool = False,
-        fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fault: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor] | None] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run the aten overload ``op`` on the real values behind the :class:`Ref` arguments and record it.
 
         Non-tensor arguments are recorded as capture records them (JSON keyed by schema argument
         name). View ops become view nodes. ``fault`` rewrites the first output before it is
-        recorded (to inject a wrong result). Returns a :class:`Ref`, or a tuple for several outputs.
+        recorded (to inject a wrong result); a sequence rewrites each output by position (``None``
+        leaves one as is). Returns a :class:`Ref`, or a tuple for several outputs.
         """
         def unwrap(v: Any) -> Any:
             if isinstance(v, Ref):
@@ -274,8 +275,10 @@ class TraceBuilder:
         result = op(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
         outs = [o for o in outs if isinstance(o, torch.Tensor)]
-        if fault is not None:
-            outs[0] = fault(outs[0])
+        rewrites = [fault] if callable(fault) else list(fault or ())
+        for index, rewrite in enumerate(rewrites):
+            if rewrite is not None:
+                outs[index] = rewrite(outs[index])
         recorded_args = _schema_args(op, args, kwargs)
         name = str(op)
         if getattr(op, "is_view", False) and outs and refs:

@@ -854,12 +854,12 @@ def _localize_rank(
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
-        root_kind, reason, deciding = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup, channels, fits,
-                                              bounds_hold, tf32_spread, bitwise_ops, tainted_in)
+        root_kind, reason, deciding, part = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup,
+                                                    channels, fits, bounds_hold, tf32_spread, bitwise_ops, tainted_in)
         verdict.metric = deciding
         if not root_kind:
             return
-        verdict.metrics = _metric_dict(j)
+        verdict.metrics = _metric_dict(j, part)
         own = ri.own_errors.get(op_id)
         if own is not None:
             verdict.metrics.update(own_error=own.error, honest_error=own.honest)
@@ -1287,10 +1287,14 @@ def _averaged_rounding(unit: float, out: TensorState, tf32: bool) -> float:
     return max(unit / math.sqrt(neff), out.unit * bias)
 
 
-def _metric_dict(j: _Judged) -> dict[str, float]:
+def _metric_dict(j: _Judged, part: int = -1) -> dict[str, float]:
+    """The root's errors and their predictions per channel: those of ``j.parts[part]``, the output
+    that decided, where the op's outputs have roles (a layer norm backward's input gradient, not
+    the weight gradient that strays furthest on its own)."""
     names = ("ext", "sys", "rms")
     out: dict[str, float] = {}
-    for name, e, x, f in zip(names, j.e, j.x, j.f1):
+    _, es, xs, _ = j.parts[part] if part >= 0 else ("", j.e, j.x, j.f1)
+    for name, e, x in zip(names, es, xs):
         if math.isnan(e):
             continue
         out[f"rel_err_{name}"] = float(e)
@@ -1304,8 +1308,9 @@ def _decide(
     ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
     fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
     bitwise_ops: Mapping[str, tuple[int, bool]] | None = None, tainted: bool = False,
-) -> tuple[str, str, str]:
-    """Root kind ('' when not a root), the one-line reason, and the deciding metric's name.
+) -> tuple[str, str, str, int]:
+    """Root kind ('' when not a root), the one-line reason, the deciding metric's name, and the
+    output that decided, as an index into ``j.parts`` (-1 where the op's outputs have no roles).
 
     ``tainted``: an input carries error from a root before it. Such error is no rounding noise:
     its statistics bound it from below only (its largest element may sit anywhere, its spread is
@@ -1319,28 +1324,28 @@ def _decide(
     if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
-            return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count"
+            return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count", -1
     if j.outputs_exact:
-        return "", "", "checksum"
+        return "", "", "checksum", -1
     unit = ri.units.get(op_id)
     if unit is not None:
-        return unit.decide(node, j.e, ri, tol, lookup)
+        return (*unit.decide(node, j.e, ri, tol, lookup), -1)
     bench_op = ri.pairs.get(op_id)
     if bench_op is not None and kind != "source":
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)
         if diff:
-            return "argument", f"non-tensor arguments differ from the bench: {diff}", "args"
+            return "argument", f"non-tensor arguments differ from the bench: {diff}", "args", -1
     if any(s.nonfinite_mismatch and s.given for s in outs):
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
-        return "", "", "nan_count"
+        return "", "", "nan_count", -1
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
     replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
     if not j.judgeable:
-        return ("computation", replayed, "replay") if replayed else ("", "", deciding)
+        return ("computation", replayed, "replay", -1) if replayed else ("", "", deciding, -1)
     # Which channel of which output is furthest beyond what the inputs explain.
     excess = []
     tf32 = j.uses_tf32 and not exact_matmul
-    for role, es, xs, fs in j.parts or (("", j.e, j.x, j.f1),):
+    for part, (role, es, xs, fs) in enumerate(j.parts) if j.parts else [(-1, ("", j.e, j.x, j.f1))]:
         amb = ambient.get(_group_key(j.group, role)) or ambient.get(_group_key((j.cls.kind, j.group[1]), role))
         for c, (e, x, f) in enumerate(zip(es, xs, fs)):
             if math.isnan(e):
@@ -1358,8 +1363,8 @@ def _decide(
                     margin = max(_M_MIN, _M_RATIO * amb[1][c], amb[2 if j.cls.accumulates else 3][c])
             if tainted:
                 margin = max(margin, tol.downstream)
-            excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold))
-    score, channel, e, x, threshold = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0)
+            excess.append(((e - margin * x) / max(threshold, _TINY), c, e, x, threshold, part))
+    score, channel, e, x, threshold, part = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0, -1)
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
     # then any difference is this op's own doing, however small. A float32 matmul/conv may still
     # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
@@ -1372,34 +1377,34 @@ def _decide(
         # counts, atomics), which the rest of a deterministic run says nothing about.
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
-        return ("computation", replayed, "replay") if replayed else ("", "", channels[channel])
+        return ("computation", replayed, "replay", -1) if replayed else ("", "", channels[channel], -1)
     if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
         # Its inputs already differ from the bench's, and a replay of the op on its own recorded
         # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
         # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
         # replay decides; the statistics only estimated.
-        return "", "", "replay"
+        return "", "", "replay", -1
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
         label = op.removeprefix("source.")
-        return "source", f"{label} {name!r} differs from the bench: {what}", channels[channel]
+        return "source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part
     if random:
         agree = " while its inputs agree" if j.inputs_exact else ""
         return "random", (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
                           "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
-                          'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'), channels[channel]
+                          'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'), channels[channel], part
     structure = _structure_note(op_id, inputs, ri)
     if bench_op is None:
-        return "structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel]
+        return "structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel], part
     if structure:
-        return "structure", f"{structure}; {what}", channels[channel]
+        return "structure", f"{structure}; {what}", channels[channel], part
     if j.inputs_exact:
         reason = f"output differs ({what}) while every input agrees bitwise"
     else:
         ratio = e / max(x, _TINY)
         reason = f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})" if x > 0 else (
             f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
-    return "computation", reason, channels[channel]
+    return "computation", reason, channels[channel], part
 
 
 @dataclass(frozen=True, slots=True)
