@@ -130,3 +130,55 @@ def test_replay_runs_at_the_thread_count_the_run_was_captured_at(tmp_path):
     finally:
         torch.set_num_threads(saved)
     assert own.bitwise and own.error == own.honest, own
+
+
+def _scaled_keys(path: Path) -> Path:
+    """Attention scores as the math path of scaled dot-product attention makes them: the keys,
+    transposed, scaled (an elementwise op keeps its input's transposed strides), then a bmm."""
+    torch.manual_seed(0)
+    query, key = torch.randn(8, 6, 16), torch.randn(8, 6, 16)
+    with tracecmp.TraceCompare(path, data="tensors"):
+        keys = key.transpose(-2, -1) * 0.5
+        torch.bmm(query, keys)
+    return path
+
+
+def test_a_saved_value_keeps_the_layout_it_had_in_the_run(tmp_path):
+    from safetensors.torch import load_file
+
+    rank = tracecmp.load(_scaled_keys(tmp_path / "run")).rank(0)
+    ops, tensors = rank.ops, rank.tensors
+    (bmm,) = ops[ops["op"] == "aten.bmm.default"]["op_id"].tolist()
+    scaled = int(ops[ops["op_id"] == bmm].iloc[0]["inputs"][1])
+    value = rank.load_tensor(scaled)
+    assert value.shape == (8, 16, 6) and value.stride() == (96, 1, 16)
+    # Its bytes are in logical order: a reader that knows nothing of layouts reads the same values.
+    key = tensors[tensors["tensor_id"] == scaled].iloc[0]["data_key"]
+    (data_file,) = rank.data_files.values()
+    assert torch.equal(load_file(data_file)[key], value)
+    # Handed the run's layout, the bmm's replay is the run itself (on a contiguous copy of the
+    # keys some CPUs' kernels sum in another order).
+    own = replay_rank(rank, [bmm])[bmm]
+    assert own.bitwise and own.error == own.honest, own
+
+
+@pytest.mark.parametrize("orders, match", [
+    ('{"k": [0, 0]}', "not permutations"),
+    ('{"k": [1, 0, 2]}', "3 dimensions for 2"),
+    ("[1, 0", "not valid JSON"),
+])
+def test_a_malformed_memory_order_is_a_format_error(tmp_path, orders, match):
+    from safetensors.torch import save_file
+
+    from tracecmp.errors import TraceFormatError
+    from tracecmp.trace.saved import _DataFile
+    from tracecmp.trace.schema import MEMORY_ORDER_KEY
+
+    path = tmp_path / "data-00000.safetensors"
+    save_file({"k": torch.zeros(2, 3)}, str(path), metadata={MEMORY_ORDER_KEY: orders})
+    with pytest.raises(TraceFormatError, match=match):
+        data = _DataFile(path)
+        try:
+            data.read("k")
+        finally:
+            data.close()

@@ -766,8 +766,9 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         return None
 
     def _save(self, t: torch.Tensor, tid: int) -> str:
-        # Copied now: a later in-place op would change the value under us.
-        copy = t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format).resolve_conj().resolve_neg()
+        # Copied now: a later in-place op would change the value under us. A dense copy keeps the
+        # strides (the writer records the memory order), so a replay hands kernels the run's layout.
+        copy = t.detach().to("cpu", copy=True).resolve_conj().resolve_neg()
         key = f"{self.chunk}/{tid}"
         self.saved[key] = copy
         self.saved_bytes += copy.numel() * copy.element_size()

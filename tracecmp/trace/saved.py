@@ -23,6 +23,7 @@ import torch
 from tracecmp.errors import TraceFormatError
 from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace
+from tracecmp.trace.schema import MEMORY_ORDER_KEY
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -43,12 +44,12 @@ class _DataFile:
         except OSError as exc:
             raise TraceFormatError(f"cannot open saved tensors: {exc.strerror}", path=path) from exc
         try:
-            self.entries, self.start, self.size = self._header()
+            self.entries, self.start, self.size, self.orders = self._header()
         except BaseException:
             self.handle.close()
             raise
 
-    def _header(self) -> tuple[dict[str, Any], int, int]:
+    def _header(self) -> tuple[dict[str, Any], int, int, dict[str, list[int]]]:
         raw = self.handle.read(8)
         if len(raw) != 8:
             raise TraceFormatError("not a safetensors file (shorter than its header length)", path=self.path)
@@ -61,9 +62,25 @@ class _DataFile:
             raise TraceFormatError(f"safetensors header is not valid JSON ({exc})", path=self.path) from exc
         if not isinstance(header, dict):
             raise TraceFormatError("safetensors header is not a JSON object", path=self.path)
-        header.pop("__metadata__", None)
+        orders = self._memory_orders(header.pop("__metadata__", None))
         size = self.path.stat().st_size - 8 - length
-        return header, 8 + length, size
+        return header, 8 + length, size, orders
+
+    def _memory_orders(self, metadata: Any) -> dict[str, list[int]]:
+        """The memory order of each tensor saved from a permuted layout (:data:`MEMORY_ORDER_KEY`)."""
+        text = metadata.get(MEMORY_ORDER_KEY) if isinstance(metadata, dict) else None
+        if text is None:
+            return {}
+        try:
+            orders = boundedjson.loads(text.encode() if isinstance(text, str) else b"", max_bytes=_HEADER_LIMIT)
+        except ValueError as exc:
+            raise TraceFormatError(f"the saved tensors' memory orders are not valid JSON ({exc})", path=self.path) from exc
+        if not isinstance(orders, dict) or not all(
+            isinstance(order, list) and sorted(order) == list(range(len(order))) and all(type(d) is int for d in order)
+            for order in orders.values()
+        ):
+            raise TraceFormatError("the saved tensors' memory orders are not permutations", path=self.path)
+        return orders
 
     def read(self, key: str) -> torch.Tensor:
         entry = self.entries.get(key)
@@ -90,18 +107,30 @@ class _DataFile:
             self.handle.seek(self.start + begin)
             if self.handle.readinto(buffer.numpy()) != nbytes:
                 raise TraceFormatError(f"tensor {key!r} is truncated", path=self.path)
-        return buffer.view(dtype).reshape(shape)
+        return self._laid_out(key, buffer.view(dtype).reshape(shape))
+
+    def _laid_out(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (logical order) in the memory order it was saved from, where one is recorded."""
+        order = self.orders.get(key)
+        if order is None:
+            return tensor
+        if len(order) != tensor.dim():
+            raise TraceFormatError(f"tensor {key!r} has a memory order of {len(order)} dimensions for "
+                                   f"{tensor.dim()}", path=self.path)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return tensor.permute(order).contiguous().permute(inverse)
 
     def _read_through_library(self, key: str) -> torch.Tensor:
         from safetensors.torch import safe_open
 
         try:
             with safe_open(str(self.path), framework="pt") as fh:
-                return fh.get_tensor(key).clone()  # out of the mapping, which closes with the file
+                tensor = fh.get_tensor(key).clone()  # out of the mapping, which closes with the file
         except Exception as exc:  # noqa: BLE001 - whatever safetensors raises on bad bytes (offsets
             # past the end, an unknown dtype) is a bad trace
             detail = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise TraceFormatError(f"cannot read tensor {key[:80]!r} ({detail})", path=self.path) from exc
+        return self._laid_out(key, tensor)
 
     def close(self) -> None:
         self.handle.close()

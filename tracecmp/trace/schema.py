@@ -27,6 +27,10 @@ import pyarrow as pa
 
 FORMAT_NAME = "tracecmp-trace"
 FORMAT_VERSION = 1
+# In a data file's safetensors ``__metadata__``: a JSON object {key: memory order} for tensors saved
+# from a transposed or permuted layout. Their bytes are in logical order, as in any safetensors file;
+# a reader that ignores this entry reads the same values, only not their layout.
+MEMORY_ORDER_KEY = "tracecmp.memory_order"
 
 RUN_MANIFEST = "manifest.json"
 RANK_MANIFEST = "manifest.json"

@@ -20,6 +20,7 @@ from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MEMORY_ORDER_KEY,
     OPS_SCHEMA,
     RANK_MANIFEST,
     RUN_MANIFEST,
@@ -54,6 +55,31 @@ _SMALL_PART = 64 << 10
 _JOINED_PART = 4 << 20
 
 
+def memory_order(tensor: torch.Tensor) -> list[int] | None:
+    """The dimensions of a dense ``tensor`` from outermost to innermost in memory, where that is
+    not their logical order (a weight's ``t()``, a channels-last activation); None otherwise.
+
+    A kernel may sum in another order for a transposed operand, so a replay of the op must hand
+    it the layout the run had: the bytes are saved in logical order, as any safetensors reader
+    expects, and this order beside them.
+
+    >>> memory_order(torch.zeros(2, 3).t())
+    [1, 0]
+    >>> memory_order(torch.zeros(2, 3)) is None
+    True
+    """
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def _memory_orders(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The safetensors ``__metadata__`` recording the tensors' memory orders ({} when all are plain)."""
+    orders = {key: order for key, tensor in tensors.items() if (order := memory_order(tensor)) is not None}
+    return {MEMORY_ORDER_KEY: json.dumps(orders, separators=(",", ":"))} if orders else {}
+
+
 def _safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[Any] | None:
     """The bytes of a safetensors file holding ``tensors``, as a header and one buffer per tensor.
 
@@ -63,6 +89,7 @@ def _safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[Any] | None:
     bytes, then ours); wider dtypes come first so every tensor stays aligned, as the library does.
     None when a dtype has no entry in :data:`_SAFETENSORS_DTYPES`.
     """
+    metadata = _memory_orders(tensors)
     items = []
     for key, tensor in tensors.items():
         code = _SAFETENSORS_DTYPES.get(tensor.dtype)
@@ -70,7 +97,7 @@ def _safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[Any] | None:
             return None
         items.append((key, tensor.detach().to("cpu").contiguous(), code))
     items.sort(key=lambda item: (-item[1].element_size(), item[0]))
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     buffers: list[Any] = []
     small: list[memoryview] = []  # small tensors go out joined, so the write loop stays short
     small_bytes = offset = 0
@@ -311,7 +338,8 @@ class RankWriter:
                 if parts is None:
                     from safetensors.torch import save
 
-                    parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()})]
+                    parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()},
+                                  metadata=_memory_orders(data) or None)]
                 entry["data"] = self._commit(names[2], parts)
             if compiled:
                 text = json.dumps(compiled, separators=(",", ":"), allow_nan=False).encode()
