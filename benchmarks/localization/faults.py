@@ -86,6 +86,16 @@ def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
     return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32).reshape(x.shape)
 
 
+def _in_layout_of(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in ``x``'s memory layout. A tensor core rounds its operands inside the kernel, so
+    the kernel still sees the layout the program passed (a weight's ``t()``); handing it a
+    contiguous copy instead can change its summation order, and with it bits that a replay of the
+    recorded call, in the recorded layout, reproduces."""
+    out = torch.empty_like(x)  # keeps a dense tensor's strides
+    out.copy_(values)
+    return out
+
+
 # How the background rounds matmul/conv inputs to tf32 (``--tf32-rounding``, set in every worker).
 TF32_ROUNDINGS: dict[str, Any] = {"nearest": round_tf32, "zero": truncate_tf32}
 TF32_ROUNDING = {"how": "nearest"}
@@ -479,7 +489,7 @@ class FaultMode(TorchDispatchMode):
         if self.plan.tf32 and name in TF32_ARGS:
             positions = TF32_ARGS[name]
             args = tuple(
-                TF32_ROUNDINGS[TF32_ROUNDING["how"]](a) if i in positions and isinstance(a, torch.Tensor) else a
+                _in_layout_of(a, TF32_ROUNDINGS[TF32_ROUNDING["how"]](a)) if i in positions and isinstance(a, torch.Tensor) else a
                 for i, a in enumerate(args)
             )
             self.obs.tf32_calls += 1
