@@ -86,7 +86,7 @@ def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
     return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32).reshape(x.shape)
 
 
-def _in_layout_of(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def in_layout_of(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``values`` in ``x``'s memory layout. A tensor core rounds its operands inside the kernel, so
     the kernel still sees the layout the program passed (a weight's ``t()``); handing it a
     contiguous copy instead can change its summation order, and with it bits that a replay of the
@@ -489,7 +489,7 @@ class FaultMode(TorchDispatchMode):
         if self.plan.tf32 and name in TF32_ARGS:
             positions = TF32_ARGS[name]
             args = tuple(
-                _in_layout_of(a, TF32_ROUNDINGS[TF32_ROUNDING["how"]](a)) if i in positions and isinstance(a, torch.Tensor) else a
+                in_layout_of(a, TF32_ROUNDINGS[TF32_ROUNDING["how"]](a)) if i in positions and isinstance(a, torch.Tensor) else a
                 for i, a in enumerate(args)
             )
             self.obs.tf32_calls += 1

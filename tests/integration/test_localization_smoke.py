@@ -22,6 +22,7 @@ from benchmarks.localization.faults import (
     OutputFault,
     Plan,
     Site,
+    in_layout_of,
     bitwise_equal,
     corrupt_,
     round_tf32,
@@ -50,6 +51,13 @@ def test_round_tf32_matches_bit_reference_including_ties_and_specials() -> None:
     # float32's largest value rounds up past tf32's; ties go to even (1 + 2^-11 is halfway
     # between 1 and 1 + 2^-10, 1 + 3 * 2^-11 between 1 + 2^-10 and 1 + 2^-9)
     assert y[-4:].tolist() == [float("inf"), 1.0, 1.001953125, -1.0]
+
+
+def test_the_tf32_background_hands_the_kernel_the_operands_layout() -> None:
+    # A tensor core rounds inside the kernel: a transposed weight stays transposed.
+    weight = torch.randn(10, 32)
+    rounded = in_layout_of(weight.t(), round_tf32(weight.t()))
+    assert rounded.stride() == weight.t().stride() and torch.equal(rounded, round_tf32(weight.t()))
 
 
 @pytest.mark.parametrize("kind,magnitude", [("scale", 1e-6), ("noise", 1e-4), ("bf16", 0), ("fp16", 0), ("nan", 0), ("inf", 0), ("ulp", 0)])
