@@ -431,6 +431,8 @@ def test_roots_after_the_runs_drift_apart_are_left_undecided(tmp_path: Path) -> 
     # the clean pair agrees, and says from where statistics see only faults larger than the drift
     assert result.agrees and [d.undecided for d in result.drifts] == [()], result.summary()
     assert result.drifts[0].op == "aten.add.Scalar" and "Drift:" in result.summary()
+    assert result.verdict().startswith(f"AGREE: no op diverges beyond rounding noise; from op {result.drifts[0].op_id} "
+                                       "(aten.add.Scalar, step 0) the runs drifted apart by"), result.verdict()
     from tracecmp.render.html import write_report
 
     assert "Drift: rank 0: the runs drifted apart" in write_report(result, tmp_path / "report").read_text()

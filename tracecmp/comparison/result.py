@@ -155,7 +155,15 @@ class CompareResult:
             where = f"{d.op} in {d.module or '<top>'} ({d.phase}, step {d.step}{', rank ' + str(d.rank) if d.rank else ''})"
             return f"DIVERGED: {mode}first divergence at {where}" + (f" — {d.location}" if d.location else "")
         if self.agrees:
-            return f"AGREE: {'every tensor is bitwise identical' if self.exact else 'no op diverges beyond rounding noise'}"
+            if self.exact:
+                return "AGREE: every tensor is bitwise identical"
+            drift = min(self.drifts, key=lambda x: (x.step, x.op_id), default=None)
+            if drift is None:
+                return "AGREE: no op diverges beyond rounding noise"
+            # Agreement after a drift is weaker: say so in the line people read, not only below.
+            rank = f", rank {drift.rank}" if drift.rank else ""
+            return (f"AGREE: no op diverges beyond rounding noise; from op {drift.op_id} ({drift.op}, step {drift.step}{rank}) "
+                    f"the runs drifted apart by {drift.error:.0%}, and statistics see a later fault only where it is larger")
         if self.skipped_steps:
             steps = sorted({skip.step for skip in self.skipped_steps})
             named = ", ".join(map(str, steps))
