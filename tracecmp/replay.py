@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from tracecmp.aten.args import decode_call
+from tracecmp.aten.args import decode_call, memory_order
 from tracecmp.aten.opclass import base_name, classify, draws_random
 from tracecmp.aten.schema import _SCRATCH_NAMES, op_info, outputs_in_order, resolve
 from tracecmp.errors import TracecmpError, TraceFormatError
@@ -490,9 +490,10 @@ class Replayer:
         models = _reduced_models(op.name, inputs, self.reduced)
         honest_inputs = models[0] if models else inputs
         spans = None if models else _spans(op.name, inputs, [self.shapes.get(t) for t in call.outputs])
+        order = _shared_order(inputs) if spans is not None else None
         first: list[torch.Tensor] | None = None  # the reference's first piece, where it is made in pieces
         if spans is not None:
-            first = _outputs(op.name, call.args, _pieces_of(inputs, spans[0]), golden=True)
+            first = _outputs(op.name, call.args, _pieces_of(inputs, spans[0], order), golden=True)
             if first is None:  # the call needs its whole shape (a memory format, say): made whole
                 spans = None
         reference = _outputs(op.name, call.args, inputs, golden=True) if spans is None else None
@@ -528,7 +529,7 @@ class Replayer:
                 return "its replay gave outputs of another shape or kind than recorded"
             if spans is not None:
                 assert first is not None
-                pieces = _Reference(first[position], call=(op.name, call.args, inputs, spans, position))
+                pieces = _Reference(first[position], call=(op.name, call.args, inputs, spans, position), order=order)
             else:
                 assert reference is not None
                 pieces = _Reference(reference[position])
@@ -1022,8 +1023,9 @@ def _pointwise(name: str) -> bool:
 def _spans(name: str, inputs: Sequence[torch.Tensor], shapes: Sequence[Sequence[int] | None]) -> list[tuple[int, int]] | None:
     """The flat ranges to make a call's float64 reference in, one at a time (see
     ``_PIECE_ELEMENTS``), or None to make it whole: a pointwise op whose outputs all have one
-    shape and more elements than a piece, and whose inputs have that shape, contiguous, or are
-    scalars (no broadcasting, so that a piece of every input makes that piece of the output)."""
+    shape and more elements than a piece, and whose inputs have that shape, dense in one memory
+    order (contiguous, or all transposed alike: see :func:`_shared_order`), or are scalars (no
+    broadcasting, so that a piece of every input makes that piece of the output)."""
     if not shapes or any(shape is None for shape in shapes):
         return None
     shape = tuple(shapes[0])  # type: ignore[arg-type]
@@ -1032,15 +1034,34 @@ def _spans(name: str, inputs: Sequence[torch.Tensor], shapes: Sequence[Sequence[
         return None
     if not inputs or not _pointwise(name):
         return None
-    if any(x.dim() and (tuple(x.shape) != shape or not x.is_contiguous()) for x in inputs):
+    if any(x.dim() and tuple(x.shape) != shape for x in inputs):
+        return None
+    order = _shared_order(inputs)
+    if any(x.dim() and not _in_order(x, order).is_contiguous() for x in inputs):
         return None
     return [(start, min(start + _PIECE_ELEMENTS, count)) for start in range(0, count, _PIECE_ELEMENTS)]
 
 
-def _pieces_of(inputs: Sequence[torch.Tensor], span: tuple[int, int]) -> list[torch.Tensor]:
-    """The elements ``span`` of each input, flattened (scalars whole)."""
+def _shared_order(inputs: Sequence[torch.Tensor]) -> list[int] | None:
+    """The memory order of a call's first non-scalar input (None: logical order). Pieces run over
+    memory in that order, where every input is laid out alike (a channels-last activation and its
+    gradient), so that each piece is a view and its elements take the kernel path they take whole."""
+    return next((memory_order(x) for x in inputs if x.dim()), None)
+
+
+def _in_order(x: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    return x.permute(order) if order is not None else x
+
+
+def _flat(x: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    """``x``'s elements in ``order`` (a view where ``x`` is laid out so, else a copy)."""
+    return _in_order(x, order).reshape(-1)
+
+
+def _pieces_of(inputs: Sequence[torch.Tensor], span: tuple[int, int], order: list[int] | None = None) -> list[torch.Tensor]:
+    """The elements ``span`` of each input, flattened in ``order`` (scalars whole)."""
     start, stop = span
-    return [x.view(-1)[start:stop] if x.dim() else x for x in inputs]
+    return [_flat(x, order)[start:stop] if x.dim() else x for x in inputs]
 
 
 def _outputs(name: str, args: dict[str, Any], inputs: list[torch.Tensor], *, golden: bool) -> list[torch.Tensor] | None:
@@ -1053,11 +1074,13 @@ def _outputs(name: str, args: dict[str, Any], inputs: list[torch.Tensor], *, gol
 class _Reference:
     """One output's float64 reference: whole, or made piece by piece over flat spans of a
     pointwise call (``call``: its name, arguments, recorded inputs, spans, and which output;
-    ``value`` is then the first piece)."""
+    ``value`` is then the first piece), its elements in memory ``order`` (None: logical)."""
 
-    def __init__(self, value: torch.Tensor, call: tuple[str, dict[str, Any], list[torch.Tensor], list[tuple[int, int]], int] | None = None) -> None:
+    def __init__(self, value: torch.Tensor, call: tuple[str, dict[str, Any], list[torch.Tensor], list[tuple[int, int]], int] | None = None,
+                 order: list[int] | None = None) -> None:
         self.value = value
         self.call = call
+        self.order = order
         self.spans: list[tuple[int, int]] | None = call[3] if call is not None else None
 
     def split(self, tensors: Sequence[Any]) -> None:
@@ -1078,7 +1101,7 @@ class _Reference:
         if index == 0:
             return self.value
         name, args, inputs, spans, position = self.call
-        made = _outputs(name, args, _pieces_of(inputs, spans[index]), golden=True)
+        made = _outputs(name, args, _pieces_of(inputs, spans[index], self.order), golden=True)
         if made is None or position >= len(made) or made[position].shape != (spans[index][1] - spans[index][0],):
             return None
         return made[position]
@@ -1114,7 +1137,7 @@ class _Gauge:
             return value
         flat = self.flat.get(id(value))
         if flat is None:
-            flat = self.flat[id(value)] = value.reshape(-1)
+            flat = self.flat[id(value)] = _flat(value, self.reference.order)
         return flat[span[0]:span[1]]
 
     def _pieces(self) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor | None]]:

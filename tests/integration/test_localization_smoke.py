@@ -22,9 +22,9 @@ from benchmarks.localization.faults import (
     OutputFault,
     Plan,
     Site,
-    in_layout_of,
     bitwise_equal,
     corrupt_,
+    in_layout_of,
     round_tf32,
 )
 from benchmarks.localization.models import build

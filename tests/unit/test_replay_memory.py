@@ -58,6 +58,10 @@ def _trace(path: Path) -> Path:
     v2 = b.call(A.addcmul_.default, v, grad, grad, value=0.001, phase="optimizer")
     denom = b.call(A.add_.Scalar, b.call(A.sqrt.default, v2, phase="optimizer"), 1e-8, phase="optimizer")
     b.call(A.addcdiv_.default, w, m2, denom, value=-1e-3, phase="optimizer")
+    # Laid out transposed alike (a channels-last activation and its gradient): pieces in memory order.
+    across = b.source("input.6", torch.randn(SHAPE[::-1], generator=g).t())
+    b.call(A.gelu.default, across, approximate="tanh", module="act")
+    b.call(A.mul.Tensor, across, b.source("input.7", torch.randn(SHAPE[::-1], generator=g).t()))
     b.call(A._log_softmax.default, grad, 1, False)  # a reduction: whole reference, measured in pieces
     b.call(A.mm.default, b.source("input.4", torch.randn(40, 16, generator=g)),
            b.source("input.5", torch.randn(16, 500, generator=g)))
@@ -72,13 +76,14 @@ def test_calls_replayed_in_pieces_measure_as_whole_ones(tmp_path, monkeypatch, o
     pieced_calls = []
     monkeypatch.setattr(replay, "_PIECE_ELEMENTS", PIECE)
     real = replay._pieces_of
-    monkeypatch.setattr(replay, "_pieces_of", lambda inputs, span: pieced_calls.append(span) or real(inputs, span))
+    monkeypatch.setattr(replay, "_pieces_of",
+                        lambda inputs, span, order=None: pieced_calls.append(span) or real(inputs, span, order))
     pieced = replay_ops(rank, detail=ELEMENT_ULPS, reduced=reduced)
-    assert len(pieced_calls) >= 10 * 4  # every large pointwise call went piece by piece
+    assert len(pieced_calls) >= 12 * 4  # every large pointwise call went piece by piece
     assert set(whole) == set(pieced)
     names = dict(zip(rank.ops["op_id"], rank.ops["op"]))
     measured = [o for o, e in whole.items() if isinstance(e, OwnError)]
-    assert len(measured) >= 18
+    assert len(measured) >= 20
     for op_id in measured:
         a, b = whole[op_id], pieced[op_id]
         assert isinstance(b, OwnError)
@@ -123,7 +128,9 @@ def test_pieces_are_only_for_pointwise_calls_over_one_shape(monkeypatch):
     assert replay._spans("aten._foreach_add.List", [x, y], [SHAPE]) is not None
     assert replay._spans("aten.add.Tensor", [x, torch.tensor(2.0)], [SHAPE]) is not None  # a scalar operand
     assert replay._spans("aten.add.Tensor", [x, torch.ones(SHAPE[1])], [SHAPE]) is None  # broadcast
-    assert replay._spans("aten.add.Tensor", [x.t().contiguous().t(), y], [SHAPE]) is None  # strided
+    across = x.t().contiguous().t()
+    assert replay._spans("aten.add.Tensor", [across, y], [SHAPE]) is None  # laid out otherwise
+    assert replay._spans("aten.add.Tensor", [across, y.t().contiguous().t()], [SHAPE]) is not None  # alike
     assert replay._spans("aten.add.Tensor", [x[:, :100], y[:, :100]], [(3, 100)]) is None  # small
     assert replay._spans("aten._log_softmax.default", [x], [SHAPE]) is None
     assert replay._spans("aten._foreach_norm.Scalar", [x], [()]) is None

@@ -193,6 +193,25 @@ def copy_laid_out(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
+def memory_order(tensor: torch.Tensor) -> list[int] | None:
+    """The dimensions of a dense ``tensor`` from outermost to innermost in memory, where that is
+    not their logical order (a weight's ``t()``, a channels-last activation); None otherwise.
+
+    A kernel may sum in another order for a transposed operand, so a replay of the op must hand
+    it the layout the run had: the bytes are saved in logical order, as any safetensors reader
+    expects, and this order beside them.
+
+    >>> memory_order(torch.zeros(2, 3).t())
+    [1, 0]
+    >>> memory_order(torch.zeros(2, 3)) is None
+    True
+    """
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
 def decode_value(value: Any, type_name: str, inputs: list[torch.Tensor], golden: bool) -> Any:
     """A recorded JSON argument back as a Python value (tensors from ``inputs``, by position)."""
     if isinstance(value, dict):

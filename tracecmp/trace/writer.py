@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from tracecmp.aten.args import memory_order
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import (
@@ -53,25 +54,6 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 
 _SMALL_PART = 64 << 10
 _JOINED_PART = 4 << 20
-
-
-def memory_order(tensor: torch.Tensor) -> list[int] | None:
-    """The dimensions of a dense ``tensor`` from outermost to innermost in memory, where that is
-    not their logical order (a weight's ``t()``, a channels-last activation); None otherwise.
-
-    A kernel may sum in another order for a transposed operand, so a replay of the op must hand
-    it the layout the run had: the bytes are saved in logical order, as any safetensors reader
-    expects, and this order beside them.
-
-    >>> memory_order(torch.zeros(2, 3).t())
-    [1, 0]
-    >>> memory_order(torch.zeros(2, 3)) is None
-    True
-    """
-    if tensor.dim() < 2 or tensor.is_contiguous():
-        return None
-    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
-    return order if tensor.permute(order).is_contiguous() else None
 
 
 def _memory_orders(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
