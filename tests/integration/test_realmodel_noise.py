@@ -67,3 +67,14 @@ def test_a_layer_norm_fault_in_an_autocast_gpt2_is_the_only_root(tmp_path: Path,
     result = tracecmp.compare(_record(tmp_path / "target", "amp-bf16", plan), bench)
     assert [(s.op, s.module, s.step) for s in result.suspects] == [
         ("aten.native_layer_norm.default", "transformer.h.1.ln_1", 0)], result.summary()
+
+
+def test_a_fault_in_the_next_steps_positional_lookup_is_the_only_root(tmp_path: Path, bench: Path) -> None:
+    # The batch reads 32 of the 64 positions: AdamW leaves the other rows, which hold the table's
+    # extremes, where they were, and divides their zero moments by eps. What bounds the table's
+    # error after the step is Adam's own arithmetic, not that division (comparison/adam.py).
+    site = Site("aten.embedding.default", "forward", 3)  # transformer.wpe in step 1
+    plan = Plan(output_fault=OutputFault("scale", site, 0.05, seed=1))
+    result = tracecmp.compare(_record(tmp_path / "target", "amp-bf16", plan), bench)
+    assert [(s.op, s.module, s.step) for s in result.suspects] == [
+        ("aten.embedding.default", "transformer.wpe", 1)], result.summary()

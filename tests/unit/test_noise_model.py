@@ -6,10 +6,12 @@ place is still found.
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 
 import tracecmp
@@ -279,6 +281,75 @@ def test_a_fault_after_adams_first_step_is_found(tmp_path: Path) -> None:
     # The weight's range (2 lr) bounds its error, not the division's prediction: the next step's
     # layer norm reads a weight off by +-lr here and there, and a 5% fault in it is a root.
     _noise_then_one_root(tmp_path, _adam_then_layer_norm, {"fault": 1.05}, op="aten.native_layer_norm.default", step=1)
+
+
+def _adam_then_lookup(path: Path, low: torch.dtype, *, fault: float = 1.0, foreach: bool = False) -> Path:
+    """AdamW's first step on a lookup table, with the ops torch.optim runs (single-tensor or
+    ``foreach``), then a lookup of the rows the batch read, in the next step.
+
+    Only the first 16 of 64 rows have gradients (some near 0, where eps decides the quotient);
+    the rest hold the table's extremes and are divided by eps. The target's gradient is rounded
+    to ``low``, and two elements take each other's update (+-lr the other way round), as a sign
+    flipped by rounding does. ``fault`` scales the lookup."""
+    g = torch.Generator().manual_seed(0)
+    table_values = torch.randn(64, 16, generator=g) * 0.02
+    table_values[32:] *= 4.0  # the extremes lie in rows the batch does not read
+    grad_values = torch.zeros(64, 16)
+    grad_values[:16] = torch.randn(16, 16, generator=g) * 1e-2
+    grad_values[:2] *= 1e-7  # gradients near 0: eps decides the quotient there
+    lr, beta1, beta2, eps = 1e-3, 0.9, 0.999, 1e-8
+    positive = torch.nonzero(grad_values[4] > 0)[0, 0].item()
+    negative = torch.nonzero(grad_values[4] < 0)[0, 0].item()
+
+    def swap(t: torch.Tensor) -> torch.Tensor:  # two elements of row 4 trade their updates
+        t = t.clone()
+        t[4, positive], t[4, negative] = t[4, negative].item(), t[4, positive].item()
+        return t
+
+    b = TraceBuilder()
+    table = b.param("wpe.weight", table_values, module="wpe")
+    other = b.param("fc.weight", torch.randn(16, 16, generator=g) * 0.02, module="fc")
+    grad = b.call(A._to_copy.default, b.source("input.0", grad_values), dtype=low, phase="backward")
+    grad = b.call(A._to_copy.default, grad, dtype=torch.float32, phase="backward")
+    other_grad = b.source("input.1", torch.randn(16, 16, generator=g) * 1e-2)
+    opt = {"phase": "optimizer"}
+    if foreach:
+        params, grads = [table, other], [grad, other_grad]
+        exp_avgs = [b.call(A.zeros_like.default, p, **opt) for p in params]
+        exp_avg_sqs = [b.call(A.zeros_like.default, p, **opt) for p in params]
+        params = b.call(A._foreach_mul.Scalar, params, 1 - lr * 1e-2, **opt)
+        exp_avgs = b.call(A._foreach_lerp.Scalar, exp_avgs, grads, 1 - beta1, **opt)
+        exp_avg_sqs = b.call(A._foreach_mul.Scalar, exp_avg_sqs, beta2, **opt)
+        exp_avg_sqs = b.call(A._foreach_addcmul.Scalar, exp_avg_sqs, grads, grads, 1 - beta2, **opt)
+        roots = b.call(A._foreach_sqrt.default, exp_avg_sqs, **opt)
+        roots = b.call(A._foreach_div.ScalarList, roots, [(1 - beta2) ** 0.5] * 2, **opt)
+        denoms = b.call(A._foreach_add.Scalar, roots, eps, **opt)
+        table, _ = b.call(A._foreach_addcdiv.ScalarList, params, exp_avgs, denoms, [-lr / (1 - beta1)] * 2, **opt,
+                          fault=[swap if low != torch.float32 else None, None])
+    else:
+        exp_avg = b.call(A.zeros_like.default, table, **opt)
+        exp_avg_sq = b.call(A.zeros_like.default, table, **opt)
+        table = b.call(A.mul_.Tensor, table, 1 - lr * 1e-2, **opt)
+        exp_avg = b.call(A.lerp_.Scalar, exp_avg, grad, 1 - beta1, **opt)
+        exp_avg_sq = b.call(A.mul_.Tensor, exp_avg_sq, beta2, **opt)
+        exp_avg_sq = b.call(A.addcmul_.default, exp_avg_sq, grad, grad, value=1 - beta2, **opt)
+        denom = b.call(A.div.Tensor, b.call(A.sqrt.default, exp_avg_sq, **opt), (1 - beta2) ** 0.5, **opt)
+        denom = b.call(A.add_.Tensor, denom, eps, **opt)
+        table = b.call(A.addcdiv_.default, table, exp_avg, denom, value=-lr / (1 - beta1), **opt,
+                       fault=swap if low != torch.float32 else None)
+    b.step()
+    rows = b.source("input.2", torch.arange(16).repeat(4))
+    b.call(A.embedding.default, table, rows, module="wpe", fault=(lambda t: t * fault) if fault != 1.0 else None)
+    return b.write(path)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_fault_in_a_lookup_after_adams_step_is_found(tmp_path: Path, foreach: bool) -> None:
+    # Rows without gradients are divided by eps; the division's rule then predicts an error as
+    # large as the table's range, which hid a 5% fault in GPT-2 small's positional lookup under
+    # AMP. Adam's own arithmetic bounds the step at lr, wherever the moments are 0.
+    _noise_then_one_root(tmp_path, functools.partial(_adam_then_lookup, foreach=foreach), {"fault": 1.05},
+                         op="aten.embedding.default", step=1)
 
 
 def _layer_norm_backwards(path: Path, low: torch.dtype, *, fault_at: int = -1, fault: float = 1.05, stray: float = 0.04,

@@ -1,0 +1,63 @@
+"""torch.optim's Adam and AdamW, as capture records them, are what comparison/adam.py recognizes,
+and the bound it draws from their arithmetic holds for the steps they take.
+
+The recognition reads the recorded graph (lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_), so
+it depends on how this torch's optimizers are written: this test runs on every torch CI covers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracecmp
+from tracecmp.comparison import adam
+from tracecmp.graph import view_bases
+from tracecmp.trace.reader import load
+
+LR, DECAY, STEPS = 1e-2, 0.1, 3
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_every_adam_update_is_recognized_and_bounded(tmp_path: Path, name: str, foreach: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 4))
+    optimizer = getattr(torch.optim, name)(model.parameters(), lr=LR, weight_decay=DECAY, foreach=foreach)
+    params = list(model.parameters())
+    moved = []  # per step: the largest change of any parameter element the update made
+    with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
+        for step in range(STEPS):
+            ids = torch.randint(0, 16, (6,))  # rows 16-31 never get a gradient
+            model(ids).pow(2).sum().backward()
+            if step == 1:
+                params[1].grad[:, :2] = 0.0  # a zero gradient after non-zero ones
+            before = [p.detach().clone() * (1 - LR * DECAY if name == "AdamW" else 1.0) for p in params]
+            optimizer.step()
+            optimizer.zero_grad()
+            moved.append(max(float((p.detach() - b).abs().max()) for p, b in zip(params, before)))
+            tc.step()
+
+    rank = load(tmp_path / "t").rank(0)
+    ops, base = rank.ops, view_bases(rank.tensors)
+    nodes = [tuple(row) for row in ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location", "args",
+                                        "inputs", "outputs"]].itertuples(index=False)]
+    nodes = [(*n[:9], list(n[9]), list(n[10])) for n in nodes]
+    producer = {t: (n, k) for n in nodes for k, t in enumerate(n[10]) if t not in base}
+    bounds: dict[int, set[float]] = {}
+    updates = 0
+    for node in nodes:
+        if "addcdiv" not in node[4]:
+            continue
+        for k in range(len(node[10])):
+            updates += 1
+            found = adam.adam_update_bound(node, k, producer, base)
+            assert found is not None, f"{node[4]} {node[8]} not recognized as Adam's update"
+            bounds.setdefault(int(node[1]), set()).add(round(found[1], 12))
+    assert updates == len(params) * STEPS
+    for step, step_moved in enumerate(moved):
+        (bound,) = bounds[step]  # one learning rate, one step number
+        exact = bound / adam._SLACK
+        assert step_moved <= exact * (1 + 1e-5), (step, step_moved, exact)
+        assert step_moved >= 0.5 * exact, (step, step_moved, exact)  # a bound that says something
