@@ -23,6 +23,7 @@ The fused kernel (``_fused_adamw_``) and AMSGrad are not recognized, and keep th
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any, Mapping
 
 from tracecmp.aten.opclass import base_name
@@ -46,7 +47,7 @@ def adam_quotient_bound(beta1: float, beta2: float, steps: float) -> float:
     """The largest |m| / sqrt(v) Adam's moments reach after ``steps`` updates from zero (math.inf: any number).
 
     >>> round(adam_quotient_bound(0.9, 0.999, math.inf), 3)
-    7.267
+    7.27
     """
     r = beta1 * beta1 / beta2
     geometric = 1.0 / (1.0 - r) if math.isinf(steps) else (1.0 - r**steps) / (1.0 - r)
@@ -115,13 +116,8 @@ def _call(node: Node, index: int) -> tuple[dict[int, int], Any]:
     """The tensors output ``index`` of ``node`` reads, by argument position (a multi-tensor op's
     element ``index``), and a reader of its scalar arguments by name, the element of a list."""
     op, args, inputs = node[4], node[8], node[9]
-    try:
-        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
-    except (TypeError, ValueError):
-        parsed = {}
-    parsed = parsed if isinstance(parsed, dict) else {}
-    lists = [v for v in parsed.values() if isinstance(v, list) and v and all(isinstance(x, dict) and "tensor" in x for x in v)]
-    n = len(lists[0]) if base_name(op).startswith("_foreach_") and lists else 0
+    parsed, length = _parsed(args)
+    n = length if base_name(op).startswith("_foreach_") else 0
     if n:
         k = index % n
         read = {j: inputs[j * n + k] for j in range(len(inputs) // n)}
@@ -139,3 +135,16 @@ def _call(node: Node, index: int) -> tuple[dict[int, int], Any]:
         return None
 
     return read, scalar
+
+
+@lru_cache(maxsize=64)
+def _parsed(args: str) -> tuple[dict[str, Any], int]:
+    """A call's recorded arguments, and the length of its first tensor list (0 if none). Cached:
+    each element of a multi-tensor call reads the same arguments."""
+    try:
+        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
+    except (TypeError, ValueError):
+        parsed = {}
+    parsed = parsed if isinstance(parsed, dict) else {}
+    lists = [v for v in parsed.values() if isinstance(v, list) and v and all(isinstance(x, dict) and "tensor" in x for x in v)]
+    return parsed, len(lists[0]) if lists else 0
