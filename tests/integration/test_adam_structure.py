@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tracecmp
+from tracecmp.aten.opclass import base_name
 from tracecmp.comparison import adam
 from tracecmp.graph import view_bases
 from tracecmp.trace.reader import load
@@ -19,12 +20,18 @@ from tracecmp.trace.reader import load
 LR, DECAY, STEPS = 1e-2, 0.1, 3
 
 
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("implementation", ["single", "foreach", "fused"])
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
-def test_every_adam_update_is_recognized_and_bounded(tmp_path: Path, name: str, foreach: bool) -> None:
+def test_every_adam_update_is_recognized_and_bounded(tmp_path: Path, name: str, implementation: str) -> None:
+    if implementation == "fused" and not hasattr(torch.ops.aten, f"_fused_{name.lower()}_"):
+        pytest.skip(f"this torch has no fused {name}")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 4))
-    optimizer = getattr(torch.optim, name)(model.parameters(), lr=LR, weight_decay=DECAY, foreach=foreach)
+    kind = {"foreach": implementation == "foreach"} if implementation != "fused" else {"fused": True}
+    try:
+        optimizer = getattr(torch.optim, name)(model.parameters(), lr=LR, weight_decay=DECAY, **kind)
+    except RuntimeError as exc:  # an older torch's fused kernels run on CUDA only
+        pytest.skip(str(exc))
     params = list(model.parameters())
     moved = []  # per step: the largest change of any parameter element the update made
     with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
@@ -45,15 +52,22 @@ def test_every_adam_update_is_recognized_and_bounded(tmp_path: Path, name: str, 
                                         "inputs", "outputs"]].itertuples(index=False)]
     nodes = [(*n[:9], list(n[9]), list(n[10])) for n in nodes]
     producer = {t: (n, k) for n in nodes for k, t in enumerate(n[10]) if t not in base}
+    tensors = rank.tensors.set_index("tensor_id")
+
+    def value_of(tid: int) -> float:
+        return float(tensors.loc[base.get(tid, tid), "mean"])
+
     bounds: dict[int, set[float]] = {}
     updates = 0
     for node in nodes:
-        if "addcdiv" not in node[4]:
+        if base_name(node[4]) not in adam.ADAM_UPDATES:
             continue
-        for k in range(len(node[10])):
+        fused = "_fused_" in node[4]
+        for k in range(len(params) if fused else len(node[10])):
             updates += 1
-            found = adam.adam_update_bound(node, k, producer, base)
+            found = adam.adam_update_bound(node, k, producer, base, value_of)
             assert found is not None, f"{node[4]} {node[8]} not recognized as Adam's update"
+            assert found[0] == node[9][k]  # the parameter, first among the inputs
             bounds.setdefault(int(node[1]), set()).add(round(found[1], 12))
     assert updates == len(params) * STEPS
     for step, step_moved in enumerate(moved):

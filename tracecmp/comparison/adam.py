@@ -13,9 +13,11 @@ and with ``d = sqrt(v) / c + eps`` (``c``: the bias correction sqrt(1 - b2^t)) e
 update, in either run, is at most ``step_size * c`` times that factor: ``lr`` at the first step.
 Two runs' updates then differ by at most twice that, whatever the gradients were.
 
-The ops are those of ``torch.optim.Adam``/``AdamW`` (single-tensor and ``foreach``
-implementations): ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ``div``, ``add_``, ``addcdiv_``.
-The fused kernel (``_fused_adamw_``) and AMSGrad are not recognized, and keep the general rule.
+The ops are those of ``torch.optim.Adam``/``AdamW``: in the single-tensor and ``foreach``
+implementations ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ``div``, ``add_``, ``addcdiv_``,
+recognized from the graph; the fused kernel (``_fused_adam_``, ``_fused_adamw_``) by name, its
+step number read from its ``state_steps`` tensors. AMSGrad's denominator (the largest ``v`` so
+far) is no smaller, so the bound holds for it too; the unfused AMSGrad graph is not recognized.
 
 >>> round(adam_quotient_bound(0.9, 0.999, 1), 6)  # m / sqrt(v) = g / |g| after the first step
 3.162278
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tracecmp.aten.opclass import base_name
 from tracecmp.trace import boundedjson
@@ -33,6 +35,8 @@ from tracecmp.trace import boundedjson
 _SLACK = 1.1
 
 _ADDCDIV = ("addcdiv_", "addcdiv", "_foreach_addcdiv_", "_foreach_addcdiv")
+_FUSED = ("_fused_adam_", "_fused_adamw_", "_fused_adam", "_fused_adamw")
+ADAM_UPDATES = frozenset(_ADDCDIV + _FUSED)  # ops whose outputs may be Adam's parameter update
 _ADD = ("add_", "add", "_foreach_add_", "_foreach_add")
 _DIV = ("div_", "div", "_foreach_div_", "_foreach_div")
 _SQRT = ("sqrt", "sqrt_", "_foreach_sqrt", "_foreach_sqrt_")
@@ -55,13 +59,16 @@ def adam_quotient_bound(beta1: float, beta2: float, steps: float) -> float:
 
 
 def adam_update_bound(node: Node, index: int, producer: Mapping[int, tuple[Node, int]],
-                      view_base: Mapping[int, int]) -> tuple[int, float] | None:
+                      view_base: Mapping[int, int], value_of: Callable[[int], float | None]) -> tuple[int, float] | None:
     """(parameter tensor id, B) when output ``index`` of ``node`` is Adam's update of a parameter,
     ``p + value * m / (sqrt(v) / c + eps)``, with B bounding ``|value * m / (sqrt(v) / c + eps)|``
     element by element in any run; None when the node is not such an update.
 
-    ``producer`` maps each tensor id (view bases) to the node that made it and its output position.
+    ``producer`` maps each tensor id (view bases) to the node that made it and its output position;
+    ``value_of`` gives a one-element tensor's value where both runs hold the same (a step count).
     """
+    if base_name(node[4]) in _FUSED:
+        return _fused_update_bound(node, index, value_of)
     if base_name(node[4]) not in _ADDCDIV:
         return None
     read, scalar = _call(node, index)
@@ -110,6 +117,29 @@ def adam_update_bound(node: Node, index: int, producer: Mapping[int, tuple[Node,
         steps = math.inf
     bound = abs(value) * correction * adam_quotient_bound(beta1, beta2, round(steps) if math.isfinite(steps) else steps)
     return read[0], bound * _SLACK
+
+
+def _fused_update_bound(node: Node, index: int, value_of: Callable[[int], float | None]) -> tuple[int, float] | None:
+    """The bound for output ``index`` of a fused Adam kernel: its parameters come first, and
+    parameter k took step ``state_steps[k]`` (counted up before the call) with ``lr``, ``beta1``
+    and ``beta2`` as recorded."""
+    parsed, n = _parsed(node[8])
+    inputs = node[9]
+    lr, beta1, beta2 = (parsed.get(name) for name in ("lr", "beta1", "beta2"))
+    if index >= n or not all(isinstance(v, float) and math.isfinite(v) for v in (lr, beta1, beta2)):
+        return None
+    params, steps = parsed.get("self"), parsed.get("state_steps")
+    if not isinstance(params, list) or not isinstance(steps, list) or len(params) != n or len(steps) != n:
+        return None
+    param, step = (entry.get("tensor") if isinstance(entry, dict) else None for entry in (params[index], steps[index]))
+    if not isinstance(param, int) or not isinstance(step, int) or not (0 <= param < len(inputs) and 0 <= step < len(inputs)):
+        return None
+    t = value_of(inputs[step])
+    if t is None or t < 1 or t != round(t) or not 0 <= beta1 < 1 or not 0 < beta2 < 1 or beta1 * beta1 >= beta2:
+        return None
+    correction1, correction2 = 1.0 - beta1**t, 1.0 - beta2**t
+    bound = lr / correction1 * math.sqrt(correction2) * adam_quotient_bound(beta1, beta2, t)
+    return inputs[param], bound * _SLACK
 
 
 def _call(node: Node, index: int) -> tuple[dict[int, int], Any]:

@@ -42,7 +42,7 @@ import numpy as np
 from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given_nonfinite, is_copy, is_overflow_check,
                                    is_readout)
-from tracecmp.comparison.adam import adam_update_bound
+from tracecmp.comparison.adam import ADAM_UPDATES, adam_update_bound
 from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
@@ -537,7 +537,11 @@ def _within_adam_bound(x: tuple[float, float, float], node: tuple, position: int
     take, element by element. The division's rule alone predicts the whole parameter's range where
     a gradient was zero and the denominator is eps; that hid a 5% fault in GPT-2's next lookup of
     its positional table, whose untouched rows hold its extremes."""
-    found = adam_update_bound(node, position, producer, view_base)
+    def step_count(tid: int) -> float | None:
+        s = lookup(tid)
+        return s.mean if s is not None and s.exact and s.numel == 1 and math.isfinite(s.mean) else None
+
+    found = adam_update_bound(node, position, producer, view_base, step_count)
     if found is None:
         return x
     param, step = found
@@ -831,7 +835,7 @@ def _localize_rank(
                 f1 = (max(unit, _TINY), max(averaged, _TINY), max(unit, _TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
                 x = _expected(cls, base_name(op), float_ins, out, role, rstd) if judgeable else (math.inf, math.inf, math.inf)
-                if judgeable and cls.inverse_inputs:
+                if judgeable and base_name(op) in ADAM_UPDATES:
                     x = _within_adam_bound(x, node, position, producer, lookup, base, out)
                 if judgeable and kind != "source":
                     # full(finfo(dtype).min), x + finfo(dtype).eps: each run took its own dtype's number
