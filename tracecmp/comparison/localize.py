@@ -544,13 +544,14 @@ def _within_adam_bound(x: tuple[float, float, float], node: tuple, position: int
     found = adam_update_bound(node, position, producer, view_base, step_count)
     if found is None:
         return x
-    param, step = found
+    param, largest_step = found
     s = lookup(param) if param not in view_base else _through_view(lookup(param))
     if s is None or not s.known:
         return x
     amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
     held = _expected(OpClass("product", inputs=((0, "add"),)), "addcdiv_", [(0, s)] if s.is_float else [], out)
-    adam = (held[0] + 2.0 * step / amax_o, held[1] + 2.0 * step / rms_o, held[2] + 2.0 * step / rms_o)
+    apart = 2.0 * largest_step  # the two runs' steps, each within the bound, differ by at most this
+    adam = (held[0] + apart / amax_o, held[1] + apart / rms_o, held[2] + apart / rms_o)
     return (min(x[0], adam[0]), min(x[1], adam[1]), min(x[2], adam[2]))
 
 
