@@ -352,6 +352,41 @@ def test_a_fault_in_a_lookup_after_adams_step_is_found(tmp_path: Path, foreach: 
                          op="aten.embedding.default", step=1)
 
 
+def _row_sum_of_a_product(path: Path, low: torch.dtype, *, fault: str = "") -> Path:
+    """An RMSNorm backward's row sum of the incoming gradient times the normalized input, both
+    rounded to ``low`` in the target, as Llama-8 in bf16 runs it.
+
+    The product's largest element is one both factors hold exactly in bf16, while each factor's
+    own largest element is rounded: the product's extremes then show far less error than its
+    elements carry (Llama-8: 9e-5 against its factors' 6e-4 and 5e-4). The target's sum is off by
+    1%, as sums over a bf16 chain's gradients are (0.1-2.6% in Llama-8's 34 calls). ``fault``
+    scales "mul" or "sum" by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(64, 512, generator=g) * 1e-3
+    x = torch.randn(64, 512, generator=g)
+    grad[0, 0], x[0, 0] = 2.0**-7, 3.5 * (1 + 2.0**-14)  # the product's largest, held exactly
+    grad[1, 1], x[2, 2] = 0.0121, 5.31  # each factor's largest, rounded
+    low_run = low != torch.float32
+    scale = {name: (lambda t: t * 1.05) for name in (fault,) if name}
+    b = TraceBuilder()
+    g_low = b.call(A._to_copy.default, b.source("input.0", grad.to(low)), dtype=torch.float32, phase="backward")
+    x_low = b.call(A._to_copy.default, b.source("input.1", x.to(low)), dtype=torch.float32, phase="backward")
+    product = b.call(A.mul.Tensor, g_low, x_low, phase="backward", module="norm", fault=scale.get("mul"))
+    stray = (lambda t: t * 1.01) if low_run else None
+    fault_sum = scale.get("sum")
+    b.call(A.sum.dim_IntList, product, [1], True, phase="backward", module="norm",
+           fault=(lambda t: fault_sum(stray(t))) if fault_sum and stray else stray)
+    return b.write(path)
+
+
+@pytest.mark.parametrize("site", ["mul", "sum"])
+def test_a_row_sum_after_a_product_with_lucky_extremes_is_noise(tmp_path: Path, site: str) -> None:
+    # The sum's prediction carries what the product passed on; its own extremes, a single lucky
+    # sample, said 20x less than its factors' did, and the sum's 1% read as 5x its inputs' error.
+    _noise_then_one_root(tmp_path, _row_sum_of_a_product, {"fault": site},
+                         op={"mul": "aten.mul.Tensor", "sum": "aten.sum.dim_IntList"}[site])
+
+
 def _layer_norm_backwards(path: Path, low: torch.dtype, *, fault_at: int = -1, fault: float = 1.05, stray: float = 0.04,
                           calls: int = 12) -> Path:
     """Layer norms and their backwards, each grad_output from a matmul in ``low``. A layer norm
