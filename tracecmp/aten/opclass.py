@@ -435,3 +435,45 @@ def _holds_nonfinite(value: Any) -> bool:
 POLES = frozenset({"log", "log_", "log2", "log2_", "log10", "log10_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_",
                    "div", "div_", "true_divide", "xlogy", "_foreach_log", "_foreach_reciprocal_", "_foreach_div",
                    "_foreach_div_", "_foreach_rsqrt_", "logit", "atanh", "digamma", "lgamma", "polygamma"})
+
+
+def read_by(op: str, args: str, inputs: list[int], index: int) -> list[tuple[int, int]]:
+    """(position, tensor id) of the inputs output ``index`` is computed from. A multi-tensor op
+    (``_foreach_addcdiv_``, ``_fused_adamw_``) takes lists of n tensors and computes element k of
+    each list it returns from element k of each list it reads: positions then count lists.
+
+    >>> read_by("aten._foreach_mul.List", '{"self": [{"tensor": 0}, {"tensor": 1}], '
+    ...         '"other": [{"tensor": 2}, {"tensor": 3}]}', [10, 11, 12, 13], 1)
+    [(0, 11), (1, 13)]
+    """
+    if not base_name(op).startswith(("_foreach_", "_fused_")):
+        return list(enumerate(inputs))
+    n = tensor_list_length(args)
+    if n < 2 or len(inputs) < n:
+        return list(enumerate(inputs))
+    lists, k = len(inputs) // n, index % n
+    read = [(j, inputs[j * n + k]) for j in range(lists)]
+    return read + [(lists + i, t) for i, t in enumerate(inputs[lists * n:])]  # single tensors after the lists
+
+
+def tensor_list_length(args: str) -> int:
+    """How many tensors the first tensor-list argument of a recorded call holds (0 if none)."""
+    return _recorded(args)[1]
+
+
+def recorded_args(args: str) -> Mapping[str, Any]:
+    """A call's recorded non-tensor arguments by name ({} where they do not parse). Shared: read only."""
+    return _recorded(args)[0]
+
+
+@lru_cache(maxsize=64)
+def _recorded(args: str) -> tuple[dict[str, Any], int]:
+    # Cached: each element of a multi-tensor call reads the same arguments.
+    try:
+        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
+    except (TypeError, ValueError):
+        parsed = {}
+    parsed = parsed if isinstance(parsed, dict) else {}
+    lists = (v for v in parsed.values() if isinstance(v, list) and v and all(isinstance(x, dict) and "tensor" in x for x in v))
+    return parsed, len(next(lists, ()))
+

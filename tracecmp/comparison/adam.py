@@ -25,11 +25,9 @@ far) is no smaller, so the bound holds for it too; the unfused AMSGrad graph is 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Any, Callable, Mapping
 
-from tracecmp.aten.opclass import base_name
-from tracecmp.trace import boundedjson
+from tracecmp.aten.opclass import base_name, read_by, recorded_args, tensor_list_length
 
 # How far rounded moments (bf16 optimizer state) may step over the exact bound.
 _SLACK = 1.1
@@ -123,7 +121,7 @@ def _fused_update_bound(node: Node, index: int, value_of: Callable[[int], float 
     """The bound for output ``index`` of a fused Adam kernel: its parameters come first, and
     parameter k took step ``state_steps[k]`` (counted up before the call) with ``lr``, ``beta1``
     and ``beta2`` as recorded."""
-    parsed, n = _parsed(node[8])
+    parsed, n = recorded_args(node[8]), tensor_list_length(node[8])
     inputs = node[9]
     lr, beta1, beta2 = (parsed.get(name) for name in ("lr", "beta1", "beta2"))
     if index >= n or not all(isinstance(v, float) and math.isfinite(v) for v in (lr, beta1, beta2)):
@@ -146,14 +144,10 @@ def _call(node: Node, index: int) -> tuple[dict[int, int], Any]:
     """The tensors output ``index`` of ``node`` reads, by argument position (a multi-tensor op's
     element ``index``), and a reader of its scalar arguments by name, the element of a list."""
     op, args, inputs = node[4], node[8], node[9]
-    parsed, length = _parsed(args)
-    n = length if base_name(op).startswith("_foreach_") else 0
-    if n:
-        k = index % n
-        read = {j: inputs[j * n + k] for j in range(len(inputs) // n)}
-    else:
-        k = 0
-        read = dict(enumerate(inputs))
+    read = dict(read_by(op, args, inputs, index))
+    parsed = recorded_args(args)
+    n = tensor_list_length(args) if base_name(op).startswith("_foreach_") else 0
+    k = index % n if n else 0
 
     def scalar(*names: str) -> float | None:
         for name in names:
@@ -165,16 +159,3 @@ def _call(node: Node, index: int) -> tuple[dict[int, int], Any]:
         return None
 
     return read, scalar
-
-
-@lru_cache(maxsize=64)
-def _parsed(args: str) -> tuple[dict[str, Any], int]:
-    """A call's recorded arguments, and the length of its first tensor list (0 if none). Cached:
-    each element of a multi-tensor call reads the same arguments."""
-    try:
-        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
-    except (TypeError, ValueError):
-        parsed = {}
-    parsed = parsed if isinstance(parsed, dict) else {}
-    lists = [v for v in parsed.values() if isinstance(v, list) and v and all(isinstance(x, dict) and "tensor" in x for x in v)]
-    return parsed, len(lists[0]) if lists else 0

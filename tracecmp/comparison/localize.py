@@ -41,7 +41,7 @@ import numpy as np
 
 from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given_nonfinite, is_copy, is_overflow_check,
-                                   is_readout)
+                                   is_readout, read_by)
 from tracecmp.comparison.adam import ADAM_UPDATES, adam_update_bound
 from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
@@ -1852,7 +1852,7 @@ def _region_prediction(
             out = ri.region_values.get((side, tid))
             if out is None or cls.kind == "uninit":
                 continue
-            read = _read_by(op, args, inputs, index)
+            read = read_by(op, args, inputs, index)
             ins_x = [(pos, inherited[t]) for pos, t in read if t in inherited and cls.input_rule(pos) != "ignore"]
             ins_r = [(pos, budget[t]) for pos, t in read if t in budget and cls.input_rule(pos) != "ignore"]
             float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
@@ -1879,32 +1879,6 @@ def _region_prediction(
             result[T] = ((x.e_ext, x.e_sys, x.e_rms if not math.isnan(x.e_rms) else x.e_ext),
                          (r.e_ext, r.e_sys, r.e_rms if not math.isnan(r.e_rms) else r.e_ext))
     return result
-
-
-def _read_by(op: str, args: str, inputs: list[int], index: int) -> list[tuple[int, int]]:
-    """(position, tensor id) of the inputs output ``index`` is computed from. A multi-tensor op
-    (``_foreach_addcdiv_``, ``_fused_adamw_``) takes lists of n tensors and computes element k of
-    each list it returns from element k of each list it reads: positions then count lists."""
-    if not base_name(op).startswith(("_foreach_", "_fused_")):
-        return list(enumerate(inputs))
-    n = _list_length(args)
-    if n < 2 or len(inputs) < n:
-        return list(enumerate(inputs))
-    lists, k = len(inputs) // n, index % n
-    read = [(j, inputs[j * n + k]) for j in range(lists)]
-    return read + [(lists + i, t) for i, t in enumerate(inputs[lists * n:])]  # single tensors after the lists
-
-
-def _list_length(args: str) -> int:
-    """How many tensors the first tensor-list argument of a recorded call holds (0 if none)."""
-    try:
-        parsed = boundedjson.loads(args, max_bytes=boundedjson.ARGS_MAX_BYTES) if args else {}
-    except ValueError:
-        return 0
-    for value in parsed.values() if isinstance(parsed, dict) else ():
-        if isinstance(value, list) and value and all(isinstance(v, dict) and "tensor" in v for v in value):
-            return len(value)
-    return 0
 
 
 def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None) -> TensorState:
