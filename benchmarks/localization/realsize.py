@@ -41,7 +41,7 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -49,6 +49,9 @@ from benchmarks.localization.cases import Case, choose_sites
 from benchmarks.localization.faults import ArgFault, CallRecord, Injector, Observation, OutputFault, Plan, Site
 from benchmarks.localization.realmodels import BENCH_OF, PRECISIONS, REAL_MODELS, build_real
 from benchmarks.localization.run import HarnessError, Record, Result, _group_table, _pct, find_truth, publish, score
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 STEPS = {"n": 2}  # training steps per run (``--steps``, set in every worker)
 SCALE = 0.05
@@ -132,6 +135,7 @@ class RealResult(Result):
     skipped: list[int] = field(default_factory=list)  # steps the target's loss scaler skipped on overflows it caught
     verdict: str = ""  # the clean pair's verdict, its first word (AGREE, INCOMPLETE, NO ROOT, DIVERGED)
     drift: str = ""  # where the runs drifted apart (op id, its max/min difference) and the ops left undecided
+    beyond: dict[str, int] | None = None  # tensors compared from the drift on (or all), and those off by a fault's size
 
 
 def _dir_mb(path: Path) -> float:
@@ -158,25 +162,48 @@ def capture(family: str, precision: str, path: Path, plan: Plan, data: str, prof
     return injector.obs, injector.calls or [], workload.losses, time.perf_counter() - start
 
 
+def beyond_fault_size(tensors: pd.DataFrame, rank: int, from_op: int, size: float) -> dict[str, int]:
+    """How many compared float tensors a clean pair made from op ``from_op`` on (where its runs
+    drifted apart, or its first op), and how many of them differ from the bench's by ``size`` (a
+    fault's relative size) or more, in norm/mean and at the extremes (max/min). Where clean tensors
+    differ that much, statistics cannot tell a fault of that size from the pair's own rounding.
+
+    >>> import pandas as pd
+    >>> t = pd.DataFrame({"rank": [0, 0, 0], "op_id": [3, 7, 9], "numel": [10, 10, 10],
+    ...                   "exact": [False, False, True], "e_sys": [0.2, 0.06, 0.0], "e_ext": [0.3, 0.01, 0.0]})
+    >>> beyond_fault_size(t, 0, 5, 0.05)
+    {'from_op': 5, 'tensors': 2, 'norm_mean': 1, 'max_min': 0}
+    """
+    rows = tensors[(tensors["rank"] == rank) & (tensors["op_id"] >= from_op) & (tensors["numel"] > 1)]
+    rows = rows[rows["e_sys"].notna()]
+    off = rows[~rows["exact"].astype(bool)]
+    return {"from_op": from_op, "tensors": len(rows), "norm_mean": int((off["e_sys"] >= size).sum()),
+            "max_min": int((off["e_ext"] >= size).sum())}
+
+
 _COMPARE_CHILD = r"""
 import json, resource, sys, time
 import tracecmp
+from benchmarks.localization.realsize import beyond_fault_size
 start = time.perf_counter()
 result = tracecmp.compare(sys.argv[1], sys.argv[2], progress=False)
 seconds = time.perf_counter() - start
+drift = result.drifts[0] if result.drifts else None
+beyond = beyond_fault_size(result.tensors, drift.rank if drift else 0, drift.op_id if drift else 0, float(sys.argv[3]))
 roots = [dict(op=d.op, module=d.module, phase=d.phase, step=d.step, op_id=d.op_id, kind=d.kind, reason=d.reason,
               score=d.score) for d in result.suspects]
 print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "roots": roots, "skipped": [skip.step for skip in result.skipped_steps],
                   "verdict": result.verdict().split(":")[0],
-                  "drift": "; ".join(f"op {d.op_id} ({d.error:.0%}), {len(d.undecided)} undecided" for d in result.drifts)}))
+                  "drift": "; ".join(f"op {d.op_id} ({d.error:.0%}), {len(d.undecided)} undecided" for d in result.drifts),
+                  "beyond": beyond}))
 """
 
 
 def compare_fresh(target: Path, bench: Path, timeout_s: int) -> dict[str, Any]:
     """``tracecmp.compare`` in a fresh process: its roots, wall time and peak RSS."""
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", _COMPARE_CHILD, str(target), str(bench)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _COMPARE_CHILD, str(target), str(bench), str(SCALE)], capture_output=True,
                          text=True, timeout=timeout_s, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"compare failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
@@ -309,6 +336,7 @@ def score_case(case: RealCase, target: Path, bench: Path, info: dict[str, Any], 
                 out.roots = len(measured["roots"])
                 out.skipped = list(measured.get("skipped", []))
                 out.verdict, out.drift = measured.get("verdict", ""), measured.get("drift", "")
+                out.beyond = measured.get("beyond")
                 out.ranked = [Record(r["op"], r["module"], r["phase"], r["step"], r["op_id"], r["kind"], r["reason"], r["score"])
                               for r in sorted(measured["roots"], key=lambda r: r["op_id"])][:10]
                 out.found = out.ranked[0] if out.ranked else None
@@ -354,14 +382,20 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
         "",
         "### Clean pairs (target against its fp32 bench, 2 steps)",
         "",
-        "| model | precision | losses (target) | roots | verdict | steps its loss scaler skipped | runs drifted apart from | compare | peak RSS | trace |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        ("| model | precision | losses (target) | roots | verdict | steps its loss scaler skipped | runs drifted apart from "
+         f"| tensors off by {SCALE:.0%} or more in norm/mean, max/min: of those from the drift on (or all) | compare | peak RSS "
+         "| trace |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in clean:
         losses = ", ".join(f"{v:.4f}" for v in r.losses)
         roots = str(r.roots) if r.status == "ok" else r.status
         skipped = ", ".join(map(str, r.skipped)) or "-"
-        lines.append(f"| {r.model} | {r.precision} | {losses} | {roots} | {r.verdict or '-'} | {skipped} | {r.drift or '-'} | "
+        beyond = "-"
+        if r.beyond and r.beyond["tensors"]:
+            b, n = r.beyond, r.beyond["tensors"]
+            beyond = f"{b['norm_mean']:,} ({b['norm_mean'] / n:.0%}), {b['max_min']:,} ({b['max_min'] / n:.0%}) of {n:,}"
+        lines.append(f"| {r.model} | {r.precision} | {losses} | {roots} | {r.verdict or '-'} | {skipped} | {r.drift or '-'} | {beyond} | "
                      f"{r.compare_s:.1f} s | {r.compare_rss_mb:,.0f} MB | "
                      f"{r.trace_mb:,.1f} MB |")
     lines.append("")

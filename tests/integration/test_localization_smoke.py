@@ -252,3 +252,20 @@ def test_a_matmul_fault_below_the_tf32_background_is_found_where_the_runs_matmul
     assert r.status == "ok", r.error
     assert r.ratio is not None and r.ratio < 1  # smaller than the TF32 error at its own site
     assert r.top1 and r.found is not None and "accumulation errors" in r.found.reason, r.found
+
+
+def test_the_census_counts_clean_tensors_off_by_a_faults_size_from_the_drift_on() -> None:
+    import pandas as pd
+
+    from benchmarks.localization.realsize import beyond_fault_size
+
+    tensors = pd.DataFrame({
+        "rank": [0, 0, 0, 0, 1, 0],
+        "op_id": [3, 7, 9, 11, 8, 12],
+        "numel": [10, 10, 10, 1, 10, 10],
+        "exact": [False, False, True, False, False, False],
+        "e_sys": [0.2, 0.06, 0.0, 0.5, 0.5, math.nan],  # a scalar, another rank and a non-float tensor left out
+        "e_ext": [0.3, 0.01, 0.0, 0.5, 0.5, math.nan],
+    })
+    assert beyond_fault_size(tensors, 0, 5, 0.05) == {"from_op": 5, "tensors": 2, "norm_mean": 1, "max_min": 0}
+    assert beyond_fault_size(tensors, 0, 0, 0.05) == {"from_op": 0, "tensors": 3, "norm_mean": 2, "max_min": 1}
