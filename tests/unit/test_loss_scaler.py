@@ -22,16 +22,17 @@ _CHECK = "aten._amp_foreach_non_finite_check_and_unscale_.default"
 
 
 def _scaled_steps(path: Path, low: torch.dtype, *, scale: float = 256.0, forward_scale: float = 1.0,
-                  nan_in_backward: bool = False) -> Path:
+                  nan_in_backward: bool = False, scale_forward_of_step: int | None = None, data: bool = False) -> Path:
     """Two training steps of one linear layer under a loss scaler, its matmuls in ``low`` (float16 in
     the target, float32 in the bench), its loss half the sum of squares: the weight gradient
     ``x^T x w`` scaled by ``scale`` overflows float16 at the default, by about twice; the scaler's
     check reads ``found_inf`` into Python and the update runs only when nothing overflowed.
     ``forward_scale`` makes the inputs that many times larger (overflowing the forward matmul in
-    float16 at 300); ``nan_in_backward`` puts a NaN into the weight gradient."""
+    float16 at 300); ``nan_in_backward`` puts a NaN into the weight gradient; ``scale_forward_of_step``
+    scales that step's forward matmul by 1.05 (a fault); ``data`` saves whole tensors."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 32, generator=g) * 10.0 * forward_scale
-    b = TraceBuilder()
+    b = TraceBuilder(data=data)
     weight = b.param("fc.weight", torch.randn(32, 16, generator=g) * 2.0, module="fc")
 
     def in_low(ref: Ref, **kw: object) -> Ref:
@@ -51,7 +52,8 @@ def _scaled_steps(path: Path, low: torch.dtype, *, scale: float = 256.0, forward
 
     for step in range(2):
         inputs = b.source(f"input.{step}", x)
-        out = in_fp32(mm(in_low(inputs, module="fc"), in_low(weight, module="fc"), module="fc"))
+        wrong = (lambda t: t * 1.05) if step == scale_forward_of_step else None
+        out = in_fp32(mm(in_low(inputs, module="fc"), in_low(weight, module="fc"), wrong, module="fc"))
         b.call(A.sum.default, b.call(A.mul.Tensor, out, out))
         grad_out = b.call(A.mul.Scalar, out, scale / 64, phase="backward")
         xt = b.call(A.t.default, in_low(inputs, module="fc", phase="backward"), module="fc", phase="backward")
@@ -95,6 +97,23 @@ def test_a_scale_the_bench_also_holds_skips_nothing(tmp_path: Path) -> None:
     result = tracecmp.compare(_scaled_steps(tmp_path / "t", torch.float16, scale=16.0),
                               _scaled_steps(tmp_path / "b", torch.float32, scale=16.0))
     assert result.first_divergence is None and not result.skipped_steps, result.summary()
+
+
+def test_a_fault_its_replay_shows_after_a_skipped_step_stays_a_root(tmp_path: Path) -> None:
+    # The target skipped steps 0 and 1, and step 1's forward runs on the weight the bench moved and
+    # the target did not, a difference read into Python by the scaler's check. Statistics cannot
+    # see a 5% fault there; the op's replay on its own recorded inputs does, whatever Python decided.
+    bench = _scaled_steps(tmp_path / "b", torch.float32, data=True)
+    target = _scaled_steps(tmp_path / "t", torch.float16, data=True, scale_forward_of_step=1)
+    result = tracecmp.compare(target, bench)
+    assert [s.step for s in result.skipped_steps] == [0, 1], result.summary()
+    d = result.first_divergence
+    assert d is not None and (d.op, d.phase, d.step, d.kind) == ("aten.mm.default", "forward", 1, "computation"), result.summary()
+    assert [s.op_id for s in result.suspects] == [d.op_id], result.summary()
+    assert "replay" in d.reason
+    # with statistics alone the same fault follows what Python read, as before
+    stats = tracecmp.compare(_scaled_steps(tmp_path / "ts", torch.float16, scale_forward_of_step=1), bench)
+    assert stats.first_divergence is None, stats.summary()
 
 
 @pytest.mark.parametrize("case", ["forward overflow", "nan"])

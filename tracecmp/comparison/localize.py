@@ -901,6 +901,9 @@ def _localize_rank(
     bitwise_ops = _bitwise_ops(ri)
 
     roots: list[tuple[tuple, Divergence]] = []
+    # Roots their replay confirms: the op computed wrongly on its own recorded inputs, whatever
+    # made those inputs (drift, what Python decided from a diverged value) and however they differ.
+    replayed: set[int] = set()
 
     def judge(j: _Judged, node: tuple, tainted_in: bool) -> None:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
@@ -920,6 +923,9 @@ def _localize_rank(
                 verdict.introduced = units if not verdict.introduced >= units else verdict.introduced
         verdict.root_kind = root_kind
         verdict.reason = reason
+        if root_kind == "computation" and (deciding == "replay" or own is not None and _replayed_root(
+                j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)):
+            replayed.add(op_id)
         if root_kind == "nan":
             # NaN/Inf made from finite values: no count of rounding units measures that, and it
             # outranks every root of a few units.
@@ -967,7 +973,7 @@ def _localize_rank(
         if j is not None:
             judge(j, node, tainted_in)
             verdict = verdicts[op_id]
-            if (drift_in and verdict.root_kind == "computation" and verdict.metric != "replay"
+            if (drift_in and verdict.root_kind == "computation" and op_id not in replayed
                     and max((e for e in j.e if not math.isnan(e)), default=0.0) <= drift_in):
                 # Its inputs drifted apart: what their statistics say bounds their error from below
                 # only, far below the drift itself, so a root of no more error than the drift is
@@ -995,7 +1001,7 @@ def _localize_rank(
 
         def inherited(d: Divergence) -> bool:
             """Whether ``d`` follows Python's reading of a root; then it is diverged, no root."""
-            if not _follows_python(d, python_from, python_step, exact_in, ri.rank):
+            if d.op_id in replayed or not _follows_python(d, python_from, python_step, exact_in, ri.rank):
                 return False
             verdict = verdicts[d.op_id]  # the reason says where from
             verdict.root_kind = ""
@@ -1101,7 +1107,7 @@ def _follows_python(d: Divergence, python_from: int, python_step: int, exact_in:
     is of a kind Python decides, or lies in a later step (a GradScaler that found the Inf a root
     made skips the optimizer step: the next step runs on parameters the bench moved and the
     target did not, and its optimizer with other arguments on other state). NaN/Inf made from
-    finite inputs stays a root."""
+    finite inputs stays a root, and so does a root its replay confirms (the caller's part)."""
     if d.op_id <= python_from or d.rank != rank or d.kind == "nan":
         return False
     decided = d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
