@@ -556,3 +556,27 @@ def test_roots_after_the_runs_drift_apart_are_left_undecided(tmp_path: Path) -> 
     result = tracecmp.compare(_drift_then_fault(tmp_path / "t2", torch.bfloat16, again=False, fault=1.05), bench)
     assert result.first_divergence is not None and result.first_divergence.op == "aten.mm.default", result.summary()
     assert not result.warnings, result.warnings
+
+
+def _attention_backwards(path: Path, low: torch.dtype, *, fault_at: int = -1, calls: int = 6) -> Path:
+    """Fused attention and its backward, query, key, value and the output's gradient rounded to
+    ``low`` in the target, as GPT-2 small runs them in bf16: the gradients it makes are a
+    thousand times smaller than the query, key and value they multiply. ``fault_at`` scales that
+    call's query gradient by 1.05."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    for i in range(calls):
+        attn = f"h{i}.attn"
+        q, k, v = (b.source(f"input.{name}{i}", torch.randn(2, 4, 32, 16, generator=g).to(low)) for name in "qkv")
+        out, lse = b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, module=attn)
+        grad = b.source(f"input.g{i}", (torch.randn(2, 4, 32, 16, generator=g) * 1e-4).to(low))
+        b.call(A._scaled_dot_product_flash_attention_for_cpu_backward.default, grad, q, k, v, out, lse, 0.0, False,
+               module=attn, phase="backward", fault=[(lambda t: t * 1.05) if i == fault_at else None, None, None])
+    return b.write(path)
+
+
+def test_a_fault_in_an_attention_backward_is_found(tmp_path: Path) -> None:
+    # Its two largest inputs were taken as the operands and the others as added to its output, a
+    # thousand times smaller than they are: a 5% fault in GPT-2 small's query gradient read as noise.
+    _noise_then_one_root(tmp_path, _attention_backwards, {"fault_at": 3},
+                         op="aten._scaled_dot_product_flash_attention_for_cpu_backward.default", module="h3.attn")

@@ -121,15 +121,25 @@ _CONTRACT = {
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "cudnn_convolution", "mkldnn_convolution",
     "_slow_conv2d_forward", "slow_conv3d_forward", "thnn_conv2d", "_nnpack_spatial_convolution",
     "convolution_backward", "_slow_conv2d_backward", "cudnn_convolution_backward", "mkldnn_convolution_backward",
-    "scaled_dot_product_attention", "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_efficient_attention_backward", "_flash_attention_backward", "_efficient_attention_backward",
     "_int_mm", "_scaled_mm", "lstm", "gru", "rnn_tanh", "rnn_relu", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_cudnn_rnn", "_cudnn_rnn_backward", "miopen_rnn",
     "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "linalg_vecdot", "chain_matmul", "multi_dot",
 }
+# Fused attention, forward and backward: softmax(s q k^T + mask) v and its gradients.
+_ATTENTION = {
+    "scaled_dot_product_attention", "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_fused_attention_overrideable_backward",
+    "_flash_attention_backward", "_efficient_attention_backward",
+}
+_CONTRACT |= _ATTENTION
+# The arguments whose values an attention output is a product of (the gradient of the output and
+# the output itself in a backward), and the saved log-sum-exp a backward subtracts inside exp.
+_ATTENTION_FACTORS = ("query", "key", "value", "grad_out", "grad_out_", "out")
+_ATTENTION_EXP = "logsumexp"
 # Normalization ops whose outputs are statistics, not a normalized tensor.
 _NORM_STATS = {"batch_norm_stats", "batch_norm_gather_stats_with_counts", "batch_norm_elemt"}
 _REDUCE_SUM = {"sum", "nansum", "cumsum", "cumsum_", "prod", "cumprod", "trace", "_foreach_norm", "norm",
@@ -320,17 +330,42 @@ _NORM_CENTRES: dict[str, tuple[str, ...]] = {
 _RUNNING = ("running_mean", "running_var")
 
 
+def takes_call_args(op: str) -> bool:
+    """Whether :func:`for_call` refines ``op``'s class from a call's recorded arguments.
+
+    >>> takes_call_args("aten.native_batch_norm_backward.default"), takes_call_args("aten.mm.default")
+    (True, False)
+    """
+    name = base_name(op)
+    return name in _NORM_CENTRES or name in _ATTENTION
+
+
 def for_call(cls: OpClass, op: str, args: Mapping[str, Any]) -> OpClass:
     """``cls`` with the input rules one call's arguments decide (recorded arguments, tensors as
     ``{"tensor": position}``): a normalization backward's saved mean is a "centre", and a training
-    batch norm's running statistics, which its backward does not read, are ignored.
+    batch norm's running statistics, which its backward does not read, are ignored. Fused
+    attention multiplies its query, key and value (and in a backward the output's gradient and the
+    output): each is an operand, whose relative error the output carries; its backward's saved
+    log-sum-exp enters through exp. Without that, the two largest inputs were the operands and the
+    others counted as added to a gradient a thousand times smaller than they are.
 
     >>> cls = for_call(classify("aten.native_layer_norm_backward.default"), "aten.native_layer_norm_backward.default",
     ...                {"grad_out": {"tensor": 0}, "input": {"tensor": 1}, "mean": {"tensor": 2}})
     >>> cls.input_rule(2)
     'centre'
+    >>> op = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+    >>> cls = for_call(classify(op), op, {n: {"tensor": i} for i, n in enumerate(
+    ...     ("grad_out", "query", "key", "value", "out", "logsumexp"))})
+    >>> cls.operands, cls.input_rule(5)
+    ((0, 1, 2, 3, 4), 'exp')
     """
     name = base_name(op)
+    if name in _ATTENTION:
+        operands = tuple(sorted(args[key]["tensor"] for key in _ATTENTION_FACTORS if isinstance(args.get(key), dict)))
+        if len(operands) < 2:
+            return cls
+        lse = args.get(_ATTENTION_EXP)
+        return replace(cls, operands=operands, inputs=cls.inputs + (((lse["tensor"], "exp"),) if isinstance(lse, dict) else ()))
     if name not in _NORM_CENTRES:
         return cls
     rules = [(args[key]["tensor"], "centre") for key in _NORM_CENTRES[name] if isinstance(args.get(key), dict)]

@@ -41,7 +41,7 @@ import numpy as np
 
 from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given_nonfinite, is_copy, is_overflow_check,
-                                   is_readout, read_by)
+                                   is_readout, read_by, takes_call_args)
 from tracecmp.comparison.adam import ADAM_UPDATES, adam_update_bound
 from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
@@ -556,9 +556,10 @@ def _within_adam_bound(x: tuple[float, float, float], node: tuple, position: int
 
 
 def _operands(cls: OpClass, ins: list[tuple[int, TensorState]]) -> list[tuple[int, TensorState]]:
-    """The two inputs a matmul/conv multiplies: by position when known, else the two largest."""
+    """The inputs a matmul/conv multiplies: by position when known (attention's query, key and
+    value, and more in its backward), else the two largest."""
     if cls.operands:
-        return [(pos, s) for pos, s in ins if pos in cls.operands][:2]
+        return [(pos, s) for pos, s in ins if pos in cls.operands]
     return sorted(ins, key=lambda p: p[1].numel, reverse=True)[:2]
 
 
@@ -579,7 +580,7 @@ def _through_view(s: TensorState | None) -> TensorState | None:
 def _contracts_nonzero(cls: OpClass, ins: list[tuple[int, TensorState]]) -> bool:
     """Both operands of a matmul/conv are non-zero (a product with zeros is exact at any precision)."""
     operands = _operands(cls, ins)
-    return len(operands) == 2 and all(s.amax > 0 for _, s in operands)
+    return len(operands) >= 2 and all(s.amax > 0 for _, s in operands)
 
 
 # Tuning constants (set on the fault-injection benchmark's kept traces, see benchmarks/localization).
@@ -747,7 +748,7 @@ def _localize_rank(
         # Sources have no inputs; a view node whose output carries statistics of its own (capture's
         # alias.update: a tensor after writes through its views) assembles its inputs' values.
         cls = OpClass("factory") if kind == "source" else OpClass("copy") if kind == "view" else classify(op)
-        if cls.kind == "normalize" and args:
+        if args and takes_call_args(op):
             cls = _for_call(cls, op, args)
         ins_all = [(pos, lookup(t) if t not in base else _through_view(lookup(t))) for pos, t in enumerate(inputs)]
         if ri.bench_only:
@@ -1544,7 +1545,7 @@ def _within_tf32(j: _Judged, node: tuple, lookup: Callable[[int], TensorState | 
     element by 2u (|A||B|)_ij <= 2u K max|a| max|b|, and the output's norm by 2u ||A|| ||B||."""
     ins = [(pos, lookup(t)) for pos, t in enumerate(node[9])]
     floats = [(pos, s) for pos, s in ins if s is not None and s.is_float and not s.uninit]
-    operands = _operands(j.cls, floats)
+    operands = _operands(j.cls, floats)[:2]  # attention: its first product, q k^T
     outs = [s for s in (lookup(t) for t in node[10]) if s is not None and s.measured and s.is_float]
     if len(operands) != 2 or not outs:
         return True  # nothing to bound it by: as before, TF32-like
