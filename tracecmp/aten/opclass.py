@@ -10,7 +10,9 @@ and only its inputs were off. That depends on what the op does with its inputs:
              inverses (div's denominator, rsqrt, reciprocal, log) amplify by max|x| / min|x|.
 ``exp``      exp, softmax: the output's relative error is the input's absolute error.
 ``contract`` matmul, conv, attention: relative error grows by the condition-like factor
-             sqrt(K) * rms(A) * rms(B) / rms(A @ B) (1 without cancellation).
+             sqrt(K) * rms(A) * rms(B) / rms(A @ B) (1 without cancellation); fused attention's
+             operands (query, key, value; a backward's gradient and output too, see
+             :func:`for_call`) each carry their relative error, with no such factor.
 ``reduce``   sums and means, losses, norms: sqrt(K) * rms(x) / rms(sum) (or its mean analogue).
 ``normalize`` layer/batch/group/RMS norm: divides by the spread, amplifying by rms(x) / std(x).
 ``select``   outputs chosen by comparing inputs (threshold_backward, sort, argmax, comparisons,

@@ -452,6 +452,7 @@ def _expected(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: 
     if kind == "contract":
         floats = _operands(cls, ins)
         contract_pair = {pos for pos, _ in floats}
+        # Attention's three or more operands add their relative errors: no two of them are A and B.
         if len(floats) == 2 and out.numel > 0:
             (_, a), (_, b) = floats
             k = math.sqrt(max(a.numel * b.numel / out.numel, 1.0))
