@@ -11,9 +11,15 @@ Four families, each at the size people train (no download, no torchvision):
 - ``llama8``: ``LlamaForCausalLM`` of 8 layers at d1024 (RMSNorm, RoPE, SwiGLU, 16 heads,
   32000 tokens; 134M), batch 2 x 128 tokens, AdamW.
 
-Dropout is 0 everywhere (the seeds' advice while debugging). Text models get an attention mask
-of ones, as a tokenizer hands it over, so each run builds its own additive mask from
-``torch.finfo(dtype).min``.
+One more, on request only (``--models bert-padded``, not among the defaults):
+
+- ``bert-padded``: ``bert-base`` with transformers' eager attention and a batch whose second
+  sequence is padding after 96 of its 128 tokens, as a tokenizer pads a batch. Each run builds
+  the additive mask from its own dtype's ``torch.finfo(dtype).min``, and every attention's
+  scores and softmax carry it (whole-bf16 fills -3.3895e38, fp32 -3.4028e38).
+
+Dropout is 0 everywhere (the seeds' advice while debugging). The other text models get an
+attention mask of ones, as a tokenizer hands over an unpadded batch.
 
 A *precision* says how one run computes: ``fp32`` (the bench), ``bf16`` (the whole model and its
 optimizer state in bfloat16), ``amp-bf16`` (``torch.autocast`` to bfloat16, fp32 weights) and
@@ -32,9 +38,11 @@ import torch
 from torch import nn
 
 REAL_MODELS = ("gpt2-small", "bert-base", "resnet50", "llama8")
+EXTRA_MODELS = ("bert-padded",)
 PRECISIONS = ("bf16", "amp-bf16", "amp-fp16")
 BENCH_OF = {"bf16": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32-scaler"}
-BATCH = {"gpt2-small": (2, 128), "bert-base": (2, 128), "resnet50": (8, 224), "llama8": (2, 128)}
+BATCH = {"gpt2-small": (2, 128), "bert-base": (2, 128), "resnet50": (8, 224), "llama8": (2, 128), "bert-padded": (2, 128)}
+PADDED_FROM = 96  # bert-padded: where its second sequence's padding starts
 
 
 def _quiet_transformers() -> None:
@@ -56,6 +64,13 @@ def _bert() -> nn.Module:
     return BertForMaskedLM(BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+def _bert_padded() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM._from_config(config, attn_implementation="eager")
+
+
 def _resnet50() -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -74,7 +89,7 @@ def _llama8() -> nn.Module:
 
 
 _BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "gpt2-small": _gpt2, "bert-base": _bert, "resnet50": _resnet50, "llama8": _llama8,
+    "gpt2-small": _gpt2, "bert-base": _bert, "resnet50": _resnet50, "llama8": _llama8, "bert-padded": _bert_padded,
 }
 
 
@@ -88,9 +103,13 @@ def _batch(family: str, model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (n, length), generator=gen)
     mask = torch.ones(n, length, dtype=torch.long)
-    if family == "bert-base":
+    if family in ("bert-base", "bert-padded"):
         labels = torch.full_like(ids, -100)
         masked = torch.rand(n, length, generator=gen) < 0.15
+        if family == "bert-padded":
+            ids[1, PADDED_FROM:] = 0  # [PAD]
+            mask[1, PADDED_FROM:] = 0
+            masked[1, PADDED_FROM:] = False
         labels[masked] = ids[masked]
         ids = ids.masked_fill(masked, 103)  # [MASK] of bert-base-uncased's vocabulary
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -134,7 +153,7 @@ class RealWorkload:
 
 
 def build_real(family: str, precision: str, seed: int = 1234) -> RealWorkload:
-    """``family`` (one of :data:`REAL_MODELS`) with random weights from ``seed``, set up for ``precision``
+    """``family`` (one of :data:`REAL_MODELS` or :data:`EXTRA_MODELS`) with random weights from ``seed``, set up for ``precision``
     (``fp32``, ``fp32-scaler`` or one of :data:`PRECISIONS`); equal seeds give equal weights and batches.
 
     >>> w = build_real("resnet50", "fp32")  # doctest: +SKIP
@@ -142,7 +161,7 @@ def build_real(family: str, precision: str, seed: int = 1234) -> RealWorkload:
     True
     """
     if family not in _BUILDERS:
-        raise ValueError(f"unknown model {family!r}; choose from {REAL_MODELS}")
+        raise ValueError(f"unknown model {family!r}; choose from {REAL_MODELS + EXTRA_MODELS}")
     if precision not in ("fp32", "fp32-scaler", *PRECISIONS):
         raise ValueError(f"unknown precision {precision!r}")
     _quiet_transformers()

@@ -47,7 +47,7 @@ import torch
 
 from benchmarks.localization.cases import Case, choose_sites
 from benchmarks.localization.faults import ArgFault, CallRecord, Injector, Observation, OutputFault, Plan, Site
-from benchmarks.localization.realmodels import BENCH_OF, PRECISIONS, REAL_MODELS, build_real
+from benchmarks.localization.realmodels import BENCH_OF, EXTRA_MODELS, PRECISIONS, REAL_MODELS, build_real
 from benchmarks.localization.run import HarnessError, Record, Result, _group_table, _pct, find_truth, publish, score
 
 if TYPE_CHECKING:
@@ -431,7 +431,8 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.localization.realsize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(REAL_MODELS), help=f"comma-separated subset of {REAL_MODELS}")
+    parser.add_argument("--models", default=",".join(REAL_MODELS),
+                        help=f"comma-separated subset of {REAL_MODELS}, or of {EXTRA_MODELS} (on request only)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated subset of {PRECISIONS}")
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help=f"fault kinds, of {FAULT_KINDS}")
     parser.add_argument("--sites", type=parse_sites, default="scale=2,nan=1,arg=1",
@@ -442,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         "real-size models take ~8 GB a step)")
     parser.add_argument("--clean-only", action="store_true", help="clean pairs only (no fault cases)")
     parser.add_argument("--case", action="append", default=[], help="only cases whose id contains this")
+    parser.add_argument("--within", default="", help="fault sites only in modules whose path contains this "
+                        "(e.g. attention.self); site seeds as without it")
     parser.add_argument("--jobs", type=int, default=1, help="capture processes at once (each holds a model)")
     parser.add_argument("--workdir", type=Path, help="where traces go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the traces in --workdir")
@@ -454,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     families = [m for m in args.models.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
     kinds = [k for k in args.kinds.split(",") if k]
-    for name, values, known in (("models", families, REAL_MODELS), ("precisions", precisions, PRECISIONS),
+    for name, values, known in (("models", families, REAL_MODELS + EXTRA_MODELS), ("precisions", precisions, PRECISIONS),
                                 ("kinds", kinds, FAULT_KINDS)):
         if not set(values) <= set(known):
             parser.error(f"unknown {name} {sorted(set(values) - set(known))}; choose from {known}")
@@ -515,6 +518,8 @@ def _run_model(family: str, precisions: list[str], kinds: list[str], args: argpa
         results.append(r)
     if args.clean_only:
         return results
+    if args.within:
+        calls_by_precision = {p: [c for c in calls if args.within in c.module] for p, calls in calls_by_precision.items()}
     cases = plan_cases(family, calls_by_precision, args.sites, args.seed, [k for k in kinds])
     if args.case:
         cases = [c for c in cases if any(s in c.id for s in args.case)]

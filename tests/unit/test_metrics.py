@@ -104,6 +104,36 @@ def test_dtype_difference_uses_the_coarser_rounding_unit():
     assert m["e_ext"] <= EPS["bfloat16"] / 2  # rounding moves an extreme by at most half a unit
 
 
+def _padding_mask(dtype: torch.dtype, padded: slice = slice(6, 8)) -> torch.Tensor:
+    """An additive mask as each run builds it: 0 where attended, its own dtype's finfo.min where padded."""
+    mask = torch.zeros(2, 1, 8, 8, dtype=dtype)
+    mask[1, :, :, padded] = torch.finfo(dtype).min
+    return mask
+
+
+def test_a_mask_filled_with_each_runs_finfo_min_compares_its_finite_elements():
+    # bf16's finfo.min is 0.4% off float32's: as plain numbers that error hid every other one
+    m = _pair(_padding_mask(torch.bfloat16), _padding_mask(torch.float32))
+    assert m["filled"] and m["e_ext"] == 0.0 and m["e_sys"] < 1e-15, m
+    assert tensor_metrics(_padding_mask(torch.bfloat16), _padding_mask(torch.float32), Tolerances())["max_abs_err"] == 0.0
+    # its finite elements still count, at the extreme the fills leave alone
+    t, b = _padding_mask(torch.bfloat16), _padding_mask(torch.float32)
+    t[0, 0, 0, 0] = 2.0
+    m = _pair(t, b)
+    assert m["filled"] and m["max_diff"] == 2.0 and m["min_diff"] == 0.0, m
+    assert tensor_metrics(t, b, Tolerances())["max_abs_err"] == 2.0
+
+
+def test_a_mask_filled_elsewhere_is_as_wrong_as_a_changed_integer():
+    m = _pair(_padding_mask(torch.bfloat16, slice(5, 8)), _padding_mask(torch.float32))
+    assert m["filled"] and m["e_ext"] == 1.0 and m["e_sys"] == 1.0, m
+    assert tensor_metrics(_padding_mask(torch.bfloat16, slice(5, 8)), _padding_mask(torch.float32),
+                          Tolerances())["max_abs_err"] > 1e38
+    # float16's finfo.min (65504) is a value data reaches, not a fill: compared as it is
+    m = _pair(_padding_mask(torch.float16), _padding_mask(torch.float32))
+    assert not m["filled"] and m["min_diff"] > 1e38
+
+
 def test_tensor_metrics_match_hand_computation():
     b = torch.tensor([1.0, 2.0, 3.0, 4.0])
     t = torch.tensor([1.0, 2.0, 3.0, 4.4])

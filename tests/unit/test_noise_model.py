@@ -582,3 +582,52 @@ def test_a_fault_in_an_attention_backward_is_found(tmp_path: Path) -> None:
     # thousand times smaller than they are: a 5% fault in GPT-2 small's query gradient read as noise.
     _noise_then_one_root(tmp_path, _attention_backwards, {"fault_at": 3},
                          op="aten._scaled_dot_product_flash_attention_for_cpu_backward.default", module="h3.attn")
+
+
+def _padded_attention(path: Path, low: torch.dtype, *, fused: bool, fault: str = "", calls: int = 6) -> Path:
+    """Attention over a padded batch: each run fills its additive mask with its own dtype's
+    finfo.min (bf16's is 0.4% off float32's). Fused, the mask goes into the attention call; eager
+    (as transformers' eager attention), it is added to the scores before the softmax. ``fault``
+    names the op ("attention", "add", "_softmax") whose call 3 is off by 5% in its finite elements."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+
+    def off(op: str, i: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return (lambda t: torch.where(t.abs() < 1e30, t * 1.05, t)) if (op, i) == (fault, 3) else None
+
+    for i in range(calls):
+        attn = f"h{i}.attn"
+        q, k, v = (b.source(f"input.{name}{i}", (torch.randn(2, 4, 32, 16, generator=g) * 2).to(low)) for name in "qkv")
+        keep = b.source(f"input.keep{i}", torch.rand(2, 1, 1, 32, generator=g) > 0.2)
+        zeros = b.call(A.zeros.default, [2, 1, 1, 32], dtype=low, module=attn)
+        padded = b.call(A.logical_not.default, keep, module=attn)
+        mask = b.call(A.masked_fill.Scalar, zeros, padded, torch.finfo(low).min, module=attn)
+        if fused:
+            b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, attn_mask=mask, module=attn,
+                   fault=[off("attention", i), None])
+            continue
+        kt = b.call(A.reshape.default, b.call(A.transpose.int, k, -1, -2, module=attn), [8, 16, 32], module=attn)
+        scores = b.call(A.bmm.default, b.call(A.reshape.default, q, [8, 32, 16], module=attn), kt, module=attn)
+        scores = b.call(A.mul.Tensor, b.call(A.view.default, scores, [2, 4, 32, 32], module=attn), 0.25, module=attn)
+        scores = b.call(A.add.Tensor, scores, mask, module=attn, fault=off("add", i))
+        weights = b.call(A._softmax.default, scores, -1, False, module=attn, fault=off("_softmax", i))
+        b.call(A.bmm.default, b.call(A.reshape.default, weights, [8, 32, 32], module=attn),
+               b.call(A.reshape.default, v, [8, 32, 16], module=attn), module=attn)
+    return b.write(path)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+                    reason="torch before 2.2 has no fused attention kernel on the CPU")
+def test_a_padding_mask_leaves_a_fault_in_fused_attention_visible(tmp_path: Path) -> None:
+    # The mask's 0.4% at its fills, 1e36 in absolute terms, counted as added to the output: the
+    # prediction covered any error, and a 5% fault in the attention read as noise.
+    _noise_then_one_root(tmp_path, functools.partial(_padded_attention, fused=True), {"fault": "attention"},
+                         op="aten._scaled_dot_product_flash_attention_for_cpu.default", module="h3.attn")
+
+
+@pytest.mark.parametrize("op", ["add", "_softmax"])
+def test_a_padding_mask_leaves_a_fault_in_eager_attention_visible(tmp_path: Path, op: str) -> None:
+    # The softmax's input carries the fills: through exp its 1e36 covered any error. The masked
+    # scores' own error hid at the fill's scale, 1e-38 of it.
+    _noise_then_one_root(tmp_path, functools.partial(_padded_attention, fused=False), {"fault": op},
+                         op=f"aten.{op}.{'Tensor' if op == 'add' else 'default'}", module="h3.attn")

@@ -141,7 +141,8 @@ _CONTRACT |= _ATTENTION
 # The arguments whose values an attention output is a product of (the gradient of the output and
 # the output itself in a backward), and the saved log-sum-exp a backward subtracts inside exp.
 _ATTENTION_FACTORS = ("query", "key", "value", "grad_out", "grad_out_", "out")
-_ATTENTION_EXP = "logsumexp"
+# Inside exp: the saved log-sum-exp a backward subtracts, and the mask added to the scores.
+_ATTENTION_EXP = ("logsumexp", "attn_mask", "attn_bias")
 # Normalization ops whose outputs are statistics, not a normalized tensor.
 _NORM_STATS = {"batch_norm_stats", "batch_norm_gather_stats_with_counts", "batch_norm_elemt"}
 _REDUCE_SUM = {"sum", "nansum", "cumsum", "cumsum_", "prod", "cumprod", "trace", "_foreach_norm", "norm",
@@ -347,8 +348,8 @@ def for_call(cls: OpClass, op: str, args: Mapping[str, Any]) -> OpClass:
     ``{"tensor": position}``): a normalization backward's saved mean is a "centre", and a training
     batch norm's running statistics, which its backward does not read, are ignored. Fused
     attention multiplies its query, key and value (and in a backward the output's gradient and the
-    output): each is an operand, whose relative error the output carries; its backward's saved
-    log-sum-exp enters through exp. Without that, the two largest inputs were the operands and the
+    output): each is an operand, whose relative error the output carries; its mask, added to the
+    scores, and its backward's saved log-sum-exp enter through exp. Without that, the two largest inputs were the operands and the
     others counted as added to a gradient a thousand times smaller than they are.
 
     >>> cls = for_call(classify("aten.native_layer_norm_backward.default"), "aten.native_layer_norm_backward.default",
@@ -366,8 +367,8 @@ def for_call(cls: OpClass, op: str, args: Mapping[str, Any]) -> OpClass:
         operands = tuple(sorted(args[key]["tensor"] for key in _ATTENTION_FACTORS if isinstance(args.get(key), dict)))
         if len(operands) < 2:
             return cls
-        lse = args.get(_ATTENTION_EXP)
-        return replace(cls, operands=operands, inputs=cls.inputs + (((lse["tensor"], "exp"),) if isinstance(lse, dict) else ()))
+        inside_exp = tuple((args[key]["tensor"], "exp") for key in _ATTENTION_EXP if isinstance(args.get(key), dict))
+        return replace(cls, operands=operands, inputs=cls.inputs + inside_exp)
     if name not in _NORM_CENTRES:
         return cls
     rules = [(args[key]["tensor"], "centre") for key in _NORM_CENTRES[name] if isinstance(args.get(key), dict)]

@@ -458,8 +458,10 @@ def _states(frame: pd.DataFrame, own: Mapping[int, tuple[bool, bool, str]]) -> d
         return states
     same = (frame["dtype"] == frame["bench_dtype"]).to_numpy(bool)
     columns = [frame[c].tolist() for c in ("tensor_id", "exact", "e_ext", "e_sys", "e_rms", "amax", "rms", "numel",
-                                           "min_b", "max_b", "mean_b", "nonfinite_mismatch", "unit", "has_stats", "has_stats_b")]
-    for (tid, exact, e_ext, e_sys, e_rms, amax, rms, numel, lo, hi, mean, nfm, unit, has_t, has_b), same_dtype in zip(zip(*columns), same):
+                                           "min_b", "max_b", "mean_b", "nonfinite_mismatch", "filled", "unit", "has_stats",
+                                           "has_stats_b")]
+    for (tid, exact, e_ext, e_sys, e_rms, amax, rms, numel, lo, hi, mean, nfm, filled, unit, has_t, has_b), same_dtype in zip(
+            zip(*columns), same):
         if not (has_t and has_b):
             continue
         is_float, nonfinite, _ = own.get(tid, (True, False, ""))
@@ -467,7 +469,7 @@ def _states(frame: pd.DataFrame, own: Mapping[int, tuple[bool, bool, str]]) -> d
             known=True, exact=bool(exact), e_ext=float(e_ext), e_sys=float(e_sys), e_rms=float(e_rms),
             amax=float(amax), rms=float(rms), numel=int(numel), lo=_finite(lo), hi=_finite(hi), mean=_finite(mean),
             nonfinite=bool(nonfinite), is_float=bool(is_float), measured=True, nonfinite_mismatch=bool(nfm),
-            unit=float(unit), same_dtype=bool(same_dtype),
+            unit=float(unit), same_dtype=bool(same_dtype), filled=bool(filled),
         )
     return states
 

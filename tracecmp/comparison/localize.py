@@ -43,6 +43,7 @@ from tracecmp.trace import boundedjson
 from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given_nonfinite, is_copy, is_overflow_check,
                                    is_readout, read_by, takes_call_args)
 from tracecmp.comparison.adam import ADAM_UPDATES, adam_update_bound
+from tracecmp.comparison.metrics import FILLS
 from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
 from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
@@ -89,6 +90,9 @@ class TensorState:
     # Its NaN/Inf differ from the bench's only where the program handed an op a NaN/Inf (a causal
     # mask of -inf against the bench's finfo.min): given, not computed.
     given: bool = False
+    # A mask each run filled with its own dtype's finfo.min or max (metrics.FILLS): its magnitudes
+    # are the fill's, its errors those of its finite elements (see _at_finite_scale).
+    filled: bool = False
 
     # Error carried on to consumers: the measurement, raised towards what the inputs predicted when a
     # measurement came out lucky (statistics are single samples of a random error), see _carry.
@@ -298,6 +302,8 @@ def _constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, in
     amax_o, rms_o = max(out.amax, _TINY), max(out.rms, _TINY)
     ext = sys_ = env = 0.0
     for a, b in _constant_pairs(_norm_args(t_args), _norm_args(b_args)):
+        if _is_fill(a) and _is_fill(b):
+            continue  # a mask's fill: the comparison takes the two as equal (metrics.FILLS)
         shift = abs(a - b)
         if cls.kind == "normalize":
             # 1/sqrt(var + eps): relative error up to half the shift over the variance
@@ -312,6 +318,11 @@ def _constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, in
         else:
             ext, sys_, env = ext + shift / amax_o, sys_ + shift / rms_o, env + shift / rms_o
     return ext, sys_, env
+
+
+def _is_fill(value: float) -> bool:
+    """``finfo(dtype).min`` or ``max`` of bfloat16, float32 or float64, as arguments record it."""
+    return any(abs(value) == float(f"{fill:.9g}") or abs(value) == fill for fill in FILLS)
 
 
 def _arg_difference(t_args: str, b_args: str, op: str = "") -> str:
@@ -635,6 +646,13 @@ def _carry(out: TensorState, x: tuple[float, float, float]) -> None:
     """
     if out.exact:
         return
+    if out.filled:
+        # Its statistics see the fills, and of its finite elements only the largest: the prediction
+        # stands for what they carry, unless the measurement shows more.
+        out.c_ext, out.c_sys = max(out.e_ext, x[0]), max(out.e_sys, x[1])
+        if not math.isnan(out.e_rms):
+            out.c_rms = max(out.e_rms, x[2])
+        return
     if out.amax > 0 and out.rms > 0 and math.isfinite(out.hi - out.lo):
         span = (out.hi - out.lo) + 2.0 * out.e_ext * out.amax
         x = (min(x[0], span / out.amax), min(x[1], span / out.rms), min(x[2], span / out.rms))
@@ -642,6 +660,28 @@ def _carry(out: TensorState, x: tuple[float, float, float]) -> None:
     out.c_sys = out.e_sys and max(out.e_sys, min(x[1], _CARRY_SYS * out.e_sys)) or x[1]
     if not math.isnan(out.e_rms):
         out.c_rms = max(out.e_rms, min(x[2], _CARRY * out.e_rms))
+
+
+def _at_finite_scale(out: TensorState, e: tuple[float, float, float],
+                     x: tuple[float, float, float]) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """A filled output's measured and predicted errors relative to its largest finite element, the
+    scale its op computed at, rather than to the fill (whose 3e38 would make any error vanish).
+
+    Statistics see its finite elements at the extreme the fills leave alone: that channel is
+    judged. Its mean and norm are the fills' (they say which elements are filled, see
+    metrics.stat_metrics), and whole tensors' rms error is relative to them: neither channel
+    judges then. With no finite extreme (a mask of zeros, both kinds of fill), nothing changes.
+
+    >>> s = TensorState(known=True, exact=False, amax=3.4e38, lo=-3.4e38, hi=17.0, filled=True)
+    >>> e, x = _at_finite_scale(s, (1e-39, 0.0, math.nan), (5e-40, 1e-40, 1e-40))
+    >>> round(e[0], 6), round(x[0], 6), e[1]
+    (0.02, 0.01, nan)
+    """
+    finite = abs(out.hi) if out.lo <= -min(FILLS) else abs(out.lo)
+    if not 0 < finite < min(FILLS):
+        return e, x
+    scale = out.amax / finite
+    return (e[0] * scale, math.nan, math.nan), (x[0] * scale, x[1], x[2])
 
 
 def _carry_factors(out: TensorState, x: tuple[float, float, float], ins: list[tuple[int, TensorState]],
@@ -866,6 +906,8 @@ def _localize_rank(
                     _carry(out, x)
                     if cls.kind == "product":
                         _carry_factors(out, x, float_ins, cls)
+                if out.filled:
+                    e, x = _at_finite_scale(out, e, x)
             ratio = max(((ec - xc) / fc if math.isfinite(xc) else ec / fc) for ec, xc, fc in zip(e, x, f1) if not math.isnan(ec))
             if role and out.is_float:
                 parts.append((role, e, x, f1))

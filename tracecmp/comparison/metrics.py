@@ -11,7 +11,9 @@ Statistics give *lower bounds* of the true error, which is what makes them safe 
 
 Magnitudes (amax, rms) are the larger of the two runs', so a tensor that is exactly zero in one run
 is judged relative to the other and a near-zero tensor never yields a 133031 % error. NaN/Inf are
-compared as counts; bitwise identity by checksum. Integer and bool tensors compare exactly.
+compared as counts; bitwise identity by checksum. Integer and bool tensors compare exactly. A
+mask each run filled with its own dtype's ``finfo.min`` is *filled* (see :data:`FILLS`): its
+fills compare as equal, and only its finite elements and which elements are filled count.
 
 With whole tensors in both traces: cosine similarity, max absolute error, max relative error with
 a floor of ``rel_floor * rms`` for near-zero elements, RMSE, and the share of elements within 1/1000
@@ -30,9 +32,18 @@ from tracecmp.trace.saved import SavedTensors
 
 _TINY = 1e-300
 STAT_METRICS = (
-    "exact", "numel", "unit", "nonfinite_mismatch", "amax", "rms", "e_ext", "e_sys", "max_diff", "min_diff",
+    "exact", "numel", "unit", "nonfinite_mismatch", "filled", "amax", "rms", "e_ext", "e_sys", "max_diff", "min_diff",
     "mean_diff", "norm_rel_diff", "within_tol",
 )
+# torch.finfo(dtype).max of bfloat16, float32 and float64: what a program fills a mask with
+# (``masked_fill(mask, finfo(dtype).min)``), each run its own dtype's. Elements at a fill are given,
+# not computed: exp of either is 0, and their 0.4% difference is no error (see stat_metrics).
+# float16's 65504 is left out: a tensor's own values reach it (a saturated cast), and a float16
+# mask's finite entries can weigh as much as its fills in its mean and norm.
+FILLS = (3.3895313892515355e38, 3.4028234663852886e38, 1.7976931348623157e308)
+# A filled tensor's mean and norm, scaled to the bench's fill, differ by far less than this unless
+# an element is filled in one run and not in the other (then by at least 1 / numel).
+_FILL_PATTERN = 1e-12
 TENSOR_METRICS = ("cosine", "max_abs_err", "max_rel_err", "rmse", "e_rms", "within_1e-3", "within_5e-3", "seed_rule_fail")
 
 
@@ -73,6 +84,17 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
 
     lo_t, hi_t, mean_t, norm_t = col("min"), col("max"), col("mean"), col("norm")
     lo_b, hi_b, mean_b, norm_b = col("min_b"), col("max_b"), col("mean_b"), col("norm_b")
+    # A mask each run filled with its own dtype's finfo.min (or .max): the fills are the same
+    # argument, so the extremes at them compare as equal, and mean and norm, which the fills
+    # dominate, compare with the target's fill scaled to the bench's. What is left of them says
+    # whether the same elements are filled; the finite elements are seen at the other extreme.
+    fills = np.asarray(FILLS)
+    lo_fill = has & np.isin(-lo_t, fills) & np.isin(-lo_b, fills)
+    hi_fill = has & np.isin(hi_t, fills) & np.isin(hi_b, fills)
+    filled = lo_fill | hi_fill
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fill_scale = np.where(lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0), np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0))
+    mean_t, norm_t = mean_t * fill_scale, norm_t * fill_scale
     nan_t, inf_t, nan_b, inf_b = col("nan_count"), col("inf_count"), col("nan_count_b"), col("inf_count_b")
     nonfinite_mismatch = has & ((nan_t != nan_b) | (inf_t != inf_b))
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -89,6 +111,8 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         amax = np.where(np.isnan(amax), rms, np.fmax(amax, rms))
         max_diff = np.where(np.isfinite(hi_t) & np.isfinite(hi_b), np.abs(hi_t - hi_b), np.where(hi_t == hi_b, 0.0, np.nan))
         min_diff = np.where(np.isfinite(lo_t) & np.isfinite(lo_b), np.abs(lo_t - lo_b), np.where(lo_t == lo_b, 0.0, np.nan))
+        max_diff = np.where(hi_fill, 0.0, max_diff)
+        min_diff = np.where(lo_fill, 0.0, min_diff)
         mean_diff = np.abs(mean_t - mean_b)
         norm_diff = np.abs(norm_t - norm_b)
         e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, _TINY)
@@ -111,12 +135,15 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         )
     is_int = unit == 0
     within = np.where(is_int, exact, within) & ~nonfinite_mismatch
-    e_ext = np.where(is_int & has & ~exact, 1.0, e_ext)
-    e_sys = np.where(is_int & has & ~exact, 1.0, e_sys)
+    # Elements filled in one run and not in the other: as wrong as a changed integer.
+    changed = (is_int | (filled & (e_sys > _FILL_PATTERN))) & has & ~exact
+    e_ext = np.where(changed, 1.0, e_ext)
+    e_sys = np.where(changed, 1.0, e_sys)
     out["exact"] = exact
     out["numel"] = numel.astype(np.int64)
     out["unit"] = unit
     out["nonfinite_mismatch"] = nonfinite_mismatch
+    out["filled"] = filled
     out["amax"] = np.nan_to_num(amax, nan=0.0, posinf=0.0)
     out["rms"] = np.nan_to_num(rms, nan=0.0, posinf=0.0)
     out["e_ext"] = e_ext
@@ -149,6 +176,11 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
                 "within_1e-3": 1.0, "within_5e-3": 1.0, "seed_rule_fail": False}
     finite = torch.isfinite(td) & torch.isfinite(bd)
     td, bd = td[finite], bd[finite]
+    big = td.abs() >= min(FILLS)
+    if bool(big.any()):  # elements both runs filled with their own dtype's finfo.min/max are given
+        fills = td.new_tensor(FILLS)
+        given = torch.isin(td.abs(), fills) & torch.isin(bd.abs(), fills) & (td.sign() == bd.sign())
+        td = torch.where(given, bd, td)
     if td.numel() == 0:
         return {}
     diff = (td - bd).abs()
