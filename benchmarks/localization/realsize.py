@@ -169,12 +169,14 @@ def beyond_fault_size(tensors: pd.DataFrame, rank: int, from_op: int, size: floa
     differ that much, statistics cannot tell a fault of that size from the pair's own rounding.
 
     >>> import pandas as pd
-    >>> t = pd.DataFrame({"rank": [0, 0, 0], "op_id": [3, 7, 9], "numel": [10, 10, 10],
-    ...                   "exact": [False, False, True], "e_sys": [0.2, 0.06, 0.0], "e_ext": [0.3, 0.01, 0.0]})
-    >>> beyond_fault_size(t, 0, 5, 0.05)
+    >>> t = pd.DataFrame({"rank": [0, 0, 0, 0], "op_id": [3, 7, 8, 9], "numel": [10, 10, 10, 10],
+    ...                   "unit": [0.0039, 0.0039, 0.0, 0.0039], "exact": [False, False, False, True],
+    ...                   "e_sys": [0.2, 0.06, 1.0, 0.0], "e_ext": [0.3, 0.01, 1.0, 0.0]})
+    >>> beyond_fault_size(t, 0, 5, 0.05)  # op 8's output holds integers: not counted
     {'from_op': 5, 'tensors': 2, 'norm_mean': 1, 'max_min': 0}
     """
-    rows = tensors[(tensors["rank"] == rank) & (tensors["op_id"] >= from_op) & (tensors["numel"] > 1)]
+    rows = tensors[(tensors["rank"] == rank) & (tensors["op_id"] >= from_op) & (tensors["numel"] > 1)
+                   & (tensors["unit"] > 0)]
     rows = rows[rows["e_sys"].notna()]
     off = rows[~rows["exact"].astype(bool)]
     return {"from_op": from_op, "tensors": len(rows), "norm_mean": int((off["e_sys"] >= size).sum()),

@@ -260,12 +260,14 @@ def test_the_census_counts_clean_tensors_off_by_a_faults_size_from_the_drift_on(
     from benchmarks.localization.realsize import beyond_fault_size
 
     tensors = pd.DataFrame({
-        "rank": [0, 0, 0, 0, 1, 0],
-        "op_id": [3, 7, 9, 11, 8, 12],
-        "numel": [10, 10, 10, 1, 10, 10],
-        "exact": [False, False, True, False, False, False],
-        "e_sys": [0.2, 0.06, 0.0, 0.5, 0.5, math.nan],  # a scalar, another rank and a non-float tensor left out
-        "e_ext": [0.3, 0.01, 0.0, 0.5, 0.5, math.nan],
+        "rank": [0, 0, 0, 0, 1, 0, 0],
+        "op_id": [3, 7, 9, 11, 8, 12, 13],
+        "numel": [10, 10, 10, 1, 10, 10, 10],
+        "unit": [0.0039, 0.0039, 0.0039, 0.0039, 0.0039, 0.0039, 0.0],
+        "exact": [False, False, True, False, False, False, False],
+        # a scalar, another rank, a tensor without statistics and an integer one are left out
+        "e_sys": [0.2, 0.06, 0.0, 0.5, 0.5, math.nan, 1.0],
+        "e_ext": [0.3, 0.01, 0.0, 0.5, 0.5, math.nan, 1.0],
     })
     assert beyond_fault_size(tensors, 0, 5, 0.05) == {"from_op": 5, "tensors": 2, "norm_mean": 1, "max_min": 0}
     assert beyond_fault_size(tensors, 0, 0, 0.05) == {"from_op": 0, "tensors": 3, "norm_mean": 2, "max_min": 1}

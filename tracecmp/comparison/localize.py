@@ -35,7 +35,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -953,8 +953,9 @@ def _localize_rank(
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
-        root_kind, reason, deciding, part = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode, lookup,
-                                                    channels, fits, bounds_hold, tf32_spread, bitwise_ops, tainted_in)
+        root_kind, reason, deciding, part, confirmed = _decide(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode,
+                                                               lookup, channels, fits, bounds_hold, tf32_spread, bitwise_ops,
+                                                               tainted_in)
         verdict.metric = deciding
         if not root_kind:
             return
@@ -967,8 +968,7 @@ def _localize_rank(
                 verdict.introduced = units if not verdict.introduced >= units else verdict.introduced
         verdict.root_kind = root_kind
         verdict.reason = reason
-        if root_kind == "computation" and (deciding == "replay" or own is not None and _replayed_root(
-                j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)):
+        if root_kind == "computation" and confirmed:
             replayed.add(op_id)
         if root_kind == "nan":
             # NaN/Inf made from finite values: no count of rounding units measures that, and it
@@ -1405,14 +1405,25 @@ def _metric_dict(j: _Judged, part: int = -1) -> dict[str, float]:
     return out
 
 
+class _Decision(NamedTuple):
+    """What :func:`_decide` found for one node."""
+
+    root_kind: str  # '' when not a root
+    reason: str
+    metric: str  # the deciding metric's name
+    part: int  # the output that decided, as an index into _Judged.parts (-1: outputs without roles)
+    replayed: bool = False  # a replay on the op's own recorded inputs confirms it as a root
+
+
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
     fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
     bitwise_ops: Mapping[str, tuple[int, bool]] | None = None, tainted: bool = False,
-) -> tuple[str, str, str, int]:
-    """Root kind ('' when not a root), the one-line reason, the deciding metric's name, and the
-    output that decided, as an index into ``j.parts`` (-1 where the op's outputs have no roles).
+) -> _Decision:
+    """Root kind ('' when not a root), the one-line reason, the deciding metric's name, the
+    output that decided, as an index into ``j.parts`` (-1 where the op's outputs have no roles),
+    and whether a replay of the op on its own recorded inputs confirms it as a root.
 
     ``tainted``: an input carries error from a root before it. Such error is no rounding noise:
     its statistics bound it from below only (its largest element may sit anywhere, its spread is
@@ -1426,24 +1437,25 @@ def _decide(
     if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
-            return "nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count", -1
+            return _Decision("nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count", -1)
     if j.outputs_exact:
-        return "", "", "checksum", -1
+        return _Decision("", "", "checksum", -1)
     unit = ri.units.get(op_id)
     if unit is not None:
-        return (*unit.decide(node, j.e, ri, tol, lookup), -1)
+        root_kind, reason, metric = unit.decide(node, j.e, ri, tol, lookup)
+        return _Decision(root_kind, reason, metric, -1, root_kind == "computation" and metric == "replay")
     bench_op = ri.pairs.get(op_id)
     if bench_op is not None and kind != "source":
         diff = _arg_difference(args, ri.bench_args.get(bench_op, ""), op)
         if diff:
-            return "argument", f"non-tensor arguments differ from the bench: {diff}", "args", -1
+            return _Decision("argument", f"non-tensor arguments differ from the bench: {diff}", "args", -1)
     if any(s.nonfinite_mismatch and s.given for s in outs):
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
-        return "", "", "nan_count", -1
+        return _Decision("", "", "nan_count", -1)
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
     replayed = _replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
     if not j.judgeable:
-        return ("computation", replayed, "replay", -1) if replayed else ("", "", deciding, -1)
+        return _Decision("computation", replayed, "replay", -1, True) if replayed else _Decision("", "", deciding, -1)
     # Which channel of which output is furthest beyond what the inputs explain.
     excess = []
     tf32 = j.uses_tf32 and not exact_matmul
@@ -1479,34 +1491,34 @@ def _decide(
         # counts, atomics), which the rest of a deterministic run says nothing about.
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
-        return ("computation", replayed, "replay", -1) if replayed else ("", "", channels[channel], -1)
+        return _Decision("computation", replayed, "replay", -1, True) if replayed else _Decision("", "", channels[channel], -1)
     if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
         # Its inputs already differ from the bench's, and a replay of the op on its own recorded
         # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
         # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
         # replay decides; the statistics only estimated.
-        return "", "", "replay", -1
+        return _Decision("", "", "replay", -1)
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
         label = op.removeprefix("source.")
-        return "source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part
+        return _Decision("source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part)
     if random:
         agree = " while its inputs agree" if j.inputs_exact else ""
-        return "random", (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
+        return _Decision("random", (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
                           "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
-                          'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'), channels[channel], part
+                          'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'), channels[channel], part)
     structure = _structure_note(op_id, inputs, ri)
     if bench_op is None:
-        return "structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel], part
+        return _Decision("structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel], part)
     if structure:
-        return "structure", f"{structure}; {what}", channels[channel], part
+        return _Decision("structure", f"{structure}; {what}", channels[channel], part)
     if j.inputs_exact:
         reason = f"output differs ({what}) while every input agrees bitwise"
     else:
         ratio = e / max(x, _TINY)
         reason = f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})" if x > 0 else (
             f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
-    return "computation", reason, channels[channel], part
+    return _Decision("computation", reason, channels[channel], part, bool(replayed))
 
 
 @dataclass(frozen=True, slots=True)
