@@ -346,3 +346,34 @@ def test_a_session_recording_no_step_lets_the_program_run(tmp_path: Path) -> Non
             opt.zero_grad()
     trace = tracecmp.load(tmp_path / "t")
     assert trace.complete and len(trace.rank(0).ops) == 0
+
+
+_AFTER_A_COMPILE = r"""
+import sys, torch
+import tracecmp
+from tests.models import example_batch, make_model, make_optimizer, train_step
+
+torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.randn(4))  # any compile, before the optimizer exists
+model, batch = make_model("mlp"), example_batch("mlp")
+optimizer = make_optimizer(model, "adam")
+step = type(optimizer).step
+with tracecmp.TraceCompare(sys.argv[1], model=model):  # no tc.step(): each optimizer.step() ends a step
+    for _ in range(2):
+        train_step(model, optimizer, batch)
+assert type(optimizer).step is step, "capture left the optimizer's step as it found it"
+"""
+
+
+def test_a_compile_before_capture_leaves_the_optimizer_phase_and_steps(tmp_path: Path) -> None:
+    # torch 2.1's Dynamo unwraps every optimizer's step from the wrapper that calls optimizer
+    # hooks at its first compile: the optimizer's ops were recorded as forward ones, in one step.
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", _AFTER_A_COMPILE, str(tmp_path / "t")], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ops, _ = _trace(tmp_path / "t")
+    phases = ops.groupby("step")["phase"].agg(set).to_dict()
+    assert phases == {0: {"forward", "backward", "optimizer"}, 1: {"forward", "backward", "optimizer"}}, phases

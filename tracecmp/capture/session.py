@@ -83,6 +83,37 @@ def _model_device(model: torch.nn.Module | None) -> str | None:
     return None
 
 
+def _rewrap_optimizer_steps() -> list[tuple[type, Any]]:
+    """Put torch's step wrapper, which calls the optimizer step hooks, back around the step of
+    every optimizer class it was taken from; returns (class, the step found) to restore on exit.
+
+    torch 2.1's Dynamo, at its first compile in a process, unwraps every torch.optim optimizer's
+    step and marks it as wrapped so that no optimizer wraps it again: after any ``torch.compile``
+    no optimizer hook fires, and capture would record the optimizer's ops as forward ones and
+    never end a step at ``optimizer.step()``. Later torch leaves the wrapper in place, and then
+    this finds nothing to do. The wrapper changes no value: it names the step for the profiler
+    and calls the hooks.
+    """
+    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    if wrap is None:
+        return []
+    wrapper_code = wrap(lambda *args, **kwargs: None).__code__
+    rewrapped = []
+    todo, seen = [torch.optim.Optimizer], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        step = cls.__dict__.get("step")
+        if step is not None and getattr(step, "hooked", False) and getattr(step, "__code__", None) is not wrapper_code:
+            cls.step = wrap(step)
+            cls.step.hooked = True  # type: ignore[attr-defined]
+            rewrapped.append((cls, step))
+    return rewrapped
+
+
 class TraceCompare:
     """Record every op of the enclosed code (forward, backward, optimizer) into a trace folder.
 
@@ -243,6 +274,7 @@ class TraceCompare:
         self._mode: CaptureMode | None = None
         self._scope: ModuleScope | None = None
         self._hooks: list[Any] = []
+        self._rewrapped: list[tuple[type, Any]] = []  # optimizer steps given back their hook wrapper
         self._dropout_off: DropoutOff | None = None  # the whole session, recorded steps or not
         self._unrecorded: Rewrites | None = None  # rng/dropout rewrites in steps that are not recorded
         self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
@@ -365,6 +397,7 @@ class TraceCompare:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
             self._catch_sigterm()
+            self._rewrapped = _rewrap_optimizer_steps()
             self._hooks = [
                 register_optimizer_step_pre_hook(self._optimizer_pre),
                 register_optimizer_step_post_hook(self._optimizer_post),
@@ -650,6 +683,9 @@ class TraceCompare:
                 handle.remove()
             _INERT_HOOKS.clear()
         self._hooks = []
+        for cls, step in self._rewrapped:
+            cls.step = step
+        self._rewrapped = []
 
     def _flush(self) -> None:
         """Hand the buffered rows to the writer as one chunk (committed atomically on its thread)."""
