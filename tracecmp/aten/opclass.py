@@ -349,8 +349,9 @@ def for_call(cls: OpClass, op: str, args: Mapping[str, Any]) -> OpClass:
     batch norm's running statistics, which its backward does not read, are ignored. Fused
     attention multiplies its query, key and value (and in a backward the output's gradient and the
     output): each is an operand, whose relative error the output carries; its mask, added to the
-    scores, and its backward's saved log-sum-exp enter through exp. Without that, the two largest inputs were the operands and the
-    others counted as added to a gradient a thousand times smaller than they are.
+    scores, and its backward's saved log-sum-exp enter through exp. Without that, the two largest
+    inputs were the operands and the others counted as added to a gradient a thousand times
+    smaller than they are.
 
     >>> cls = for_call(classify("aten.native_layer_norm_backward.default"), "aten.native_layer_norm_backward.default",
     ...                {"grad_out": {"tensor": 0}, "input": {"tensor": 1}, "mean": {"tensor": 2}})

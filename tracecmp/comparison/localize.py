@@ -1437,7 +1437,8 @@ def _decide(
     if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
-            return _Decision("nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)", "nan_count", -1)
+            return _Decision("nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)",
+                             "nan_count", -1)
     if j.outputs_exact:
         return _Decision("", "", "checksum", -1)
     unit = ri.units.get(op_id)
@@ -1491,7 +1492,9 @@ def _decide(
         # counts, atomics), which the rest of a deterministic run says nothing about.
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
     if not (strict or score > 1.0):
-        return _Decision("computation", replayed, "replay", -1, True) if replayed else _Decision("", "", channels[channel], -1)
+        if replayed:
+            return _Decision("computation", replayed, "replay", -1, True)
+        return _Decision("", "", channels[channel], -1)
     if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
         # Its inputs already differ from the bench's, and a replay of the op on its own recorded
         # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
@@ -1504,12 +1507,14 @@ def _decide(
         return _Decision("source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part)
     if random:
         agree = " while its inputs agree" if j.inputs_exact else ""
-        return _Decision("random", (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
-                          "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
-                          'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'), channels[channel], part)
+        reason = (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
+                  "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
+                  'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off')
+        return _Decision("random", reason, channels[channel], part)
     structure = _structure_note(op_id, inputs, ri)
     if bench_op is None:
-        return _Decision("structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel], part)
+        return _Decision("structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel],
+                         part)
     if structure:
         return _Decision("structure", f"{structure}; {what}", channels[channel], part)
     if j.inputs_exact:

@@ -93,7 +93,8 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     hi_fill = has & np.isin(hi_t, fills) & np.isin(hi_b, fills)
     filled = lo_fill | hi_fill
     with np.errstate(invalid="ignore", divide="ignore"):
-        fill_scale = np.where(lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0), np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0))
+        fill_scale = np.where(lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0),
+                              np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0))
     mean_t, norm_t = mean_t * fill_scale, norm_t * fill_scale
     nan_t, inf_t, nan_b, inf_b = col("nan_count"), col("inf_count"), col("nan_count_b"), col("inf_count_b")
     nonfinite_mismatch = has & ((nan_t != nan_b) | (inf_t != inf_b))
