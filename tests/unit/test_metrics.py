@@ -114,8 +114,12 @@ def _padding_mask(dtype: torch.dtype, padded: slice = slice(6, 8)) -> torch.Tens
 def test_a_mask_filled_with_each_runs_finfo_min_compares_its_finite_elements():
     # bf16's finfo.min is 0.4% off float32's: as plain numbers that error hid every other one
     m = _pair(_padding_mask(torch.bfloat16), _padding_mask(torch.float32))
-    assert m["filled"] and m["e_ext"] == 0.0 and m["e_sys"] < 1e-15, m
+    assert m["filled"] and m["e_ext"] == 0.0 and m["e_sys"] == 0.0, m
     assert tensor_metrics(_padding_mask(torch.bfloat16), _padding_mask(torch.float32), Tolerances())["max_abs_err"] == 0.0
+    # all fill (scalar_tensor(finfo.min)): both extremes are fills
+    m = _pair(torch.tensor([torch.finfo(torch.bfloat16).min], dtype=torch.bfloat16),
+              torch.tensor([torch.finfo(torch.float32).min]))
+    assert m["filled"] and m["e_ext"] == 0.0 and m["e_sys"] == 0.0, m
     # its finite elements still count, at the extreme the fills leave alone
     t, b = _padding_mask(torch.bfloat16), _padding_mask(torch.float32)
     t[0, 0, 0, 0] = 2.0

@@ -88,9 +88,10 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     # argument, so the extremes at them compare as equal, and mean and norm, which the fills
     # dominate, compare with the target's fill scaled to the bench's. What is left of them says
     # whether the same elements are filled; the finite elements are seen at the other extreme.
+    # (A tensor that is all fill, scalar_tensor(finfo.min), has one at both extremes.)
     fills = np.asarray(FILLS)
-    lo_fill = has & np.isin(-lo_t, fills) & np.isin(-lo_b, fills)
-    hi_fill = has & np.isin(hi_t, fills) & np.isin(hi_b, fills)
+    lo_fill = has & np.isin(np.abs(lo_t), fills) & np.isin(np.abs(lo_b), fills) & (np.sign(lo_t) == np.sign(lo_b))
+    hi_fill = has & np.isin(np.abs(hi_t), fills) & np.isin(np.abs(hi_b), fills) & (np.sign(hi_t) == np.sign(hi_b))
     filled = lo_fill | hi_fill
     with np.errstate(invalid="ignore", divide="ignore"):
         fill_scale = np.where(lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0),
@@ -136,10 +137,12 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         )
     is_int = unit == 0
     within = np.where(is_int, exact, within) & ~nonfinite_mismatch
-    # Elements filled in one run and not in the other: as wrong as a changed integer.
-    changed = (is_int | (filled & (e_sys > _FILL_PATTERN))) & has & ~exact
+    # Elements filled in one run and not in the other: as wrong as a changed integer. Filled alike,
+    # the rest of a filled tensor's mean and norm is the rounding of their sums, no error.
+    refilled = filled & (e_sys > _FILL_PATTERN)
+    changed = (is_int | refilled) & has & ~exact
     e_ext = np.where(changed, 1.0, e_ext)
-    e_sys = np.where(changed, 1.0, e_sys)
+    e_sys = np.where(changed, 1.0, np.where(filled, 0.0, e_sys))
     out["exact"] = exact
     out["numel"] = numel.astype(np.int64)
     out["unit"] = unit
