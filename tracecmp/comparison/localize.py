@@ -646,11 +646,11 @@ def _carry(out: TensorState, x: tuple[float, float, float], typical: tuple[float
     made its update looks).
 
     ``typical`` is the measured/predicted ratio (max/min, norm/mean) that the op's earlier calls
-    at the same site typically showed (see :class:`_TypicalRatio`). Without whole tensors a measurement is one
-    sample of a random error, and a lucky one can sit hundreds of times below the error the bulk of
-    the tensor carries (BERT-base in AMP bf16: a layer norm's input gradient off by 0.77% in RMS,
-    by 0.005% at both its extremes). Such an output passes on at least what its prediction
-    typically comes to in this run, never more than the prediction itself.
+    at the same site typically showed (see :class:`_TypicalRatio`). Without whole tensors a
+    measurement is one sample of a random error, and a lucky one can sit hundreds of times below
+    the error the bulk of the tensor carries (BERT-base in AMP bf16: a layer norm's input gradient
+    off by 0.77% in RMS, by 0.005% at both its extremes). Such an output passes on at least what
+    its prediction typically comes to in this run, never more than the prediction itself.
     """
     if out.exact:
         return
@@ -727,7 +727,7 @@ class _TypicalRatio:
             return 0.0, 0.0
         calls = max(len(lists[0]), len(lists[1]))
         done, medians = self._medians.get(key, (0, (0.0, 0.0)))
-        # Sorting again only as the calls grow by an eighth keeps a group of n calls at O(n log n).
+        # Sorted again only once a site's calls grew by an eighth: O(log n) sorts for n calls.
         if calls >= self.MIN_CALLS and calls - done >= max(1, done // 8):
             medians = tuple(float(np.median(v)) if len(v) >= self.MIN_CALLS else 0.0 for v in lists)  # type: ignore[assignment]
             self._medians[key] = (calls, medians)
@@ -977,7 +977,8 @@ def _localize_rank(
                     x = (x[0] + shift[0], x[1] + shift[1], x[2] + shift[2])
                 nontrivial = nontrivial or (out.amax > 0 and (cls.kind != "contract" or _contracts_nonzero(cls, float_ins)))
                 if judgeable:
-                    site = (op, dtype, role, phase, _layer_site(module), tuple(_made_by(producer.get(base.get(t, t))) for t in inputs))
+                    made_by = tuple(_made_by(producer.get(base.get(t, t))) for t in inputs)
+                    site = (op, dtype, role, phase, _layer_site(module), made_by)
                     _carry(out, x, typical.median(site))
                     if kind == "op":
                         typical.add(site, e, x)
