@@ -729,7 +729,8 @@ class _TypicalRatio:
         done, medians = self._medians.get(key, (0, (0.0, 0.0)))
         # Sorted again only once a site's calls grew by an eighth: O(log n) sorts for n calls.
         if calls >= self.MIN_CALLS and calls - done >= max(1, done // 8):
-            medians = tuple(float(np.median(v)) if len(v) >= self.MIN_CALLS else 0.0 for v in lists)  # type: ignore[assignment]
+            ext, sys_ = (float(np.median(v)) if len(v) >= self.MIN_CALLS else 0.0 for v in lists)
+            medians = ext, sys_
             self._medians[key] = (calls, medians)
         return medians
 
@@ -952,6 +953,9 @@ def _localize_rank(
         rstd = next((m for m, role in zip(out_states, roles) if role == "rstd"), None)
         parts = []
         dtype = ri.own.get(outputs[0], (True, False, ""))[2] if outputs else ""
+        # This call's site among the op's calls (see _TypicalRatio); each output adds its role.
+        site = (op, dtype, phase, _layer_site(module),
+                tuple(_made_by(producer.get(base.get(t, t))) for t in inputs)) if judgeable else ()
         for out, role, position in zip(out_states, roles, positions):
             if not out.is_float:
                 e = (0.0 if out.exact else 1.0, 0.0, math.nan)
@@ -977,11 +981,9 @@ def _localize_rank(
                     x = (x[0] + shift[0], x[1] + shift[1], x[2] + shift[2])
                 nontrivial = nontrivial or (out.amax > 0 and (cls.kind != "contract" or _contracts_nonzero(cls, float_ins)))
                 if judgeable:
-                    made_by = tuple(_made_by(producer.get(base.get(t, t))) for t in inputs)
-                    site = (op, dtype, role, phase, _layer_site(module), made_by)
-                    _carry(out, x, typical.median(site))
+                    _carry(out, x, typical.median((*site, role)))
                     if kind == "op":
-                        typical.add(site, e, x)
+                        typical.add((*site, role), e, x)
                     if cls.kind == "product":
                         _carry_factors(out, x, float_ins, cls)
                 if out.filled:
