@@ -185,7 +185,7 @@ def replay(path: Path, config: str) -> dict[str, Any]:
     import torch
 
     import tracecmp
-    from tracecmp.replay import replay_rank
+    from tracecmp.numerics.replay import replay_rank
 
     try:
         import tracecmp.checking  # noqa: F401 - imports are not replay time

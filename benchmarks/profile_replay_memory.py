@@ -48,7 +48,7 @@ def profile(trace_path: Path, check: bool, top: int) -> dict:
     import torch
 
     import tracecmp
-    from tracecmp.replay import ELEMENT_ULPS, Replayer
+    from tracecmp.numerics.replay import ELEMENT_ULPS, Replayer
 
     if check:
         torch.set_num_threads(1)  # as the benchmark's one-thread check

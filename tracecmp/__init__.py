@@ -35,6 +35,7 @@ _LAZY = {
     "check": "tracecmp.checking",
     "CheckResult": "tracecmp.checking",
     "seed_all": "tracecmp.seeding",
+    "register_reference": "tracecmp.numerics.replay",
 }
 
 __all__ = [

@@ -35,7 +35,7 @@ from benchmarks.localization.models import FAMILIES, build_workload
 MODEL_SEED = 1234
 DATA_MODES = ("stats", "tensors")
 # What both runs record (``TraceCompare(data=...)``); ``--data`` sets it in every worker. With
-# tensors, compare also replays each target op on its recorded inputs (tracecmp.replay).
+# tensors, compare also replays each target op on its recorded inputs (tracecmp.numerics.replay).
 CAPTURE = {"data": "stats"}
 
 

@@ -15,7 +15,7 @@ from tracecmp.capture.select import Selection, around
 from tracecmp.checking import CheckError, Standards, check
 from tracecmp.checking.statistics import StatisticsChecker, TensorSpec, draw, on_grid
 from tracecmp.cli.main import main as cli_main
-from tracecmp.replay import Replayer, Skipped, register_reference, replay_ops
+from tracecmp.numerics.replay import Replayer, Skipped, register_reference, replay_ops
 
 A = torch.ops.aten
 

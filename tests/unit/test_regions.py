@@ -11,7 +11,7 @@ import torch
 
 import tracecmp
 from tests.tracebuild import Ref, TraceBuilder
-from tracecmp.replay import replay_regions
+from tracecmp.numerics.replay import replay_regions
 
 A = torch.ops.aten
 SCALE = 0.25  # 1 / sqrt(head dim 16)

@@ -1,4 +1,4 @@
-"""Replay of recorded ops (tracecmp.replay) on hand-recorded traces with whole tensors."""
+"""Replay of recorded ops (tracecmp.numerics.replay) on hand-recorded traces with whole tensors."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ from tests.tracebuild import TraceBuilder
 from tests.unit.test_localize import noise, record, scale
 from tracecmp.cli.main import main as cli_main
 from tracecmp.comparison import Tolerances
-from tracecmp.replay import _errors, replay_rank
+from tracecmp.numerics.replay import replay_rank
+from tracecmp.numerics.replay.measure import errors_against
 
 A = torch.ops.aten
 
@@ -109,17 +110,17 @@ def test_an_op_that_computes_exactly_is_wrong_by_one_ulp(tmp_path):
 def test_flushed_denormals_are_not_an_error():
     honest = torch.tensor([1.0, 1e-40, -2.0])  # a float32 denormal, exact: the op needed no rounding
     recorded = torch.tensor([1.0, 0.0, -2.0])  # an accelerator that flushes denormals to zero
-    assert _errors(recorded, honest, honest.double()) == (0.0, 0.0)
+    assert errors_against(recorded, honest, honest.double()) == (0.0, 0.0)
     bumped = torch.tensor([1.0, 1e-40, -2.0000002])
-    assert _errors(bumped, honest, honest.double())[0] > 0
+    assert errors_against(bumped, honest, honest.double())[0] > 0
 
 
 def test_nan_where_the_replay_has_none_is_an_infinite_error():
     reference = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    error, honest = _errors(torch.tensor([1.0, math.nan]), torch.tensor([1.0, 2.0]), reference)
+    error, honest = errors_against(torch.tensor([1.0, math.nan]), torch.tensor([1.0, 2.0]), reference)
     assert math.isinf(error) and honest == 0.0
     same_nan = torch.tensor([1.0, math.nan])
-    assert _errors(same_nan, same_nan, torch.tensor([1.0, math.nan], dtype=torch.float64)) == (0.0, 0.0)
+    assert errors_against(same_nan, same_nan, torch.tensor([1.0, math.nan], dtype=torch.float64)) == (0.0, 0.0)
 
 
 def _nan_row_divided(path: Path, recorded_bits: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -270,13 +271,13 @@ def test_a_matmul_output_rounded_to_bf16_stands_out_of_the_tf32_noise(tmp_path):
 def test_a_denormal_where_the_exact_result_is_zero_is_an_error():
     honest = torch.tensor([1.0, 0.0, -2.0])
     made_up = torch.tensor([1.0, 1e-45, -2.0])
-    error, _ = _errors(made_up, honest, honest.double())
+    error, _ = errors_against(made_up, honest, honest.double())
     assert error > 0
 
 
 def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
     from tracecmp.comparison.engine import reduced_matmul_precision
-    from tracecmp.replay import REDUCED_MODELS
+    from tracecmp.numerics.rounding import REDUCED_MODELS
 
     traces = []
     for name, precision in (("a", "high"), ("b", "medium")):

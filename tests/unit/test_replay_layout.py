@@ -12,7 +12,7 @@ import tracecmp
 from tests.tracebuild import TraceBuilder
 from tests.unit.test_localize import _round_tf32
 from tracecmp.aten.args import copy_laid_out
-from tracecmp.replay import replay_rank
+from tracecmp.numerics.replay import replay_rank
 
 A = torch.ops.aten
 

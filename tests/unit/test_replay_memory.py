@@ -11,8 +11,8 @@ import torch
 
 import tracecmp
 from tests.tracebuild import TraceBuilder
-from tracecmp import replay
-from tracecmp.replay import ELEMENT_ULPS, OwnError, Replayer, replay_ops
+from tracecmp.numerics.replay import measure, replayer
+from tracecmp.numerics.replay import ELEMENT_ULPS, OwnError, Replayer, replay_ops
 
 A = torch.ops.aten
 SHAPE = (3, 5003)  # 15,009 elements: four pieces of 4,096 and a short last one
@@ -74,10 +74,15 @@ def test_calls_replayed_in_pieces_measure_as_whole_ones(tmp_path, monkeypatch, o
     rank = tracecmp.load(_trace(tmp_path / "run")).rank(0)
     whole = replay_ops(rank, detail=ELEMENT_ULPS, reduced=reduced)
     pieced_calls = []
-    monkeypatch.setattr(replay, "_PIECE_ELEMENTS", PIECE)
-    real = replay._pieces_of
-    monkeypatch.setattr(replay, "_pieces_of",
-                        lambda inputs, span, order=None: pieced_calls.append(span) or real(inputs, span, order))
+    monkeypatch.setattr(measure, "_PIECE_ELEMENTS", PIECE)
+    real = measure.pieces_of
+
+    def counted(inputs, span, order=None):
+        pieced_calls.append(span)
+        return real(inputs, span, order)
+
+    for module in (measure, replayer):  # both cut calls into pieces
+        monkeypatch.setattr(module, "pieces_of", counted)
     pieced = replay_ops(rank, detail=ELEMENT_ULPS, reduced=reduced)
     assert len(pieced_calls) >= 12 * 4  # every large pointwise call went piece by piece
     assert set(whole) == set(pieced)
@@ -108,32 +113,32 @@ def test_a_reference_made_in_pieces_has_the_bits_of_a_whole_one(op, args, one_th
     x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(1)) + 0.5
     name = str(op)
     recorded = {"self": {"tensor": 0}, **args}
-    whole = replay._outputs(name, recorded, [x], golden=True)
+    whole = measure.run_outputs(name, recorded, [x], golden=True)
     spans = [(start, min(start + PIECE, x.numel())) for start in range(0, x.numel(), PIECE)]
-    first = replay._outputs(name, recorded, replay._pieces_of([x], spans[0]), golden=True)
+    first = measure.run_outputs(name, recorded, measure.pieces_of([x], spans[0]), golden=True)
     assert whole is not None and first is not None
-    reference = replay._Reference(first[0], call=(name, recorded, [x], spans, 0))
+    reference = measure.Reference(first[0], call=(name, recorded, [x], spans, 0))
     pieces = torch.cat([reference.piece(i) for i in range(len(spans))])
     assert torch.equal(pieces.view(torch.int64), whole[0].reshape(-1).view(torch.int64))
     # ... which a piece boundary off the vector width would not keep.
-    odd = torch.cat([replay._outputs(name, recorded, [x.view(-1)[s:s + 7]], golden=True)[0] for s in range(0, x.numel(), 7)])
+    odd = torch.cat([measure.run_outputs(name, recorded, [x.view(-1)[s:s + 7]], golden=True)[0] for s in range(0, x.numel(), 7)])
     if name != "aten.pow.Tensor_Scalar":  # float64 pow takes one path here
         assert not torch.equal(odd, whole[0].reshape(-1))
 
 
 def test_pieces_are_only_for_pointwise_calls_over_one_shape(monkeypatch):
-    monkeypatch.setattr(replay, "_PIECE_ELEMENTS", PIECE)
+    monkeypatch.setattr(measure, "_PIECE_ELEMENTS", PIECE)
     x, y = torch.ones(SHAPE), torch.ones(SHAPE)
-    assert replay._spans("aten.add.Tensor", [x, y], [SHAPE]) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 15009)]
-    assert replay._spans("aten._foreach_add.List", [x, y], [SHAPE]) is not None
-    assert replay._spans("aten.add.Tensor", [x, torch.tensor(2.0)], [SHAPE]) is not None  # a scalar operand
-    assert replay._spans("aten.add.Tensor", [x, torch.ones(SHAPE[1])], [SHAPE]) is None  # broadcast
+    assert measure.piece_spans("aten.add.Tensor", [x, y], [SHAPE]) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 15009)]
+    assert measure.piece_spans("aten._foreach_add.List", [x, y], [SHAPE]) is not None
+    assert measure.piece_spans("aten.add.Tensor", [x, torch.tensor(2.0)], [SHAPE]) is not None  # a scalar operand
+    assert measure.piece_spans("aten.add.Tensor", [x, torch.ones(SHAPE[1])], [SHAPE]) is None  # broadcast
     across = x.t().contiguous().t()
-    assert replay._spans("aten.add.Tensor", [across, y], [SHAPE]) is None  # laid out otherwise
-    assert replay._spans("aten.add.Tensor", [across, y.t().contiguous().t()], [SHAPE]) is not None  # alike
-    assert replay._spans("aten.add.Tensor", [x[:, :100], y[:, :100]], [(3, 100)]) is None  # small
-    assert replay._spans("aten._log_softmax.default", [x], [SHAPE]) is None
-    assert replay._spans("aten._foreach_norm.Scalar", [x], [()]) is None
+    assert measure.piece_spans("aten.add.Tensor", [across, y], [SHAPE]) is None  # laid out otherwise
+    assert measure.piece_spans("aten.add.Tensor", [across, y.t().contiguous().t()], [SHAPE]) is not None  # alike
+    assert measure.piece_spans("aten.add.Tensor", [x[:, :100], y[:, :100]], [(3, 100)]) is None  # small
+    assert measure.piece_spans("aten._log_softmax.default", [x], [SHAPE]) is None
+    assert measure.piece_spans("aten._foreach_norm.Scalar", [x], [()]) is None
 
 
 def test_the_cache_makes_room_for_a_large_op(tmp_path):

@@ -39,7 +39,7 @@ _SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::m
 # and offset, the varlen batch offsets and the debug mask. Where a kernel has no use for them they
 # are uninitialized memory (all of them on the CPU in torch 2.1; the generator's without dropout on
 # CUDA), so statistics of them would differ between identical runs.
-_SCRATCH_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"})
+SCRATCH_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"})
 # Returns that are an argument handed back after the op wrote part of it, with no alias
 # annotation: FSDP2's all-gather buffer holds only this rank's shard (the other return, a view of
 # it) until the all-gather fills the rest, so it stays the uninitialised value it was.
@@ -126,7 +126,7 @@ def _build(func: Any) -> OpInfo:
     for position, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is None:
-            returns.append((SCRATCH if position == scratch or ret.name in _SCRATCH_NAMES
+            returns.append((SCRATCH if position == scratch or ret.name in SCRATCH_NAMES
                             else BUFFER if position == buffer else FRESH, None))
             continue
         sets = _alias_sets(info)

@@ -1,7 +1,7 @@
 """``check``: judge every op of one run against a float64 replay, with no bench run.
 
 Per rank, the computing ops of the chosen steps are replayed on their recorded inputs where the
-trace saved them (:mod:`tracecmp.replay`, judged by :mod:`tracecmp.checking.standards`), and on
+trace saved them (:mod:`tracecmp.numerics.replay`, judged by :mod:`tracecmp.checking.standards`), and on
 random inputs drawn to their statistics where it did not (:mod:`tracecmp.checking.statistics`,
 weaker evidence). Ops that cannot be replayed on the CPU are listed as skipped with the reason.
 """
@@ -21,7 +21,8 @@ from tracecmp.checking.standards import EPS, FIT_BOUND, OpVerdict, Standards, ju
 from tracecmp.checking.statistics import StatisticsChecker
 from tracecmp.comparison.records import Divergence
 from tracecmp.errors import TracecmpError
-from tracecmp.replay import REDUCED_MODELS, OwnError, Replayer, Skipped, auto_workers, replay_ops, run_in_workers
+from tracecmp.numerics.replay import OwnError, Replayer, Skipped, auto_workers, replay_ops, run_in_workers
+from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.trace.reader import RankTrace, Trace, load
 
 DATA_MODES = ("auto", "tensors", "statistics")

@@ -1,7 +1,7 @@
 """The standards ``check`` holds each op to, and the verdict they give (pass, warning, error).
 
 Whole tensors (``data="tensors"``). Each op is replayed on its recorded inputs in float64 (the
-reference) and in its recorded dtypes on this CPU (an honest kernel, :mod:`tracecmp.replay`).
+reference) and in its recorded dtypes on this CPU (an honest kernel, :mod:`tracecmp.numerics.replay`).
 With ``u`` the rounding unit (machine epsilon) of the output's dtype, ``e`` the recorded
 output's normwise relative error against the reference and ``h`` the honest replay's, an op
 **errs** when
@@ -50,7 +50,7 @@ from typing import Any, Mapping
 
 from tracecmp.aten.opclass import OpClass
 from tracecmp.errors import TracecmpError
-from tracecmp.replay import ELEMENT_ULPS, OwnError
+from tracecmp.numerics.replay import ELEMENT_ULPS, OwnError
 
 EPS: dict[str, float] = {
     "float64": 2.220446049250313e-16,

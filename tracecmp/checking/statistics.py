@@ -43,7 +43,9 @@ import torch
 
 from tracecmp.aten.opclass import classify
 from tracecmp.checking.standards import EPS, OpVerdict, Standards
-from tracecmp.replay import RecordedOp, _calls, _invoke, _reduced_models, _returned, static_skip_reason
+from tracecmp.numerics.replay.calls import calls_of, invoke, returned_tensors, static_skip_reason
+from tracecmp.numerics.replay.records import RecordedOp
+from tracecmp.numerics.rounding import reduced_models
 
 _PIN = 1e-13  # a statistic agreeing this closely (of its scale) across draws is pinned
 _DRAWS_SMALL = 3
@@ -185,7 +187,7 @@ class StatisticsChecker:
         judged = [(i, t, s) for i, t, s in outputs if s is not None and s.dtype in _FLOATS and self.rows[t][4]]
         if not judged:
             return OpVerdict(op_id, "skipped", reason="no floating output with statistics of its own")
-        calls = _calls(op, args)
+        calls = calls_of(op, args)
         if len(calls) > 1:
             return self._check_list_op(op, calls)
         return self._check_call(op, args, specs, judged, seed=op_id)
@@ -219,12 +221,12 @@ class StatisticsChecker:
         honest_stats: list[list[tuple[float, ...]]] = []
         for _ in range(count):
             inputs = [draw(spec, generator) for spec in specs]
-            golden = _invoke(op.name, args, inputs, golden=True)
-            models = _reduced_models(op.name, inputs, self.reduced)
-            honest = _invoke(op.name, args, models[0] if models else inputs, golden=False)
+            golden = invoke(op.name, args, inputs, golden=True)
+            models = reduced_models(op.name, inputs, self.reduced)
+            honest = invoke(op.name, args, models[0] if models else inputs, golden=False)
             if golden is None or honest is None:
                 return OpVerdict(op.op_id, "skipped", reason="it does not run on the CPU on inputs drawn to its statistics")
-            g_out, h_out = _returned(op.name, *golden), _returned(op.name, *honest)
+            g_out, h_out = returned_tensors(op.name, *golden), returned_tensors(op.name, *honest)
             if any(i >= len(g_out) or i >= len(h_out) for i, _, _ in judged):
                 return OpVerdict(op.op_id, "skipped", reason="its replay returned fewer outputs than were recorded")
             golden_stats.append([_stats(g_out[i]) for i, _, _ in judged])
@@ -339,10 +341,10 @@ class StatisticsChecker:
         generator = torch.Generator().manual_seed(self.seed + op.op_id)
         inputs = [draw(spec, generator) for spec in specs]
         halved = [x.to(torch.float16).to(x.dtype) if x.dtype in (torch.float32, torch.float64) else x for x in inputs]
-        found = _invoke(op.name, args, halved, golden=False)
+        found = invoke(op.name, args, halved, golden=False)
         if found is None:
             return ""
-        outs = _returned(op.name, *found)
+        outs = returned_tensors(op.name, *found)
         if position < len(outs) and isinstance(outs[position], torch.Tensor) and not bool(torch.isfinite(outs[position]).all()):
             largest = max(max(abs(spec.min), abs(spec.max)) for spec in floats)
             return (f"; a replay on its inputs rounded to float16 reproduces it (inputs up to {largest:.3g}"

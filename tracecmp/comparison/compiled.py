@@ -17,7 +17,7 @@ then judged as one op (:class:`Unit.decide`, called by localize): it is a root w
 differ from the bench by more than ``margin`` times what its inputs carry in plus its own
 rounding. Its own rounding is measured when the target holds tensors: the unit's graph runs
 again from its recorded inputs in float64 (the reference) and in the recorded dtypes with eager
-kernels (an honest implementation), as :mod:`tracecmp.replay` does for single ops; without
+kernels (an honest implementation), as :mod:`tracecmp.numerics.replay` does for single ops; without
 tensors it is ``region_units`` rounding units of the output's dtype (``Tolerances``).
 
 A region that is a root is narrowed: the replay's value of every FX node is compared with the
@@ -688,9 +688,9 @@ def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pair
     A region's graph runs again from its recorded inputs: its own error against the float64
     replay, the error an eager replay in the recorded dtypes makes, and the first FX node where its
     values depart from the eager ones (:func:`_narrow`). A decomposition's rounding is the sum of
-    what honest kernels make in its ops (``own_errors``: :func:`tracecmp.replay.replay_rank`).
+    what honest kernels make in its ops (``own_errors``: :func:`tracecmp.numerics.replay.replay_rank`).
     """
-    from tracecmp.replay import Replayer
+    from tracecmp.numerics.replay import Replayer
 
     for unit in units.units:
         if unit.kind == "decomposition":
@@ -717,7 +717,7 @@ def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pair
 
 def _judge_region(unit: Unit, t_get: Callable[[int], Any], b_get: Callable[[int], Any] | None, pairing: Pairing,
                   measured: Mapping[int, Any], tol: Tolerances) -> None:
-    from tracecmp.replay import _Scale
+    from tracecmp.numerics.replay.measure import Scale
 
     part = unit.graph.parts.get(unit.call.part)
     outside = _region_inputs(unit, part, t_get, pairing) if part is not None else None
@@ -730,7 +730,7 @@ def _judge_region(unit: Unit, t_get: Callable[[int], Any], b_get: Callable[[int]
         recorded, r, h = t_get(tensor), _tensor(ref.get(name)), _tensor(honest.get(name))
         if recorded is None or r is None or h is None or r.shape != recorded.shape or not recorded.is_floating_point():
             continue
-        scale = _Scale.of(r)
+        scale = Scale.of(r)
         pair = (scale.error(recorded), scale.error(h))
         if worst is None or _excess(pair) > _excess(worst):
             worst = pair
@@ -893,7 +893,7 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
     changed a node), or what the compiled code dispatched for the node (an extern kernel) differs
     from that float64 value by more than eager kernels do (a wrong kernel).
     """
-    from tracecmp.replay import _Scale
+    from tracecmp.numerics.replay.measure import Scale
 
     carried = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
     index = pairing.index(unit.call)
@@ -910,7 +910,7 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
         r, h = _tensor(ref.get(n.name)), _tensor(honest.get(n.name))
         if r is None or h is None or not r.is_floating_point() or _is_view(n.op):
             continue
-        scale = _Scale.of(r)
+        scale = Scale.of(r)
         honest_error = scale.error(h)
         unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), _FP32)
         if n.name in wrong:
@@ -948,14 +948,14 @@ def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str,
     departing node of the same op and shape is that node's, and neither is wrong. A node is wrong
     when no departing value of its op fits it.
     """
-    from tracecmp.replay import _Scale
+    from tracecmp.numerics.replay.measure import Scale
 
     def fits(value: Any, name: str) -> bool:
         r, h = _tensor(ref.get(name)), _tensor(honest.get(name))
         if r is None or h is None or value.shape != r.shape:
             return False
         unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), _FP32)
-        scale = _Scale.of(r)
+        scale = Scale.of(r)
         return scale.error(value) <= max(tol.replay_margin * scale.error(h), tol.replay_local * unit_eps)
 
     departing: dict[str, list[str]] = defaultdict(list)  # op -> nodes whose filed value departs
@@ -968,7 +968,7 @@ def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str,
     for names in departing.values():
         for name in names:
             if not any(fits(recorded[other], name) for other in names if other != name):
-                wrong[name] = _Scale.of(ref[name]).error(recorded[name])
+                wrong[name] = Scale.of(ref[name]).error(recorded[name])
     return wrong
 
 
@@ -1024,12 +1024,12 @@ def _recorded_by_node(call: RegionCall, t_get: Callable[[int], Any], pairing: Pa
 def _departure(ref: Any, bench_tensor: int, b_get: Callable[[int], Any] | None, pairing: Pairing) -> float | None:
     """How far the bench's value lies from the float64 reference ``ref`` (relative): from whole
     tensors when the bench has them, else from its statistics (lower bounds, as metrics.py's)."""
-    from tracecmp.replay import _Scale
+    from tracecmp.numerics.replay.measure import Scale
 
     if b_get is not None:
         value = b_get(bench_tensor)
         if value is not None and value.shape == ref.shape:
-            return _Scale.of(ref).error(value)
+            return Scale.of(ref).error(value)
     measured = pairing.measured_as(bench_tensor)
     stats = pairing.b_stats.get(measured) if measured is not None else None
     if stats is None:

@@ -17,7 +17,7 @@ from tracecmp.comparison.compiled import (
 )
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
-from tracecmp.replay import OwnError, RegionReplay, replay_rank, replay_regions
+from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances, eps_of, is_float_dtype
 from tracecmp.errors import CompareError
@@ -110,7 +110,7 @@ def compare(
 
     ``exact=True`` checks bitwise determinism instead: every difference is a divergence and the roots
     are the ops whose outputs changed while their inputs were bitwise equal. ``replay`` re-runs every
-    target op on its recorded inputs in float64 (:mod:`tracecmp.replay`), which needs a
+    target op on its recorded inputs in float64 (:mod:`tracecmp.numerics.replay`), which needs a
     target captured with ``data="tensors"`` and finds an op's own error even where its inputs
     already differ from the bench by more; default: whenever the target holds tensors.
     ``progress`` forces the stderr progress bar on or off (default: on for large traces on a

@@ -46,7 +46,8 @@ from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given
 from tracecmp.comparison.adam import ADAM_UPDATES, adam_update_bound
 from tracecmp.comparison.metrics import FILLS
 from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
-from tracecmp.replay import REDUCED_MODELS, OwnError, RegionReplay
+from tracecmp.numerics.replay import OwnError, RegionReplay
+from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
 from tracecmp.trace.schema import UNREAD_SOURCE
 
@@ -151,8 +152,8 @@ class RankInput:
     view_base: Mapping[int, int]
     bench_args: Mapping[int, str]
     first_step: int = 0
-    own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (replay.py)
-    reduced_precision: str | None = None  # "tf32"/"bf16": float32 matmul/conv may run at it (replay.py)
+    own_errors: Mapping[int, OwnError] = field(default_factory=dict)  # target op_id -> replay (numerics.replay)
+    reduced_precision: str | None = None  # "tf32"/"bf16": float32 matmul/conv may run at it (numerics.replay)
     # Regions (tracecmp.comparison.align.find_regions): judged at their boundary, see _judge_region.
     regions: Mapping[int, Region] = field(default_factory=dict)  # region id -> region
     member_of: Mapping[int, int] = field(default_factory=dict)  # target op id -> region id
@@ -161,7 +162,7 @@ class RankInput:
     region_ops: Mapping[tuple[str, int], tuple[str, str, str, list[int], list[int]]] = field(default_factory=dict)
     # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
     region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
-    region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (replay.py)
+    region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (numerics.replay)
     # Ops judged for a compiled unit as a whole (comparison/compiled.py): op id -> its Unit, whose
     # decide() replaces the rules below for them.
     units: Mapping[int, Any] = field(default_factory=dict)
@@ -1755,7 +1756,7 @@ def _quantile(values: list[float]) -> float:
 
 
 def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
-    """How far an op's own error (replay.py) exceeds what an honest kernel makes: > 1 is a root.
+    """How far an op's own error (numerics.replay) exceeds what an honest kernel makes: > 1 is a root.
 
     The bar is ``replay_margin`` times the honest replay's error, and at least ``replay_local``
     rounding units of the output's dtype (and one unit of the reduced precision a float32

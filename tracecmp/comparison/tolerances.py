@@ -107,7 +107,7 @@ class Tolerances:
     # Relative error floor for elementwise relative errors, as a fraction of the tensor's RMS:
     # below it an element counts as "near zero" and its error is judged against the floor.
     rel_floor: float = 1e-3
-    # Replay (traces with whole tensors, see tracecmp.replay): an op is a root when its own
+    # Replay (traces with whole tensors, see tracecmp.numerics.replay): an op is a root when its own
     # error against a float64 replay of its recorded inputs is more than ``replay_margin`` times
     # what a replay in its recorded dtypes makes and more than ``replay_local`` rounding units.
     replay_margin: float = 4.0
