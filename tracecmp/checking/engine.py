@@ -17,7 +17,9 @@ import pandas as pd
 
 from tracecmp.aten.opclass import classify
 from tracecmp.checking.result import NODE_COLUMNS, CheckResult
-from tracecmp.checking.standards import EPS, FIT_BOUND, OpVerdict, Standards, judge_replay, model_fits
+from tracecmp.checking.standards import OpVerdict, Standards, judge_replay
+from tracecmp.numerics.fits import FIT_BOUND, model_fits
+from tracecmp.numerics.units import EPS
 from tracecmp.checking.statistics import StatisticsChecker
 from tracecmp.comparison.records import Divergence
 from tracecmp.errors import TracecmpError

@@ -50,18 +50,11 @@ from typing import Any, Mapping
 
 from tracecmp.aten.opclass import OpClass
 from tracecmp.errors import TracecmpError
+from tracecmp.numerics.fits import ModelFit
 from tracecmp.numerics.replay import ELEMENT_ULPS, OwnError
+from tracecmp.numerics.units import EPS, REDUCED_EPS
 
-EPS: dict[str, float] = {
-    "float64": 2.220446049250313e-16,
-    "float32": 1.1920928955078125e-07,
-    "float16": 0.0009765625,
-    "bfloat16": 0.0078125,
-}
-REDUCED_EPS = {"tf32": 2.0**-10, "bf16": 2.0**-7}
 STATUSES = ("pass", "warning", "error", "skipped")
-FIT_MEMBERS = 3  # calls of one op needed before they judge each other (see rule 4)
-FIT_BOUND = 64.0  # a rounding model "reproduces" calls it leaves at most this many float32 accumulation errors from
 
 
 @dataclass(frozen=True)
@@ -126,41 +119,6 @@ class OpVerdict:
     dtype: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     checks: str = ""  # what could be tested ("normwise,elements" / "max,mean,grid" ...)
-
-
-@dataclass(frozen=True)
-class ModelFit:
-    """How a run computed the float32 matmul/conv calls of one op: the rounding model (index into
-    ``REDUCED_MODELS[reduced]``) that reproduces them, and how closely (75th percentile, >= 1)."""
-
-    model: int
-    misfit: float
-    members: int
-
-
-def model_fits(own: Mapping[int, OwnError], names: Mapping[int, str]) -> dict[str, ModelFit]:
-    """Per op name, the input rounding that reproduces a rank's reduced-precision matmul/conv
-    calls, where one does: chosen once per rank (it is the device's), held per op (a device may
-    pick another algorithm for convolutions than for matmuls)."""
-    by_op: dict[str, list[tuple[float, ...]]] = {}
-    for op_id, e in own.items():
-        if e.fits and e.dtype == "float32" and op_id in names:
-            by_op.setdefault(names[op_id], []).append(e.fits)
-    pooled = [f for rows in by_op.values() for f in rows]
-    if not pooled:
-        return {}
-    model = min(range(len(pooled[0])), key=lambda m: _quantile([f[m] for f in pooled]))
-    out = {}
-    for name, rows in by_op.items():
-        misfit = _quantile([f[model] for f in rows])
-        if len(rows) >= FIT_MEMBERS and misfit <= FIT_BOUND:
-            out[name] = ModelFit(model, max(misfit, 1.0), len(rows))
-    return out
-
-
-def _quantile(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[int(0.75 * (len(ordered) - 1))]
 
 
 def judge_replay(

@@ -42,7 +42,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import pandas as pd
 
-from tracecmp.comparison.tolerances import EPS, Tolerances, canonical_dtype
+from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.numerics.units import EPS, canonical_dtype
 from tracecmp.trace.compiled import GRAPH_LABEL, CompiledGraph, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.reader import RankTrace
 

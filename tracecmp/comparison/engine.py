@@ -19,7 +19,8 @@ from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
-from tracecmp.comparison.tolerances import Tolerances, eps_of, is_float_dtype
+from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.errors import CompareError
 from tracecmp.graph import view_bases
 from tracecmp.trace import boundedjson

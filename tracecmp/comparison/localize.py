@@ -48,10 +48,11 @@ from tracecmp.comparison.metrics import FILLS
 from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
 from tracecmp.numerics.replay import OwnError, RegionReplay
 from tracecmp.numerics.rounding import REDUCED_MODELS
-from tracecmp.comparison.tolerances import EPS, TF32_EPS, Tolerances
+from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.numerics.fits import FIT_MEMBERS, ModelFit, model_fits, quantile75
+from tracecmp.numerics.units import EPS, REDUCED_EPS, TF32_EPS
 from tracecmp.trace.schema import UNREAD_SOURCE
 
-REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
 _PROGRESS_EVERY = 10_000
@@ -1019,7 +1020,8 @@ def _localize_rank(
     region_judged = {region_id: _judge_region(region, ri, lookup, tol, exact_matmul)
                      for region_id, region in ri.regions.items() if region.target_ops}
     ambient = _ambient(own_rules, ri.nodes, tol) if not exact_mode else {}
-    fits = _model_fits(ri) if ri.reduced_precision and not exact_matmul else {}
+    names = {node[0]: node[4] for node in ri.nodes}
+    fits = model_fits(ri.own_errors, names) if ri.reduced_precision and not exact_matmul else {}
     bounds_hold = _bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
     tf32_spread = _tf32_spread(own_rules) if not exact_matmul else None
     bitwise_ops = _bitwise_ops(ri)
@@ -1498,7 +1500,7 @@ class _Decision(NamedTuple):
 def _decide(
     j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
     ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
-    fits: Mapping[str, _ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
+    fits: Mapping[str, ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
     bitwise_ops: Mapping[str, tuple[int, bool]] | None = None, tainted: bool = False,
 ) -> _Decision:
     """Root kind ('' when not a root), the one-line reason, the deciding metric's name, the
@@ -1606,49 +1608,6 @@ def _decide(
     return _Decision("computation", reason, channels[channel], part, bool(replayed))
 
 
-@dataclass(frozen=True, slots=True)
-class _ModelFit:
-    """How this run computed its float32 matmul/conv of one op: the way of rounding inputs
-    (index into ``REDUCED_MODELS``) that reproduces them, and how closely it does so."""
-
-    model: int
-    misfit: float  # the 75th percentile of the ops' OwnError.fits under that model (>= 1)
-    members: int
-
-
-_FIT_MEMBERS = 3  # an op needs this many replayed calls in a rank before its calls judge each other
-# A rounding model "reproduces" a run's matmuls when it leaves at most this many float32
-# accumulation errors unexplained; a wrong model leaves the whole reduced-precision error
-# (thousands of them for TF32), so the two are far apart.
-_FIT_BOUND = 64.0
-
-
-def _model_fits(ri: RankInput) -> dict[str, _ModelFit]:
-    """Per op name, the rounding model that reproduces this rank's reduced-precision matmul/conv
-    calls, where one does (see :func:`_misfit_excess`).
-
-    The model is chosen once per rank (it is the device's), as the one that leaves least
-    unexplained over all calls; each op then needs its own calls reproduced, because a device
-    may pick another algorithm for convolutions than for matmuls.
-    """
-    names = {node[0]: node[4] for node in ri.nodes}
-    by_op: dict[str, list[tuple[float, ...]]] = defaultdict(list)
-    for op_id, own in ri.own_errors.items():
-        if own.fits and own.dtype == "float32" and op_id in names:
-            by_op[names[op_id]].append(own.fits)
-    pooled = [f for rows in by_op.values() for f in rows]
-    if not pooled:
-        return {}
-    models = range(len(pooled[0]))
-    model = min(models, key=lambda m: _quantile([f[m] for f in pooled]))
-    out: dict[str, _ModelFit] = {}
-    for name, rows in by_op.items():
-        misfit = _quantile([f[model] for f in rows])
-        if len(rows) >= _FIT_MEMBERS and misfit <= _FIT_BOUND:
-            out[name] = _ModelFit(model, max(misfit, 1.0), len(rows))
-    return out
-
-
 def _reproduced(own: OwnError | None, j: _Judged, ri: RankInput, exact_matmul: bool) -> bool:
     """A replay shows the op computed what its recorded inputs give: a reduced-precision
     matmul/conv within the accumulation bound of one of its replays, any other op within
@@ -1746,13 +1705,7 @@ def _bounds_hold(ri: RankInput) -> bool:
     names = {node[0]: node[4] for node in ri.nodes}
     best = [min(own.bounds) for op_id, own in ri.own_errors.items()
             if own.bounds and own.dtype == "float32" and classify(names.get(op_id, "")).precision_variable]
-    return len(best) >= _FIT_MEMBERS and _quantile(best) <= 1.0
-
-
-def _quantile(values: list[float]) -> float:
-    """The 75th percentile, lower of the two neighbours (the median for three values)."""
-    ordered = sorted(values)
-    return ordered[int(0.75 * (len(ordered) - 1))]
+    return len(best) >= FIT_MEMBERS and quantile75(best) <= 1.0
 
 
 def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
@@ -1777,7 +1730,7 @@ def _replay_excess(own: OwnError, j: _Judged, tol: Tolerances, exact_matmul: boo
     return own.error / max(tol.replay_margin * own.honest, floor)
 
 
-def _misfit_excess(own: OwnError, fit: _ModelFit, tol: Tolerances) -> float:
+def _misfit_excess(own: OwnError, fit: ModelFit, tol: Tolerances) -> float:
     """How far a reduced-precision matmul/conv call strays from the rounding that reproduces the
     run's other calls of its op (``fit``), beyond ``replay_margin`` times their typical misfit:
     > 1 is a root, however far below the reduced precision's own error."""
@@ -1791,7 +1744,7 @@ def _reduced_matmul(own: OwnError, j: _Judged, exact_matmul: bool, reduced: str 
 
 
 def _replayed_root(
-    j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: _ModelFit | None,
+    j: _Judged, node: tuple, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: ModelFit | None,
     bounds_hold: bool = False, bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
 ) -> str:
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).

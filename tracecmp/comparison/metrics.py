@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tracecmp.comparison.tolerances import EPS, Tolerances, canonical_dtype
+from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.numerics.units import EPS, canonical_dtype
 from tracecmp.trace.saved import SavedTensors
 
 _TINY = 1e-300

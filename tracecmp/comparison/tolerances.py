@@ -19,23 +19,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from tracecmp.errors import CompareError
-
-# torch.finfo(dtype).eps, hard-coded so that comparing statistics does not import torch.
-EPS: dict[str, float] = {
-    "float64": 2.220446049250313e-16,
-    "float32": 1.1920928955078125e-07,
-    "float16": 0.0009765625,
-    "bfloat16": 0.0078125,
-    "float8_e4m3fn": 0.125,
-    "float8_e4m3fnuz": 0.125,
-    "float8_e5m2": 0.25,
-    "float8_e5m2fnuz": 0.25,
-    "complex128": 2.220446049250313e-16,
-    "complex64": 1.1920928955078125e-07,
-    "complex32": 0.0009765625,
-}
-# TF32 (and Ascend HF32) keep 10 mantissa bits: the precision a "float32" matmul/conv may really run at.
-TF32_EPS = 2.0**-10
+from tracecmp.numerics.units import canonical_dtype, is_float_dtype
 
 # torch.testing._comparison._DTYPE_PRECISIONS (rtol, atol).
 TORCH_TESTING_TOLERANCES: dict[str, tuple[float, float]] = {
@@ -47,33 +31,6 @@ TORCH_TESTING_TOLERANCES: dict[str, tuple[float, float]] = {
     "complex64": (1.3e-6, 1e-5),
     "complex128": (1e-7, 1e-7),
 }
-
-_ALIASES = {
-    "fp64": "float64", "double": "float64", "f64": "float64",
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "fp16": "float16", "half": "float16", "f16": "float16",
-    "bf16": "bfloat16",
-}
-
-
-def canonical_dtype(name: str) -> str:
-    """``"torch.bfloat16"``, ``"bf16"`` -> ``"bfloat16"``.
-
-    >>> canonical_dtype("torch.float32"), canonical_dtype("bf16")
-    ('float32', 'bfloat16')
-    """
-    name = str(name).strip().removeprefix("torch.")
-    return _ALIASES.get(name, name)
-
-
-def is_float_dtype(name: str) -> bool:
-    return canonical_dtype(name) in EPS
-
-
-def eps_of(name: str) -> float:
-    """Rounding unit of a dtype; 0.0 for integer and bool dtypes (they compare exactly)."""
-    return EPS.get(canonical_dtype(name), 0.0)
-
 
 @dataclass(frozen=True)
 class Tolerances:
