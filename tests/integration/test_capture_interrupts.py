@@ -52,7 +52,15 @@ def test_keyboard_interrupt_is_labelled_with_the_steps_kept(tmp_path: Path) -> N
     assert set(ops[ops["step"] == 3]["phase"]) == {"forward", "backward"}
     expected = "interrupted by the user (KeyboardInterrupt), in step 3; it keeps steps 0-2 whole, step 3 in part"
     assert f"complete  NO: {expected}" in summarize(tmp_path / "t")
-    assert any("keeps the steps up to 2" in note and str(tmp_path / "t") in note for note in exc.__notes__)
+    assert any("keeps steps 0-2 whole, step 3 in part" in note and str(tmp_path / "t") in note for note in exc.__notes__)
+
+
+def test_an_interrupt_in_step_0_keeps_no_whole_step_in_the_note_as_in_inspect(tmp_path: Path) -> None:
+    exc = _train_until(tmp_path / "t", 0, KeyboardInterrupt())
+    assert tracecmp.load(tmp_path / "t").rank(0).stopped["last_step"] is None
+    kept = "it keeps no whole step, step 0 in part"
+    assert f"in step 0; {kept}" in summarize(tmp_path / "t")
+    assert any(kept in note for note in exc.__notes__), exc.__notes__
 
 
 def test_an_exception_from_the_program_is_named(tmp_path: Path) -> None:

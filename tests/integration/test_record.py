@@ -248,3 +248,15 @@ def test_ab_records_both_commands_the_same_way_and_compares(script: Path) -> Non
     for name in ("bench", "target"):
         assert tracecmp.load(script.parent / "ab" / "traces" / name).rank(0).manifest["steps"] == [0, 1]
     assert (script.parent / "ab" / "report.html").exists()
+
+
+def test_record_and_inspect_say_alike_what_a_trace_cut_in_step_0_keeps(tmp_path: Path) -> None:
+    code = "import torch, sys; torch.nn.Linear(2, 2)(torch.ones(2)).sum().backward(); sys.exit(3)"
+    result = _run([sys.executable, "-m", "tracecmp", "record", "-o", "t", "--", "-c", code], tmp_path, tmp_path / "x")
+    assert result.returncode == 3, result.stderr
+    kept = "it keeps no whole step, step 0 in part"  # the step never ended: nothing of it is whole
+    assert f"(the program exited with status 3); {kept}" in result.stderr
+    from tracecmp.cli.inspect import summarize
+
+    assert f"complete  NO: the program exited with status 3, in step 0; {kept}" in summarize(tmp_path / "t")
+

@@ -33,7 +33,7 @@ from tracecmp.errors import (
 )
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.seeding import last_seed_settings
-from tracecmp.trace.reader import load_rank, step_ranges
+from tracecmp.trace.reader import kept_steps, load_rank, step_ranges
 from tracecmp.trace.writer import (
     BackgroundWriter,
     RankWriter,
@@ -476,9 +476,9 @@ class TraceCompare:
         return self._stopped
 
     def kept(self) -> str:
-        """Which steps the trace keeps whole, in words."""
-        last = (self._stopped or {}).get("last_step")
-        return "no whole step" if last is None else f"the steps up to {last}"
+        """Which steps the trace keeps, whole or in part, in words (as ``tracecmp inspect`` says it)."""
+        steps = self._writer.writer.steps if self._writer is not None else ()
+        return kept_steps(steps, self._stopped)
 
     def step(self) -> None:
         """Mark a step boundary: hand the buffered steps to the writer when due, then start the next step.

@@ -5,7 +5,7 @@ import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import pandas as pd
 import pyarrow as pa
@@ -112,6 +112,34 @@ def step_ranges(numbers: list[int]) -> str:
     return ", ".join(parts)
 
 
+def kept_steps(steps: Iterable[int], stopped: Mapping[str, Any] | None) -> str:
+    """Which ``steps`` an unfinished rank keeps, in words, given its ``stopped`` account: whole up
+    to the account's ``last_step`` (none without one: the first step did not finish), the rest in
+    part. Without an account (the process was killed) nothing says which steps finished.
+
+    Capture's notes and warnings and ``tracecmp inspect`` say it in these words.
+
+    >>> kept_steps([0, 1, 2, 3], {"last_step": 2})
+    'steps 0-2 whole, step 3 in part'
+    >>> kept_steps([0], {"last_step": None})
+    'no whole step, step 0 in part'
+    >>> kept_steps([0, 1], None)
+    'steps 0-1'
+    """
+    numbers = sorted(steps)
+    if not stopped:
+        return f"steps {step_ranges(numbers)}" if numbers else "no step"
+    last = stopped.get("last_step")
+    whole = [s for s in numbers if _is_int(last) and s <= last]
+    partial = numbers[len(whole):]
+    kept = f"{_steps_word(whole)} {step_ranges(whole)} whole" if whole else "no whole step"
+    return kept + (f", {_steps_word(partial)} {step_ranges(partial)} in part" if partial else "")
+
+
+def _steps_word(numbers: list[int]) -> str:
+    return "step" if len(numbers) == 1 else "steps"
+
+
 def _crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as fh:
@@ -214,15 +242,7 @@ class RankTrace:
         step = stopped.get("step")
         if _is_int(step):
             reason += f", in step {step}"
-        last = stopped.get("last_step")
-        whole = [s for s in steps if not _is_int(last) or s <= last] if stopped else steps
-        partial = [s for s in steps if s not in whole]
-        kept = f"steps {step_ranges(whole)} whole" if whole else "no whole step"
-        if partial:
-            kept += f", step {step_ranges(partial)} in part"
-        if not stopped:
-            kept = f"steps {step_ranges(steps)}" if steps else "no step"
-        return f"{reason}; it keeps {kept}"
+        return f"{reason}; it keeps {kept_steps(steps, stopped)}"
 
     @cached_property
     def ops(self) -> pd.DataFrame:
