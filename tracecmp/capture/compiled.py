@@ -350,12 +350,21 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
 
         return compile_part
 
+    dynamo_context = TracingContext.try_get()
     fake_mode = detect_fake_mode(example_inputs)
     # A context of our own: the backend's compile keeps the one Dynamo made, untouched.
     context = TracingContext(fake_mode)
+    if dynamo_context is not None:
+        # Dynamo hands over the real inputs; AOT autograd finds here how Dynamo made each one fake
+        # (its symbols and their sources). Made fake afresh, an input gets symbols of no source in
+        # Dynamo's ShapeEnv, and a guard on one (a view's stride) breaks Dynamo's guard building.
+        context.tensor_to_context.update(dynamo_context.tensor_to_context)
+    # The trace shares Dynamo's ShapeEnv: what it assumes of a size must not become a guard of the
+    # user's compiled code (a recompile that an untraced run would not make).
+    no_guards = fake_mode.shape_env.suppress_guards() if fake_mode.shape_env is not None else contextlib.nullcontext()
     patch = (functorch_config.patch(force_non_lazy_backward_lowering=True)
              if hasattr(functorch_config, "force_non_lazy_backward_lowering") else contextlib.nullcontext())
-    with tracing(context), patch:
+    with tracing(context), no_guards, patch:
         graph.runner = aot_module_simplified(
             gm, list(example_inputs), fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"), decompositions=decompositions, partition_fn=partition,
