@@ -3,6 +3,7 @@ captured without an edit, running as it does without tracecmp."""
 from __future__ import annotations
 
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -260,3 +261,77 @@ def test_record_and_inspect_say_alike_what_a_trace_cut_in_step_0_keeps(tmp_path:
 
     assert f"complete  NO: the program exited with status 3, in step 0; {kept}" in summarize(tmp_path / "t")
 
+
+LOADER = textwrap.dedent(
+    '''
+    """Training on a DataLoader whose workers call a transform module before the model runs."""
+    import sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    class Shift(nn.Module):  # a transform, as every torchvision transform is a Module
+        def forward(self, x):
+            return x.flip(0) * 2.0 + 1.0
+
+    class Data(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            self.transform = Shift()
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return self.transform(self.x[i]), self.y[i]
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        start = sys.argv[1]  # a start method, or "inline": no workers
+        workers = dict(num_workers=2, multiprocessing_context=start, timeout=60) if start != "inline" else {}
+        loader = DataLoader(Data(), batch_size=8, **workers)
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            print(f"loss {loss.item()!r}")
+    '''
+)
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_dataloader_workers_record_nothing_and_the_main_process_its_steps(
+    tmp_path: Path, start: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The workers call the transform module first: only the process running the model records."""
+    script = tmp_path / "train.py"
+    script.write_text(LOADER)
+    # The untraced reference, here and without workers (the same kernels on the same batches):
+    # a second interpreter, with workers of its own to start, would cost seconds.
+    monkeypatch.setattr(sys, "argv", [script.name, "inline"])
+    with torch.random.fork_rng(devices=[]):
+        runpy.run_path(str(script), run_name="__main__")
+    plain = capsys.readouterr().out
+    trace_path = tmp_path / "trace"
+    argv = [sys.executable, "-m", "tracecmp", "record", "-o", str(trace_path), "--", script.name, start]
+    recorded = _run(argv, tmp_path, tmp_path / "unused", timeout=120)
+    assert recorded.returncode == 0, recorded.stderr[-3000:]
+    assert recorded.stdout == plain and plain.count("loss") == 2  # the workers' batches, unchanged
+    # tracecmp's own lines only: no worker warned of a trace in the way, none said it recorded nothing.
+    assert _own_lines_removed(recorded.stderr) == ""
+    assert recorded.stderr.count("tracecmp: ") == 2 and "trace written to" in recorded.stderr
+
+    trace = tracecmp.load(trace_path)
+    assert trace.complete and trace.ranks == [0]
+    assert sorted(p.name for p in trace_path.iterdir()) == ["manifest.json", "rank0"]
+    assert trace.rank(0).manifest["info"]["models"] == ["Sequential"]  # never the workers' Shift
+    ops = trace.to_frame()
+    assert sorted(ops["step"].unique()) == [0, 1]
+    for step in (0, 1):
+        assert set(ops[ops["step"] == step]["phase"]) == {"forward", "backward", "optimizer"}
+    assert {"0", "2"} <= set(ops["module"])
+    assert "aten.flip.default" not in set(ops["op"])  # the transform ran in the workers only

@@ -6,10 +6,11 @@ at its first module forward, ended at its last selected step or when it exits.
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +34,8 @@ class _ProgramSession(TraceCompare):
 class Recording:
     """Capture of a program run by ``tracecmp record``; see the module docstring."""
 
+    _armed: ClassVar[Recording | None] = None  # the recording of this process, from arm() on
+
     def __init__(
         self,
         path: Path | None,
@@ -51,6 +54,7 @@ class Recording:
         self._original_call: Any = None  # Module.__call__ while ours stands in for it
         self._rank = _distributed()[0]
         self._made = False  # check_folder made the folder (removed again if nothing is recorded)
+        self._disowned = False  # this process is a child forked from the recorded one (_disown)
 
     def say(self, text: str) -> None:
         """One line on stderr, from rank 0 only, unless quiet."""
@@ -89,12 +93,20 @@ class Recording:
 
         self._original_call = original
         torch.nn.Module.__call__ = first_call  # type: ignore[method-assign]
+        Recording._armed = self
 
     def disarm(self) -> None:
         """Put ``Module.__call__`` back (once armed and not yet called)."""
         if self._original_call is not None:
             torch.nn.Module.__call__ = self._original_call  # type: ignore[method-assign]
             self._original_call = None
+
+    def _disown(self) -> None:
+        """In a child forked from the recorded process (a DataLoader worker calling a transform
+        module first): never start there, and leave the parent's folder and lines alone at its end.
+        A session already running is dropped by its own fork handler (``TraceCompare._disown``)."""
+        self._disowned = True
+        self.disarm()
 
     def _start(self) -> None:
         session = _ProgramSession(self.path, **self.options)
@@ -119,6 +131,8 @@ class Recording:
 
     def finish(self, error: BaseException | None) -> None:
         """The program ended (``error``: the exception that ended it): end capture, say what it holds."""
+        if self._disowned:
+            return
         self.disarm()
         session = self.session
         if session is None:
@@ -138,3 +152,13 @@ class Recording:
                 self.say(session.summary())
             elif error is None or isinstance(error, SystemExit):  # an exception carries this as a note
                 self.say(f"{session.path} is incomplete ({session.stopped.get('reason')}); it keeps {session.kept()}")
+
+
+def _disown_after_fork() -> None:
+    """In a child forked from the recorded process: see :meth:`Recording._disown`."""
+    if Recording._armed is not None:
+        Recording._armed._disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_after_fork)

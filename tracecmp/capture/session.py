@@ -17,6 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from tracecmp._compat import announce_references
 from tracecmp.capture.compiled import HiddenHooks, RegionCapture
 from tracecmp.capture.folders import default_root, default_trace_dir
+from tracecmp.capture.forks import drop_mode
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope, is_compiling
@@ -297,6 +298,7 @@ class TraceCompare:
         self._rank = 0
         self._hidden = HiddenHooks(self._hook_handles)  # out of Dynamo's sight while it compiles
         self._regions: RegionCapture | None = None  # torch.compile'd regions (capture/compiled.py)
+        self._disowned = False  # this process is a child forked while the session ran (_disown)
 
     @property
     def current_step(self) -> int:
@@ -414,6 +416,8 @@ class TraceCompare:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._disowned:
+            return
         assert self._writer is not None
         try:
             self._release_sigterm()
@@ -487,6 +491,8 @@ class TraceCompare:
         off: from then on steps end here only, and a call right after an ``optimizer.step()`` that
         already ended the step ends no second one.
         """
+        if self._disowned:
+            return
         if TraceCompare._active is not self:
             raise CaptureError("step() called outside the TraceCompare context", path=self.path)
         if self._auto_steps:
@@ -589,6 +595,8 @@ class TraceCompare:
         ...     tracecmp.load(tc.path).to_frame()["step"].unique().tolist()
         [0]
         """
+        if self._disowned:
+            return
         if TraceCompare._active is not self:
             raise CaptureError("sync() called outside the TraceCompare context", path=self.path)
         assert self._writer is not None
@@ -642,6 +650,30 @@ class TraceCompare:
         self._mode.__exit__(None, None, None)
         self._mode.settle()
         self._scope.remove()
+
+    def _disown(self) -> None:
+        """In a child forked while this session runs: leave nothing of it in force.
+
+        The child computes what it would without tracecmp, records and writes nothing, and never
+        waits for the writer, whose thread is not there; the trace is the parent's to finish.
+        :meth:`step`, :meth:`sync` and the exit of the context do nothing in the child.
+        """
+        TraceCompare._active = None
+        self._disowned = True
+        for mode in (self._mode, self._unrecorded, self._dropout_off):
+            if mode is not None:
+                drop_mode(mode)  # entered or not, wherever it stands on the forking thread's stack
+        if self._scope is not None:
+            self._scope.remove()
+        self._remove_optimizer_hooks()
+        self._release_sigterm()
+        self._hidden.remove()
+        if self._regions is not None:
+            self._regions.remove()
+        self._recording = False
+        # The buffers and the writer are the parent's: dropped, never handed over or closed here.
+        self._mode = self._scope = self._regions = self._writer = None
+        self._unrecorded = self._dropout_off = None
 
     # -- optimizer steps: the optimizer phase, and step boundaries when step() is never called --
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -851,18 +883,10 @@ _INERT_HOOKS: list[Any] = []
 
 
 def _disown_after_fork() -> None:
-    """In a child forked while a session runs (DataLoader workers, multiprocessing): stop
-    capturing. The child has no writer thread and its ops are not the run's; recording them
-    would only cost time and memory, and a full buffer would wait forever for the writer."""
+    """In a child forked while a session runs: see :meth:`TraceCompare._disown`."""
     session = TraceCompare._active
-    if session is None:
-        return
-    TraceCompare._active = None
-    try:
-        session._stop()
-    except Exception:  # noqa: BLE001 - the child must go on whatever state the fork caught
-        pass
-    session._mode = session._scope = session._writer = None
+    if session is not None:
+        session._disown()
 
 
 if hasattr(os, "register_at_fork"):
