@@ -15,8 +15,8 @@ import torch
 
 import tracecmp
 from tests.tracebuild import TraceBuilder
-from tracecmp.comparison.records import STATUSES
 from tracecmp.errors import CompareError
+from tracecmp.verdict.records import STATUSES
 
 A = torch.ops.aten
 

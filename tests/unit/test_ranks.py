@@ -6,8 +6,8 @@ import math
 import pandas as pd
 
 from tracecmp.comparison.ranks import CallFacts, RankOutcome, cross_rank
-from tracecmp.comparison.records import Divergence
 from tracecmp.trace.links import Collective, Epochs, job_order
+from tracecmp.verdict.records import Divergence
 
 COLUMNS = ["rank", "op_id", "bench_op_id", "step", "phase", "kind", "op", "name", "module", "location", "status",
            "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason"]

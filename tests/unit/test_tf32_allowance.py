@@ -9,7 +9,7 @@ import torch
 
 import tracecmp
 from tests.tracebuild import TraceBuilder
-from tracecmp.comparison.engine import reduced_precision_possible
+from tracecmp.numerics.precision import reduced_precision_possible
 
 
 def _trace(path: Path, *, device: str = "cpu", precision: str | None = "highest") -> tracecmp.Trace:

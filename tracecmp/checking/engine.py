@@ -18,14 +18,15 @@ import pandas as pd
 from tracecmp.aten.opclass import classify
 from tracecmp.checking.result import NODE_COLUMNS, CheckResult
 from tracecmp.checking.standards import OpVerdict, Standards, judge_replay
-from tracecmp.numerics.fits import FIT_BOUND, model_fits
-from tracecmp.numerics.units import EPS
 from tracecmp.checking.statistics import StatisticsChecker
-from tracecmp.comparison.records import Divergence
 from tracecmp.errors import TracecmpError
+from tracecmp.numerics.fits import FIT_BOUND, model_fits
+from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precision_possible
 from tracecmp.numerics.replay import OwnError, Replayer, Skipped, auto_workers, replay_ops, run_in_workers
 from tracecmp.numerics.rounding import REDUCED_MODELS
+from tracecmp.numerics.units import EPS
 from tracecmp.trace.reader import RankTrace, Trace, load
+from tracecmp.verdict.records import Divergence
 
 DATA_MODES = ("auto", "tensors", "statistics")
 _PROGRESS_OPS = 2_000
@@ -65,8 +66,6 @@ class _Progress:
 
 def _reduced(trace: Trace) -> tuple[str | None, str]:
     """(the precision float32 matmul/conv may run at, or None; how the trace says so)."""
-    from tracecmp.comparison.engine import reduced_matmul_precision, reduced_precision_possible
-
     flags = trace.manifest.get("determinism")
     precision = flags.get("float32_matmul_precision") if isinstance(flags, dict) else None
     if not reduced_precision_possible(trace):

@@ -10,9 +10,9 @@ import networkx as nx
 import pandas as pd
 
 from tracecmp.checking.standards import Standards
-from tracecmp.comparison.records import Divergence
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
+from tracecmp.verdict.records import Divergence
 
 if TYPE_CHECKING:
     from tracecmp.capture.select import Selection

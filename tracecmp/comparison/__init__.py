@@ -6,8 +6,8 @@ The package is the comparison stage; its entry point is the function :func:`trac
 >>> result.first_divergence                                  # doctest: +SKIP
 """
 from tracecmp.comparison.engine import compare
-from tracecmp.comparison.records import STATUSES, Divergence
 from tracecmp.comparison.result import CompareResult
 from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.verdict.records import STATUSES, Divergence
 
 __all__ = ["CompareResult", "Divergence", "STATUSES", "Tolerances", "compare"]

@@ -30,8 +30,8 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 import pandas as pd
 
 from tracecmp.aten.opclass import base_name, is_copy
-from tracecmp.comparison.records import Region
 from tracecmp.trace import boundedjson
+from tracecmp.verdict.records import Region
 
 # Above this many DP cells a stretch is matched with difflib's longest-block recursion instead,
 # and above the second (two long sequences with nothing in common to anchor on) window by window.

@@ -13,16 +13,22 @@ import pandas as pd
 from tracecmp.aten.opclass import draws_random
 from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
 from tracecmp.comparison.compiled import (
-    GRAPH_MODE_NOTE, Pairing, compiled_units, covered_by_units, judge_units, pair_units,
+    GRAPH_MODE_NOTE,
+    Pairing,
+    compiled_units,
+    covered_by_units,
+    judge_units,
+    pair_units,
 )
 from tracecmp.comparison.localize import RankInput, TensorState, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
-from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances
-from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.errors import CompareError
 from tracecmp.graph import view_bases
+from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precision_possible
+from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
+from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace, load
 
@@ -63,35 +69,6 @@ def _as_trace(value: str | Path | Trace, what: str) -> Trace:
     if isinstance(value, (str, Path)):
         return load(value)
     raise CompareError(f"{what} must be a trace folder or a Trace, got {type(value).__name__}")
-
-
-def reduced_precision_possible(trace: Trace) -> bool:
-    """Could this run have computed float32 matmul/conv at reduced precision (TF32, HF32)?
-
-    Yes on any accelerator (cuDNN allows TF32 convolutions by default; NPUs use HF32), when
-    ``torch.get_float32_matmul_precision()`` was not "highest", and for traces that do not
-    record the switches; no for CPU runs at full precision, whose float32 matmuls then differ
-    only by summation order.
-
-    >>> reduced_precision_possible(tracecmp.load("runs/bench"))  # doctest: +SKIP
-    False
-    """
-    flags = trace.manifest.get("determinism")
-    if not isinstance(flags, dict) or "float32_matmul_precision" not in flags:
-        return True
-    if flags["float32_matmul_precision"] != "highest":
-        return True
-    return any(not trace.rank(r).device.startswith("cpu") for r in trace.ranks)
-
-
-def reduced_matmul_precision(*traces: Trace) -> str:
-    """The precision float32 matmul/conv may run at when allowed to: "bf16" where a trace recorded
-    ``torch.set_float32_matmul_precision("medium")``, else "tf32" (TF32, or HF32 on NPUs)."""
-    for trace in traces:
-        flags = trace.manifest.get("determinism")
-        if isinstance(flags, dict) and flags.get("float32_matmul_precision") == "medium":
-            return "bf16"
-    return "tf32"
 
 
 def compare(

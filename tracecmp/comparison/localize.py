@@ -40,19 +40,28 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from tracecmp.trace import boundedjson
-from tracecmp.aten.opclass import (OpClass, base_name, classify, for_call, given_nonfinite, is_copy, is_overflow_check,
-                                   is_readout, read_by, takes_call_args)
+from tracecmp.aten.opclass import (
+    OpClass,
+    base_name,
+    classify,
+    for_call,
+    given_nonfinite,
+    is_copy,
+    is_overflow_check,
+    is_readout,
+    read_by,
+    takes_call_args,
+)
 from tracecmp.comparison.adam import ADAM_UPDATES, adam_update_bound
 from tracecmp.comparison.metrics import FILLS
-from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep
-from tracecmp.numerics.replay import OwnError, RegionReplay
-from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.numerics.fits import FIT_MEMBERS, ModelFit, model_fits, quantile75
+from tracecmp.numerics.replay import OwnError, RegionReplay
+from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.numerics.units import EPS, REDUCED_EPS, TF32_EPS
+from tracecmp.trace import boundedjson
 from tracecmp.trace.schema import UNREAD_SOURCE
-
+from tracecmp.verdict.records import Divergence, Drift, Region, SkippedStep
 
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
 _PROGRESS_EVERY = 10_000

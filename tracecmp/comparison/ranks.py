@@ -33,12 +33,12 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence, SkippedStep
 from tracecmp.errors import CompareError, TracecmpError
 from tracecmp.graph import view_bases
 from tracecmp.trace.links import Collective, Epochs, by_key, collectives, job_order
 from tracecmp.trace.reader import RankTrace, Trace, _read_manifest, load_rank
 from tracecmp.trace.schema import RUN_MANIFEST
+from tracecmp.verdict.records import Divergence, SkippedStep
 
 BAD = ("diverged", "nan")  # statuses of a value that carries a divergence
 _PATH_LIMIT = 40  # nodes shown between a root and the collective that carried its error out

@@ -9,10 +9,10 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.comparison.records import Divergence, Drift, Region, SkippedStep, op_counts
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
+from tracecmp.verdict.records import Divergence, Drift, Region, SkippedStep, op_counts
 
 NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "region", "step", "phase", "kind", "op", "name", "module", "location", "status",
                 "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
@@ -23,7 +23,7 @@ class CompareResult:
     """What :func:`tracecmp.compare` found.
 
     ``nodes`` has one row per target node (see :data:`NODE_COLUMNS`; ``status`` is one of
-    :data:`tracecmp.comparison.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
+    :data:`tracecmp.verdict.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
     node's dtype; ``own_error``/``honest_error`` are the replay's relative errors of the recorded
     output and of an honest replay, NaN where the op was not replayed); ``tensors`` one row per
     compared tensor; ``unpaired_bench`` the bench nodes that
@@ -184,7 +184,7 @@ class CompareResult:
         return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
 
     def regions_frame(self) -> pd.DataFrame:
-        """One row per region (:class:`tracecmp.comparison.records.Region`): what it is, its ops on
+        """One row per region (:class:`tracecmp.verdict.records.Region`): what it is, its ops on
         each side (names and ids), its boundary, and its status as judged (that of its target ops).
 
         >>> result.regions_frame()[["region", "kind", "target_ops", "bench_ops", "status"]]  # doctest: +SKIP

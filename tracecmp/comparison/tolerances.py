@@ -74,7 +74,7 @@ class Tolerances:
     # may add this many rounding units of its output's dtype (a graph's worth of them).
     region_units: float = 1000.0
     # Allow float32 matmul/conv to run at TF32 precision without calling it a divergence.
-    # None: decide from the traces (see tracecmp.comparison.engine.reduced_precision_possible).
+    # None: decide from the traces (see tracecmp.numerics.precision.reduced_precision_possible).
     allow_tf32: bool | None = None
 
     def __post_init__(self) -> None:

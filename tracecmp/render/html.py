@@ -18,8 +18,8 @@ import pandas as pd
 
 from tracecmp.errors import TracecmpError
 from tracecmp.render.chart import error_chart
-from tracecmp.comparison.records import op_counts
 from tracecmp.render.subgraph import find_focus, format_number, render_subgraph, short_op
+from tracecmp.verdict.records import op_counts
 
 REPORT_NAME = "report.html"
 SUBGRAPH_NAME = "divergence.svg"

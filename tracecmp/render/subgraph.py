@@ -21,8 +21,8 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from tracecmp.comparison.records import STATUSES, op_counts
 from tracecmp.errors import TracecmpError
+from tracecmp.verdict.records import STATUSES, op_counts
 
 FORMATS = ("svg", "png", "dot", "gv")
 _SEVERITY = {status: rank for rank, status in enumerate(STATUSES)}
@@ -581,7 +581,7 @@ def build_dot(result: Any, depth: int = 2, max_nodes: int = 60) -> str:
 
 def _region_cluster(region: Any, statements: list[str], is_root: bool) -> str:
     """A box around a region's target ops, titled with its kind, and a note naming the bench ops
-    it stands against (tracecmp.comparison.records.Region)."""
+    it stands against (tracecmp.verdict.records.Region)."""
     counter = next(_REGION_BOXES)
     bench = op_counts(region.bench_names, limit=6) or (
         f"views only ({op_counts(region.bench_names, views=True, limit=6)})" if region.bench_names else "nothing (target-only ops)")

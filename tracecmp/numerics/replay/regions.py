@@ -17,7 +17,7 @@ from tracecmp.numerics.replay.replayer import Replayer
 
 @dataclass(frozen=True, slots=True)
 class RegionReplay:
-    """A region's own error (tracecmp.comparison.records.Region): its recorded outputs against a
+    """A region's own error (tracecmp.verdict.records.Region): its recorded outputs against a
     float64 replay of its computation on its recorded inputs.
 
     The reference is the target's own ops replayed in order where the CPU can run them all (the
@@ -37,7 +37,7 @@ class RegionReplay:
 
 
 def replay_regions(target: Any, bench: Any | None, regions: Iterable[Any]) -> dict[int, RegionReplay]:
-    """Replays of ``regions`` (tracecmp.comparison.records.Region) on the target's recorded inputs,
+    """Replays of ``regions`` (tracecmp.verdict.records.Region) on the target's recorded inputs,
     by region id (see :class:`RegionReplay`); regions neither side can run are absent. ``bench``
     (its rank trace) is read only for values the bench's ops read that the target has no
     counterpart of, such as a mask buffer.

@@ -1,4 +1,4 @@
-"""Plain records that the compare stage hands to render, report and the CLI.
+"""Plain records that both judges (compare and check) hand to render, report and the CLI.
 
 They hold ids, names and numbers, never tensors, so a result can be built by hand in tests.
 """
