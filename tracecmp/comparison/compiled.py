@@ -570,7 +570,7 @@ def covered_by_units(ri: Any, verdicts: dict[tuple[int, int], Any]) -> None:
     """The ops inside a unit that no rule judged on their own take the unit's status: they were
     compared as part of it, not left unpaired."""
     seen: set[int] = set()
-    for judged, unit in ri.units.items():
+    for unit in ri.units.values():
         if id(unit) in seen:
             continue
         seen.add(id(unit))

@@ -4,8 +4,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -30,7 +29,7 @@ from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precis
 from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.trace import boundedjson
-from tracecmp.trace.reader import RankTrace, Trace, load
+from tracecmp.trace.reader import RankTrace, Trace
 
 _STAT_COLUMNS = ["tensor_id", "op_id", "index", "shape", "dtype", "has_stats", "min", "max", "mean", "norm",
                  "nan_count", "inf_count", "checksum", "data_key"]
@@ -63,58 +62,26 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _as_trace(value: str | Path | Trace, what: str) -> Trace:
-    if isinstance(value, Trace):
-        return value
-    if isinstance(value, (str, Path)):
-        return load(value)
-    raise CompareError(f"{what} must be a trace folder or a Trace, got {type(value).__name__}")
-
-
-def compare(
-    target: str | Path | Trace,
-    bench: str | Path | Trace,
+def compare_traces(
+    t_trace: Trace,
+    b_trace: Trace,
     *,
-    tolerances: Tolerances | Mapping[str, Any] | None = None,
+    tolerances: Tolerances | None = None,
     steps: Iterable[int] | None = None,
     ranks: Iterable[int] | None = None,
     exact: bool = False,
     replay: bool | None = None,
     progress: bool | None = None,
-    workers: int | None = None,
-    max_memory: int | None = None,
 ) -> CompareResult:
-    """Compare a target run with a bench run and name the first op that went wrong.
+    """Compare loaded traces in this process, rank by rank: the core under :func:`tracecmp.compare`
+    (which also compares several ranks in a process pool, :mod:`tracecmp.comparison.ranks`).
 
-    ``exact=True`` checks bitwise determinism instead: every difference is a divergence and the roots
-    are the ops whose outputs changed while their inputs were bitwise equal. ``replay`` re-runs every
-    target op on its recorded inputs in float64 (:mod:`tracecmp.numerics.replay`), which needs a
-    target captured with ``data="tensors"`` and finds an op's own error even where its inputs
-    already differ from the bench by more; default: whenever the target holds tensors.
-    ``progress`` forces the stderr progress bar on or off (default: on for large traces on a
-    terminal). Traces of several ranks given as folders are compared rank by rank in a process
-    pool of ``workers`` (default: one per rank, up to the CPUs; 1: one after another here), each
-    worker holding one rank pair with at most ``max_memory`` bytes of data, and then across ranks
-    (:mod:`tracecmp.comparison.ranks`): ``result.job`` shows the ranks side by side.
+    Arguments as :func:`tracecmp.compare`'s. Several ranks come back with their roots unordered
+    across ranks (:func:`tracecmp.comparison.ranks.attach_cross_rank` orders them).
 
-    >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
-    >>> result.first_divergence.op, result.first_divergence.module  # doctest: +SKIP
-    ('aten.gelu.default', 'blocks.1.mlp.act')
+    >>> result = compare_traces(tracecmp.load("runs/target"), tracecmp.load("runs/bench"))  # doctest: +SKIP
     """
-    if tolerances is None:
-        tol = Tolerances()
-    elif isinstance(tolerances, Tolerances):
-        tol = tolerances
-    elif isinstance(tolerances, Mapping):
-        tol = Tolerances().replace(**tolerances)
-    else:
-        raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
-    if isinstance(target, (str, Path)) and isinstance(bench, (str, Path)) and _multi_rank(target, bench):
-        from tracecmp.comparison.ranks import compare_ranks
-
-        return compare_ranks(target, bench, ranks=ranks, workers=workers, max_memory=max_memory, progress=progress,
-                             tolerances=tol, steps=steps, exact=exact, replay=replay)
-    t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
+    tol = tolerances if tolerances is not None else Tolerances()
     if tol.allow_tf32 is None:
         tol = tol.replace(allow_tf32=reduced_precision_possible(t_trace) or reduced_precision_possible(b_trace))
     warnings: list[str] = []
@@ -188,20 +155,7 @@ def compare(
         unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
         steps=sorted(compared_steps), regions=regions, skipped_steps=skipped, drifts=drifts,
     )
-    if len(rank_inputs) > 1:  # order the ranks' roots through their collectives
-        from tracecmp.comparison.ranks import attach_cross_rank
-
-        attach_cross_rank(result)
     return result
-
-
-def _multi_rank(target: str | Path, bench: str | Path) -> bool:
-    """Whether either folder holds more than one rank (then :mod:`tracecmp.comparison.ranks` compares)."""
-    def ranks(path: str | Path) -> int:
-        root = Path(path)
-        return sum(1 for p in root.glob("rank*") if p.is_dir() and p.name[4:].isdigit()) if root.is_dir() else 0
-
-    return max(ranks(target), ranks(bench)) > 1
 
 
 def _prepare_rank(

@@ -33,10 +33,13 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
+from tracecmp.comparison.engine import compare_traces
+from tracecmp.comparison.result import CompareResult
+from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import CompareError, TracecmpError
 from tracecmp.graph import view_bases
 from tracecmp.trace.links import Collective, Epochs, by_key, collectives, job_order
-from tracecmp.trace.reader import RankTrace, Trace, _read_manifest, load_rank
+from tracecmp.trace.reader import RankTrace, Trace, _read_manifest, load, load_rank
 from tracecmp.trace.schema import RUN_MANIFEST
 from tracecmp.verdict.records import Divergence, SkippedStep
 
@@ -302,11 +305,9 @@ class _Job:
 
 def _run_rank(job: _Job) -> RankOutcome:
     """Worker: compare one rank pair (loaded alone) and summarize it."""
-    from tracecmp.comparison.engine import compare
-
     target = _single_rank(Path(job.target), job.rank)
     bench = _single_rank(Path(job.bench), job.rank)
-    result = compare(target, bench, ranks=[job.rank], progress=False, workers=1, **job.options)
+    result = compare_traces(target, bench, ranks=[job.rank], progress=False, **job.options)
     return rank_outcome(result, job.rank, target.rank(job.rank))
 
 
@@ -331,8 +332,6 @@ def _worker_main() -> None:
     _limit_memory(spec.get("max_memory"))
     options = dict(spec["options"])
     if options.get("tolerances") is not None:
-        from tracecmp.comparison.tolerances import Tolerances
-
         options["tolerances"] = Tolerances().replace(**options["tolerances"])
     try:
         outcome = _run_rank(_Job(spec["target"], spec["bench"], int(spec["rank"]), options))
@@ -419,17 +418,12 @@ def compare_ranks(
 
     >>> result = compare_ranks("runs/target", "runs/bench", workers=2)  # doctest: +SKIP
     """
-    from tracecmp.comparison.result import CompareResult
-
     t_path, b_path = Path(target), Path(bench)
     if options.get("steps") is not None:
         options["steps"] = sorted(int(s) for s in options["steps"])  # a generator serves one worker only
     for path in (t_path, b_path):
         if not path.is_dir():
-            # The loader names what is wrong (missing folder, a file, no manifest).
-            from tracecmp.trace.reader import load
-
-            load(path)
+            load(path)  # the loader names what is wrong (missing folder, a file, no manifest)
     t_manifest, b_manifest = _read_manifest(t_path / RUN_MANIFEST), _read_manifest(b_path / RUN_MANIFEST)
     t_ranks, b_ranks = _rank_folders(t_path), _rank_folders(b_path)
     if not t_ranks or not b_ranks:
@@ -501,7 +495,6 @@ def compare_ranks(
 
 
 def _tolerances(options: Mapping[str, Any]) -> Any:
-    from tracecmp.comparison.tolerances import Tolerances
 
     given = options.get("tolerances")
     return Tolerances().replace(**given) if isinstance(given, Mapping) else Tolerances()
