@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch.overrides
+import torch.overrides as function
 import torch.utils._python_dispatch as dispatch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def drop_mode(mode: Any) -> None:
+def drop_mode(mode: TorchDispatchMode | TorchFunctionMode) -> None:
     """Exit ``mode`` (a dispatch or torch-function mode) wherever it stands on this thread's mode
     stack, keeping the modes entered after it in their order; nothing if it is not there.
 
@@ -27,8 +28,10 @@ def drop_mode(mode: Any) -> None:
     the one that entered the mode, or hold modes the program entered after it.
     """
     stack: Callable[[], list[Any]]
+    pop: Callable[[], Any]
+    push: Callable[[Any], None]
     if isinstance(mode, TorchFunctionMode):
-        stack, pop, push = torch.overrides._get_current_function_mode_stack, torch.overrides._pop_mode, torch.overrides._push_mode
+        stack, pop, push = function._get_current_function_mode_stack, function._pop_mode, function._push_mode
     else:
         stack, pop, push = dispatch._get_current_dispatch_mode_stack, dispatch._pop_mode, dispatch._push_mode
     if not any(entered is mode for entered in stack()):

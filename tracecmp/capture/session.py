@@ -188,6 +188,9 @@ class TraceCompare:
     handles SIGTERM itself, and then ends the process by, as it would have), and the exception
     carries a note naming the steps kept.
 
+    A session records the process that opened it: a child forked while it runs (DataLoader
+    workers) holds nothing of it and computes what it would without tracecmp.
+
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -6,7 +6,8 @@ and ``__main__`` are what they are without tracecmp. Capture starts at the first
 ``optimizer.step()`` ends a step, module paths read as the outermost running module's
 ``named_modules()`` spells them. After the last selected step the trace is committed and marked
 complete, everything tracecmp installed is removed and the program runs on at full speed (or ends
-there with ``--exit-after``).
+there with ``--exit-after``). Only this process is recorded: DataLoader workers and other processes
+the program starts record nothing.
 
 Under torchrun either form works, each rank writing ``rank<R>/`` of one trace folder::
 
