@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,19 @@ def test_graph_breaks_compile_as_without_tracing(tmp_path: Path) -> None:
     assert plain_backend.compiles >= 2  # the graph break makes two graphs at least
     assert (traced_backend.compiles, traced_backend.runs) == (plain_backend.compiles, plain_backend.runs)
     assert [k for k in plain if not torch.equal(plain[k], traced[k])] == []
+
+
+@pytest.mark.skipif(HOOKS_GUARDED, reason="torch < 2.2 records no regions: nothing is noted as compiled before")
+def test_graphs_compiled_before_a_reset_are_not_noted(tmp_path: Path) -> None:
+    """``torch._dynamo.reset()`` drops every compiled graph: a session after it finds none compiled."""
+    torch._dynamo.reset()
+    model = TinyGPT(layers=1)
+    compiled = torch.compile(model, backend=CountingBackend("aot_eager"))
+    compiled(*tiny_batch()).backward()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*before tracing began")
+        with tracecmp.TraceCompare(tmp_path / "t", model=model):
+            compiled(*tiny_batch()).backward()
+    notes = tracecmp.load(tmp_path / "t").rank(0).manifest["info"].get("compiled_notes", [])
+    assert not any("before tracing began" in note for note in notes)

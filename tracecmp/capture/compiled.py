@@ -219,6 +219,10 @@ _ACTIVE: Any = None  # the RegionCapture of the open session, if any
 _ORIGINAL_COMPILER: Any = None
 _wrapped_graphs = 0  # graphs described so far in this process (ids "g0", "g1", ...)
 _warned_unseen = 0  # graphs compiled outside any session that a warning named already
+# Dynamo's graph count and _wrapped_graphs when a session last found Dynamo holding no compiled code
+# (a new process, or torch._dynamo.reset(), which leaves the count as it was): graphs before that
+# cannot run any more.
+_counts_when_empty = (0, 0)
 _ROOT = re.compile(r"^[LG]\[['\"]([^'\"]+)['\"]\]")
 _STEP = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]?([^'\"\]]+)['\"]?\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -638,18 +642,22 @@ class RegionCapture:
         self._cancel = when_imported(self._patch)
 
     def _patch(self) -> None:
-        global _ORIGINAL_COMPILER, _warned_unseen
+        global _ORIGINAL_COMPILER, _warned_unseen, _counts_when_empty
+        from torch._dynamo import convert_frame
         from torch._dynamo.output_graph import OutputGraph
         from torch._dynamo.utils import counters
 
         if _ORIGINAL_COMPILER is None:
             _ORIGINAL_COMPILER = OutputGraph.call_user_compiler
             OutputGraph.call_user_compiler = _wrapped_call_user_compiler
-        unseen = counters["stats"]["unique_graphs"] - _wrapped_graphs
+        compiled = counters["stats"]["unique_graphs"]
+        if not convert_frame.output_codes.seen_ids:  # no live code Dynamo made: nothing compiled can run
+            _counts_when_empty, _warned_unseen = (compiled, _wrapped_graphs), 0
+        unseen = (compiled - _counts_when_empty[0]) - (_wrapped_graphs - _counts_when_empty[1])
         if unseen > 0:
             note = (
-                f"{unseen} graph(s) were compiled in this process before tracing began (Dynamo's count; "
-                "it survives torch._dynamo.reset()): a call of one is recorded as the dispatcher sees it "
+                f"{unseen} graph(s) were compiled in this process before tracing began (Dynamo's count "
+                "since it last held no compiled code): a call of one is recorded as the dispatcher sees it "
                 "(no region boundary; inductor's fused kernels unseen, their inputs named after nothing). "
                 "Start TraceCompare before the compiled model's first call (steps= picks the recorded "
                 "steps) to record them as regions."
