@@ -145,9 +145,8 @@ def margins() -> list[dict[str, Any]]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from tests.integration.test_check_models import capture as capture_demo
-
     import tracecmp
+    from tests.integration.test_check_models import capture as capture_demo
 
     torch.set_num_threads(1)
     runs: list[tuple[str, dict[str, Any]]] = [

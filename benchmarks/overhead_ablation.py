@@ -51,9 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tracecmp  # noqa: E402
+from benchmarks.bench_overhead import build  # noqa: E402
 from tracecmp.trace.columns import Columns  # noqa: E402
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA  # noqa: E402
-from benchmarks.bench_overhead import build  # noqa: E402
 
 CONFIGS = ("plain", "empty mode", "C pass-through", "no statistics", "capture only", "flush_secs=0", "flush_secs=1")
 _NO_STATISTICS = (0.0, 0.0, 0.0, 0.0, 0, 0, 0)
@@ -174,7 +174,7 @@ def per_op(workdir: Path, rounds: int) -> None:
 
 def chunk_cost(workdir: Path, rounds: int) -> None:
     """Milliseconds the writer spends on one chunk of 250 MLP steps, by stage (best of ``rounds``)."""
-    from tracecmp.trace.writer import _parquet_bytes
+    from tracecmp.trace.writer import parquet_bytes
 
     model, _, step = build("mlp")
     with tracecmp.TraceCompare(workdir / "chunk", model=model, flush_secs=3600) as tc:
@@ -187,9 +187,9 @@ def chunk_cost(workdir: Path, rounds: int) -> None:
 
     stages: dict[str, Callable[[], Any]] = {
         "ops: Columns.table()": ops.table,
-        "ops: table + Parquet": lambda: _parquet_bytes(ops.table()),
+        "ops: table + Parquet": lambda: parquet_bytes(ops.table()),
         "tensors: Columns.table()": tensors.table,
-        "tensors: table + Parquet": lambda: _parquet_bytes(tensors.table()),
+        "tensors: table + Parquet": lambda: parquet_bytes(tensors.table()),
     }
     print(f"\none chunk of 250 mlp steps ({len(ops):,} op rows, {len(tensors):,} tensor rows), ms, best of {rounds}")
     for name, stage in stages.items():

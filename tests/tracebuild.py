@@ -51,6 +51,13 @@ class Ref:
     dtype: str
 
 
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (finite float32) rounded to TF32's 10-bit mantissa, to nearest even: a TF32 device, written
+    apart from the rounding models under test."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+
+
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -16,11 +16,11 @@ from tracecmp.errors import (
     CaptureWriteError,
     CompareError,
     OverflowDetected,
+    TracecmpError,
+    TraceExistsError,
     TraceFormatError,
     TraceNotFoundError,
-    TraceExistsError,
     TraceVersionError,
-    TracecmpError,
 )
 
 __version__ = "0.1.0"

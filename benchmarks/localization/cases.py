@@ -159,7 +159,7 @@ def _insertion_ok(c: CallRecord) -> bool:
     return _output_site_ok(c) and c.single_output and not c.mutable and c.site.phase == "forward"
 
 
-def _rng(seed: int, *parts: str) -> random.Random:
+def rng_for(seed: int, *parts: str) -> random.Random:
     return random.Random(zlib.crc32("/".join((str(seed), *parts)).encode()))
 
 
@@ -199,7 +199,7 @@ def choose_sites(calls: list[CallRecord], phase: str, n: int, rng: random.Random
     return sites
 
 
-def _changes_nothing(prof: Profile, fault: OutputFault) -> bool:
+def changes_nothing(prof: Profile, fault: OutputFault) -> bool:
     """True when ``fault`` leaves the clean output's bits as they are (fp16 rounding of -0.25)."""
     clean = prof.outputs.get(fault.site)
     if clean is None:
@@ -219,19 +219,19 @@ def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int 
 
     faults: list[tuple[str, str, float, Plan, str]] = []  # kind, phase, magnitude, plan, weight
     for phase in ("forward", "backward"):
-        sites = choose_sites(calls, phase, len(output_kinds) * sites_per_fault, _rng(seed, m, phase))
+        sites = choose_sites(calls, phase, len(output_kinds) * sites_per_fault, rng_for(seed, m, phase))
         for i in range(len(output_kinds) * sites_per_fault if sites else 0):
             kind, mag = output_kinds[i % len(output_kinds)]
             site = sites[i % len(sites)]
             fault = OutputFault(kind, site, mag, seed=zlib.crc32(f"{seed}/{m}/{site}/{kind}".encode()))
-            if _changes_nothing(prof, fault):
+            if changes_nothing(prof, fault):
                 continue
             if (kind, site) not in {(f[3].output_fault.kind, f[3].output_fault.site) for f in faults if f[3].output_fault}:
                 faults.append((kind, phase, mag, Plan(output_fault=fault), ""))
-    opt_sites = choose_sites(calls, "optimizer", 1, _rng(seed, m, "optimizer"))
+    opt_sites = choose_sites(calls, "optimizer", 1, rng_for(seed, m, "optimizer"))
     for site in opt_sites:
         faults.append(("scale", "optimizer", 1e-2, Plan(output_fault=OutputFault("scale", site, 1e-2, seed=seed)), ""))
-    arg_rng = _rng(seed, m, "args")
+    arg_rng = rng_for(seed, m, "args")
     for op in sorted({c.site.op for c in calls if c.site.op in ARG_CHANGES}):
         name, change = ARG_CHANGES[op]
         occurrences = [c for c in calls if c.site.op == op]
@@ -239,11 +239,11 @@ def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int 
         fault = ArgFault(call.site, name, change(call.args.get(name)))
         faults.append(("arg", call.site.phase, 0.0, Plan(arg_fault=fault), ""))
     if prof.parameters:
-        param = _rng(seed, m, "weight").choice(prof.parameters)
+        param = rng_for(seed, m, "weight").choice(prof.parameters)
         faults.append(("weight", "forward", WEIGHT_PERTURBATION, Plan(), param))
 
     ins_candidates = [c for c in calls if _insertion_ok(c)]
-    ins_rng = _rng(seed, m, "insertion")
+    ins_rng = rng_for(seed, m, "insertion")
     # Early in the forward pass, so that most faults come after the change in structure.
     early = ins_candidates[: max(1, len(ins_candidates) // 2)]
     extra = Insertion(ins_rng.choice(early).site, INSERTIONS[model_index % len(INSERTIONS)]) if early else None

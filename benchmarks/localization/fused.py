@@ -18,7 +18,7 @@ from __future__ import annotations
 import zlib
 from typing import Iterable
 
-from benchmarks.localization.cases import Case, CallRecord, Profile, _changes_nothing, _rng, choose_sites, profile
+from benchmarks.localization.cases import CallRecord, Case, Profile, changes_nothing, choose_sites, profile, rng_for
 from benchmarks.localization.faults import OutputFault, Plan
 from benchmarks.localization.fused_models import PARTS, FusedConfig
 
@@ -70,10 +70,10 @@ def plan_fused(seed: int = 0, parts: Iterable[str] = PARTS, model_seed: int = 12
                               expect_divergence=False, bench_model=bench))
             outside = [c for c in prof.calls if not inside(c, part)]
             for phase in ("forward", "backward"):
-                sites = choose_sites(outside, phase, len(ELSEWHERE), _rng(seed, "fused", part, direction, phase))
+                sites = choose_sites(outside, phase, len(ELSEWHERE), rng_for(seed, "fused", part, direction, phase))
                 for (kind, magnitude), site in zip(ELSEWHERE, sites):
                     fault = OutputFault(kind, site, magnitude, seed=zlib.crc32(f"{seed}/{part}/{site}/{kind}".encode()))
-                    if _changes_nothing(prof, fault):
+                    if changes_nothing(prof, fault):
                         continue
                     label = f"{kind}{f'{magnitude:.0e}' if magnitude else ''}@{site.op}#{site.k}:{phase}"
                     plan = Plan(output_fault=fault)

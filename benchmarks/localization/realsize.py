@@ -48,7 +48,7 @@ import torch
 from benchmarks.localization.cases import Case, choose_sites
 from benchmarks.localization.faults import ArgFault, CallRecord, Injector, Observation, OutputFault, Plan, Site
 from benchmarks.localization.realmodels import BENCH_OF, EXTRA_MODELS, PRECISIONS, REAL_MODELS, build_real
-from benchmarks.localization.run import HarnessError, Record, Result, _group_table, _pct, find_truth, publish, score
+from benchmarks.localization.run import HarnessError, Record, Result, find_truth, group_table, pct, publish, score
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -378,8 +378,8 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
         f"Command: `{command}` (runtime {seconds:.0f} s; {data})",
         "",
         f"- clean pairs with no root: {sum(r.status == 'ok' and r.roots == 0 for r in clean)} of {len(clean)} (goal: all)",
-        f"- **top-1: {_pct(sum(r.top1 for r in faults), n)}** (goal >= 95%); "
-        f"suspects exactly the fault: {_pct(sum(r.suspects_exact for r in faults), n)} (goal >= 95%)",
+        f"- **top-1: {pct(sum(r.top1 for r in faults), n)}** (goal >= 95%); "
+        f"suspects exactly the fault: {pct(sum(r.suspects_exact for r in faults), n)} (goal >= 95%)",
         f"- cases not set up: {sum(r.status == 'harness' for r in results)}; tracecmp errors: {sum(r.status == 'error' for r in results)}",
         "",
         "### Clean pairs (target against its fp32 bench, 2 steps)",
@@ -401,10 +401,10 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
                      f"{r.compare_s:.1f} s | {r.compare_rss_mb:,.0f} MB | "
                      f"{r.trace_mb:,.1f} MB |")
     lines.append("")
-    lines += _group_table("Faults by kind", faults, lambda r: r.kind)
-    lines += _group_table("Faults by model", faults, lambda r: r.model)
-    lines += _group_table("Faults by precision", faults, lambda r: r.precision)
-    lines += _group_table("Faults by phase", faults, lambda r: r.phase)
+    lines += group_table("Faults by kind", faults, lambda r: r.kind)
+    lines += group_table("Faults by model", faults, lambda r: r.model)
+    lines += group_table("Faults by precision", faults, lambda r: r.precision)
+    lines += group_table("Faults by phase", faults, lambda r: r.phase)
     lines += ["### Roots of clean pairs", ""]
     for r in clean:
         for d in r.ranked:

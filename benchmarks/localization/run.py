@@ -387,7 +387,7 @@ def _pool_map(fn: Any, items: list[Any], jobs: int, data: str, tf32_rounding: st
 # ---------------------------------------------------------------------------------------- report
 
 
-def _pct(hits: int, n: int) -> str:
+def pct(hits: int, n: int) -> str:
     return f"{100.0 * hits / n:.1f}% ({hits}/{n})" if n else "-"
 
 
@@ -419,14 +419,14 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
         f"- cases: {len(results)} ({n} faults scored, {len(neg)} negatives, "
         f"{sum(r.status == 'harness' for r in results)} not set up, {sum(r.status == 'error' for r in results)} tracecmp errors); "
         f"runtime {seconds:.0f} s",
-        f"- **top-1: {_pct(sum(r.top1 for r in pos), n)}** (goal >= 95%); exact node: {_pct(sum(r.exact for r in pos), n)}; "
-        f"**top-3: {_pct(sum(r.top3 for r in pos), n)}**",
-        f"- suspects exactly the fault (no other root; goal >= 95%): {_pct(sum(r.suspects_exact for r in pos), n)}; "
-        f"plain variant: {_pct(sum(r.suspects_exact for r in plain), len(plain))}",
+        f"- **top-1: {pct(sum(r.top1 for r in pos), n)}** (goal >= 95%); exact node: {pct(sum(r.exact for r in pos), n)}; "
+        f"**top-3: {pct(sum(r.top3 for r in pos), n)}**",
+        f"- suspects exactly the fault (no other root; goal >= 95%): {pct(sum(r.suspects_exact for r in pos), n)}; "
+        f"plain variant: {pct(sum(r.suspects_exact for r in plain), len(plain))}",
         f"- top-1 with identical structure and no background noise (variant plain): "
-        f"{_pct(sum(r.top1 for r in plain), len(plain))} (goal 100%)",
+        f"{pct(sum(r.top1 for r in plain), len(plain))} (goal 100%)",
         f"- top-1 under tf32 background where the fault is >= 10x the background at its site: "
-        f"{_pct(sum(r.top1 for r in visible), len(visible))} (all tf32 cases: {_pct(sum(r.top1 for r in tf32), len(tf32))})",
+        f"{pct(sum(r.top1 for r in visible), len(visible))} (all tf32 cases: {pct(sum(r.top1 for r in tf32), len(tf32))})",
         f"- **false alarms: {len(alarms)} of {sum(r.counted for r in neg)} negatives** (goal 0); "
         f"tf32 background alone flagged: {sum(1 for r in neg if not r.counted and r.outcome != 'clean')} of "
         f"{sum(not r.counted for r in neg)} (reported apart: a device that runs matmuls in tf32 is noise, not a fault)",
@@ -436,13 +436,13 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
         "downstream past its source).",
         "",
     ]
-    lines += _group_table("By variant", pos, lambda r: r.variant)
-    lines += _group_table("By fault kind", pos, lambda r: r.kind)
-    lines += _group_table("By phase", pos, lambda r: r.phase)
-    lines += _group_table("By magnitude (scale and noise)", [r for r in pos if r.kind in ("scale", "noise")],
+    lines += group_table("By variant", pos, lambda r: r.variant)
+    lines += group_table("By fault kind", pos, lambda r: r.kind)
+    lines += group_table("By phase", pos, lambda r: r.phase)
+    lines += group_table("By magnitude (scale and noise)", [r for r in pos if r.kind in ("scale", "noise")],
                           lambda r: f"{r.kind} {r.magnitude:.0e}")
-    lines += _group_table("By op category", pos, lambda r: r.category)
-    lines += _group_table("tf32 variant by fault size / background error at the site", tf32, _ratio_bucket)
+    lines += group_table("By op category", pos, lambda r: r.category)
+    lines += group_table("tf32 variant by fault size / background error at the site", tf32, _ratio_bucket)
     lines += _cross_table(pos)
     if any(r.variant in ("fused", "fused-plain") for r in results):
         from benchmarks.localization.fused import fused_tables
@@ -460,7 +460,7 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
     return "\n".join(lines)
 
 
-def _group_table(title: str, rows: list[Result], key: Any) -> list[str]:
+def group_table(title: str, rows: list[Result], key: Any) -> list[str]:
     groups: dict[str, list[Result]] = defaultdict(list)
     for r in rows:
         groups[key(r)].append(r)
@@ -469,9 +469,9 @@ def _group_table(title: str, rows: list[Result], key: Any) -> list[str]:
     for name in sorted(groups):
         g = groups[name]
         out.append(
-            f"| {name} | {len(g)} | {_pct(sum(r.top1 for r in g), len(g))} | {_pct(sum(r.top3 for r in g), len(g))} | "
+            f"| {name} | {len(g)} | {pct(sum(r.top1 for r in g), len(g))} | {pct(sum(r.top3 for r in g), len(g))} | "
             f"{sum(r.exact for r in g)} | {sum(r.outcome == 'missed' for r in g)} | {sum(r.outcome == 'early' for r in g)} | "
-            f"{sum(r.outcome == 'late' for r in g)} | {_pct(sum(r.suspects_exact for r in g), len(g))} |"
+            f"{sum(r.outcome == 'late' for r in g)} | {pct(sum(r.suspects_exact for r in g), len(g))} |"
         )
     return out + [""]
 

@@ -15,8 +15,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 import tracecmp
 from tracecmp.trace.reader import Trace
 

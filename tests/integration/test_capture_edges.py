@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tracecmp
-from tracecmp.errors import CaptureError
 from tests.models import example_batch, make_model, make_optimizer, train_step
+from tracecmp.errors import CaptureError
 
 
 def _trace(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -16,9 +16,9 @@ import torch
 
 import tracecmp
 import tracecmp.capture.mode as mode_module
+from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.cli.inspect import summarize
-from tests.models import example_batch, make_model, make_optimizer, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import tracecmp
 from tests.models import example_batch, make_model, make_optimizer, train_step
-from tracecmp.capture import rng
 from tracecmp.aten.schema import arg_value, op_info
+from tracecmp.capture import rng
 
 aten = torch.ops.aten
 

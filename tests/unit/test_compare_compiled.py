@@ -252,7 +252,7 @@ def test_a_region_returning_q_k_v_is_not_compared_with_the_projection_they_view(
 def test_a_replay_takes_the_sizes_a_backward_reads_from_its_forward() -> None:
     # Under dynamic shapes a backward graph's placeholders include sizes its forward saved
     # (``sym_size_int``); nodes sized by them run, and so does every node after them.
-    from tracecmp.comparison.compiled import _run
+    from tracecmp.comparison.compiled import run_part
 
     nodes = (
         GraphNode("sym_size_int", "placeholder"),
@@ -264,7 +264,7 @@ def test_a_replay_takes_the_sizes_a_backward_reads_from_its_forward() -> None:
         GraphNode("output", "output", ("relu",)),
     )
     given = {"sym_size_int": 2, "tangents_1": torch.linspace(-1.0, 1.0, 6)}
-    values = _run(GraphPart("backward", nodes), lambda name, golden: given.get(name), {}, golden=True)
+    values = run_part(GraphPart("backward", nodes), lambda name, golden: given.get(name), {}, golden=True)
     assert torch.equal(values["relu"], given["tangents_1"].double().view(2, 3).relu())
 
 

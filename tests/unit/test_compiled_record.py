@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import tracecmp
-from tests.unit.test_trace_errors import _ops, _tensors
+from tests.unit.test_trace_errors import ops_columns, tensors_columns
 from tracecmp.errors import TraceFormatError
 from tracecmp.trace.compiled import CompiledGraph, CompiledRecord, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.writer import RankWriter, write_run_manifest
@@ -62,8 +62,8 @@ def _trace(tmp_path: Path, compiled: Any) -> Path:
     path = tmp_path / "t"
     write_run_manifest(path, options={"data": "stats", "compiled": "boundary"})
     writer = RankWriter(path, rank=0)
-    ops = _ops([[], [0], [1]], [[0], [1], [2]])
-    writer.write_chunk(ops, _tensors([0, 1, 2], [0, 1, 2]), steps=[0], compiled=compiled)
+    ops = ops_columns([[], [0], [1]], [[0], [1], [2]])
+    writer.write_chunk(ops, tensors_columns([0, 1, 2], [0, 1, 2]), steps=[0], compiled=compiled)
     writer.close(complete=True)
     return path
 

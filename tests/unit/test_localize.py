@@ -14,16 +14,11 @@ import pytest
 import torch
 
 import tracecmp
-from tests.tracebuild import TraceBuilder
+from tests.tracebuild import TraceBuilder, round_tf32
 from tracecmp.errors import CompareError
 from tracecmp.verdict.records import STATUSES
 
 A = torch.ops.aten
-
-
-def _round_tf32(x: torch.Tensor) -> torch.Tensor:
-    bits = x.contiguous().view(torch.int32)
-    return ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
 
 
 def record(
@@ -54,7 +49,7 @@ def record(
     b = TraceBuilder(complete=complete, data=data)
 
     def mm_in(t: torch.Tensor) -> torch.Tensor:
-        return _round_tf32(t) if tf32 else t
+        return round_tf32(t) if tf32 else t
 
     def call(site: str, op: Any, *args: Any, **kw: Any) -> Any:
         return b.call(op, *args, fault=faults.get(site), **kw)
@@ -388,15 +383,15 @@ def test_a_sums_reach_covers_its_upper_population() -> None:
     # a loose bound (ratios ~0.1); a few by the weight and bias gradients, whose estimate the
     # statistics scatter around (ratios 1.3-3.5). Fitted to the whole spread, the reach was 0.5
     # and the clean call at 2.3x was named a root; a call must stand out from all but one.
-    from tracecmp.comparison.localize import _tail_ratio
+    from tracecmp.comparison.localize.calibrate import tail_ratio
 
     bulk = [0.05, 0.08, 0.1, 0.12, 0.15] * 10
     upper = [1.35, 1.44, 1.71, 1.96, 2.15, 2.29, 3.47]
     ratios = np.asarray(bulk + upper)
-    assert _tail_ratio(ratios, accumulates=True) >= 2.0 * 2.29
+    assert tail_ratio(ratios, accumulates=True) >= 2.0 * 2.29
     # one population: the log-normal through the whole spread still decides
     single = np.asarray([0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5, 1.8] * 4)
-    assert _tail_ratio(single, accumulates=True) > 2.0 * 1.8
-    assert _tail_ratio(single, accumulates=True) == pytest.approx(2.0 * 10 ** (
+    assert tail_ratio(single, accumulates=True) > 2.0 * 1.8
+    assert tail_ratio(single, accumulates=True) == pytest.approx(2.0 * 10 ** (
         np.median(np.log10(single)) + math.sqrt(2 * math.log(len(single))) * 1.4826
         * np.median(np.abs(np.log10(single) - np.median(np.log10(single))))))

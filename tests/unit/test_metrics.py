@@ -10,8 +10,8 @@ import torch
 from tests.tracebuild import stats_of
 from tracecmp.comparison.metrics import stat_metrics, tensor_metrics
 from tracecmp.comparison.tolerances import Tolerances
-from tracecmp.numerics.units import EPS, eps_of
 from tracecmp.errors import CompareError
+from tracecmp.numerics.units import EPS, eps_of
 
 
 def _pair(t: torch.Tensor, b: torch.Tensor) -> pd.Series:

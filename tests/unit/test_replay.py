@@ -85,9 +85,9 @@ def _relu_after_tf32(path: Path, fault: float | None) -> Path:
     X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
     tf32 = None
     if fault is not None:
-        from tests.unit.test_localize import _round_tf32
+        from tests.tracebuild import round_tf32
 
-        tf32 = lambda _: A.mm.default(_round_tf32(x), _round_tf32(w))  # noqa: E731
+        tf32 = lambda _: A.mm.default(round_tf32(x), round_tf32(w))  # noqa: E731
     H = b.call(A.mm.default, X, W, module="fc", fault=tf32)
 
     def bump(t: torch.Tensor) -> torch.Tensor:
@@ -201,13 +201,13 @@ def test_noise_fault_found_by_replay_has_the_largest_score(tmp_path):
 def _after_tf32(path: Path, op: Any, fault: Callable[[torch.Tensor], torch.Tensor] | None, tf32: bool = True,
                 **kwargs: Any) -> Path:
     """x @ w (at TF32 in a target: background noise), then ``op(h, h2)`` whose output ``fault`` may rewrite."""
-    from tests.unit.test_localize import _round_tf32
+    from tests.tracebuild import round_tf32
 
     g = torch.Generator().manual_seed(4)
     x, w, w2 = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
     b = TraceBuilder(data=True)
     X, W, W2 = b.source("input.0", x), b.param("fc.weight", w, module="fc"), b.param("fc2.weight", w2, module="fc2")
-    rounded = (lambda a, c: (lambda _: A.mm.default(_round_tf32(a), _round_tf32(c)))) if tf32 else (lambda a, c: None)
+    rounded = (lambda a, c: (lambda _: A.mm.default(round_tf32(a), round_tf32(c)))) if tf32 else (lambda a, c: None)
     H = b.call(A.mm.default, X, W, module="fc", fault=rounded(x, w))
     H2 = b.call(A.mm.default, X, W2, module="fc2", fault=rounded(x, w2))
     b.call(op, H, H2, module="merge", fault=fault, **kwargs)
@@ -242,14 +242,14 @@ def test_a_scaled_add_is_not_held_to_one_rounding(tmp_path):
 
 def test_a_matmul_output_rounded_to_bf16_stands_out_of_the_tf32_noise(tmp_path):
     def rounded(path: Path) -> Path:
-        from tests.unit.test_localize import _round_tf32
+        from tests.tracebuild import round_tf32
 
         g = torch.Generator().manual_seed(4)
         x, w = torch.randn(64, 128, generator=g), torch.randn(128, 64, generator=g)
         b = TraceBuilder(data=True)
         X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
         b.call(A.mm.default, X, W, module="fc",
-               fault=lambda _: A.mm.default(_round_tf32(x), _round_tf32(w)).to(torch.bfloat16).float())
+               fault=lambda _: A.mm.default(round_tf32(x), round_tf32(w)).to(torch.bfloat16).float())
         return b.write(path)
 
     def clean(path: Path) -> Path:
@@ -311,7 +311,7 @@ def test_a_long_chain_of_views_is_rebuilt_or_left_out_without_crashing(tmp_path)
 
 
 def test_sqrt_is_held_to_one_rounding(tmp_path):
-    from tests.unit.test_localize import _round_tf32
+    from tests.tracebuild import round_tf32
 
     def run(path: Path, target: bool) -> Path:
         g = torch.Generator().manual_seed(6)
@@ -319,7 +319,7 @@ def test_sqrt_is_held_to_one_rounding(tmp_path):
         b = TraceBuilder(data=True)
         X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
         H = b.call(A.mm.default, X, W, module="fc",
-                   fault=(lambda _: A.mm.default(_round_tf32(x), _round_tf32(w))) if target else None)
+                   fault=(lambda _: A.mm.default(round_tf32(x), round_tf32(w))) if target else None)
         M = b.call(A.abs.default, H)
         b.call(A.sqrt.default, M, module="norm", fault=_next_float_at(3) if target else None)
         return b.write(path)
@@ -369,9 +369,9 @@ def _truncate(x: torch.Tensor) -> torch.Tensor:
     ("to nearest even", "float32"), ("toward zero", "float32"), ("to nearest even", "float64"),
 ], ids=["rn", "rz", "rn-other-order"])
 def test_a_matmul_fault_far_below_tf32_noise_shows_where_the_runs_matmuls_are_reproduced(tmp_path, rounding, accumulate):
-    from tests.unit.test_localize import _round_tf32
+    from tests.tracebuild import round_tf32
 
-    model = _round_tf32 if rounding == "to nearest even" else _truncate
+    model = round_tf32 if rounding == "to nearest even" else _truncate
     bench = _tf32_chain(tmp_path / "bench", None)
     # The background alone: six TF32 matmuls, no root, whichever rounding and accumulation order.
     clean = tracecmp.compare(_tf32_chain(tmp_path / "clean", model, accumulate=accumulate), bench)
@@ -387,12 +387,12 @@ def test_a_matmul_fault_far_below_tf32_noise_shows_where_the_runs_matmuls_are_re
 
 
 def test_matmuls_no_rounding_model_reproduces_keep_the_ratio_rule(tmp_path):
-    from tests.unit.test_localize import _round_tf32
+    from tests.tracebuild import round_tf32
 
     bench = _tf32_chain(tmp_path / "bench", None)
 
     def coarse(x: torch.Tensor) -> torch.Tensor:  # some other way of running at low precision
-        return _round_tf32(x * (1 + 1e-4))
+        return round_tf32(x * (1 + 1e-4))
 
     target = _tf32_chain(tmp_path / "target", coarse, fault=1 + 2e-5)
     rank = tracecmp.load(target).rank(0)

@@ -9,14 +9,9 @@ import pytest
 import torch
 
 import tracecmp
-from tests.tracebuild import TraceBuilder
+from tests.tracebuild import TraceBuilder, round_tf32
 
 A = torch.ops.aten
-
-
-def _round_tf32(x: torch.Tensor) -> torch.Tensor:
-    bits = x.contiguous().view(torch.int32)
-    return ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
 
 
 def _three_matmuls(path: Path, tf32: bool, fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -27,7 +22,7 @@ def _three_matmuls(path: Path, tf32: bool, fault: Callable[[torch.Tensor], torch
     x, w1 = torch.randn(16, 48, generator=g), torch.randn(48, 32, generator=g) / 7
     bias, w2 = torch.randn(24, generator=g), torch.randn(32, 24, generator=g) / 6
     w3 = torch.randn(4, 24, 8, generator=g) / 5
-    r = _round_tf32 if tf32 else (lambda t: t)
+    r = round_tf32 if tf32 else (lambda t: t)
     b = TraceBuilder(data=data)
     X, W1 = b.source("input.0", x), b.param("fc1.weight", w1, module="fc1")
     BIAS, W2 = b.param("fc2.bias", bias, module="fc2"), b.param("fc2.weight", w2, module="fc2")
@@ -71,7 +66,7 @@ def _gelus(path: Path, *, tf32: bool = True, flip: int | None = None, device_gel
     g = torch.Generator().manual_seed(8)
     b = TraceBuilder(data=True)
     h = b.source("input.0", torch.randn(8, 32, generator=g))
-    r = _round_tf32 if tf32 else (lambda t: t)
+    r = round_tf32 if tf32 else (lambda t: t)
     for i in range(4):
         wv = torch.randn(32, 32, generator=g) / 6
         w = b.param(f"fc{i}.weight", wv, module=f"fc{i}")

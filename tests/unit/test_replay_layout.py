@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import tracecmp
-from tests.tracebuild import TraceBuilder
-from tests.unit.test_localize import _round_tf32
+from tests.tracebuild import TraceBuilder, round_tf32
 from tracecmp.aten.args import copy_laid_out
 from tracecmp.numerics.replay import replay_rank
 
@@ -69,7 +68,7 @@ def _tf32_matmuls(path: Path, tf32: bool, flip: int | None = None, exact_sums: b
         hv = b.value(h)
 
         def device(_: torch.Tensor, hv: torch.Tensor = hv, w: torch.Tensor = w, i: int = i) -> torch.Tensor:
-            a, m = (_round_tf32(hv), _round_tf32(w)) if tf32 else (hv, w)
+            a, m = (round_tf32(hv), round_tf32(w)) if tf32 else (hv, w)
             out = (a.double() @ m.double()).float() if exact_sums else a @ m
             if i == flip:
                 out = out.clone()
@@ -171,13 +170,13 @@ def test_a_malformed_memory_order_is_a_format_error(tmp_path, orders, match):
     from safetensors.torch import save_file
 
     from tracecmp.errors import TraceFormatError
-    from tracecmp.trace.saved import _DataFile
+    from tracecmp.trace.saved import DataFile
     from tracecmp.trace.schema import MEMORY_ORDER_KEY
 
     path = tmp_path / "data-00000.safetensors"
     save_file({"k": torch.zeros(2, 3)}, str(path), metadata={MEMORY_ORDER_KEY: orders})
     with pytest.raises(TraceFormatError, match=match):
-        data = _DataFile(path)
+        data = DataFile(path)
         try:
             data.read("k")
         finally:

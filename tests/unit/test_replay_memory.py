@@ -11,8 +11,7 @@ import torch
 
 import tracecmp
 from tests.tracebuild import TraceBuilder
-from tracecmp.numerics.replay import measure, replayer
-from tracecmp.numerics.replay import ELEMENT_ULPS, OwnError, Replayer, replay_ops
+from tracecmp.numerics.replay import ELEMENT_ULPS, OwnError, Replayer, measure, replay_ops, replayer
 
 A = torch.ops.aten
 SHAPE = (3, 5003)  # 15,009 elements: four pieces of 4,096 and a short last one

@@ -20,7 +20,7 @@ from tracecmp.trace.writer import RankWriter, write_run_manifest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ops(inputs: list[list[int]], outputs: list[list[int]]) -> dict[str, list[Any]]:
+def ops_columns(inputs: list[list[int]], outputs: list[list[int]]) -> dict[str, list[Any]]:
     n = len(inputs)
     return {
         "op_id": list(range(n)),
@@ -41,7 +41,7 @@ def _ops(inputs: list[list[int]], outputs: list[list[int]]) -> dict[str, list[An
     }
 
 
-def _tensors(ids: list[int], producers: list[int]) -> dict[str, list[Any]]:
+def tensors_columns(ids: list[int], producers: list[int]) -> dict[str, list[Any]]:
     n = len(ids)
     columns: dict[str, list[Any]] = {
         "tensor_id": ids,
@@ -70,7 +70,7 @@ def _write(path: Path, ops: dict[str, list[Any]], tensors: dict[str, list[Any]])
 @pytest.fixture
 def good(tmp_path: Path) -> Path:
     """source -> relu -> relu: a valid two-op trace written by the real writer."""
-    return _write(tmp_path / "good", _ops([[], [0], [1]], [[0], [1], [2]]), _tensors([0, 1, 2], [0, 1, 2]))
+    return _write(tmp_path / "good", ops_columns([[], [0], [1]], [[0], [1], [2]]), tensors_columns([0, 1, 2], [0, 1, 2]))
 
 
 def _rank_manifest(trace: Path) -> tuple[Path, dict[str, Any]]:
@@ -163,7 +163,7 @@ def test_a_missing_chunk_record_is_a_gap_not_a_shorter_trace(tmp_path: Path) -> 
     write_run_manifest(root, options={})
     writer = RankWriter(root)
     for _ in range(3):
-        writer.write_chunk(_ops([[], [0]], [[0], [1]]), _tensors([0, 1], [0, 1]), steps=[0])
+        writer.write_chunk(ops_columns([[], [0]], [[0], [1]]), tensors_columns([0, 1], [0, 1]), steps=[0])
     writer.close(complete=True)
     (root / "rank0" / "chunk-00001.json").unlink()
     _expect(TraceFormatError, root / "rank0" / "chunk-00002.json", "chunk-00001.json is missing", root)
@@ -178,12 +178,12 @@ def test_chunk_record_row_counts_must_match_its_tables(good: Path) -> None:
 
 
 def test_ids_referencing_missing_tensors(tmp_path: Path) -> None:
-    bad = _write(tmp_path / "bad", _ops([[], [0], [7]], [[0], [1], [2]]), _tensors([0, 1, 2], [0, 1, 2]))
+    bad = _write(tmp_path / "bad", ops_columns([[], [0], [7]], [[0], [1], [2]]), tensors_columns([0, 1, 2], [0, 1, 2]))
     _expect(TraceFormatError, bad, "refer to tensors the trace does not hold", bad)
 
 
 def test_tensors_naming_missing_producers(tmp_path: Path) -> None:
-    bad = _write(tmp_path / "bad", _ops([[], [0], [1]], [[0], [1], [2]]), _tensors([0, 1, 2], [0, 1, 9]))
+    bad = _write(tmp_path / "bad", ops_columns([[], [0], [1]], [[0], [1], [2]]), tensors_columns([0, 1, 2], [0, 1, 9]))
     _expect(TraceFormatError, bad, "producer ops the trace does not hold", bad)
 
 
@@ -205,11 +205,11 @@ def test_cli_inspect_bad_trace_exits_2_with_one_line(good: Path) -> None:
 
 def test_checksums_keep_all_64_bits_next_to_rows_without_statistics(tmp_path: Path) -> None:
     """A nullable integer column would turn float64 in pandas and lose the checksum's low bits."""
-    tensors = _tensors([0, 1], [0, 1])
+    tensors = tensors_columns([0, 1], [0, 1])
     tensors["checksum"] = [None, (1 << 62) + 1]
     tensors["nan_count"] = [None, 0]
     tensors["has_stats"] = [False, True]
-    trace = tracecmp.load(_write(tmp_path / "t", _ops([[], [0]], [[0], [1]]), tensors))
+    trace = tracecmp.load(_write(tmp_path / "t", ops_columns([[], [0]], [[0], [1]]), tensors))
     frame = trace.rank(0).tensors
     assert frame["checksum"].dtype == "int64" and frame["nan_count"].dtype == "int64"
     assert frame["checksum"].tolist() == [0, (1 << 62) + 1]
@@ -330,9 +330,9 @@ def test_a_manifest_that_is_a_fifo_does_not_hang(good: Path) -> None:
 
 
 def test_nulls_where_the_schema_has_none(tmp_path: Path) -> None:
-    ops = _ops([[], [0], [1]], [[0], [1], [2]])
+    ops = ops_columns([[], [0], [1]], [[0], [1], [2]])
     ops["phase"][1] = None
-    bad = _write(tmp_path / "bad", ops, _tensors([0, 1, 2], [0, 1, 2]))
+    bad = _write(tmp_path / "bad", ops, tensors_columns([0, 1, 2], [0, 1, 2]))
     _expect(TraceFormatError, bad / "rank0" / "ops-00000.parquet", "column 'phase' holds nulls", bad)
 
 

@@ -44,23 +44,13 @@ from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
+from tracecmp.aten.schema import BUFFER, FRESH, ONE_FRESH, SCRATCH, VIEW, WRITE, OpInfo, arg_value, op_info
+from tracecmp.aten.schema import OP_INFOS as _OP_INFOS
+from tracecmp.capture import stats as _stats
 from tracecmp.capture.collectives import CollectiveRecorder
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
-from tracecmp.capture import stats as _stats
-from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
-from tracecmp.aten.schema import (
-    BUFFER,
-    FRESH,
-    ONE_FRESH,
-    OP_INFOS as _OP_INFOS,
-    SCRATCH,
-    VIEW,
-    WRITE,
-    OpInfo,
-    arg_value,
-    op_info,
-)
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats

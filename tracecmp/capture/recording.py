@@ -16,7 +16,7 @@ import torch
 
 from tracecmp.capture.modules import is_compiling
 from tracecmp.capture.session import TraceCompare, _distributed
-from tracecmp.errors import CaptureWriteError, TraceExistsError, TracecmpError
+from tracecmp.errors import CaptureWriteError, TracecmpError, TraceExistsError
 from tracecmp.trace.reader import step_ranges
 from tracecmp.trace.writer import existing_trace
 

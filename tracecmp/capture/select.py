@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from tracecmp.errors import CaptureError
+from tracecmp.trace.schema import PHASES
 
-PHASES = ("forward", "backward", "optimizer")
 _FIELDS = ("modules", "ops", "steps", "phases")
 
 

@@ -29,8 +29,8 @@ from tracecmp.errors import (
     CaptureWarning,
     CaptureWriteError,
     OverflowDetected,
-    TraceExistsError,
     TracecmpError,
+    TraceExistsError,
 )
 from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.seeding import last_seed_settings

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import time
 
-
 # The names of tracecmp.demo.FAULTS, spelled out so that building the CLI does not import torch.
 FAULT_NAMES = ("fp16-matmul", "gelu-tanh", "softmax-fp16")
 

@@ -65,9 +65,9 @@ def adam_update_bound(node: Node, index: int, producer: Mapping[int, tuple[Node,
     ``producer`` maps each tensor id (view bases) to the node that made it and its output position;
     ``value_of`` gives a one-element tensor's value where both runs hold the same (a step count).
     """
-    if base_name(node[4]) in _FUSED:
+    if base_name(node.op) in _FUSED:
         return _fused_update_bound(node, index, value_of)
-    if base_name(node[4]) not in _ADDCDIV:
+    if base_name(node.op) not in _ADDCDIV:
         return None
     read, scalar = _call(node, index)
     value = scalar("value", "scalars")
@@ -121,8 +121,8 @@ def _fused_update_bound(node: Node, index: int, value_of: Callable[[int], float 
     """The bound for output ``index`` of a fused Adam kernel: its parameters come first, and
     parameter k took step ``state_steps[k]`` (counted up before the call) with ``lr``, ``beta1``
     and ``beta2`` as recorded."""
-    parsed, n = recorded_args(node[8]), tensor_list_length(node[8])
-    inputs = node[9]
+    parsed, n = recorded_args(node.args), tensor_list_length(node.args)
+    inputs = node.inputs
     lr, beta1, beta2 = (parsed.get(name) for name in ("lr", "beta1", "beta2"))
     if index >= n or not all(isinstance(v, float) and math.isfinite(v) for v in (lr, beta1, beta2)):
         return None
@@ -143,7 +143,7 @@ def _fused_update_bound(node: Node, index: int, value_of: Callable[[int], float 
 def _call(node: Node, index: int) -> tuple[dict[int, int], Any]:
     """The tensors output ``index`` of ``node`` reads, by argument position (a multi-tensor op's
     element ``index``), and a reader of its scalar arguments by name, the element of a list."""
-    op, args, inputs = node[4], node[8], node[9]
+    op, args, inputs = node.op, node.args, node.inputs
     read = dict(read_by(op, args, inputs, index))
     parsed = recorded_args(args)
     n = tensor_list_length(args) if base_name(op).startswith("_foreach_") else 0

@@ -43,11 +43,11 @@ from typing import Any, Callable, Iterable, Mapping
 import pandas as pd
 
 from tracecmp.comparison.tolerances import Tolerances
-from tracecmp.numerics.units import EPS, canonical_dtype
+from tracecmp.graph.nodes import Node
+from tracecmp.numerics.units import EPS, FP32_EPS, canonical_dtype
 from tracecmp.trace.compiled import GRAPH_LABEL, CompiledGraph, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.reader import RankTrace
 
-_FP32 = EPS["float32"]
 GRAPH_MODE_NOTE = (f"the target ran its compiled regions as {GRAPH_LABEL} (compiled=\"graph\"): its numbers inside "
                    "them are eager kernels', not the compiled code's")
 _PROPAGATION = 4.0  # how many times an input's error a region may pass on (localize's rule for unknown ops)
@@ -74,13 +74,13 @@ class Unit:
     rounding: float | None = None  # a decomposition's rounding: its ops' honest replay errors, summed
     narrowed: str = ""  # the FX node a root was narrowed to, for its reason
 
-    def decide(self, node: tuple, errors: tuple[float, float, float], ri: Any, tol: Tolerances,
+    def decide(self, node: Node, errors: tuple[float, float, float], ri: Any, tol: Tolerances,
                lookup: Callable[[int], Any]) -> tuple[str, str, str]:
         """Root kind, reason and deciding metric of the unit (the judged op ``node``), for localize.
 
         ``errors`` are localize's errors of the output it looked at; the unit looks at all of them.
         """
-        states = [ri.measured[t] for t in node[10] if t in ri.measured]
+        states = [ri.measured[t] for t in node.outputs if t in ri.measured]
         measured = [e for s in states for e in (s.e_ext, s.e_sys, s.e_rms) if not math.isnan(e)]
         if not measured:
             return "", "", "region"
@@ -91,7 +91,7 @@ class Unit:
             return "", "", "region"  # an input of unknown error: nothing to blame on the unit
         carried = max((s.level for s in floats), default=0.0) * _PROPAGATION
         dtype = self._dtype(node, ri)
-        unit = EPS.get(canonical_dtype(dtype), _FP32)
+        unit = EPS.get(canonical_dtype(dtype), FP32_EPS)
         floor = tol.local * unit
         what = f"{self.kind} {self.replaces}" if self.kind == "decomposition" else f"compiled region {self.graph.id}"
         if self.own is not None:
@@ -116,8 +116,8 @@ class Unit:
                     f"inputs carry in ({carried:.1e}) and {how}" + self._narrowed(), "region")
         return "", "", "region"
 
-    def _dtype(self, node: tuple, ri: Any) -> str:
-        outputs = node[10]
+    def _dtype(self, node: Node, ri: Any) -> str:
+        outputs = node.outputs
         return ri.own.get(outputs[0], (True, False, "float32"))[2] if outputs else "float32"
 
     def _narrowed(self) -> str:
@@ -725,7 +725,7 @@ def _judge_region(unit: Unit, t_get: Callable[[int], Any], b_get: Callable[[int]
     if part is None or outside is None:
         return
     recorded = _recorded_by_node(unit.call, t_get, pairing)
-    ref, honest = _run(part, outside, recorded, golden=True), _run(part, outside, recorded, golden=False)
+    ref, honest = run_part(part, outside, recorded, golden=True), run_part(part, outside, recorded, golden=False)
     worst: tuple[float, float] | None = None
     for tensor, name in unit.outputs:
         recorded, r, h = t_get(tensor), _tensor(ref.get(name)), _tensor(honest.get(name))
@@ -785,7 +785,7 @@ class _BackwardInputs:
     def forward(self, golden: bool) -> dict[str, Any]:
         if golden not in self._values:
             inputs, get = self.fw_inputs, self.t_get
-            self._values[golden] = _run(self.forward_part, lambda n, g: get(inputs[n]) if n in inputs else None,
+            self._values[golden] = run_part(self.forward_part, lambda n, g: get(inputs[n]) if n in inputs else None,
                                         self.fw_recorded, golden=golden)
         return self._values[golden]
 
@@ -795,7 +795,7 @@ class _BackwardInputs:
         return self.forward(golden).get(name)
 
 
-def _run(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping[str, Any], *,
+def run_part(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping[str, Any], *,
          golden: bool) -> dict[str, Any]:
     """Every node of ``part`` run again: in float64 (``golden``), or in the recorded dtypes with
     eager kernels. Placeholders take ``outside(name, golden)``. A node that cannot run here (a
@@ -913,7 +913,7 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
             continue
         scale = Scale.of(r)
         honest_error = scale.error(h)
-        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), _FP32)
+        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), FP32_EPS)
         if n.name in wrong:
             return (f"narrowed to {_where(n)}: what the compiled code computed for it is off by {wrong[n.name]:.1e} "
                     f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)")
@@ -955,7 +955,7 @@ def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str,
         r, h = _tensor(ref.get(name)), _tensor(honest.get(name))
         if r is None or h is None or value.shape != r.shape:
             return False
-        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), _FP32)
+        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), FP32_EPS)
         scale = Scale.of(r)
         return scale.error(value) <= max(tol.replay_margin * scale.error(h), tol.replay_local * unit_eps)
 

@@ -19,12 +19,13 @@ from tracecmp.comparison.compiled import (
     judge_units,
     pair_units,
 )
-from tracecmp.comparison.localize import RankInput, TensorState, localize
+from tracecmp.comparison.localize import RankInput, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import CompareError
 from tracecmp.graph import view_bases
+from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precision_possible
 from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
 from tracecmp.numerics.units import eps_of, is_float_dtype
@@ -246,12 +247,12 @@ def _prepare_rank(
     unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
     unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     unpaired.insert(0, "rank", rank)
-    nodes = list(zip(
+    nodes = list(map(Node._make, zip(
         t_ops["op_id"].tolist(), t_ops["step"].tolist(), t_ops["phase"].tolist(), t_ops["kind"].tolist(),
         t_ops["op"].tolist(), t_ops["name"].tolist(), t_ops["module"].tolist(), t_ops["location"].tolist(),
         t_ops["args"].tolist(), t_lists[1], t_lists[2],
         _draws(t_ops), t_ops["stack"].tolist(),
-    ))
+    )))
     region_ops, region_values = _region_context(match, t_graph, b_graph, t_ten, b_ten)
     rank_input = RankInput(
         rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,

@@ -28,10 +28,9 @@ import numpy as np
 import pandas as pd
 
 from tracecmp.comparison.tolerances import Tolerances
-from tracecmp.numerics.units import EPS, canonical_dtype
+from tracecmp.numerics.units import EPS, TINY, canonical_dtype
 from tracecmp.trace.saved import SavedTensors
 
-_TINY = 1e-300
 STAT_METRICS = (
     "exact", "numel", "unit", "nonfinite_mismatch", "filled", "amax", "rms", "e_ext", "e_sys", "max_diff", "min_diff",
     "mean_diff", "norm_rel_diff", "within_tol",
@@ -118,12 +117,12 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         min_diff = np.where(lo_fill, 0.0, min_diff)
         mean_diff = np.abs(mean_t - mean_b)
         norm_diff = np.abs(norm_t - norm_b)
-        e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, _TINY)
+        e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, TINY)
         # Each side's rms over its own finite elements: the same as |norm_t - norm_b| / sqrt(n) for
         # two tensors of n finite elements, and zero for a tensor against its broadcast copy (a
         # region's [T, T] mask against the bench's [B, 1, T, T] one).
-        e_sys = np.fmax(np.abs(rms_t - rms_b), mean_diff) / np.maximum(rms, _TINY)
-        norm_rel = norm_diff / np.maximum(np.fmax(norm_t, norm_b), _TINY)
+        e_sys = np.fmax(np.abs(rms_t - rms_b), mean_diff) / np.maximum(rms, TINY)
+        norm_rel = norm_diff / np.maximum(np.fmax(norm_t, norm_b), TINY)
         both_zero = (amax == 0) & (rms == 0)
     e_ext = np.where(both_zero | exact, 0.0, np.nan_to_num(e_ext, nan=0.0))
     e_sys = np.where(both_zero | exact, 0.0, np.nan_to_num(e_sys, nan=0.0))
@@ -191,7 +190,7 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
     diff = (td - bd).abs()
     rms_b = float(bd.norm()) / math.sqrt(bd.numel())
     rms = max(rms_b, float(td.norm()) / math.sqrt(td.numel()))
-    floor = max(tolerances.rel_floor * rms, _TINY)
+    floor = max(tolerances.rel_floor * rms, TINY)
     rel = diff / torch.clamp(bd.abs(), min=floor)
     nt, nb = float(td.norm()), float(bd.norm())
     if nt == 0 and nb == 0:
@@ -211,7 +210,7 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
         "max_abs_err": max_abs,
         "max_rel_err": float(rel.max()),
         "rmse": rmse,
-        "e_rms": rmse / max(rms, _TINY) if rms > 0 else 0.0,
+        "e_rms": rmse / max(rms, TINY) if rms > 0 else 0.0,
         "within_1e-3": float((rel <= 1e-3).double().mean()),
         "within_5e-3": float((rel <= 5e-3).double().mean()),
         "seed_rule_fail": bool(fail),
@@ -240,6 +239,6 @@ def add_tensor_metrics(frame: pd.DataFrame, target: Any, bench: Any, tolerances:
     # Whole tensors give the exact max error and an rms error instead of lower bounds.
     has = frame["max_abs_err"].notna()
     with np.errstate(invalid="ignore", divide="ignore"):
-        exact_ext = frame["max_abs_err"] / np.maximum(frame["amax"], _TINY)
+        exact_ext = frame["max_abs_err"] / np.maximum(frame["amax"], TINY)
     frame.loc[has, "e_ext"] = np.where(frame.loc[has, "exact"], 0.0, np.fmax(frame.loc[has, "e_ext"], exact_ext[has]))
     return frame

@@ -22,6 +22,9 @@ EPS: dict[str, float] = {
     "complex64": 1.1920928955078125e-07,
     "complex32": 0.0009765625,
 }
+FP32_EPS = EPS["float32"]
+# A magnitude below every dtype's smallest subnormal: guards a division without moving any ratio.
+TINY = 1e-300
 # TF32 (and Ascend HF32) keep 10 mantissa bits: the precision a "float32" matmul/conv may really run at.
 TF32_EPS = 2.0**-10
 

@@ -34,7 +34,7 @@ _HEADER_LIMIT = 100 << 20  # safetensors' own bound on a header
 _OPEN_FILES = 8  # file handles kept open at once (a walk in execution order moves through chunks)
 
 
-class _DataFile:
+class DataFile:
     """One chunk's safetensors file: its parsed header and an open handle."""
 
     def __init__(self, path: Path) -> None:
@@ -145,7 +145,7 @@ class SavedTensors:
 
     def __init__(self, rank: RankTrace) -> None:
         self.rank = rank
-        self.files: dict[int, _DataFile] = {}  # open files, least recently used first
+        self.files: dict[int, DataFile] = {}  # open files, least recently used first
 
     def __enter__(self) -> "SavedTensors":
         return self
@@ -158,13 +158,13 @@ class SavedTensors:
             data.close()
         self.files.clear()
 
-    def _file(self, chunk: int) -> _DataFile:
+    def _file(self, chunk: int) -> DataFile:
         data = self.files.pop(chunk, None)
         if data is None:
             path = self.rank.data_files.get(chunk)
             if path is None:
                 raise TraceFormatError(f"data chunk {chunk} is missing", path=self.rank.path)
-            data = _DataFile(Path(path))
+            data = DataFile(Path(path))
             if len(self.files) >= _OPEN_FILES:
                 self.files.pop(next(iter(self.files))).close()
         self.files[chunk] = data

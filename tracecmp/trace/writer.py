@@ -140,7 +140,7 @@ def write_json_atomic(path: Path, payload: Mapping[str, Any], *, fsync: bool = F
     _atomic_write_parts(path, [json.dumps(payload, indent=1, default=str).encode()], fsync=fsync)
 
 
-def _parquet_bytes(table: pa.Table) -> pa.Buffer:
+def parquet_bytes(table: pa.Table) -> pa.Buffer:
     # Encoded in memory: one write call and a CRC of bytes in hand, instead of reading the file back.
     # Dictionaries only for the text columns (op names, modules, locations repeat); on ids and
     # statistics, which rarely repeat, they cost a third of the encoding time for nothing.
@@ -310,8 +310,8 @@ class RankWriter:
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
                 "index": index,
-                "ops": self._commit(names[0], [_parquet_bytes(ops)]),
-                "tensors": self._commit(names[1], [_parquet_bytes(tensors)]),
+                "ops": self._commit(names[0], [parquet_bytes(ops)]),
+                "tensors": self._commit(names[1], [parquet_bytes(tensors)]),
                 "rows": {"ops": ops.num_rows, "tensors": tensors.num_rows},
                 "steps": sorted({int(s) for s in steps}),
             }

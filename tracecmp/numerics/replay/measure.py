@@ -19,9 +19,7 @@ from tracecmp.aten.schema import resolve
 from tracecmp.numerics.replay.calls import invoke, last_error, returned_tensors
 from tracecmp.numerics.replay.records import OwnError
 from tracecmp.numerics.rounding import FP32_UNIT
-
-_TINY = 1e-300
-
+from tracecmp.numerics.units import TINY
 
 
 class Detail:
@@ -167,7 +165,7 @@ def bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
                 gap = (got.to(torch.float64) - middle).abs()
                 finite = torch.isfinite(middle) & torch.isfinite(gap)
                 if bool(finite.any()):
-                    ratio = gap[finite] / bound[finite].clamp_min(_TINY)
+                    ratio = gap[finite] / bound[finite].clamp_min(TINY)
                     worst = max(worst, float(ratio.max()))
             del flat
         del exact, sizes, exact_out, size_out  # before the next set's replays
@@ -569,4 +567,4 @@ class _Distance:
             return 0.0
         if scale == 0.0:
             return math.inf
-        return max(self.worst / scale, _total_norm(self.norms) / max(norm, _TINY))
+        return max(self.worst / scale, _total_norm(self.norms) / max(norm, TINY))

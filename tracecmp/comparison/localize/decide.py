@@ -1,0 +1,235 @@
+"""Deciding a node: root or not, and of which kind, from its measured error against its prediction
+and calibration, its arguments, and its replay where the trace holds tensors.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from tracecmp.aten.opclass import given_nonfinite
+from tracecmp.comparison.localize.arguments import arg_difference, structure_note
+from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN, group_key
+from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
+from tracecmp.comparison.localize.records import Decision, JudgedNode, RankInput
+from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.graph.nodes import Node
+from tracecmp.numerics.fits import ModelFit
+from tracecmp.numerics.replay import OwnError
+from tracecmp.numerics.rounding import REDUCED_MODELS
+from tracecmp.numerics.units import EPS, FP32_EPS, REDUCED_EPS, TINY
+
+
+def decide_node(
+    j: JudgedNode, node: Node, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
+    ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
+    fits: Mapping[str, ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
+    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None, tainted: bool = False,
+) -> Decision:
+    """Root kind ('' when not a root), the one-line reason, the deciding metric's name, the
+    output that decided, as an index into ``j.parts`` (-1 where the op's outputs have no roles),
+    and whether a replay of the op on its own recorded inputs confirms it as a root.
+
+    ``tainted``: an input carries error from a root before it. Such error is no rounding noise:
+    its statistics bound it from below only (its largest element may sit anywhere, its spread is
+    unknown), so the node's own share must exceed ``tol.downstream`` times the prediction.
+    """
+    op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+    outs = [ri.measured.get(t) for t in outputs]
+    outs = [s for s in outs if s is not None]
+    # NaN/Inf from finite inputs: judged from the target's own statistics, whatever else is known.
+    nonfinite_out = [s for s in outs if s.nonfinite and s.nonfinite_mismatch]
+    if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
+        ins = [lookup(t) for t in inputs]
+        if all(s is not None and not s.nonfinite for s in ins):
+            return Decision("nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)",
+                             "nan_count", -1)
+    if j.outputs_exact:
+        return Decision("", "", "checksum", -1)
+    unit = ri.units.get(op_id)
+    if unit is not None:
+        root_kind, reason, metric = unit.decide(node, j.e, ri, tol, lookup)
+        return Decision(root_kind, reason, metric, -1, root_kind == "computation" and metric == "replay")
+    bench_op = ri.pairs.get(op_id)
+    if bench_op is not None and kind != "source":
+        diff = arg_difference(args, ri.bench_args.get(bench_op, ""), op)
+        if diff:
+            return Decision("argument", f"non-tensor arguments differ from the bench: {diff}", "args", -1)
+    if any(s.nonfinite_mismatch and s.given for s in outs):
+        # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
+        return Decision("", "", "nan_count", -1)
+    deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
+    replayed = replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
+    if not j.judgeable:
+        return Decision("computation", replayed, "replay", -1, True) if replayed else Decision("", "", deciding, -1)
+    # Which channel of which output is furthest beyond what the inputs explain.
+    excess = []
+    tf32 = j.uses_tf32 and not exact_matmul
+    for part, (role, es, xs, fs) in enumerate(j.parts) if j.parts else [(-1, ("", j.e, j.x, j.f1))]:
+        amb = ambient.get(group_key(j.group, role)) or ambient.get(group_key((j.cls.kind, j.group[1]), role))
+        for c, (e, x, f) in enumerate(zip(es, xs, fs)):
+            if math.isnan(e):
+                continue
+            lam = j.lam
+            if tf32 and tf32_spread is not None:
+                # How far this run's TF32 calls typically stray beyond their inputs' error: a fault
+                # a unit out is found where the device's own rounding stays well inside one.
+                lam = max(TF32_LAM_MIN, min(j.lam, tf32_spread[c])) if not math.isnan(tf32_spread[c]) else j.lam
+            threshold = tol.local * lam * f
+            margin = tol.margin
+            if amb is not None:
+                threshold = max(threshold, tol.ambient * amb[0][c] * f)
+                if amb[1][c] > 0:
+                    margin = max(M_MIN, M_RATIO * amb[1][c], amb[2 if j.cls.accumulates else 3][c])
+            if tainted:
+                margin = max(margin, tol.downstream)
+            excess.append(((e - margin * x) / max(threshold, TINY), c, e, x, threshold, part))
+    score, channel, e, x, threshold, part = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0, -1)
+    # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
+    # then any difference is this op's own doing, however small. A float32 matmul/conv may still
+    # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
+    # A call TF32 rounding of its own operands can explain (from their statistics: K and sizes,
+    # at most) is not held to the bitwise rule, even its op's only call; one beyond that can't be TF32.
+    tf32_like = tf32 and within_tf32(j, node, lookup, tol)
+    strict = exact_mode or (bitwise and j.inputs_exact and j.same_dtype and not tf32_like)
+    if strict and not exact_mode and j.kappa_local > STRICT_KAPPA:
+        # A sum whose terms cancel moves by many of its own units when merely reordered (thread
+        # counts, atomics), which the rest of a deterministic run says nothing about.
+        strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
+    if not (strict or score > 1.0):
+        if replayed:
+            return Decision("computation", replayed, "replay", -1, True)
+        return Decision("", "", channels[channel], -1)
+    if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
+        # Its inputs already differ from the bench's, and a replay of the op on its own recorded
+        # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
+        # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
+        # replay decides; the statistics only estimated.
+        return Decision("", "", "replay", -1)
+    what = f"relative error {e:.2e} ({channels[channel]})"
+    if kind == "source":
+        label = op.removeprefix("source.")
+        return Decision("source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part)
+    if random:
+        agree = " while its inputs agree" if j.inputs_exact else ""
+        reason = (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
+                  "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
+                  'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off')
+        return Decision("random", reason, channels[channel], part)
+    structure = structure_note(op_id, inputs, ri)
+    if bench_op is None:
+        return Decision("structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel],
+                         part)
+    if structure:
+        return Decision("structure", f"{structure}; {what}", channels[channel], part)
+    if j.inputs_exact:
+        reason = f"output differs ({what}) while every input agrees bitwise"
+    else:
+        ratio = e / max(x, TINY)
+        reason = f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})" if x > 0 else (
+            f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
+    return Decision("computation", reason, channels[channel], part, bool(replayed))
+
+
+
+def _reproduced(own: OwnError | None, j: JudgedNode, ri: RankInput, exact_matmul: bool) -> bool:
+    """A replay shows the op computed what its recorded inputs give: a reduced-precision
+    matmul/conv within the accumulation bound of one of its replays, any other op within
+    ``replay_margin`` times an honest kernel's error (the ratio rule's own test)."""
+    if own is None:
+        return False
+    if ri.reduced_precision and own.bounds and _reduced_matmul(own, j, exact_matmul, ri.reduced_precision):
+        return min(own.bounds) <= 1.0
+    return not own.misrounded and (own.honest > 0 or own.error == 0)
+
+
+
+def _replay_excess(own: OwnError, j: JudgedNode, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
+    """How far an op's own error (numerics.replay) exceeds what an honest kernel makes: > 1 is a root.
+
+    The bar is ``replay_margin`` times the honest replay's error, and at least ``replay_local``
+    rounding units of the output's dtype (and one unit of the reduced precision a float32
+    matmul/conv may run at). Where the honest replay is exact (no rounding happened), or the op is
+    one correctly rounded IEEE operation, any other result is wrong.
+    """
+    floor = tol.replay_local * EPS.get(own.dtype, FP32_EPS)
+    if _reduced_matmul(own, j, exact_matmul, reduced):
+        # The honest replay already multiplied inputs rounded to the reduced precision; never
+        # ask for less than one of its units.
+        floor = max(floor, REDUCED_EPS[reduced])
+    if own.misrounded:
+        return math.inf
+    if math.isinf(own.honest):
+        return 0.0  # an honest kernel overflows here too: the NaN/Inf rule decides
+    if own.honest == 0.0:
+        return math.inf if own.error > 0 else 0.0  # exact here: every correct kernel gives these bits
+    return own.error / max(tol.replay_margin * own.honest, floor)
+
+
+
+def _misfit_excess(own: OwnError, fit: ModelFit, tol: Tolerances) -> float:
+    """How far a reduced-precision matmul/conv call strays from the rounding that reproduces the
+    run's other calls of its op (``fit``), beyond ``replay_margin`` times their typical misfit:
+    > 1 is a root, however far below the reduced precision's own error."""
+    if fit.model >= len(own.fits):
+        return 0.0
+    return own.fits[fit.model] / (tol.replay_margin * fit.misfit)
+
+
+
+def _reduced_matmul(own: OwnError, j: JudgedNode, exact_matmul: bool, reduced: str | None) -> bool:
+    return bool(j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul)
+
+
+
+def replayed_root(
+    j: JudgedNode, node: Node, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: ModelFit | None,
+    bounds_hold: bool = False, bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
+) -> str:
+    """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).
+
+    A reduced-precision matmul/conv call that one of its replays reproduces within the
+    accumulation bound is noise, even its op's only call. One that none reproduces is a root when
+    the run's other such calls are reproduced (``bounds_hold``: the device's rounding is known);
+    on an unknown device the ratio rule decides instead.
+    """
+    own = ri.own_errors.get(node.op_id)
+    reduced = ri.reduced_precision
+    if own is None or node.kind != "op":
+        return ""
+    reduced_call = bool(reduced and _reduced_matmul(own, j, exact_matmul, reduced))
+    if reduced_call and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
+        how = REDUCED_MODELS[reduced][fit.model][0]
+        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
+                f"of {node.op} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    # Bit-for-bit evidence outranks the accumulation bound, where it is the op's own: when a replay
+    # gives the run's other calls of this matmul exactly, the device rounds (which operands, which
+    # way, the bias added where) as that replay does, and this call should match too. The rank's
+    # other ops cannot say that for a matmul with no calls of its own to show it.
+    same_cpu, by_own_calls = (bitwise_ops or {}).get(node.op, (0, False))
+    if same_cpu and not own.bitwise and (by_own_calls or not reduced_call):
+        return _not_reproduced(own, reduced if reduced_call else None, same_cpu)
+    if reduced_call and own.bounds and min(own.bounds) <= 1.0:
+        return ""  # a float32 sum of its rounded operands' products gives this: noise, even as the only call
+    if reduced_call and own.bounds and bounds_hold:
+        return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
+                f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
+                f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+    if same_cpu and not own.bitwise:
+        return _not_reproduced(own, reduced if reduced_call else None, same_cpu)
+    if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
+        if own.misrounded:
+            return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
+                    f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})")
+        if own.honest == 0:
+            return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
+        return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
+                f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
+    return ""
+
+
+
+def _not_reproduced(own: Any, reduced: str | None, calls: int) -> str:
+    how = f"rounded to {reduced} " if reduced else ""
+    return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
+            f"other calls bit for bit ({calls} of them: the run computed as this CPU does; own error {own.error:.2e})")
