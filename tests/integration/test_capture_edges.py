@@ -85,7 +85,7 @@ def test_odd_tensors_get_rows(tmp_path: Path) -> None:
         torch.zeros(0, 4) + 1
         torch.tensor(3.0) * 2  # 0-dim
         torch.arange(12.0).reshape(3, 4).t() * 1  # non-contiguous input
-        torch.ones(3) > 0
+        _ = torch.ones(3) > 0
         torch.arange(5) * 2
         torch.ones(2, dtype=torch.bfloat16) / 3
         torch.tensor([1.0, float("nan"), float("inf")]) + 0

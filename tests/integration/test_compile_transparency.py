@@ -128,7 +128,7 @@ def test_graph_breaks_compile_as_without_tracing(tmp_path: Path) -> None:
         loss.backward()
         if session is not None:
             session.__exit__(None, None, None)
-        for i in range(2):
+        for _ in range(2):
             loss2 = compiled(*batch)
             loss2.backward()
         out["loss"] = loss.detach()

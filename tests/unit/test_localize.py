@@ -74,11 +74,11 @@ def record(
     W2 = b.param("fc2.weight", w2.to(dtype), module="fc2")
     W2t = b.call(A.t.default, W2, module="fc2")
     tf32_fc2 = (lambda _: A.mm.default(mm_in(b.value(G)), mm_in(b.value(W2t)))) if tf32 else None
-    O = b.call(A.mm.default, G, W2t, module="fc2", fault=faults.get("fc2", tf32_fc2))
-    SQ = call("square", A.mul.Tensor, O, O)
+    OUT = b.call(A.mm.default, G, W2t, module="fc2", fault=faults.get("fc2", tf32_fc2))
+    SQ = call("square", A.mul.Tensor, OUT, OUT)
     call("loss", A.mean.default, SQ)
     # backward, by hand
-    GO = call("grad_out", A.mul.Tensor, O, 2.0 / (32 * 16), phase="backward", module="")
+    GO = call("grad_out", A.mul.Tensor, OUT, 2.0 / (32 * 16), phase="backward", module="")
     GW2 = call("grad_w2", A.mm.default, b.call(A.t.default, GO, phase="backward", module="fc2"), G, phase="backward", module="fc2")
     GG = call("grad_g", A.mm.default, GO, W2, phase="backward", module="fc2")
     GN = call("gelu_backward", A.gelu_backward.default, GG, N, approximate=gelu, phase="backward", module="act")

@@ -35,15 +35,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import torch
-
 from torch._C._autograd import _get_sequence_nr
 from torch.utils._pytree import tree_flatten
 
 from tracecmp._compat import TORCH_VERSION
 from tracecmp.aten.args import ArgsEncoder
 from tracecmp.aten.schema import op_info
-from tracecmp.trace.schema import ALIAS_UPDATE_OP
 from tracecmp.trace.compiled import BOUNDARY_OPS, CompiledGraph, GraphNode, GraphPart, RegionCall
+from tracecmp.trace.schema import ALIAS_UPDATE_OP
 
 _DYNAMO = "torch._dynamo"
 _HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"

@@ -122,13 +122,14 @@ def calls_of(op: RecordedOp, args: dict[str, Any]) -> list[Call]:
     for i in range(count):
         used: list[int] = []
 
+        # Called at once, within this iteration: it means this call's ``used``.
         def pick(value: Any) -> Any:
             if isinstance(value, dict) and set(value) == {"tensor"}:
                 index = value["tensor"]
                 if not isinstance(index, int) or not 0 <= index < len(op.inputs):
                     raise ValueError
-                used.append(op.inputs[index])
-                return {"tensor": len(used) - 1}
+                used.append(op.inputs[index])  # noqa: B023
+                return {"tensor": len(used) - 1}  # noqa: B023
             if isinstance(value, list):
                 return [pick(v) for v in value]
             return value

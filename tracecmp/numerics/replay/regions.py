@@ -70,7 +70,7 @@ def _replay_region(t_side: _Chain, b_side: _Chain | _NoChain, region: Any) -> Re
         honest_t = t_side.run(region.target_ops, given, [T for T, _ in outputs], golden=False) if golden_t else None
     if region.bench_ops and isinstance(b_side, _Chain):
         fed = {B: given[T] for T, B in region.inputs if T is not None and B is not None and given.get(T) is not None}
-        for T, B in region.inputs:
+        for _, B in region.inputs:
             if B is not None and B not in fed:
                 value = b_side.value(B)  # a value only the bench reads here (a mask buffer)
                 if value is not None:
