@@ -15,7 +15,7 @@ import pytest
 from tests.unit.test_render import compared, diverged, wide_recipe  # noqa: F401
 from tracecmp.comparison import CompareResult
 from tracecmp.errors import TracecmpError
-from tracecmp.render.layout import Cluster, Drawing, Html, layout, parse_dot, text_width
+from tracecmp.render.dot import Cluster, Drawing, Html, layout, parse_dot, text_width
 from tracecmp.render.subgraph import build_dot
 
 Box = tuple[float, float, float, float]

@@ -1,5 +1,5 @@
 """The suspicious subgraph: selection, colours, DOT text, SVG/PNG through dot and, without dot,
-through tracecmp's own layout (:mod:`tracecmp.render.layout`).
+through tracecmp's own layout (:mod:`tracecmp.render.dot`).
 
 Results are real comparisons of hand-made traces (:mod:`tests.tracebuild`).
 """

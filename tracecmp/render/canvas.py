@@ -1,10 +1,11 @@
-"""Writes a :class:`~tracecmp.render.layout.Drawing` (tracecmp's own graph layout) as SVG or PNG.
+"""Writes a :class:`~tracecmp.render.dot.Drawing` (tracecmp's own graph layout) as SVG or PNG, and
+draws DOT text that way (:func:`draw`) where graphviz's ``dot`` is missing.
 
 SVG needs nothing. PNG is drawn with Pillow (``pip install 'tracecmp[png]'``), supersampled for
 smooth lines, in DejaVu Sans or Liberation Sans where the system has them, else in Pillow's own
 font; text is fitted to the width the layout measured for it.
 
->>> from tracecmp.render.layout import layout
+>>> from tracecmp.render.dot import layout
 >>> to_svg(layout("digraph { a -> b; }"))[:4]
 '<svg'
 """
@@ -17,7 +18,9 @@ from html import escape
 from typing import Any
 
 from tracecmp.errors import TracecmpError
-from tracecmp.render.layout import Drawing, Shape, text_width
+from tracecmp.render.dot.drawing import Drawing, Shape
+from tracecmp.render.dot.labels import text_width
+from tracecmp.render.dot.sugiyama import layout
 
 _FONT_FAMILY = "Helvetica,Arial,sans-serif"
 _DASHES = {"dashed": (5.0, 3.0), "dotted": (1.0, 3.0)}
@@ -208,3 +211,17 @@ def to_png(drawing: Drawing, scale: float = 1.5, supersample: int = 2) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def draw(text: str, fmt: str) -> bytes:
+    """The DOT digraph ``text`` drawn as ``fmt`` ("svg" or "png"), as ``dot -T<fmt>`` would.
+
+    >>> draw("digraph { a -> b; }", "svg")[:4]
+    b'<svg'
+    """
+    drawing = layout(text)
+    if fmt == "svg":
+        return to_svg(drawing).encode("utf-8")
+    if fmt == "png":
+        return to_png(drawing)
+    raise TracecmpError(f"cannot draw {fmt!r} without graphviz: use svg or png")

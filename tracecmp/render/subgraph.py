@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from tracecmp.errors import TracecmpError
+from tracecmp.render.canvas import draw
 from tracecmp.verdict.records import STATUSES, op_counts
 
 FORMATS = ("svg", "png", "dot", "gv")
@@ -616,7 +617,7 @@ def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: in
     """Draw the suspicious subgraph to ``path`` (.svg, .png or .dot by suffix); returns the file written.
 
     graphviz's ``dot`` lays it out where it is installed; without it tracecmp's own layered layout
-    (:mod:`tracecmp.render.layout`) draws the same DOT text (PNG then needs Pillow).
+    (:mod:`tracecmp.render.dot`) draws the same DOT text (PNG then needs Pillow).
 
     >>> result = tracecmp.compare("runs/target", "runs/bench")        # doctest: +SKIP
     >>> render_subgraph(result, "out/divergence.svg")                 # doctest: +SKIP
@@ -648,8 +649,6 @@ def write_picture(dot_text: str, path: str | Path) -> Path:
             return path
         data = run_dot(dot_text, fmt)
         if data is None:
-            from tracecmp.render.layout import draw
-
             data = draw(dot_text, fmt)
         path.write_bytes(data)
     except OSError as exc:

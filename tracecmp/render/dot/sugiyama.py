@@ -1,482 +1,21 @@
-"""A layered drawing of a DOT graph without graphviz: what :mod:`tracecmp.render.subgraph` uses
-when the ``dot`` binary is missing (no root, a cluster node).
-
-It reads the DOT text the ``dot`` path gets (the subset tracecmp writes: nodes, edges, nested
-``cluster`` subgraphs, HTML-like and plain labels) and lays it out the way ``dot`` does, in four
-passes (Sugiyama): ranks by longest path, pulled together where that shortens edges; long edges
-broken into chains of virtual nodes, and every edge label given a virtual node of its own on a half
-rank so that labels take room instead of overlapping; the order within each rank by barycenter
-sweeps that keep every cluster contiguous and sibling clusters in one order on every rank (fewest
-crossings kept); x coordinates by repeated quadratic placement under separation constraints, with
-each cluster a rectangle that nothing else enters. The result is a display list
-(:class:`Drawing`) that :mod:`tracecmp.render.canvas` writes as SVG or PNG.
-
->>> svg = draw('digraph { a -> b [label="2×3"]; }', "svg")
->>> svg.startswith(b"<svg")
-True
+"""The layered layout (Sugiyama), the way ``dot`` does it, in four passes: ranks by longest path,
+pulled together where that shortens edges; long edges broken into chains of virtual nodes, and
+every edge label given a virtual node of its own on a half rank so that labels take room instead of
+overlapping; the order within each rank by barycenter sweeps that keep every cluster contiguous and
+sibling clusters in one order on every rank (fewest crossings kept); x coordinates by repeated
+quadratic placement under separation constraints, with each cluster a rectangle that nothing else
+enters. Then y coordinates, and the :class:`~tracecmp.render.dot.drawing.Drawing`.
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
-from dataclasses import dataclass, field
-from html.parser import HTMLParser
+from dataclasses import dataclass
 from typing import Iterable
 
 from tracecmp.errors import TracecmpError
-
-# --- the DOT subset -------------------------------------------------------------------------------
-
-
-class Html(str):
-    """An HTML-like label (``<...>`` in DOT), without its outer angle brackets."""
-
-
-@dataclass
-class Cluster:
-    """A ``subgraph cluster_*``: its attributes, direct nodes and child clusters."""
-
-    name: str
-    attrs: dict[str, str]
-    parent: Cluster | None = None
-    nodes: list[str] = field(default_factory=list)
-    children: list[Cluster] = field(default_factory=list)
-    depth: int = 0
-
-
-@dataclass
-class DotGraph:
-    """A parsed DOT digraph: attributes, nodes in order, edges, and the cluster tree under ``root``."""
-
-    attrs: dict[str, str]
-    nodes: dict[str, dict[str, str]]
-    edges: list[tuple[str, str, dict[str, str]]]
-    root: Cluster
-    cluster_of: dict[str, Cluster]
-
-
-_TOKEN = re.compile(
-    r'\s+|//[^\n]*|/\*.*?\*/|^\#[^\n]*|(?P<arrow>->|--)|(?P<punct>[{}\[\]=;,:])|"(?P<quoted>(?:[^"\\]|\\.)*)"'
-    r"|(?P<id>[A-Za-z_\x80-\uffff][\w\x80-\uffff]*|-?(?:\.\d+|\d+(?:\.\d*)?))|(?P<html><)",
-    re.S | re.M,
-)
-
-
-def _tokens(text: str) -> list[str | tuple[str, str]]:
-    """DOT tokens: punctuation and arrows as plain strings, values as ("id", text)."""
-    out: list[str | tuple[str, str]] = []
-    pos = 0
-    while pos < len(text):
-        match = _TOKEN.match(text, pos)
-        if match is None:
-            raise TracecmpError(f"DOT text: cannot read {text[pos:pos + 30]!r}")
-        pos = match.end()
-        if match.group("arrow") or match.group("punct"):
-            out.append(match.group(0))
-        elif match.group("quoted") is not None:
-            out.append(("id", re.sub(r'\\(["\\])', r"\1", match.group("quoted"))))
-        elif match.group("id") is not None:
-            out.append(("id", match.group("id")))
-        elif match.group("html"):
-            depth, end = 1, pos
-            while depth and end < len(text):
-                depth += {"<": 1, ">": -1}.get(text[end], 0)
-                end += 1
-            if depth:
-                raise TracecmpError("the DOT text has an unterminated HTML label")
-            out.append(("id", Html(text[pos:end - 1])))
-            pos = end
-    return out
-
-
-def parse_dot(text: str) -> DotGraph:
-    """Read a DOT digraph (the subset tracecmp writes; ports and ``strict`` are ignored)."""
-    tokens = _tokens(text)
-    pos = 0
-
-    def peek(offset: int = 0) -> str | tuple[str, str] | None:
-        return tokens[pos + offset] if pos + offset < len(tokens) else None
-
-    def take(expected: str | None = None) -> str | tuple[str, str]:
-        nonlocal pos
-        token = peek()
-        if token is None or (expected is not None and token != expected):
-            raise TracecmpError(f"DOT text: expected {expected or 'more'}, found {token!r}")
-        pos += 1
-        return token
-
-    def value() -> str:
-        token = take()
-        if not isinstance(token, tuple):
-            raise TracecmpError(f"DOT text: expected a name or value, found {token!r}")
-        return token[1]
-
-    def attr_list() -> dict[str, str]:
-        attrs: dict[str, str] = {}
-        while peek() == "[":
-            take("[")
-            while peek() != "]":
-                key = value()
-                attrs[key] = value() if peek() == "=" and take("=") else "true"
-                while peek() in (",", ";"):
-                    take()
-            take("]")
-        return attrs
-
-    graph_attrs: dict[str, str] = {}
-    nodes: dict[str, dict[str, str]] = {}
-    edges: list[tuple[str, str, dict[str, str]]] = []
-    root = Cluster("", graph_attrs)
-    cluster_of: dict[str, Cluster] = {}
-
-    def add_node(name: str, attrs: dict[str, str], defaults: dict[str, str], cluster: Cluster) -> None:
-        if name not in nodes:
-            nodes[name] = dict(defaults)
-            cluster_of[name] = cluster
-            cluster.nodes.append(name)
-        elif cluster.depth > cluster_of[name].depth:  # named again inside a cluster: it moves there
-            cluster_of[name].nodes.remove(name)
-            cluster_of[name] = cluster
-            cluster.nodes.append(name)
-        nodes[name].update(attrs)
-
-    def body(cluster: Cluster, own: dict[str, str], node_defaults: dict[str, str], edge_defaults: dict[str, str]) -> None:
-        node_defaults, edge_defaults = dict(node_defaults), dict(edge_defaults)
-        take("{")
-        while peek() != "}":
-            token = peek()
-            if token in (";", ","):
-                take()
-                continue
-            if token == ("id", "subgraph") or token == "{":
-                if token != "{":
-                    take()
-                name = value() if isinstance(peek(), tuple) else ""
-                if name.startswith("cluster"):
-                    child = Cluster(name, {}, cluster, depth=cluster.depth + 1)
-                    cluster.children.append(child)
-                    body(child, child.attrs, node_defaults, edge_defaults)
-                else:
-                    body(cluster, {}, node_defaults, edge_defaults)
-                continue
-            name = value()
-            if name in ("graph", "node", "edge") and peek() == "[":
-                attrs = attr_list()
-                {"graph": own, "node": node_defaults, "edge": edge_defaults}[name].update(attrs)
-            elif peek() == "=":
-                take("=")
-                own[name] = value()
-            else:
-                chain = [name]
-                while peek() == ":":  # a port: ignored
-                    take(":")
-                    value()
-                while peek() in ("->", "--"):
-                    take()
-                    chain.append(value())
-                attrs = attr_list()
-                if len(chain) == 1:
-                    add_node(name, attrs, node_defaults, cluster)
-                else:
-                    for member in chain:
-                        add_node(member, {}, node_defaults, cluster)
-                    for tail, head in zip(chain, chain[1:]):
-                        edges.append((tail, head, {**edge_defaults, **attrs}))
-        take("}")
-
-    if peek() == ("id", "strict"):
-        take()
-    kind = value()
-    if kind not in ("digraph", "graph"):
-        raise TracecmpError(f"DOT text: expected a digraph, found {kind!r}")
-    if isinstance(peek(), tuple):
-        value()
-    body(root, graph_attrs, {}, {})
-    if peek() is not None:
-        raise TracecmpError(f"DOT text: unexpected {peek()!r} after the graph")
-    return DotGraph(graph_attrs, nodes, edges, root, cluster_of)
-
-
-# --- labels ---------------------------------------------------------------------------------------
-
-# Helvetica's advance widths (Adobe AFM, 1/1000 em) for ASCII 32..126, regular and bold. Browsers
-# draw the SVG in Helvetica or Arial, which share these metrics.
-_REGULAR = (
-    "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 556 "
-    "278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 556 833 722 778 667 778 722 667 "
-    "611 722 667 944 667 667 611 278 278 278 469 556 333 556 556 500 556 556 278 556 556 222 222 500 222 833 "
-    "556 556 556 556 333 500 278 556 500 722 500 500 500 334 260 334 584"
-)
-_BOLD = (
-    "278 333 474 556 556 889 722 238 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 556 "
-    "333 333 584 584 584 611 975 722 722 722 722 667 611 778 722 278 556 722 611 833 722 778 667 778 722 667 "
-    "611 722 667 944 667 667 611 333 278 333 584 556 333 556 611 556 611 556 333 611 611 278 278 556 278 889 "
-    "611 611 611 611 389 556 333 611 556 778 556 556 500 389 280 389 584"
-)
-_WIDTHS = {False: [int(w) for w in _REGULAR.split()], True: [int(w) for w in _BOLD.split()]}
-_OTHER_WIDTHS = {"×": 584, "·": 278, "—": 1000, "–": 556, "…": 1000, "▸": 600, "\u00a0": 278}
-
-
-def text_width(text: str, size: float, bold: bool = False) -> float:
-    """The width of ``text`` in points at ``size`` points (Helvetica metrics; 1 em for wide scripts)."""
-    table = _WIDTHS[bold]
-    total = 0
-    for char in text:
-        code = ord(char)
-        if 32 <= code <= 126:
-            total += table[code - 32]
-        else:
-            total += _OTHER_WIDTHS.get(char, 1000 if code >= 0x2E80 else 600)
-    return total * size / 1000.0
-
-
-@dataclass(frozen=True)
-class Run:
-    """A piece of a text line in one style."""
-
-    text: str
-    size: float
-    bold: bool
-    color: str
-
-    @property
-    def width(self) -> float:
-        return text_width(self.text, self.size, self.bold)
-
-
-@dataclass
-class TextBlock:
-    """Lines of runs, each line aligned within the block."""
-
-    lines: list[list[Run]]
-    align: str = "center"  # center | left | right
-
-    def size(self) -> tuple[float, float]:
-        widths = [sum(r.width for r in line) for line in self.lines]
-        return (max(widths, default=0.0), sum(_line_height(line) for line in self.lines))
-
-
-@dataclass
-class Cell:
-    content: TextBlock | Table
-    bgcolor: str | None = None
-    border: float = 0.0
-    color: str = "#000000"
-    align: str = "center"
-    padding: float = 2.0
-
-
-@dataclass
-class Table:
-    rows: list[list[Cell]]
-    spacing: float = 2.0
-    border: float = 1.0
-    padding: float = 2.0
-
-    def size(self) -> tuple[float, float]:
-        widths, heights = self._grid()
-        return (sum(widths) + self.spacing * (len(widths) + 1) + 2 * self.border,
-                sum(heights) + self.spacing * (len(heights) + 1) + 2 * self.border)
-
-    def _cell_size(self, cell: Cell) -> tuple[float, float]:
-        w, h = cell.content.size()
-        pad = 2 * (cell.padding + cell.border)
-        return w + pad, h + pad
-
-    def _grid(self) -> tuple[list[float], list[float]]:
-        # Every row is one cell wide in tracecmp's legends except the key row: columns stay per row.
-        widths = [max((sum(self._cell_size(c)[0] for c in row) + self.spacing * (len(row) - 1)) for row in self.rows)] if self.rows else [0.0]
-        heights = [max((self._cell_size(c)[1] for c in row), default=0.0) for row in self.rows]
-        return widths, heights
-
-
-def _line_height(line: list[Run]) -> float:
-    return max((r.size for r in line), default=10.0) * 1.2
-
-
-class _LabelParser(HTMLParser):
-    """HTML-like label -> TextBlock or Table (tags: TABLE TR TD FONT B I U BR)."""
-
-    def __init__(self, size: float, color: str) -> None:
-        super().__init__(convert_charrefs=True)
-        self.styles: list[tuple[float, bool, str]] = [(size, False, color)]
-        self.stack: list[Table | list[Cell] | Cell] = []  # open tables, rows and cells
-        self.blocks: list[TextBlock] = [TextBlock([[]])]  # the text being collected, innermost last
-        self.result: TextBlock | Table | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = {k.lower(): (v or "") for k, v in attrs}
-        size, bold, color = self.styles[-1]
-        if tag == "font":
-            self.styles.append((float(a.get("point-size", size)), bold, a.get("color", color)))
-        elif tag == "b":
-            self.styles.append((size, True, color))
-        elif tag in ("i", "u", "s", "sub", "sup", "o"):
-            self.styles.append((size, bold, color))
-        elif tag == "br":
-            self.blocks[-1].lines.append([])
-            if a.get("align"):
-                self.blocks[-1].align = a["align"].lower()
-        elif tag == "table":
-            self.stack.append(Table([], float(a.get("cellspacing", 2)), float(a.get("border", 1)), float(a.get("cellpadding", 2))))
-        elif tag == "tr":
-            row: list[Cell] = []
-            table = self.stack[-1]
-            if isinstance(table, Table):
-                table.rows.append(row)
-            self.stack.append(row)
-        elif tag == "td":
-            table = next(t for t in reversed(self.stack) if isinstance(t, Table))
-            cell = Cell(TextBlock([[]], a.get("align", "center").lower()), a.get("bgcolor"),
-                        float(a.get("border", table.border)), a.get("color", "#000000"),
-                        a.get("align", "center").lower(), float(a.get("cellpadding", table.padding)))
-            row = self.stack[-1]
-            if isinstance(row, list):
-                row.append(cell)
-            self.stack.append(cell)
-            assert isinstance(cell.content, TextBlock)
-            self.blocks.append(cell.content)
-
-    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self.handle_starttag(tag, attrs)
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("font", "b", "i", "u", "s", "sub", "sup", "o") and len(self.styles) > 1:
-            self.styles.pop()
-        elif tag == "td":
-            self.stack.pop()
-            self.blocks.pop()
-        elif tag == "tr":
-            self.stack.pop()
-        elif tag == "table":
-            table = self.stack.pop()
-            assert isinstance(table, Table)
-            parent = self.stack[-1] if self.stack else None
-            if isinstance(parent, Cell):
-                parent.content = table
-            else:
-                self.result = table
-
-    def handle_data(self, data: str) -> None:
-        text = re.sub(r"\s+", " ", data)
-        if not text.strip() and not self.blocks[-1].lines[-1]:
-            return
-        if self.stack and not isinstance(self.stack[-1], Cell):
-            return  # whitespace between table tags
-        size, bold, color = self.styles[-1]
-        self.blocks[-1].lines[-1].append(Run(text, size, bold, color))
-
-
-def parse_label(label: str, size: float, color: str) -> TextBlock | Table:
-    """A node, edge, cluster or graph label: HTML-like (:class:`Html`) or DOT text with ``\\n``."""
-    if isinstance(label, Html):
-        parser = _LabelParser(size, color)
-        parser.feed(label)
-        parser.close()
-        if parser.result is not None:
-            return parser.result
-        block = parser.blocks[0]
-        block.lines = [_trim(line) for line in block.lines]
-        return block
-    align = "center"
-    lines = []
-    for part in re.split(r"(\\[nlr])", label):
-        if part in ("\\n", "\\l", "\\r"):
-            align = {"\\n": "center", "\\l": "left", "\\r": "right"}[part]
-            continue
-        lines.append([Run(part, size, False, color)] if part else [])
-    if label.endswith(("\\n", "\\l", "\\r")):
-        lines = lines or [[]]
-    return TextBlock([line for line in lines] or [[]], align)
-
-
-def _trim(line: list[Run]) -> list[Run]:
-    if line and not line[0].text.strip():
-        line = line[1:]
-    return line
-
-
-# --- the display list ------------------------------------------------------------------------------
-
-
-@dataclass
-class Shape:
-    """One thing to draw, in points, y downwards. ``kind``: rect, ellipse, path, polygon, text."""
-
-    kind: str
-    points: list[tuple[float, float]]  # rect/ellipse: top-left and bottom-right; path: Bézier points
-    fill: str | None = None
-    stroke: str | None = None
-    width: float = 1.0
-    dash: str = ""  # "", "dashed", "dotted"
-    radius: float = 0.0
-    text: str = ""
-    size: float = 10.0
-    bold: bool = False
-    anchor: str = "start"  # start | middle: x of the text
-    title: str = ""  # tooltip
-
-
-@dataclass
-class Group:
-    """The shapes of one node, edge or cluster (``kind``), named as in the DOT text: SVG groups
-    them as graphviz does (``<g class="node"><title>n5</title>...``)."""
-
-    kind: str  # graph | cluster | edge | node
-    name: str
-    shapes: list[Shape] = field(default_factory=list)
-
-
-@dataclass
-class Drawing:
-    width: float
-    height: float
-    groups: list[Group]
-    background: str = "#ffffff"
-
-    @property
-    def shapes(self) -> list[Shape]:
-        return [shape for group in self.groups for shape in group.shapes]
-
-
-def _emit_block(block: TextBlock | Table, x: float, y: float, width: float, out: list[Shape]) -> None:
-    """Shapes for a label whose box starts at (x, y) and is ``width`` wide."""
-    if isinstance(block, Table):
-        _emit_table(block, x, y, out)
-        return
-    top = y
-    for line in block.lines:
-        height = _line_height(line)
-        line_width = sum(r.width for r in line)
-        left = {"left": x, "right": x + width - line_width}.get(block.align, x + (width - line_width) / 2)
-        baseline = top + height * 0.5 + max((r.size for r in line), default=10.0) * 0.35
-        for run in line:
-            out.append(Shape("text", [(left, baseline)], fill=run.color, text=run.text, size=run.size, bold=run.bold))
-            left += run.width
-        top += height
-
-
-def _emit_table(table: Table, x: float, y: float, out: list[Shape]) -> None:
-    widths, heights = table._grid()
-    top = y + table.border + table.spacing
-    for row, height in zip(table.rows, heights):
-        left = x + table.border + table.spacing
-        cells = [table._cell_size(c) for c in row]
-        if len(row) == 1:  # a lone cell takes the row's width
-            cells = [(widths[0], cells[0][1])]
-        for cell, (w, _) in zip(row, cells):
-            if cell.bgcolor or cell.border:
-                out.append(Shape("rect", [(left, top), (left + w, top + height)], fill=cell.bgcolor,
-                                 stroke=cell.color if cell.border else None, width=cell.border or 1.0))
-            inner = cell.padding + cell.border
-            cw, ch = cell.content.size()
-            offset = {"left": 0.0, "right": w - 2 * inner - cw}.get(cell.align, (w - 2 * inner - cw) / 2)
-            _emit_block(cell.content, left + inner + offset, top + (height - ch) / 2, cw, out)
-            left += w + table.spacing
-        top += height + table.spacing
-
-
-# --- layout ---------------------------------------------------------------------------------------
+from tracecmp.render.dot.drawing import Drawing, Group, Shape, emit_block
+from tracecmp.render.dot.labels import Table, TextBlock, parse_label
+from tracecmp.render.dot.parse import Cluster, DotGraph, parse_dot
 
 _NODESEP = 14.0  # points between neighbours in a rank
 _RANKSEP = 22.0  # points between ranks
@@ -930,14 +469,14 @@ class _Layout:
                 radius=6.0 if "rounded" in styles else 0.0,
             ))
             label = self.cluster_label(cluster)
-            _emit_block(label, left + shift + _CLUSTER_PAD, top + 3.0, label.size()[0], shapes)
+            emit_block(label, left + shift + _CLUSTER_PAD, top + 3.0, label.size()[0], shapes)
         for tail, head, attrs, chain in self.chains:
             groups.append(Group("edge", f"{tail}->{head}", self._edge(attrs, chain, centers, shift)))
         for name, attrs in self.g.nodes.items():
             groups.append(Group("node", name, self._node(name, attrs, centers, shift)))
         if graph_label is not None:
             legend: list[Shape] = []
-            _emit_block(graph_label, margin, margin, gw, legend)
+            emit_block(graph_label, margin, margin, gw, legend)
             groups.insert(0, Group("graph", "legend", legend))
         return Drawing(max(width + 2 * margin, gw + 2 * margin), y + margin, groups, self.g.attrs.get("bgcolor", "#ffffff"))
 
@@ -960,7 +499,7 @@ class _Layout:
             out.append(Shape(kind, inset, stroke=stroke, width=pen, dash=dash, radius=max(radius - 3, 0.0)))
         label = self.labels[name]
         lw, lh = label.size()
-        _emit_block(label, cx - lw / 2, cy - lh / 2, lw, out)
+        emit_block(label, cx - lw / 2, cy - lh / 2, lw, out)
         return out
 
     def _edge(self, attrs: dict[str, str], chain: list[str], centers: list[float], shift: float) -> list[Shape]:
@@ -996,7 +535,7 @@ class _Layout:
             if item.kind == "label":
                 label = self.labels[k]
                 lw, lh = label.size()
-                _emit_block(label, item.x + shift + 4.0, centers[item.rank] - lh / 2, lw, out)
+                emit_block(label, item.x + shift + 4.0, centers[item.rank] - lh / 2, lw, out)
         return out
 
 
@@ -1071,19 +610,3 @@ def layout(text: str) -> Drawing:
     engine.order()
     engine.place()
     return engine.render()
-
-
-def draw(text: str, fmt: str) -> bytes:
-    """The DOT digraph ``text`` drawn as ``fmt`` ("svg" or "png"), as ``dot -T<fmt>`` would.
-
-    >>> draw("digraph { a -> b; }", "svg")[:4]
-    b'<svg'
-    """
-    from tracecmp.render import canvas
-
-    drawing = layout(text)
-    if fmt == "svg":
-        return canvas.to_svg(drawing).encode("utf-8")
-    if fmt == "png":
-        return canvas.to_png(drawing)
-    raise TracecmpError(f"cannot draw {fmt!r} without graphviz: use svg or png")
