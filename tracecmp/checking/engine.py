@@ -8,8 +8,6 @@ weaker evidence). Ops that cannot be replayed on the CPU are listed as skipped w
 from __future__ import annotations
 
 import math
-import sys
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -26,6 +24,7 @@ from tracecmp.numerics.replay import OwnError, Replayer, Skipped, auto_workers, 
 from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.numerics.units import EPS
 from tracecmp.trace.reader import RankTrace, Trace, load
+from tracecmp.verdict.progress import Progress, shown
 from tracecmp.verdict.records import Divergence
 
 DATA_MODES = ("auto", "tensors", "statistics")
@@ -34,34 +33,6 @@ _PROGRESS_OPS = 2_000
 
 class CheckError(TracecmpError):
     """A trace cannot be checked as asked (no tensors for ``data="tensors"``, no such step)."""
-
-
-class _Progress:
-    """A one-line progress bar on stderr, on a terminal and for long runs only."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total, self.done = enabled, max(total, 1), 0
-        self.start = time.monotonic()
-        self.label = ""
-
-    def stage(self, label: str) -> None:
-        self.label = label
-        self.advance(0)
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        if not self.enabled:
-            return
-        frac = min(self.done / self.total, 1.0)
-        elapsed = time.monotonic() - self.start
-        rate = f"{self.done / elapsed:6.0f} ops/s" if elapsed > 0.5 and self.done else ""
-        sys.stderr.write(f"\rtracecmp check [{'#' * int(frac * 30):<30}] {frac:4.0%} {self.label:<26} {rate} {elapsed:6.1f}s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def _reduced(trace: Trace) -> tuple[str | None, str]:
@@ -134,7 +105,8 @@ def check(
     if wanted_steps is not None and total == 0:
         raise CheckError(f"the trace has no op in step(s) {sorted(wanted_steps)} (steps: "
                          f"{sorted({s for _, rk, _ in plans for s in rk.manifest.get('steps', [])})})", path=trace.path)
-    bar = _Progress(progress if progress is not None else (sys.stderr.isatty() and total >= _PROGRESS_OPS), total)
+    # On a terminal only, like compare: progress when stdout is not a terminal (asked for) is still to decide.
+    bar = Progress("check", shown(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops")
     evidence_kinds: set[str] = set()
     try:
         for r, rank, ops in plans:
@@ -173,7 +145,7 @@ def check(
 
 def _check_rank(
     rank: RankTrace, ops: pd.DataFrame, data: str, std: Standards, reduced: str | None, workers: int | None,
-    bar: _Progress, warnings: list[str], notes: list[str],
+    bar: Progress, warnings: list[str], notes: list[str],
 ) -> dict[int, OpVerdict]:
     op_ids = ops["op_id"].tolist()
     names = dict(zip(ops["op_id"].tolist(), ops["op"].tolist()))
@@ -187,8 +159,8 @@ def _check_rank(
     verdicts: dict[int, OpVerdict] = {}
     fallback: list[int] = []
     if data != "statistics" and has_tensors:
-        bar.stage(f"rank {rank.rank}: replaying")
-        found = replay_ops(rank, op_ids, reduced=reduced, detail=std.element_ulps, workers=count, progress=bar.advance,
+        bar.update(f"rank {rank.rank}: replaying")
+        found = replay_ops(rank, op_ids, reduced=reduced, detail=std.element_ulps, workers=count, progress=lambda n: bar.update(advance=n),
                            small_on_one_thread=True)
         own = {o: f for o, f in found.items() if isinstance(f, OwnError)}
         fits = model_fits(own, names) if reduced else {}
@@ -224,19 +196,19 @@ def _check_rank(
                             "(capture with TraceCompare(..., data=\"tensors\") for a full check)")
         fallback = op_ids
     if fallback:
-        bar.stage(f"rank {rank.rank}: statistics")
+        bar.update(f"rank {rank.rank}: statistics")
         options = {"reduced": reduced, "standards": std}
         if count > 1 and len(fallback) > 1 and rank.manifest.get("chunks"):
             found_stats = run_in_workers(rank, fallback, "tracecmp.checking.statistics:StatisticsChecker.check", options,
-                                         workers=count, progress=bar.advance)
+                                         workers=count, progress=lambda n: bar.update(advance=n))
         else:
             checker = StatisticsChecker(rank, **options)  # type: ignore[arg-type]
             found_stats = {}
             for index, op_id in enumerate(fallback, 1):
                 found_stats[op_id] = checker.check(op_id)
                 if index % 100 == 0:
-                    bar.advance(100)
-            bar.advance(len(fallback) % 100)
+                    bar.update(advance=100)
+            bar.update(advance=len(fallback) % 100)
         verdicts.update(found_stats)
     return verdicts
 

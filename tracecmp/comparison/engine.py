@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-import sys
-import time
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -31,36 +29,13 @@ from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay
 from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
+from tracecmp.verdict.progress import Progress, shown
 
 _STAT_COLUMNS = ["tensor_id", "op_id", "index", "shape", "dtype", "has_stats", "min", "max", "mean", "norm",
                  "nan_count", "inf_count", "checksum", "data_key"]
 _PROGRESS_NODES = 20_000
 # Regions whose computation a replay checks (casts and copies need none).
 _REPLAYED_REGIONS = ("fused", "rewritten", "extra")
-
-
-class _Progress:
-    """A one-line progress bar on stderr, shown only on a terminal and for large traces."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled = enabled
-        self.total = max(total, 1)
-        self.done = 0
-        self.start = time.monotonic()
-
-    def update(self, label: str, advance: int = 0) -> None:
-        self.done += advance
-        if not self.enabled:
-            return
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\rtracecmp compare [{bar:<30}] {frac:4.0%} {label:<28} {time.monotonic() - self.start:5.1f}s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def compare_traces(
@@ -105,7 +80,7 @@ def compare_traces(
         )
     wanted_steps = None if steps is None else {int(s) for s in steps}
     total = sum(len(t_trace.rank(r).ops_table) for r in common)
-    bar = _Progress(progress if progress is not None else (sys.stderr.isatty() and total > _PROGRESS_NODES), total * 3)
+    bar = Progress("compare", shown(progress, total > _PROGRESS_NODES), total * 3)
 
     rank_inputs: list[RankInput] = []
     node_frames, tensor_frames, unpaired_frames = [], [], []
@@ -161,7 +136,7 @@ def compare_traces(
 
 def _prepare_rank(
     t_rank: RankTrace, b_rank: RankTrace, rank: int, tol: Tolerances, wanted_steps: set[int] | None,
-    warnings: list[str], bar: _Progress, replay: bool | None, reduced: str | None, first_region: int = 0,
+    warnings: list[str], bar: Progress, replay: bool | None, reduced: str | None, first_region: int = 0,
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
     t_ops, b_ops = t_rank.ops, b_rank.ops
     t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())

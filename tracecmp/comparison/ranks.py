@@ -41,6 +41,7 @@ from tracecmp.graph import view_bases
 from tracecmp.trace.links import Collective, Epochs, by_key, collectives, job_order
 from tracecmp.trace.reader import RankTrace, Trace, _read_manifest, load, load_rank
 from tracecmp.trace.schema import RUN_MANIFEST
+from tracecmp.verdict.progress import Progress, shown
 from tracecmp.verdict.records import Divergence, SkippedStep
 
 BAD = ("diverged", "nan")  # statuses of a value that carries a divergence
@@ -448,11 +449,11 @@ def compare_ranks(
     jobs = [_Job(str(t_path), str(b_path), r, options) for r in common]
     outcomes: dict[int, RankOutcome] = {}
     failures: list[str] = []
-    show = progress if progress is not None else sys.stderr.isatty()
+    bar = Progress("compare", shown(progress, True), len(jobs), unit="ranks")
     if workers == 1:
         for job in jobs:
             outcomes[job.rank] = _run_rank(job)
-            _report_progress(show, len(outcomes), len(jobs))
+            bar.update(advance=1)
     else:
         import tempfile
         from concurrent.futures import ThreadPoolExecutor
@@ -467,9 +468,8 @@ def compare_ranks(
                                     f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)")
                 except CompareError as err:
                     failures.append(str(err).split(": ", 1)[-1] if str(err).startswith(str(t_path)) else str(err))
-                _report_progress(show, len(outcomes) + len(failures), len(jobs))
-    if show:
-        sys.stderr.write("\n")
+                bar.update(advance=1)
+    bar.close()
     if not outcomes:
         raise CompareError("no rank could be compared: " + "; ".join(failures), path=t_path)
     report = cross_rank(outcomes, t_manifest, b_manifest, t_ranks, b_ranks, _rank_manifests(b_path, common))
@@ -508,13 +508,6 @@ def _rank_manifests(path: Path, ranks: Iterable[int]) -> dict[int, dict[str, Any
         except TracecmpError:
             continue
     return manifests
-
-
-def _report_progress(show: bool, done: int, total: int) -> None:
-    if show:
-        bar = "#" * int(30 * done / max(total, 1))
-        sys.stderr.write(f"\rtracecmp compare [{bar:<30}] {done}/{total} ranks")
-        sys.stderr.flush()
 
 
 def _dedupe(items: list[str]) -> list[str]:
