@@ -81,7 +81,7 @@ KNOWN: dict[str, set[str]] = {
         "comparison.localize.regions._add_region_root: 30 lines, 11 parameters",
         "comparison.localize.walk._localize_rank: 376 lines, 4 parameters",
         "comparison.metrics.stat_metrics: 105 lines, 2 parameters",
-        "comparison.ranks.compare_ranks: 89 lines, 6 parameters",
+        "comparison.ranks.compare_ranks: 88 lines, 6 parameters",
         "comparison.ranks.cross_rank: 81 lines, 6 parameters",
         "numerics.replay.replayer._measure: 101 lines, 1 parameters",
     },

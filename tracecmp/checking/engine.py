@@ -28,7 +28,7 @@ from tracecmp.verdict.progress import Progress, shown
 from tracecmp.verdict.records import Divergence
 
 DATA_MODES = ("auto", "tensors", "statistics")
-_PROGRESS_OPS = 2_000
+_PROGRESS_OPS = 2_000  # bar on a terminal only, as compare's; off a terminal too (as asked) is yet to decide
 
 
 class CheckError(TracecmpError):
@@ -105,7 +105,6 @@ def check(
     if wanted_steps is not None and total == 0:
         raise CheckError(f"the trace has no op in step(s) {sorted(wanted_steps)} (steps: "
                          f"{sorted({s for _, rk, _ in plans for s in rk.manifest.get('steps', [])})})", path=trace.path)
-    # On a terminal only, like compare: progress when stdout is not a terminal (asked for) is still to decide.
     bar = Progress("check", shown(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops")
     evidence_kinds: set[str] = set()
     try:
