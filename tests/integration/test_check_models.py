@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import tracecmp
-from tracecmp.checking.report import write_report
 from tracecmp.demo import BATCH, SEQ, VOCAB, build_model
+from tracecmp.render.check_report import write_report
 
 A = torch.ops.aten
 _MATMULS = {A.mm.default, A.addmm.default, A.bmm.default}

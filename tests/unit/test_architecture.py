@@ -46,16 +46,13 @@ KNOWN: dict[str, set[str]] = {
     "layers": {
         "_compat -> capture.mode",  # what an install without the native capture lacks: capture's own business
         "capture.session -> overflow",  # OverflowDetected and the overflow record belong below capture
-        "checking.report -> render.chart",  # check's report writer, to become render's one writer for both
-        "checking.report -> render.html",
-        "checking.report -> render.subgraph",
-        "checking.result -> checking.report",
+        "checking.result -> render.check_report",  # CheckResult.render(): the picture drawn for the result's public method
         "comparison.result -> render",
         "trace.writer -> aten.args",  # argument encoding is format knowledge
     },
     "results import no render": {
         "comparison.result -> render",
-        "checking.result -> checking.report",
+        "checking.result -> render.check_report",
     },
     "private imports": {
         "capture.mode: from tracecmp import _crecord",

@@ -223,7 +223,7 @@ class CheckResult:
 
     def render(self, path: str | Path, depth: int = 2) -> Path:
         """Draw the first erring op with its producers and consumers to ``path`` (.svg/.png/.dot)."""
-        from tracecmp.checking.report import render_subgraph
+        from tracecmp.render.check_report import render_subgraph
 
         return render_subgraph(self, path, depth=depth)
 

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         paths = result.write_tables(args.out)
         if not args.no_report:
             try:
-                from tracecmp.checking.report import write_report
+                from tracecmp.render.check_report import write_report
 
                 paths.append(write_report(result, args.out))
             except TracecmpError as exc:

@@ -1,8 +1,10 @@
-"""The self-contained HTML report: one file with inline CSS, JS and SVG that works offline.
+"""The self-contained HTML reports: the pieces both verdicts' reports share, and compare's report.
 
-It reads top to bottom the way a person debugs: the verdict, the first divergence and its stack,
-the subgraph around it, the error along the network, the ranked suspects, the modules that
-introduced error, and the counts behind the verdict.
+A report is one file with inline CSS, JS and SVG that works offline. Compare's reads top to bottom
+the way a person debugs: the verdict, the first divergence and its stack, the subgraph around it,
+the error along the network, the ranked suspects, the modules that introduced error, and the
+counts behind the verdict. Check's report (:mod:`tracecmp.render.check_report`) is built from the
+same pieces.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 import time
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,7 +21,7 @@ import pandas as pd
 from tracecmp.errors import TracecmpError
 from tracecmp.render.chart import error_chart
 from tracecmp.render.subgraph import find_focus, format_number, render_subgraph, short_op
-from tracecmp.verdict.records import op_counts
+from tracecmp.verdict.records import Divergence, op_counts
 
 REPORT_NAME = "report.html"
 SUBGRAPH_NAME = "divergence.svg"
@@ -172,37 +174,12 @@ def _first_divergence_html(result: Any) -> str:
     if region is not None:
         rows[-1] = ("region", f"{escape(region.describe())}: target <code>{escape(op_counts(region.target_names, views=True))}</code>"
                               f" against bench <code>{escape(op_counts(region.bench_names, views=True) or 'nothing')}</code>")
-    body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
-    stack = (
-        f"<pre>{escape(d.stack)}</pre>"
-        if d.stack
-        else '<p class="note">No stack recorded (capture with <code>TraceCompare(..., stack=True)</code> to keep it).</p>'
-    )
-    return f'<dl class="first">{body}</dl><h3>Stack</h3>{stack}'
+    return first_html(rows, d.stack)
 
 
-def _suspects_html(result: Any) -> str:
-    suspects = list(result.suspects or [])
-    if not suspects:
-        return '<p class="note">No suspects.</p>'
-    head = (
-        '<table class="sortable" id="suspects-table"><thead><tr>'
-        '<th data-type="num">#</th><th>op</th><th>module</th><th>phase</th><th data-type="num">step</th>'
-        '<th>kind</th><th data-type="num">error introduced</th><th>why</th><th>source line</th></tr></thead><tbody>'
-    )
-    first = result.first_divergence
-    rows = []
-    for index, d in enumerate(suspects, 1):
-        css = ' class="first"' if first is not None and (d.rank, d.op_id) == (first.rank, first.op_id) else ""
-        rows.append(
-            f'<tr{css}><td class="num" data-sort="{index}">{index}</td>'
-            f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
-            f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
-            f'<td class="num" data-sort="{d.step}">{d.step}</td><td>{escape(d.kind)}</td>'
-            f'<td class="num" data-sort="{_sort_value(d.score)}">{format_number(d.score)}</td>'
-            f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
-        )
-    return head + "".join(rows) + "</tbody></table>"
+def _compare_cells(d: Divergence) -> str:
+    return (f'<td>{escape(d.kind)}</td>'
+            f'<td class="num" data-sort="{_sort_value(d.score)}">{format_number(d.score)}</td>')
 
 
 def _regions_html(result: Any) -> str:
@@ -219,11 +196,8 @@ def _regions_html(result: Any) -> str:
             f"<td><code>{escape(row.target_ops or '—')}</code></td><td><code>{escape(row.bench_ops or '—')}</code></td>"
             f"<td>{escape(str(row.status))}{' (root)' if row.root else ''}</td></tr>"
         )
-    return (
-        '<table class="sortable" id="regions-table"><thead><tr><th data-type="num">region</th><th>kind</th>'
-        "<th>module</th><th>phase</th><th>target ops</th><th>bench ops</th><th>status</th></tr></thead><tbody>"
-        + "".join(rows) + "</tbody></table>"
-    )
+    return table_html("regions-table", [("region", True), ("kind", False), ("module", False), ("phase", False),
+                                         ("target ops", False), ("bench ops", False), ("status", False)], rows)
 
 
 def _modules_html(result: Any) -> str:
@@ -252,13 +226,9 @@ def _modules_html(result: Any) -> str:
             f'<td class="num" data-sort="{_sort_value(row.max_error)}">{format_number(row.max_error)}</td>'
             f"<td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
-    return (
-        '<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
-        '<th data-type="num">diverged ops</th><th data-type="num">max error introduced</th><th>by</th>'
-        '<th data-type="num">max output error</th><th>first diverged op</th></tr></thead><tbody>'
-        + "".join(rows)
-        + "</tbody></table>"
-    )
+    return table_html("modules-table", [("module", False), ("ops", True), ("diverged ops", True),
+                                         ("max error introduced", True), ("by", False), ("max output error", True),
+                                         ("first diverged op", False)], rows)
 
 
 def _counts_with_replay(result: Any) -> dict[str, int]:
@@ -313,14 +283,8 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     >>> write_report(result, "out")                             # doctest: +SKIP
     PosixPath('out/report.html')
     """
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
-    picture = render_subgraph(result, out / SUBGRAPH_NAME, depth=depth, max_nodes=max_nodes)
-    # At its natural size (scrolling when wide): shrunk to fit, a big graph's labels become unreadable.
-    subgraph = f'<div class="figure graph">{inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+    out = report_folder(out_dir)
+    subgraph = figure_html(render_subgraph(result, out / SUBGRAPH_NAME, depth=depth, max_nodes=max_nodes))
     css_class, sentence = verdict(result)
     focus = find_focus(result)
     chart_root = result.first_divergence.op_id if result.first_divergence is not None else None
@@ -330,11 +294,9 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
         for skip in getattr(result, "skipped_steps", ()))
     warnings_html += "".join(f'<div class="warn">Drift: {escape(str(drift))}</div>'
                              for drift in getattr(result, "drifts", ()) if not drift.undecided)
-    body = f"""<h1>tracecmp report</h1>
-<div class="runs">{_run_line(result)}</div>
-<div class="verdict {css_class}" id="verdict">{escape(sentence)}</div>
-{warnings_html}
-{_compare_counts_html(_counts_with_replay(result))}
+    summary = summary_html("tracecmp report", _run_line(result), css_class, sentence, warnings_html,
+                           _compare_counts_html(_counts_with_replay(result)))
+    body = f"""{summary}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
 {result.job.html() if getattr(result, "job", None) is not None else ""}
@@ -348,7 +310,8 @@ Shaded stretches are backward and optimizer ops; hover a point for its op.</p>
 <div class="figure">{error_chart(result.nodes, root=chart_root, rank=focus.rank)}</div>
 <h2 id="suspects">Suspects</h2>
 <p class="note">Ranked root causes (click a header to sort).</p>
-{_suspects_html(result)}
+{suspects_html(result.suspects or [], result.first_divergence, "No suspects.",
+               [("kind", False), ("error introduced", True)], _compare_cells)}
 <h2 id="regions">Regions</h2>
 <p class="note">Ops that pair only as groups: a fused op against its decomposition, another decomposition of the
 same values, casts or copies one side makes alone. Each is compared at its boundary, never inside; in the picture a
@@ -360,6 +323,70 @@ diverged; the module of the first divergence is highlighted. Click a header to s
 {_modules_html(result)}
 """
     return write_page(out / REPORT_NAME, f"tracecmp — {css_class}", body)
+
+
+def report_folder(out_dir: str | Path) -> Path:
+    """``out_dir`` as a Path, created if need be (a :class:`TracecmpError` where it cannot be)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
+    return out
+
+
+def figure_html(picture: Path) -> str:
+    """The picture written to ``picture`` (SVG), inlined at its natural size (scrolling when wide):
+    shrunk to fit, a big graph's labels become unreadable."""
+    return f'<div class="figure graph">{inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+
+
+def summary_html(title: str, runs: str, css: str, sentence: str, warnings: str, counts: str) -> str:
+    """The head of a report: its title, the runs judged (HTML), the verdict line classed ``css``
+    (diverged / agree / incomplete), the warnings (HTML) and the count boxes (HTML)."""
+    return f"""<h1>{title}</h1>
+<div class="runs">{runs}</div>
+<div class="verdict {css}" id="verdict">{escape(sentence)}</div>
+{warnings}
+{counts}"""
+
+
+def first_html(rows: Sequence[tuple[str, str]], stack: str) -> str:
+    """The first wrong op: (name, HTML value) rows, then its recorded stack."""
+    body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
+    stack_html = (
+        f"<pre>{escape(stack)}</pre>"
+        if stack
+        else '<p class="note">No stack recorded (capture with <code>TraceCompare(..., stack=True)</code> to keep it).</p>'
+    )
+    return f'<dl class="first">{body}</dl><h3>Stack</h3>{stack_html}'
+
+
+def table_html(table_id: str, headers: Sequence[tuple[str, bool]], rows: Iterable[str]) -> str:
+    """A table sortable by clicking a header; ``headers`` are (name, numeric), ``rows`` whole ``<tr>``s."""
+    head = "".join(f'<th data-type="num">{name}</th>' if numeric else f"<th>{name}</th>" for name, numeric in headers)
+    return f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>' + "".join(rows) + "</tbody></table>"
+
+
+def suspects_html(suspects: Sequence[Divergence], first: Divergence | None, empty: str,
+                  columns: Sequence[tuple[str, bool]], cells: Callable[[Divergence], str]) -> str:
+    """The ranked suspects, the first one highlighted: where each is, the verdict's own ``columns``
+    (filled by ``cells``), why and its source line; ``empty`` (a note) where there is none."""
+    if not suspects:
+        return f'<p class="note">{empty}</p>'
+    rows = []
+    for index, d in enumerate(suspects, 1):
+        css = ' class="first"' if first is not None and (d.rank, d.op_id) == (first.rank, first.op_id) else ""
+        rows.append(
+            f'<tr{css}><td class="num" data-sort="{index}">{index}</td>'
+            f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
+            f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
+            f'<td class="num" data-sort="{d.step}">{d.step}</td>{cells(d)}'
+            f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
+        )
+    headers = [("#", True), ("op", False), ("module", False), ("phase", False), ("step", True), *columns,
+               ("why", False), ("source line", False)]
+    return table_html("suspects-table", headers, rows)
 
 
 def write_page(path: Path, title: str, body: str) -> Path:

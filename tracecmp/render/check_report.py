@@ -1,4 +1,4 @@
-"""The HTML report and the picture of a ``check``: compare's report pieces, in check's words.
+"""The HTML report and the picture of a ``check``: the reports' shared pieces, in check's words.
 
 The page reads top to bottom: the verdict (and whether the evidence is statistics only), the
 first erring op with its source line and stack, the graph around it, the own error of every op
@@ -14,10 +14,20 @@ from typing import Any
 
 import pandas as pd
 
-from tracecmp.errors import TracecmpError
 from tracecmp.render.chart import error_chart
-from tracecmp.render.html import counts_html, inline_svg, module_rollup, write_page
-from tracecmp.render.subgraph import build_dot, format_number, short_op, write_picture
+from tracecmp.render.html import (
+    counts_html,
+    figure_html,
+    first_html,
+    module_rollup,
+    report_folder,
+    summary_html,
+    suspects_html,
+    table_html,
+    write_page,
+)
+from tracecmp.render.subgraph import build_dot, format_number, write_picture
+from tracecmp.verdict.records import Divergence
 
 REPORT_NAME = "check.html"
 PICTURE_NAME = "check.svg"
@@ -79,31 +89,12 @@ def _first_html(result: Any) -> str:
         ("metrics", metrics),
         ("node", f"op {d.op_id}"),
     ]
-    body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
-    stack = (f"<pre>{escape(d.stack)}</pre>" if d.stack else
-             '<p class="note">No stack recorded (capture with <code>TraceCompare(..., stack=True)</code> to keep it).</p>')
-    return f'<dl class="first">{body}</dl><h3>Stack</h3>{stack}'
+    return first_html(rows, d.stack)
 
 
-def _suspects_html(result: Any) -> str:
-    if not result.suspects:
-        return '<p class="note">No erring op.</p>'
-    first = result.first_error
-    rows = []
-    for index, d in enumerate(result.suspects, 1):
-        css = ' class="first"' if first is not None and (d.rank, d.op_id) == (first.rank, first.op_id) else ""
-        score = d.score if math.isfinite(d.score) else 1e308
-        rows.append(
-            f'<tr{css}><td class="num" data-sort="{index}">{index}</td>'
-            f'<td title="{escape(d.op)}"><code>{escape(short_op(d.op))}</code></td>'
-            f"<td><code>{escape(d.module or '<top>')}</code></td><td>{escape(d.phase)}</td>"
-            f'<td class="num" data-sort="{d.step}">{d.step}</td>'
-            f'<td class="num" data-sort="{score!r}">{format_number(d.score)}x</td>'
-            f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
-        )
-    return ('<table class="sortable" id="suspects-table"><thead><tr><th data-type="num">#</th><th>op</th><th>module</th>'
-            '<th>phase</th><th data-type="num">step</th><th data-type="num">beyond the standard</th><th>why</th>'
-            "<th>source line</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+def _check_cells(d: Divergence) -> str:
+    score = d.score if math.isfinite(d.score) else 1e308
+    return f'<td class="num" data-sort="{score!r}">{format_number(d.score)}x</td>'
 
 
 def _modules_html(result: Any) -> str:
@@ -121,20 +112,17 @@ def _modules_html(result: Any) -> str:
             f'<td class="num">{row.diverged}</td><td class="num">{worst}</td>'
             f"<td>{escape(row.introduced_by)}</td><td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
-    return ('<table class="sortable" id="modules-table"><thead><tr><th>module</th><th data-type="num">ops</th>'
-            '<th data-type="num">erring ops</th><th data-type="num">worst (x the standard)</th><th>by</th>'
-            "<th>first erring op</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+    return table_html("modules-table", [("module", False), ("ops", True), ("erring ops", True),
+                                         ("worst (x the standard)", True), ("by", False), ("first erring op", False)], rows)
 
 
 def _skipped_html(result: Any) -> str:
     table = result.skipped()
     if table.empty:
         return '<p class="note">Every op was judged.</p>'
-    rows = "".join(f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td>'
-                   f'<td><code>{escape(row.names)}</code></td></tr>'
-                   for row in table.itertuples())
-    return ('<table class="sortable" id="skipped-table"><thead><tr><th data-type="num">ops</th><th>why skipped</th>'
-            f"<th>ops such as</th></tr></thead><tbody>{rows}</tbody></table>")
+    rows = (f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td><td><code>{escape(row.names)}</code></td></tr>'
+            for row in table.itertuples())
+    return table_html("skipped-table", [("ops", True), ("why skipped", False), ("ops such as", False)], rows)
 
 
 def _nan(value: Any) -> bool:
@@ -147,13 +135,8 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     >>> write_report(tracecmp.check("runs/target"), "out")   # doctest: +SKIP
     PosixPath('out/check.html')
     """
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise TracecmpError(f"cannot create the report folder: {exc.strerror}", path=out) from exc
-    picture = render_subgraph(result, out / PICTURE_NAME, depth=depth, max_nodes=max_nodes)
-    graph = f'<div class="figure graph">{inline_svg(picture.read_text(encoding="utf-8"))}</div>'
+    out = report_folder(out_dir)
+    graph = figure_html(render_subgraph(result, out / PICTURE_NAME, depth=depth, max_nodes=max_nodes))
     sentence = result.verdict()
     counts = result.counts()
     css = "diverged" if result.first_error is not None else ("agree" if counts["pass"] else "incomplete")
@@ -168,11 +151,10 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     chart = _words(error_chart(render_nodes, root=result.first_error.op_id if result.first_error else None, rank=focus_rank))
     chart = chart.replace("first divergence:", "first error:")
     chart = chart.replace("output error (rounding units, log)", "own error (rounding units, log)")
-    body = f"""<h1>tracecmp check</h1>
-<div class="runs">trace: <code>{escape(str(result.trace.path))}</code> · evidence: {escape(result.evidence)}</div>
-<div class="verdict {css}" id="verdict">{escape(sentence)}</div>
-{warnings}
-{counts_html(counts, {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""})}
+    summary = summary_html("tracecmp check", f"trace: <code>{escape(str(result.trace.path))}</code> · evidence: "
+                           f"{escape(result.evidence)}", css, sentence, warnings,
+                           counts_html(counts, {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""}))
+    body = f"""{summary}
 <h2 id="first-error">First erring op</h2>
 {_first_html(result)}
 <h2 id="graph">Around it</h2>
@@ -184,7 +166,7 @@ execution order (rank {focus_rank}); statistics-judged ops show their pinned sta
 <div class="figure">{chart}</div>
 <h2 id="suspects">Erring ops</h2>
 <p class="note">Ranked by how far beyond the standard (click a header to sort).</p>
-{_suspects_html(result)}
+{suspects_html(result.suspects, result.first_error, "No erring op.", [("beyond the standard", True)], _check_cells)}
 <h2 id="modules">Modules</h2>
 {_modules_html(result)}
 <h2 id="skipped">Not judged</h2>
