@@ -1,4 +1,6 @@
-"""Pictures and reports of a comparison: the suspicious subgraph, the HTML report, the error chart.
+"""Pictures and reports of a verdict: the suspicious subgraph, the HTML report, the error chart.
+
+Compare's report is :mod:`tracecmp.render.html`, check's :mod:`tracecmp.render.check_report`.
 
 >>> from tracecmp.render import render_subgraph, write_report
 >>> write_report(tracecmp.compare("runs/target", "runs/bench"), "out")  # doctest: +SKIP
