@@ -14,7 +14,7 @@ import torch
 import tracecmp
 from tracecmp.aten.opclass import base_name
 from tracecmp.comparison import adam
-from tracecmp.graph import view_bases
+from tracecmp.graph import Node, view_bases
 from tracecmp.trace.reader import load
 
 LR, DECAY, STEPS = 1e-2, 0.1, 3
@@ -48,10 +48,9 @@ def test_every_adam_update_is_recognized_and_bounded(tmp_path: Path, name: str, 
 
     rank = load(tmp_path / "t").rank(0)
     ops, base = rank.ops, view_bases(rank.tensors)
-    nodes = [tuple(row) for row in ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location", "args",
-                                        "inputs", "outputs"]].itertuples(index=False)]
-    nodes = [(*n[:9], list(n[9]), list(n[10])) for n in nodes]
-    producer = {t: (n, k) for n in nodes for k, t in enumerate(n[10]) if t not in base}
+    columns = ["op_id", "step", "phase", "kind", "op", "name", "module", "location", "args", "inputs", "outputs"]
+    nodes = [Node(*row[:9], list(row[9]), list(row[10]), False, "") for row in ops[columns].itertuples(index=False)]
+    producer = {t: (n, k) for n in nodes for k, t in enumerate(n.outputs) if t not in base}
     tensors = rank.tensors.set_index("tensor_id")
 
     def value_of(tid: int) -> float:
@@ -60,15 +59,15 @@ def test_every_adam_update_is_recognized_and_bounded(tmp_path: Path, name: str, 
     bounds: dict[int, set[float]] = {}
     updates = 0
     for node in nodes:
-        if base_name(node[4]) not in adam.ADAM_UPDATES:
+        if base_name(node.op) not in adam.ADAM_UPDATES:
             continue
-        fused = "_fused_" in node[4]
-        for k in range(len(params) if fused else len(node[10])):
+        fused = "_fused_" in node.op
+        for k in range(len(params) if fused else len(node.outputs)):
             updates += 1
             found = adam.adam_update_bound(node, k, producer, base, value_of)
-            assert found is not None, f"{node[4]} {node[8]} not recognized as Adam's update"
-            assert found[0] == node[9][k]  # the parameter, first among the inputs
-            bounds.setdefault(int(node[1]), set()).add(round(found[1], 12))
+            assert found is not None, f"{node.op} {node.args} not recognized as Adam's update"
+            assert found[0] == node.inputs[k]  # the parameter, first among the inputs
+            bounds.setdefault(int(node.step), set()).add(round(found[1], 12))
     assert updates == len(params) * STEPS
     for step, step_moved in enumerate(moved):
         (bound,) = bounds[step]  # one learning rate, one step number

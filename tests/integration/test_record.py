@@ -67,7 +67,9 @@ TRAIN = textwrap.dedent(
 
 
 def _run(argv: list[str], cwd: Path, result: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RESULT": str(result)}
+    # "python" and "torchrun" in a recorded command are this interpreter's, as in its activated environment.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RESULT": str(result), "PATH": path}
     return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
