@@ -10,6 +10,7 @@ jobs on a shared machine disturb less).
     python benchmarks/bench_capture_options.py                    # block64 and mlp, 5 rounds
     python benchmarks/bench_capture_options.py --models block64 --rounds 9 --steps 10
 """
+
 from __future__ import annotations
 
 import argparse

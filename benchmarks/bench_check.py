@@ -23,6 +23,7 @@ transformer and prints how far each sits from the standards (the figures behind 
 Traces go to a temporary folder under ``--workdir`` (default /tmp) and are deleted afterwards.
 Run it under ``flock /work/wt/bigmem.lock`` (ResNet-50's trace is ~3 GB, GPT-2 small's ~10 GB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("default-threads", "one-thread", "two-workers")
-FILTERS = {"gpt2": "transformer.h.1", "gpt2-small": "transformer.h.5", "gpt2-small-2l": "transformer.h.1", "gpt2-small-amp": "transformer.h.5", "resnet50": "resnet.encoder.stages.2", "mlp": "2",
-           "block64": "mlp"}
+FILTERS = {
+    "gpt2": "transformer.h.1",
+    "gpt2-small": "transformer.h.5",
+    "gpt2-small-2l": "transformer.h.1",
+    "gpt2-small-amp": "transformer.h.5",
+    "resnet50": "resnet.encoder.stages.2",
+    "mlp": "2",
+    "block64": "mlp",
+}
 
 
 def _build(name: str) -> tuple[Any, Any]:
@@ -91,15 +99,23 @@ class _Fp16Inputs:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         aten = torch.ops.aten
-        ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default,
-               aten._scaled_dot_product_flash_attention_for_cpu.default}
+        ops = {
+            aten.mm.default,
+            aten.addmm.default,
+            aten.bmm.default,
+            aten.convolution.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+        }
         owner = self
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 kwargs = kwargs or {}
                 if owner.active and func in ops:
-                    args = [a.half().float() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args]
+                    args = [
+                        a.half().float() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                        for a in args
+                    ]
                 return func(*args, **kwargs)
 
         self.active = False
@@ -129,8 +145,11 @@ def capture(name: str, path: Path, only: str | None) -> dict[str, Any]:
     if only:
         result = tracecmp.check(path, progress=False)
         d = result.first_error
-        found = {"first_error": None if d is None else f"{d.op} in {d.module} ({d.phase})",
-                 "errors": result.counts()["error"], "by_tensors": result.counts().get("by tensors", 0)}
+        found = {
+            "first_error": None if d is None else f"{d.op} in {d.module} ({d.phase})",
+            "errors": result.counts()["error"],
+            "by_tensors": result.counts().get("by tensors", 0),
+        }
     return {"seconds": seconds, "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()), **found}
 
 
@@ -150,11 +169,16 @@ def margins() -> list[dict[str, Any]]:
 
     torch.set_num_threads(1)
     runs: list[tuple[str, dict[str, Any]]] = [
-        ("clean float32", {}), ("clean whole-bf16", {"dtype": torch.bfloat16}),
-        ("clean autocast-bf16", {"autocast": True}), ("clean TF32 (declared)", {"tf32": True}),
+        ("clean float32", {}),
+        ("clean whole-bf16", {"dtype": torch.bfloat16}),
+        ("clean autocast-bf16", {"autocast": True}),
+        ("clean TF32 (declared)", {"tf32": True}),
         ("clean float32, statistics only", {"data": "stats"}),
         *((f"fault {f}", {"fault": f}) for f in ("gelu-tanh", "layer-norm-eps", "matmul-fp16-inputs", "softmax-fp16")),
-        *((f"fault {f}, statistics only", {"fault": f, "data": "stats"}) for f in ("gelu-tanh", "matmul-fp16", "softmax-fp16")),
+        *(
+            (f"fault {f}, statistics only", {"fault": f, "data": "stats"})
+            for f in ("gelu-tanh", "matmul-fp16", "softmax-fp16")
+        ),
     ]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -164,17 +188,25 @@ def margins() -> list[dict[str, Any]]:
             nodes = result.nodes
             judged = nodes[nodes["status"] != "skipped"]
             d = result.first_error
-            row: dict[str, Any] = {"run": name, "ops": len(nodes), "judged": len(judged),
-                                   "errors": int((nodes["status"] == "error").sum()),
-                                   "warnings": int((nodes["status"] == "warning").sum())}
+            row: dict[str, Any] = {
+                "run": name,
+                "ops": len(nodes),
+                "judged": len(judged),
+                "errors": int((nodes["status"] == "error").sum()),
+                "warnings": int((nodes["status"] == "warning").sum()),
+            }
             if d is None:
                 above = judged[judged["error_units"] > 4]
                 row["worst_ratio"] = float(above["ratio"].max()) if len(above) else 0.0
                 row["worst_units"] = float(judged["error_units"].max())
             else:
                 hit = nodes[(nodes["op_id"] == d.op_id) & (nodes["rank"] == d.rank)].iloc[0]
-                row.update(first_error=f"{d.op} in {d.module}", ratio=float(hit["ratio"]),
-                           units=float(hit["error_units"]), score=float(d.score))
+                row.update(
+                    first_error=f"{d.op} in {d.module}",
+                    ratio=float(hit["ratio"]),
+                    units=float(hit["error_units"]),
+                    score=float(d.score),
+                )
             rows.append(row)
     return rows
 
@@ -208,8 +240,16 @@ def replay(path: Path, config: str) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"seconds": seconds, "ops": ops, "judged": judged, "errors": errors, "ops_per_s": ops / seconds,
-            "peak_rss": rss, "peak_worker_rss": children, "threads": threads}
+    return {
+        "seconds": seconds,
+        "ops": ops,
+        "judged": judged,
+        "errors": errors,
+        "ops_per_s": ops / seconds,
+        "peak_rss": rss,
+        "peak_worker_rss": children,
+        "threads": threads,
+    }
 
 
 def _child(args: list[str], timeout: int, root: Path = ROOT) -> dict[str, Any]:
@@ -225,8 +265,10 @@ def _mb(value: float) -> str:
 
 
 def _print_margins(rows: list[dict[str, Any]]) -> None:
-    print("| run | ops | judged | errors | warnings | first error | its own/honest error | its rounding units | "
-          "its score | clean: largest own/honest above the floor | clean: largest rounding units |")
+    print(
+        "| run | ops | judged | errors | warnings | first error | its own/honest error | its rounding units | "
+        "its score | clean: largest own/honest above the floor | clean: largest rounding units |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "first_error" in r:
@@ -238,17 +280,31 @@ def _print_margins(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=["gpt2", "resnet50", "gpt2-small", "gpt2-small-2l", "gpt2-small-amp", "mlp", "block64"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["gpt2", "resnet50"],
+        choices=["gpt2", "resnet50", "gpt2-small", "gpt2-small-2l", "gpt2-small-amp", "mlp", "block64"],
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, "replay_rank"])
-    parser.add_argument("--filtered", action="store_true", help="also capture with tensors for one module and compare sizes")
+    parser.add_argument(
+        "--filtered", action="store_true", help="also capture with tensors for one module and compare sizes"
+    )
     parser.add_argument("--only-replay", action="store_true", help="measure compare's replay_rank only (peak RSS)")
-    parser.add_argument("--baseline", type=Path, help="also run every configuration with the tracecmp in this folder "
-                        "(say `git archive <commit> | tar -x -C DIR` plus its built extension), interleaved")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also run every configuration with the tracecmp in this folder "
+        "(say `git archive <commit> | tar -x -C DIR` plus its built extension), interleaved",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--timeout", type=int, default=3600)
-    parser.add_argument("--margins", action="store_true", help="only: how far the standards sit from clean runs and "
-                        "faults on the demo transformer (no timing)")
+    parser.add_argument(
+        "--margins",
+        action="store_true",
+        help="only: how far the standards sit from clean runs and faults on the demo transformer (no timing)",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -264,7 +320,9 @@ def main() -> None:
     configs = ["replay_rank"] if args.only_replay else args.configs
     if args.baseline is not None:
         configs = [c for config in configs for c in (f"{config}@baseline", config)]
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; torch threads by default; rounds {args.rounds}")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; torch threads by default; rounds {args.rounds}"
+    )
     rows = []
     for name in args.models:
         folder = Path(tempfile.mkdtemp(prefix=f"bench-check-{name}-", dir=args.workdir))
@@ -275,10 +333,12 @@ def main() -> None:
             if args.filtered:
                 narrow = folder / "narrow"
                 cut = _child(["--child", "capture", name, str(narrow), FILTERS[name]], args.timeout)
-                print(f"{name}: only={{'modules': ['{FILTERS[name]}']}}: {_mb(cut['bytes'])} "
-                      f"({cut['bytes'] / made['bytes']:.1%} of the whole step), captured in {cut['seconds']:.1f} s; "
-                      f"with float16 inputs to its matmuls/convolutions/attention, check names {cut['first_error']} "
-                      f"({cut['errors']} erring ops, {cut['by_tensors']} judged on tensors)")
+                print(
+                    f"{name}: only={{'modules': ['{FILTERS[name]}']}}: {_mb(cut['bytes'])} "
+                    f"({cut['bytes'] / made['bytes']:.1%} of the whole step), captured in {cut['seconds']:.1f} s; "
+                    f"with float16 inputs to its matmuls/convolutions/attention, check names {cut['first_error']} "
+                    f"({cut['errors']} erring ops, {cut['by_tensors']} judged on tensors)"
+                )
                 shutil.rmtree(narrow, ignore_errors=True)
             found: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
             for _ in range(args.rounds):
@@ -290,18 +350,36 @@ def main() -> None:
                 rss = max(r["peak_rss"] for r in runs)
                 workers = max(r["peak_worker_rss"] for r in runs)
                 first = runs[0]
-                rows.append((name, config, first["ops"], first["judged"], first["errors"], seconds, first["ops"] / seconds, rss, workers,
-                             made["bytes"]))
-                print(f"  {config:16s} {first['ops']} ops ({first['judged']} judged, {first['errors']} errors) "
-                      f"median {seconds:.1f} s = {first['ops'] / seconds:.0f} ops/s, peak RSS {_mb(rss)}"
-                      + (f", workers {_mb(workers)} each" if workers else ""))
+                rows.append(
+                    (
+                        name,
+                        config,
+                        first["ops"],
+                        first["judged"],
+                        first["errors"],
+                        seconds,
+                        first["ops"] / seconds,
+                        rss,
+                        workers,
+                        made["bytes"],
+                    )
+                )
+                print(
+                    f"  {config:16s} {first['ops']} ops ({first['judged']} judged, {first['errors']} errors) "
+                    f"median {seconds:.1f} s = {first['ops'] / seconds:.0f} ops/s, peak RSS {_mb(rss)}"
+                    + (f", workers {_mb(workers)} each" if workers else "")
+                )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    print("\n| model | configuration | ops | judged | errors | median time | ops/s | peak RSS | worker peak RSS | trace |")
+    print(
+        "\n| model | configuration | ops | judged | errors | median time | ops/s | peak RSS | worker peak RSS | trace |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, config, ops, judged, errors, seconds, rate, rss, workers, size in rows:
-        print(f"| {name} | {config} | {ops} | {judged} | {errors} | {seconds:.1f} s | {rate:.0f} | {_mb(rss)} | "
-              f"{_mb(workers) if workers else '—'} | {_mb(size)} |")
+        print(
+            f"| {name} | {config} | {ops} | {judged} | {errors} | {seconds:.1f} s | {rate:.0f} | {_mb(rss)} | "
+            f"{_mb(workers) if workers else '—'} | {_mb(size)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ and one fault: a gelu output scaled by 1.05 in step 1, whose error flows into ev
 
 ``compare`` runs in a fresh process so that its peak RSS is its own (loading included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,22 @@ class Synth:
 
     # -- recording --------------------------------------------------------------------------------
 
-    def node(self, op: str, inputs: list[int], shape: tuple[int, ...], *, module: str, phase: str, kind: str = "op",
-             name: str = "", args: str = "{}", scale: float | None = None, view_of: int = -1, fault: bool = False,
-             copy_of: int | None = None) -> int:
+    def node(
+        self,
+        op: str,
+        inputs: list[int],
+        shape: tuple[int, ...],
+        *,
+        module: str,
+        phase: str,
+        kind: str = "op",
+        name: str = "",
+        args: str = "{}",
+        scale: float | None = None,
+        view_of: int = -1,
+        fault: bool = False,
+        copy_of: int | None = None,
+    ) -> int:
         tid = self.tensor_id
         self.tensor_id += 1
         inherited = max((self.error.get(t, 0.0) for t in inputs), default=0.0)
@@ -74,10 +88,23 @@ class Synth:
         error = 0.05 if fault else 0.0 if op in _SCALE_FREE else inherited * 0.98
         if error > 1e-9:
             self.error[tid] = error
-        for key, value in (("op_id", self.op_id), ("step", self.step), ("phase", phase), ("kind", kind), ("op", op),
-                           ("name", name), ("module", module), ("location", "model.py:%d" % (10 + self.op_id % 300)),
-                           ("args", args), ("inputs", inputs), ("outputs", [tid]), ("inplace", op.endswith("_.Tensor")),
-                           ("random", False), ("seq_nr", -1), ("stack", "")):
+        for key, value in (
+            ("op_id", self.op_id),
+            ("step", self.step),
+            ("phase", phase),
+            ("kind", kind),
+            ("op", op),
+            ("name", name),
+            ("module", module),
+            ("location", "model.py:%d" % (10 + self.op_id % 300)),
+            ("args", args),
+            ("inputs", inputs),
+            ("outputs", [tid]),
+            ("inplace", op.endswith("_.Tensor")),
+            ("random", False),
+            ("seq_nr", -1),
+            ("stack", ""),
+        ):
             self.ops[key].append(value)
         key = (self.step, module, op)
         occurrence = self.counter[key] = self.counter.get(key, -1) + 1
@@ -93,10 +120,21 @@ class Synth:
             self.last_stats[tid] = stats
             if len(self.last_stats) > 4096:
                 self.last_stats.pop(next(iter(self.last_stats)))
-        row = {"tensor_id": tid, "op_id": self.op_id, "index": 0, "shape": list(shape), "dtype": self.dtype,
-               "device": "cpu", "view_of": view_of, "has_stats": stats is not None, "data_key": ""}
+        row = {
+            "tensor_id": tid,
+            "op_id": self.op_id,
+            "index": 0,
+            "shape": list(shape),
+            "dtype": self.dtype,
+            "device": "cpu",
+            "view_of": view_of,
+            "has_stats": stats is not None,
+            "data_key": "",
+        }
         for key in ("min", "max", "mean", "norm", "nan_count", "inf_count", "checksum"):
-            row[key] = (0 if key in ("nan_count", "inf_count", "checksum") else math.nan) if stats is None else stats[key]
+            row[key] = (
+                (0 if key in ("nan_count", "inf_count", "checksum") else math.nan) if stats is None else stats[key]
+            )
         for key, value in row.items():
             self.tensors[key].append(value)
         self.op_id += 1
@@ -123,8 +161,15 @@ class Synth:
             if error:
                 lo, hi, mean, rms = lo * (1 + error), hi * (1 + error), mean * (1 + error), rms * (1 + error)
             checksum ^= self.rng.getrandbits(62) | 1
-        return {"min": lo, "max": hi, "mean": mean, "norm": rms * math.sqrt(numel), "nan_count": 0, "inf_count": 0,
-                "checksum": checksum}
+        return {
+            "min": lo,
+            "max": hi,
+            "mean": mean,
+            "norm": rms * math.sqrt(numel),
+            "nan_count": 0,
+            "inf_count": 0,
+            "checksum": checksum,
+        }
 
     def flush(self) -> None:
         if self.ops["op_id"]:
@@ -143,22 +188,42 @@ class Synth:
         params = {}
         for step in range(steps):
             self.step = step
-            x = self.node("source.input", [], (batch, seq, d), module="", phase="forward", kind="source", name="input.0")
+            x = self.node(
+                "source.input", [], (batch, seq, d), module="", phase="forward", kind="source", name="input.0"
+            )
             saved = []
             for i in range(blocks):
                 m = f"blocks.{i}"
-                for p, shape in (("ln1.weight", (d,)), ("attn.qkv.weight", (3 * d, d)), ("attn.proj.weight", (d, d)),
-                                 ("ln2.weight", (d,)), ("mlp.fc1.weight", (4 * d, d)), ("mlp.fc2.weight", (d, 4 * d))):
-                    params[f"{m}.{p}"] = self.node("source.parameter", [], shape, module=f"{m}.{p.rsplit('.', 1)[0]}",
-                                                   phase="forward", kind="source", name=f"{m}.{p}", scale=0.05)
+                for p, shape in (
+                    ("ln1.weight", (d,)),
+                    ("attn.qkv.weight", (3 * d, d)),
+                    ("attn.proj.weight", (d, d)),
+                    ("ln2.weight", (d,)),
+                    ("mlp.fc1.weight", (4 * d, d)),
+                    ("mlp.fc2.weight", (d, 4 * d)),
+                ):
+                    params[f"{m}.{p}"] = self.node(
+                        "source.parameter",
+                        [],
+                        shape,
+                        module=f"{m}.{p.rsplit('.', 1)[0]}",
+                        phase="forward",
+                        kind="source",
+                        name=f"{m}.{p}",
+                        scale=0.05,
+                    )
                 x, keep = self.block_forward(x, m, params, tokens, batch, seq, d, heads, dh, step)
                 saved.append(keep)
             loss = self.node("aten.mean.default", [x], (), module="", phase="forward")
             grad = self.node("aten.ones_like.default", [loss], (), module="", phase="backward")
-            grad = self.node("aten.expand.default", [grad], (batch, seq, d), module="", phase="backward", kind="view", view_of=grad)
+            grad = self.node(
+                "aten.expand.default", [grad], (batch, seq, d), module="", phase="backward", kind="view", view_of=grad
+            )
             grads = {}
             for i in reversed(range(blocks)):
-                grad = self.block_backward(grad, f"blocks.{i}", params, saved[i], grads, tokens, batch, seq, d, heads, dh)
+                grad = self.block_backward(
+                    grad, f"blocks.{i}", params, saved[i], grads, tokens, batch, seq, d, heads, dh
+                )
             for name, p in params.items():
                 g = grads.get(name, grad)
                 module = name.rsplit(".", 1)[0]
@@ -177,24 +242,60 @@ class Synth:
             return tuple(self.tensors["shape"][tid - ids[0]])
         return (256,)
 
-    def block_forward(self, x: int, m: str, params: dict[str, int], tokens: int, batch: int, seq: int, d: int,
-                      heads: int, dh: int, step: int) -> tuple[int, list[int]]:
+    def block_forward(
+        self,
+        x: int,
+        m: str,
+        params: dict[str, int],
+        tokens: int,
+        batch: int,
+        seq: int,
+        d: int,
+        heads: int,
+        dh: int,
+        step: int,
+    ) -> tuple[int, list[int]]:
         f = "forward"
-        ln = self.node("aten.native_layer_norm.default", [x, params[f"{m}.ln1.weight"]], (batch, seq, d), module=f"{m}.ln1",
-                       phase=f, args='{"eps":1e-05}')
+        ln = self.node(
+            "aten.native_layer_norm.default",
+            [x, params[f"{m}.ln1.weight"]],
+            (batch, seq, d),
+            module=f"{m}.ln1",
+            phase=f,
+            args='{"eps":1e-05}',
+        )
         flat = self.view("aten.view.default", ln, (tokens, d), module=f"{m}.attn.qkv", phase=f)
         wt = self.view("aten.t.default", params[f"{m}.attn.qkv.weight"], (d, 3 * d), module=f"{m}.attn.qkv", phase=f)
         qkv = self.node("aten.mm.default", [flat, wt], (tokens, 3 * d), module=f"{m}.attn.qkv", phase=f)
         qkv3 = self.view("aten.view.default", qkv, (batch, seq, 3 * d), module=f"{m}.attn", phase=f)
         q, k, v = (self.view("aten.slice.Tensor", qkv3, (batch, seq, d), module=f"{m}.attn", phase=f) for _ in range(3))
-        q = self.node("aten.clone.default", [self.view("aten.transpose.int", q, (batch, heads, seq, dh), module=f"{m}.attn", phase=f)],
-                      (batch * heads, seq, dh), module=f"{m}.attn", phase=f)
-        kt = self.node("aten.clone.default", [self.view("aten.transpose.int", k, (batch, heads, dh, seq), module=f"{m}.attn", phase=f)],
-                       (batch * heads, dh, seq), module=f"{m}.attn", phase=f)
-        scores = self.node("aten.bmm.default", [q, kt], (batch * heads, seq, seq), module=f"{m}.attn", phase=f, scale=3.0)
-        probs = self.node("aten._softmax.default", [scores], (batch * heads, seq, seq), module=f"{m}.attn", phase=f, scale=0.05)
-        vv = self.node("aten.clone.default", [self.view("aten.transpose.int", v, (batch, heads, seq, dh), module=f"{m}.attn", phase=f)],
-                       (batch * heads, seq, dh), module=f"{m}.attn", phase=f)
+        q = self.node(
+            "aten.clone.default",
+            [self.view("aten.transpose.int", q, (batch, heads, seq, dh), module=f"{m}.attn", phase=f)],
+            (batch * heads, seq, dh),
+            module=f"{m}.attn",
+            phase=f,
+        )
+        kt = self.node(
+            "aten.clone.default",
+            [self.view("aten.transpose.int", k, (batch, heads, dh, seq), module=f"{m}.attn", phase=f)],
+            (batch * heads, dh, seq),
+            module=f"{m}.attn",
+            phase=f,
+        )
+        scores = self.node(
+            "aten.bmm.default", [q, kt], (batch * heads, seq, seq), module=f"{m}.attn", phase=f, scale=3.0
+        )
+        probs = self.node(
+            "aten._softmax.default", [scores], (batch * heads, seq, seq), module=f"{m}.attn", phase=f, scale=0.05
+        )
+        vv = self.node(
+            "aten.clone.default",
+            [self.view("aten.transpose.int", v, (batch, heads, seq, dh), module=f"{m}.attn", phase=f)],
+            (batch * heads, seq, dh),
+            module=f"{m}.attn",
+            phase=f,
+        )
         ctx_raw = self.node("aten.bmm.default", [probs, vv], (batch * heads, seq, dh), module=f"{m}.attn", phase=f)
         ctx = self.view("aten.view.default", ctx_raw, (tokens, d), module=f"{m}.attn.proj", phase=f)
         if self.target and int(m.split(".")[1]) in self.extra_blocks and step == 0:
@@ -203,8 +304,14 @@ class Synth:
         att = self.node("aten.mm.default", [ctx, wp], (tokens, d), module=f"{m}.attn.proj", phase=f)
         att = self.view("aten.view.default", att, (batch, seq, d), module=f"{m}.attn.proj", phase=f)
         x = self.node("aten.add.Tensor", [x, att], (batch, seq, d), module=m, phase=f)
-        ln2 = self.node("aten.native_layer_norm.default", [x, params[f"{m}.ln2.weight"]], (batch, seq, d), module=f"{m}.ln2",
-                        phase=f, args='{"eps":1e-05}')
+        ln2 = self.node(
+            "aten.native_layer_norm.default",
+            [x, params[f"{m}.ln2.weight"]],
+            (batch, seq, d),
+            module=f"{m}.ln2",
+            phase=f,
+            args='{"eps":1e-05}',
+        )
         flat2 = self.view("aten.view.default", ln2, (tokens, d), module=f"{m}.mlp.fc1", phase=f)
         w1 = self.view("aten.t.default", params[f"{m}.mlp.fc1.weight"], (d, 4 * d), module=f"{m}.mlp.fc1", phase=f)
         h = self.node("aten.mm.default", [flat2, w1], (tokens, 4 * d), module=f"{m}.mlp.fc1", phase=f)
@@ -216,41 +323,129 @@ class Synth:
         x = self.node("aten.add.Tensor", [x, o], (batch, seq, d), module=m, phase=f)
         return x, [ln, flat, q, kt, probs, vv, ctx, ln2, flat2, h, g]
 
-    def block_backward(self, grad: int, m: str, params: dict[str, int], keep: list[int], grads: dict[str, int],
-                       tokens: int, batch: int, seq: int, d: int, heads: int, dh: int) -> int:
+    def block_backward(
+        self,
+        grad: int,
+        m: str,
+        params: dict[str, int],
+        keep: list[int],
+        grads: dict[str, int],
+        tokens: int,
+        batch: int,
+        seq: int,
+        d: int,
+        heads: int,
+        dh: int,
+    ) -> int:
         b = "backward"
         ln, flat, q, kt, probs, vv, ctx, ln2, flat2, h, g = keep
         go = self.view("aten.view.default", grad, (tokens, d), module=f"{m}.mlp.fc2", phase=b)
-        grads[f"{m}.mlp.fc2.weight"] = self.node("aten.mm.default", [self.view("aten.t.default", go, (d, tokens), module=f"{m}.mlp.fc2", phase=b), g],
-                                                  (d, 4 * d), module=f"{m}.mlp.fc2", phase=b, scale=0.01)
-        gg = self.node("aten.mm.default", [go, params[f"{m}.mlp.fc2.weight"]], (tokens, 4 * d), module=f"{m}.mlp.fc2", phase=b, scale=0.01)
-        gh = self.node("aten.gelu_backward.default", [gg, h], (tokens, 4 * d), module=f"{m}.mlp.act", phase=b, scale=0.01)
-        grads[f"{m}.mlp.fc1.weight"] = self.node("aten.mm.default", [self.view("aten.t.default", gh, (4 * d, tokens), module=f"{m}.mlp.fc1", phase=b), flat2],
-                                                  (4 * d, d), module=f"{m}.mlp.fc1", phase=b, scale=0.01)
-        gl2 = self.node("aten.mm.default", [gh, params[f"{m}.mlp.fc1.weight"]], (tokens, d), module=f"{m}.mlp.fc1", phase=b, scale=0.01)
+        grads[f"{m}.mlp.fc2.weight"] = self.node(
+            "aten.mm.default",
+            [self.view("aten.t.default", go, (d, tokens), module=f"{m}.mlp.fc2", phase=b), g],
+            (d, 4 * d),
+            module=f"{m}.mlp.fc2",
+            phase=b,
+            scale=0.01,
+        )
+        gg = self.node(
+            "aten.mm.default",
+            [go, params[f"{m}.mlp.fc2.weight"]],
+            (tokens, 4 * d),
+            module=f"{m}.mlp.fc2",
+            phase=b,
+            scale=0.01,
+        )
+        gh = self.node(
+            "aten.gelu_backward.default", [gg, h], (tokens, 4 * d), module=f"{m}.mlp.act", phase=b, scale=0.01
+        )
+        grads[f"{m}.mlp.fc1.weight"] = self.node(
+            "aten.mm.default",
+            [self.view("aten.t.default", gh, (4 * d, tokens), module=f"{m}.mlp.fc1", phase=b), flat2],
+            (4 * d, d),
+            module=f"{m}.mlp.fc1",
+            phase=b,
+            scale=0.01,
+        )
+        gl2 = self.node(
+            "aten.mm.default",
+            [gh, params[f"{m}.mlp.fc1.weight"]],
+            (tokens, d),
+            module=f"{m}.mlp.fc1",
+            phase=b,
+            scale=0.01,
+        )
         gl2 = self.view("aten.view.default", gl2, (batch, seq, d), module=f"{m}.ln2", phase=b)
-        gx = self.node("aten.native_layer_norm_backward.default", [gl2, ln2, params[f"{m}.ln2.weight"]], (batch, seq, d),
-                       module=f"{m}.ln2", phase=b, scale=0.01)
+        gx = self.node(
+            "aten.native_layer_norm_backward.default",
+            [gl2, ln2, params[f"{m}.ln2.weight"]],
+            (batch, seq, d),
+            module=f"{m}.ln2",
+            phase=b,
+            scale=0.01,
+        )
         grads[f"{m}.ln2.weight"] = self.node("aten.sum.dim_IntList", [gl2], (d,), module=f"{m}.ln2", phase=b, scale=0.1)
         grad = self.node("aten.add.Tensor", [grad, gx], (batch, seq, d), module=m, phase=b, scale=0.01)
         gp = self.view("aten.view.default", grad, (tokens, d), module=f"{m}.attn.proj", phase=b)
-        grads[f"{m}.attn.proj.weight"] = self.node("aten.mm.default", [self.view("aten.t.default", gp, (d, tokens), module=f"{m}.attn.proj", phase=b), ctx],
-                                                    (d, d), module=f"{m}.attn.proj", phase=b, scale=0.01)
-        gctx = self.node("aten.mm.default", [gp, params[f"{m}.attn.proj.weight"]], (tokens, d), module=f"{m}.attn.proj", phase=b, scale=0.01)
+        grads[f"{m}.attn.proj.weight"] = self.node(
+            "aten.mm.default",
+            [self.view("aten.t.default", gp, (d, tokens), module=f"{m}.attn.proj", phase=b), ctx],
+            (d, d),
+            module=f"{m}.attn.proj",
+            phase=b,
+            scale=0.01,
+        )
+        gctx = self.node(
+            "aten.mm.default",
+            [gp, params[f"{m}.attn.proj.weight"]],
+            (tokens, d),
+            module=f"{m}.attn.proj",
+            phase=b,
+            scale=0.01,
+        )
         gctx = self.view("aten.view.default", gctx, (batch * heads, seq, dh), module=f"{m}.attn", phase=b)
-        gprobs = self.node("aten.bmm.default", [gctx, vv], (batch * heads, seq, seq), module=f"{m}.attn", phase=b, scale=0.01)
-        gv = self.node("aten.bmm.default", [probs, gctx], (batch * heads, seq, dh), module=f"{m}.attn", phase=b, scale=0.01)
-        gs = self.node("aten._softmax_backward_data.default", [gprobs, probs], (batch * heads, seq, seq), module=f"{m}.attn",
-                       phase=b, scale=0.001)
+        gprobs = self.node(
+            "aten.bmm.default", [gctx, vv], (batch * heads, seq, seq), module=f"{m}.attn", phase=b, scale=0.01
+        )
+        gv = self.node(
+            "aten.bmm.default", [probs, gctx], (batch * heads, seq, dh), module=f"{m}.attn", phase=b, scale=0.01
+        )
+        gs = self.node(
+            "aten._softmax_backward_data.default",
+            [gprobs, probs],
+            (batch * heads, seq, seq),
+            module=f"{m}.attn",
+            phase=b,
+            scale=0.001,
+        )
         gq = self.node("aten.bmm.default", [gs, kt], (batch * heads, seq, dh), module=f"{m}.attn", phase=b, scale=0.01)
         gk = self.node("aten.bmm.default", [q, gs], (batch * heads, dh, seq), module=f"{m}.attn", phase=b, scale=0.01)
         gqkv = self.node("aten.cat.default", [gq, gk, gv], (tokens, 3 * d), module=f"{m}.attn", phase=b, scale=0.01)
-        grads[f"{m}.attn.qkv.weight"] = self.node("aten.mm.default", [self.view("aten.t.default", gqkv, (3 * d, tokens), module=f"{m}.attn.qkv", phase=b), flat],
-                                                   (3 * d, d), module=f"{m}.attn.qkv", phase=b, scale=0.01)
-        gln = self.node("aten.mm.default", [gqkv, params[f"{m}.attn.qkv.weight"]], (tokens, d), module=f"{m}.attn.qkv", phase=b, scale=0.01)
+        grads[f"{m}.attn.qkv.weight"] = self.node(
+            "aten.mm.default",
+            [self.view("aten.t.default", gqkv, (3 * d, tokens), module=f"{m}.attn.qkv", phase=b), flat],
+            (3 * d, d),
+            module=f"{m}.attn.qkv",
+            phase=b,
+            scale=0.01,
+        )
+        gln = self.node(
+            "aten.mm.default",
+            [gqkv, params[f"{m}.attn.qkv.weight"]],
+            (tokens, d),
+            module=f"{m}.attn.qkv",
+            phase=b,
+            scale=0.01,
+        )
         gln = self.view("aten.view.default", gln, (batch, seq, d), module=f"{m}.ln1", phase=b)
-        gx = self.node("aten.native_layer_norm_backward.default", [gln, ln, params[f"{m}.ln1.weight"]], (batch, seq, d),
-                       module=f"{m}.ln1", phase=b, scale=0.01)
+        gx = self.node(
+            "aten.native_layer_norm_backward.default",
+            [gln, ln, params[f"{m}.ln1.weight"]],
+            (batch, seq, d),
+            module=f"{m}.ln1",
+            phase=b,
+            scale=0.01,
+        )
         grads[f"{m}.ln1.weight"] = self.node("aten.sum.dim_IntList", [gln], (d,), module=f"{m}.ln1", phase=b, scale=0.1)
         return self.node("aten.add.Tensor", [grad, gx], (batch, seq, d), module=m, phase=b, scale=0.01)
 
@@ -298,17 +493,28 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     shape = generate(root, args.ops, args.steps)
     generated = time.perf_counter() - start
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(root / "target"), str(root / "bench")], capture_output=True,
-                         text=True, cwd=ROOT, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(root / "target"), str(root / "bench")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     fault = f"blocks.{shape['fault_block']}.mlp.act"
     found = stats["first"] == ["aten.gelu.default", fault, "forward", FAULT["step"]]
-    print(f"traces: {stats['ops_target']:,} target ops, {stats['ops_bench']:,} bench ops "
-          f"({shape['blocks']} blocks x {shape['steps']} steps, generated in {generated:.0f} s) in {root}")
-    print(f"load {stats['load_s']:.1f} s + compare {stats['compare_s']:.1f} s = {stats['total_s']:.1f} s wall, "
-          f"{stats['cpu_s']:.1f} s CPU, peak RSS {stats['peak_rss_mb']:.0f} MB")
-    print(f"first divergence: {stats['first']} ({'the injected fault' if found else 'NOT the injected fault ' + fault}); "
-          f"{stats['roots']} roots; counts {stats['counts']}")
+    print(
+        f"traces: {stats['ops_target']:,} target ops, {stats['ops_bench']:,} bench ops "
+        f"({shape['blocks']} blocks x {shape['steps']} steps, generated in {generated:.0f} s) in {root}"
+    )
+    print(
+        f"load {stats['load_s']:.1f} s + compare {stats['compare_s']:.1f} s = {stats['total_s']:.1f} s wall, "
+        f"{stats['cpu_s']:.1f} s CPU, peak RSS {stats['peak_rss_mb']:.0f} MB"
+    )
+    print(
+        f"first divergence: {stats['first']} ({'the injected fault' if found else 'NOT the injected fault ' + fault}); "
+        f"{stats['roots']} roots; counts {stats['counts']}"
+    )
     if not args.keep:
         import shutil
 

@@ -13,6 +13,7 @@ hand-overs to the writer every second as by default).
 ``--compile-time`` also times the first compile of the model outside a session and inside one
 (capture traces each graph through AOT autograd a second time), caches warm for both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"tiny": dict(layers=2, dim=32, heads=4, batch=2, length=8),
-          "gpt-d256": dict(layers=4, dim=256, heads=8, batch=8, length=64)}
+MODELS = {
+    "tiny": dict(layers=2, dim=32, heads=4, batch=2, length=8),
+    "gpt-d256": dict(layers=4, dim=256, heads=8, batch=8, length=64),
+}
 CONFIGS = ("compiled", "boundary", "graph", "boundary-tensors")
 STEPS = {"tiny": 40, "gpt-d256": 8}
 
@@ -46,8 +49,10 @@ def worker(model_name: str, backend: str, rounds: int, threads: int | None, comp
     torch.manual_seed(0)
     model = TinyGPT(layers=spec["layers"], dim=spec["dim"], heads=spec["heads"])
     g = torch.Generator().manual_seed(0)
-    batch = (torch.randint(0, VOCAB, (spec["batch"], spec["length"]), generator=g),
-             torch.randint(0, VOCAB, (spec["batch"], spec["length"]), generator=g))
+    batch = (
+        torch.randint(0, VOCAB, (spec["batch"], spec["length"]), generator=g),
+        torch.randint(0, VOCAB, (spec["batch"], spec["length"]), generator=g),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend=backend)
     tmp = Path(tempfile.mkdtemp(prefix="bench-compile-"))
@@ -85,8 +90,7 @@ def worker(model_name: str, backend: str, rounds: int, threads: int | None, comp
                     times[config].append(time.perf_counter() - start)
                 continue
             mode, _, data = config.partition("-")
-            with tracecmp.TraceCompare(tmp / f"{config}-{r}", model=model, compiled=mode,
-                                       data=data or "stats") as tc:
+            with tracecmp.TraceCompare(tmp / f"{config}-{r}", model=model, compiled=mode, data=data or "stats") as tc:
                 for _ in range(n):
                     start = time.perf_counter()
                     step()
@@ -112,7 +116,9 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.rounds, args.threads, args.compile_time)))
         return
     print(f"load: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
-    header = f"{'model':<10} {'backend':<10} {'thr':>3} {'compiled ms':>11} " + " ".join(f"{c:>17}" for c in CONFIGS[1:])
+    header = f"{'model':<10} {'backend':<10} {'thr':>3} {'compiled ms':>11} " + " ".join(
+        f"{c:>17}" for c in CONFIGS[1:]
+    )
     if args.compile_time:
         header += f" {'compile s plain':>16} {'traced':>7}"
     print(header)
@@ -129,8 +135,9 @@ def main() -> None:
                 print(f"{model:<10} {backend:<10} failed: {done.stderr.strip().splitlines()[-1:]}")
                 continue
             row = json.loads(lines[-1])
-            text = (f"{model:<10} {backend:<10} {row['threads']:>3} {row['compiled_ms']:>11.2f} "
-                    + " ".join(f"{row[c]:>16.2f}x" for c in CONFIGS[1:]))
+            text = f"{model:<10} {backend:<10} {row['threads']:>3} {row['compiled_ms']:>11.2f} " + " ".join(
+                f"{row[c]:>16.2f}x" for c in CONFIGS[1:]
+            )
             if args.compile_time:
                 text += f" {row['compile_plain_s']:>16.1f} {row['compile_traced_s']:>7.1f}"
             print(text, flush=True)

@@ -13,6 +13,7 @@ whose wait is implicit (its AsyncCollectiveTensor's first use).
 times ``tracecmp.compare`` on each in a fresh process: in that process alone (``workers=1``)
 and with one worker per rank; peak RSS of the comparing process and of its largest worker.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,23 @@ def _free_port() -> int:
 def _torchrun(n: int, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(Path(__file__).resolve()), *args],
-        capture_output=True, text=True, env=env, timeout=3600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(n),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            str(Path(__file__).resolve()),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
     )
     if done.returncode != 0:
         raise SystemExit(done.stderr[-4000:])
@@ -49,6 +64,7 @@ def _torchrun(n: int, *args: str) -> str:
 
 
 # ---- inside torchrun ----------------------------------------------------------------------------
+
 
 def _model(width: int, blocks: int, fault: bool) -> Any:
     import torch
@@ -141,11 +157,17 @@ def overhead_worker(folder: Path, reps: int, steps: int) -> None:
         calls[name] = (times[0], times[1])
         dist.barrier()
     if rank == 0:
-        print(json.dumps({
-            "plain_ms": 1e3 * statistics.median(plain_t), "captured_ms": 1e3 * statistics.median(captured_t),
-            "ops_per_step": ops, "threads": torch.get_num_threads(),
-            "calls_us": {k: (1e6 * a, 1e6 * b) for k, (a, b) in calls.items()},
-        }))
+        print(
+            json.dumps(
+                {
+                    "plain_ms": 1e3 * statistics.median(plain_t),
+                    "captured_ms": 1e3 * statistics.median(captured_t),
+                    "ops_per_step": ops,
+                    "threads": torch.get_num_threads(),
+                    "calls_us": {k: (1e6 * a, 1e6 * b) for k, (a, b) in calls.items()},
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -201,7 +223,9 @@ def calls_alone(n: int) -> None:
             for _ in range(n):
                 call()
             captured = (time.perf_counter() - start) / n
-        print(f"  {name:<11} plain {1e6 * plain:8.1f} us  captured {1e6 * captured:8.1f} us  (+{1e6 * (captured - plain):.1f} us)")
+        print(
+            f"  {name:<11} plain {1e6 * plain:8.1f} us  captured {1e6 * captured:8.1f} us  (+{1e6 * (captured - plain):.1f} us)"
+        )
     # The floor of any dispatch mode: an empty one, with and without ignore_compile_internals.
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -227,11 +251,12 @@ def calls_alone(n: int) -> None:
 
 # ---- driver -------------------------------------------------------------------------------------
 
+
 def _compare_in_fresh_process(folder: Path, workers: int) -> dict[str, Any]:
     code = f"""
 import json, resource, time, tracecmp
 start = time.perf_counter()
-r = tracecmp.compare({str(folder / 'target')!r}, {str(folder / 'bench')!r}, workers={workers}, progress=False)
+r = tracecmp.compare({str(folder / "target")!r}, {str(folder / "bench")!r}, workers={workers}, progress=False)
 wall = time.perf_counter() - start
 d = r.first_divergence
 print(json.dumps({{"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
@@ -270,10 +295,14 @@ def main() -> None:
         calls_alone(args.calls)
     elif args.what == "overhead":
         folder = tempfile.mkdtemp(prefix="tracecmp-bench-")  # one trace folder for both ranks, as under any torchrun
-        found = json.loads(_torchrun(2, "overhead-worker", folder, str(args.reps), str(args.steps)).strip().splitlines()[-1])
-        print(f"2-rank DDP step ({found['ops_per_step']} ops recorded per rank, {found['threads']} thread(s) per rank): "
-              f"plain {found['plain_ms']:.2f} ms, captured {found['captured_ms']:.2f} ms, "
-              f"x{found['captured_ms'] / found['plain_ms']:.2f}")
+        found = json.loads(
+            _torchrun(2, "overhead-worker", folder, str(args.reps), str(args.steps)).strip().splitlines()[-1]
+        )
+        print(
+            f"2-rank DDP step ({found['ops_per_step']} ops recorded per rank, {found['threads']} thread(s) per rank): "
+            f"plain {found['plain_ms']:.2f} ms, captured {found['captured_ms']:.2f} ms, "
+            f"x{found['captured_ms'] / found['plain_ms']:.2f}"
+        )
         for name, (plain, captured) in found["calls_us"].items():
             print(f"  {name:<11} plain {plain:8.1f} us  captured {captured:8.1f} us  (+{captured - plain:.1f} us)")
     else:
@@ -283,9 +312,11 @@ def main() -> None:
             size = sum(f.stat().st_size for f in folder.glob("*/rank*/*.parquet"))
             for workers in sorted({1, n}):
                 found = _compare_in_fresh_process(folder, workers)
-                print(f"ranks {n} workers {workers}: {found['nodes']:,} nodes ({size / 2**20:.1f} MB of tables), "
-                      f"wall {found['wall']:.1f} s, peak RSS {found['rss'] / 1024:.0f} MB, largest worker "
-                      f"{found['child_rss'] / 1024:.0f} MB, first divergence {found['first']}")
+                print(
+                    f"ranks {n} workers {workers}: {found['nodes']:,} nodes ({size / 2**20:.1f} MB of tables), "
+                    f"wall {found['wall']:.1f} s, peak RSS {found['rss'] / 1024:.0f} MB, largest worker "
+                    f"{found['child_rss'] / 1024:.0f} MB, first divergence {found['first']}"
+                )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ attention. Ground truth is the target trace's k-th call of the op in the phase t
     python benchmarks/bench_gpt2_fused.py --data tensors
     python benchmarks/bench_gpt2_fused.py --size small           # GPT-2 small, 12 layers, 124M
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,12 @@ def faults(layers: int) -> list[Fault]:
         Fault("addmm (last block's mlp.c_fc)", "aten.addmm.default", "forward", 4 * last + 2),
         Fault("tanh (last block's GELU)", "aten.tanh.default", "forward", last),
         Fault("backward mm (first block's mlp.c_proj grad)", "aten.mm.default", "backward", None),  # type: ignore[arg-type]
-        Fault("native_layer_norm_backward (first block's ln_2)", "aten.native_layer_norm_backward.default", "backward",
-              2 * last + 1),
+        Fault(
+            "native_layer_norm_backward (first block's ln_2)",
+            "aten.native_layer_norm_backward.default",
+            "backward",
+            2 * last + 1,
+        ),
     ]
 
 
@@ -84,8 +89,11 @@ class FaultMode(TorchDispatchMode):
         self.counts[key] = k + 1
         f = self.fault
         if f is not None and key == (f.op, f.phase) and k == f.k:
-            first = next(t for t in (out if isinstance(out, (tuple, list)) else [out])
-                         if isinstance(t, torch.Tensor) and t.is_floating_point())
+            first = next(
+                t
+                for t in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            )
             corrupt_(first, "scale", f.magnitude, 0)
             self.applied = True
         return out
@@ -101,7 +109,9 @@ def build(size: str, layers: int | None, attention: str) -> torch.nn.Module:
     return GPT2LMHeadModel(config).train()
 
 
-def run(path: Path, size: str, layers: int | None, attention: str, data: str, fault: Fault | None) -> tuple[float, bool]:
+def run(
+    path: Path, size: str, layers: int | None, attention: str, data: str, fault: Fault | None
+) -> tuple[float, bool]:
     """One step (forward, backward, AdamW) captured into ``path``; returns the loss and whether the
     fault was applied."""
     model = build(size, layers, attention)
@@ -140,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="gpt2-fused-"))
     work.mkdir(parents=True, exist_ok=True)
     params = sum(p.numel() for p in build(args.size, args.layers, "eager").parameters())
-    print(f"GPT-2 {args.size}, {layers} layers, {params / 1e6:.1f}M parameters, data={args.data}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"GPT-2 {args.size}, {layers} layers, {params / 1e6:.1f}M parameters, data={args.data}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     failures = 0
     try:
         bench = work / "bench-eager"
@@ -151,15 +163,20 @@ def main(argv: list[str] | None = None) -> int:
         clean_loss, _ = run(clean, args.size, args.layers, "sdpa", args.data, None)
         print(f"losses: eager {bench_loss!r}, sdpa {clean_loss!r} (captured in {time.perf_counter() - start:.1f} s)")
         start = time.perf_counter()
-        cli = subprocess.run([sys.executable, "-m", "tracecmp", "compare", str(clean), str(bench), "-o", str(work / "clean-report")],
-                             capture_output=True, text=True)
+        cli = subprocess.run(
+            [sys.executable, "-m", "tracecmp", "compare", str(clean), str(bench), "-o", str(work / "clean-report")],
+            capture_output=True,
+            text=True,
+        )
         result = tracecmp.compare(str(clean), str(bench))
         regions = result.regions_frame()
         fused = regions[regions["kind"] == "fused"] if len(regions) else regions
         ok = cli.returncode == 0 and result.agrees and not result.suspects
         failures += not ok
-        print(f"clean pair: CLI exit {cli.returncode}, {len(result.suspects)} roots, {len(regions)} regions "
-              f"({len(fused)} fused), compare {time.perf_counter() - start:.1f} s (CLI and API) -> {'OK' if ok else 'FAIL'}")
+        print(
+            f"clean pair: CLI exit {cli.returncode}, {len(result.suspects)} roots, {len(regions)} regions "
+            f"({len(fused)} fused), compare {time.perf_counter() - start:.1f} s (CLI and API) -> {'OK' if ok else 'FAIL'}"
+        )
         if not ok:
             print(result.summary())
         plan = faults(layers)
@@ -186,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             named = first is not None and first.op_id == op_id
             failures += not named
             said = "nothing" if first is None else f"{first.op} in {first.module} [{first.phase}] #{first.op_id}"
-            print(f"{f.name}: truth {f.op} in {module} [{f.phase}] #{op_id}; first divergence {said}; "
-                  f"{len(result.suspects)} roots; {time.perf_counter() - start:.1f} s -> {'NAMED' if named else 'MISSED'}")
+            print(
+                f"{f.name}: truth {f.op} in {module} [{f.phase}] #{op_id}; first divergence {said}; "
+                f"{len(result.suspects)} roots; {time.perf_counter() - start:.1f} s -> {'NAMED' if named else 'MISSED'}"
+            )
             if not named:
                 print(result.summary())
             if not args.keep:

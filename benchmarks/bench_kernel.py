@@ -16,6 +16,7 @@ intra-op threads (``TRACECMP_CSTATS_POOL=threads``: on its own pool instead). Th
 uses the best instruction set the CPU has; ``TRACECMP_CSTATS_ISA=avx2`` (or ``baseline``) in the
 environment caps it, to compare copies. The last line names the copy that ran.
 """
+
 from __future__ import annotations
 
 import argparse

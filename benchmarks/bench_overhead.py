@@ -27,6 +27,7 @@ interleaved with the rest, so a before/after comparison sees the same machine no
 The peers come from ``benchmarks/peers.sh`` (their own virtual environment); without it the msprobe
 and TorchLens rows are skipped and say so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,9 @@ def build(name: str) -> tuple[Any, Any, Callable[[], Any]]:
             self.ln1 = torch.nn.LayerNorm(dim)
             self.attn = torch.nn.MultiheadAttention(dim, heads, batch_first=True)
             self.ln2 = torch.nn.LayerNorm(dim)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.ln1(x)
@@ -86,7 +89,11 @@ def build(name: str) -> tuple[Any, Any, Callable[[], Any]]:
     torch.manual_seed(0)
     if name == "mlp":
         model = torch.nn.Sequential(
-            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+            torch.nn.Linear(64, 128),
+            torch.nn.ReLU(),
+            torch.nn.Linear(128, 128),
+            torch.nn.ReLU(),
+            torch.nn.Linear(128, 10),
         )
         x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
         loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
@@ -109,7 +116,9 @@ def build(name: str) -> tuple[Any, Any, Callable[[], Any]]:
 
         # gpt2: 4 layers at d256; gpt2-small: GPT-2 small itself (GPT2Config() defaults, 124M).
         small = name == "gpt2-small"
-        config = GPT2Config() if small else GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128)
+        config = (
+            GPT2Config() if small else GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128)
+        )
         model = GPT2LMHeadModel(config)
         vocab = config.vocab_size
         tokens = torch.randint(0, vocab, (2, 129))
@@ -376,7 +385,11 @@ def main() -> None:
                     if config == "msprobe-tensor" and model in HEAVY and round_index:
                         continue
                     python = peer_python if peer else sys.executable
-                    n = 2 if (config == "msprobe-tensor" and model in HEAVY) else (min(steps, PEER_STEPS) if peer else steps)
+                    n = (
+                        2
+                        if (config == "msprobe-tensor" and model in HEAVY)
+                        else (min(steps, PEER_STEPS) if peer else steps)
+                    )
                     name, _, baseline = config.partition("@")
                     root = args.baseline.resolve() if baseline else ROOT
                     out = run_worker(python, model, name, n, args.timeout, setting, root)
@@ -386,8 +399,11 @@ def main() -> None:
                         results.setdefault(key, []).append(out)
                     shown = out if isinstance(out, str) else round(out.get("median_s", out.get("read_gbs", 0.0)), 4)
                     loads.append(os.getloadavg()[0])
-                    print(f"[{model} round {round_index} threads {setting} {config}] {shown} (load {loads[-1]:.2f})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[{model} round {round_index} threads {setting} {config}] {shown} (load {loads[-1]:.2f})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
     def label(setting: str) -> str:
         """``default (N)`` for torch's default count, as the workers reported it."""
@@ -416,7 +432,9 @@ def main() -> None:
                 key = (model, config, setting)
                 runs = results.get(key)
                 if not runs:
-                    print(f"| {model} | {label(setting)} | {config} | - | - | - | - | - | - | - | - | {notes.get(key, 'not run')} |")
+                    print(
+                        f"| {model} | {label(setting)} | {config} | - | - | - | - | - | - | - | - | {notes.get(key, 'not run')} |"
+                    )
                     continue
                 median = statistics.median(r["median_s"] for r in runs)
                 if config == "torchlens-fwd":

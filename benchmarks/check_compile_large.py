@@ -8,6 +8,7 @@ model is compiled inside a session that records no step, so capture knows its re
     python benchmarks/check_compile_large.py                        # inductor, both modes
     python benchmarks/check_compile_large.py --backend aot_eager --length 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,11 @@ def main() -> None:
         step(model)
         tc.step()
     bench = tracecmp.load(tmp / "bench")
-    print(f"GPT-2 small, {params / 1e6:.0f}M parameters, batch {args.batch}x{args.length}; "
-          f"eager bench traced in {time.perf_counter() - start:.1f} s, {len(bench.rank(0).ops):,} ops", flush=True)
+    print(
+        f"GPT-2 small, {params / 1e6:.0f}M parameters, batch {args.batch}x{args.length}; "
+        f"eager bench traced in {time.perf_counter() - start:.1f} s, {len(bench.rank(0).ops):,} ops",
+        flush=True,
+    )
 
     compiled = torch.compile(model, backend=args.backend)
     start = time.perf_counter()
@@ -75,9 +79,12 @@ def main() -> None:
         first = result.first_divergence
         # The result's own verdict: no root is not "agree" when some of it could not be compared.
         verdict = result.verdict() if first is None else f"DIVERGED at {first.op} in {first.module}: {first.reason}"
-        print(f"{mode:<9} regions {len(rank.compiled.graphs)} graphs / {len(rank.compiled.calls)} calls, "
-              f"{len(rank.ops):,} ops; traced {traced:.1f} s, compared {time.perf_counter() - start:.1f} s: "
-              f"{verdict}; node states {statuses}", flush=True)
+        print(
+            f"{mode:<9} regions {len(rank.compiled.graphs)} graphs / {len(rank.compiled.calls)} calls, "
+            f"{len(rank.ops):,} ops; traced {traced:.1f} s, compared {time.perf_counter() - start:.1f} s: "
+            f"{verdict}; node states {statuses}",
+            flush=True,
+        )
         for warning in result.warnings:
             print(f"  warning: {warning}")
 

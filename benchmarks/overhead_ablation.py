@@ -31,6 +31,7 @@ it).
 
 ``BENCH_THREADS`` sets torch's thread count (default: torch's own).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,7 +82,9 @@ def drop_rows(mode: Any) -> None:
     mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
 
 
-def per_step(config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path) -> tuple[float, float]:
+def per_step(
+    config: str, step: Callable[[], Any], model: torch.nn.Module, steps: int, workdir: Path
+) -> tuple[float, float]:
     """Mean wall-clock and CPU seconds per step of ``steps`` steps under ``config``."""
     from tracecmp.capture import stats
 
@@ -223,8 +226,10 @@ def main() -> None:
                 times[config].append(per_step(config, step, model, steps, workdir))
         plain = statistics.median(wall for wall, _ in times["plain"])
         plain_cpu = statistics.median(cpu for _, cpu in times["plain"])
-        print(f"\n{name}: {steps} steps per round, {args.rounds} rounds (median of the rounds' means); "
-              f"load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"\n{name}: {steps} steps per round, {args.rounds} rounds (median of the rounds' means); "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         print(f"  {'configuration':16s} {'ms/step':>8s} {'ratio':>6s} {'CPU ms/step':>12s} {'ratio':>6s}")
         for config, values in times.items():
             wall = statistics.median(w for w, _ in values)

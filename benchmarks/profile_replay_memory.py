@@ -13,6 +13,7 @@ the op, its peak, what it adds, its recorded inputs and outputs) and the largest
 child process (GPT-2 small with two layers keeps its 50257 x 768 embedding, whose optimizer ops
 are the largest). Linux only. To profile another version of tracecmp, put it first on ``PYTHONPATH``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-          "uint8": 1, "bool": 1}
+_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def _status() -> dict[str, int]:
@@ -57,11 +68,15 @@ def profile(trace_path: Path, check: bool, top: int) -> dict:
     names = dict(zip(ops["op_id"].tolist(), ops["op"].tolist()))
     wanted = ops.loc[ops["kind"] == "op", "op_id"].tolist()
     tensors = rank.tensors_table.select(["tensor_id", "shape", "dtype"]).to_pydict()
-    nbytes = {t: _BYTES.get(d, 8) * math.prod(s or ())
-              for t, s, d in zip(tensors["tensor_id"], tensors["shape"], tensors["dtype"])}
+    nbytes = {
+        t: _BYTES.get(d, 8) * math.prod(s or ())
+        for t, s, d in zip(tensors["tensor_id"], tensors["shape"], tensors["dtype"])
+    }
     table = rank.ops_table.select(["op_id", "inputs", "outputs"]).to_pydict()
-    recorded_bytes = {o: sum(nbytes.get(t, 0) for t in [*(i or []), *(out or [])])
-                      for o, i, out in zip(table["op_id"], table["inputs"], table["outputs"])}
+    recorded_bytes = {
+        o: sum(nbytes.get(t, 0) for t in [*(i or []), *(out or [])])
+        for o, i, out in zip(table["op_id"], table["inputs"], table["outputs"])
+    }
     rows = []
     start = time.perf_counter()
     options = {"detail": ELEMENT_ULPS, "small_on_one_thread": True} if check else {}
@@ -72,24 +87,46 @@ def profile(trace_path: Path, check: bool, top: int) -> dict:
             _reset_peak()
             replayer.replay(op_id)
             peak = _status()["VmHWM"]
-            rows.append({"op_id": op_id, "op": names[op_id], "before": before, "peak": peak, "recorded": recorded_bytes[op_id]})
+            rows.append(
+                {"op_id": op_id, "op": names[op_id], "before": before, "peak": peak, "recorded": recorded_bytes[op_id]}
+            )
     seconds = time.perf_counter() - start
     rows.sort(key=lambda r: -r["peak"])
-    return {"ready": ready, "seconds": seconds, "ops": len(wanted), "top": rows[:top],
-            "peak": rows[0]["peak"] if rows else ready}
+    return {
+        "ready": ready,
+        "seconds": seconds,
+        "ops": len(wanted),
+        "top": rows[:top],
+        "peak": rows[0]["peak"] if rows else ready,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path)
-    parser.add_argument("--check", action="store_true", help="replay as tracecmp check does (element detail, one thread)")
+    parser.add_argument(
+        "--check", action="store_true", help="replay as tracecmp check does (element detail, one thread)"
+    )
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--capture", metavar="MODEL", help="first capture one step of MODEL (bench_check.py's models) into TRACE")
+    parser.add_argument(
+        "--capture", metavar="MODEL", help="first capture one step of MODEL (bench_check.py's models) into TRACE"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args()
     if args.capture:  # in a child process, so that the model is not part of the replay's resident size
-        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_check.py"), "--child", "capture", args.capture,
-                               str(args.trace)], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "bench_check.py"),
+                "--child",
+                "capture",
+                args.capture,
+                str(args.trace),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
             raise SystemExit(f"capture failed:\n{done.stderr[-3000:]}")
         made = json.loads(done.stdout.strip().splitlines()[-1])
@@ -99,13 +136,17 @@ def main() -> None:
         print(json.dumps(found))
         return
     mb = 2**20
-    print(f"{found['ops']} ops replayed in {found['seconds']:.0f} s; resident before the replay {found['ready'] / mb:,.0f} MB, "
-          f"largest peak {found['peak'] / mb:,.0f} MB")
+    print(
+        f"{found['ops']} ops replayed in {found['seconds']:.0f} s; resident before the replay {found['ready'] / mb:,.0f} MB, "
+        f"largest peak {found['peak'] / mb:,.0f} MB"
+    )
     print("| op id | op | resident before | peak | added | recorded inputs + outputs |")
     print("|---|---|---|---|---|---|")
     for r in found["top"]:
-        print(f"| {r['op_id']} | {r['op']} | {r['before'] / mb:,.0f} MB | {r['peak'] / mb:,.0f} MB | "
-              f"{(r['peak'] - r['before']) / mb:,.0f} MB | {r['recorded'] / mb:,.0f} MB |")
+        print(
+            f"| {r['op_id']} | {r['op']} | {r['before'] / mb:,.0f} MB | {r['peak'] / mb:,.0f} MB | "
+            f"{(r['peak'] - r['before']) / mb:,.0f} MB | {r['recorded'] / mb:,.0f} MB |"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ True
 >>> _ = compiled(*batch); (backend.compiles, backend.runs)
 (1, 1)
 """
+
 from __future__ import annotations
 
 import math
@@ -87,9 +88,16 @@ class TinyGPT(nn.Module):
     ``heads_layout`` is how attention lays out its heads (:class:`Attention`).
     """
 
-    def __init__(self, layers: int = 2, dim: int = 32, heads: int = 4, graph_break: bool = False,
-                 between: Callable[[torch.Tensor], torch.Tensor] | None = None, custom_gelu: bool = False,
-                 heads_layout: str = "split") -> None:
+    def __init__(
+        self,
+        layers: int = 2,
+        dim: int = 32,
+        heads: int = 4,
+        graph_break: bool = False,
+        between: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        custom_gelu: bool = False,
+        heads_layout: str = "split",
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, heads_layout) for _ in range(layers))
@@ -219,7 +227,8 @@ def unbind_output(index: int) -> Callable[[torch.fx.Node], bool]:
 
     def pick(node: torch.fx.Node) -> bool:
         source = node.args[0] if node.target is operator.getitem and node.args else None
-        return (isinstance(source, torch.fx.Node) and source.target is torch.ops.aten.unbind.int
-                and node.args[1] == index)
+        return (
+            isinstance(source, torch.fx.Node) and source.target is torch.ops.aten.unbind.int and node.args[1] == index
+        )
 
     return pick

@@ -1,5 +1,6 @@
 """Shared test set-up: the repository on sys.path, torch seeded per test and its thread count restored per
 module, a captured-trace fixture."""
+
 from __future__ import annotations
 
 import sys

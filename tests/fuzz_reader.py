@@ -13,6 +13,7 @@ and ``compare`` against the good trace through the CLI's ``main``. A case fails 
 raises, prints a traceback, exits with a code its command does not use, refuses without naming a
 file, or runs past ``--case-seconds``. The last line printed is a JSON summary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -126,10 +127,28 @@ def cut_at_chunk_boundary(rng: random.Random, trace: Path) -> str:
 def _hostile_json(rng: random.Random) -> Any:
     if rng.random() < 0.2:
         return "DEEP"  # replaced by 100,000 nested brackets once the document is text
-    return rng.choice([
-        None, True, -1, 0, 2**62, 10**400, -(2**63), 1.5, float("nan"), "x", "", "../../etc/passwd",
-        [], [1, "a"], {}, {"file": "/dev/zero"}, "\u0663", [[[[[]]]]],
-    ])
+    return rng.choice(
+        [
+            None,
+            True,
+            -1,
+            0,
+            2**62,
+            10**400,
+            -(2**63),
+            1.5,
+            float("nan"),
+            "x",
+            "",
+            "../../etc/passwd",
+            [],
+            [1, "a"],
+            {},
+            {"file": "/dev/zero"},
+            "\u0663",
+            [[[[[]]]]],
+        ]
+    )
 
 
 def bad_json_field(rng: random.Random, trace: Path) -> str:
@@ -166,7 +185,9 @@ def whole_json(rng: random.Random, trace: Path) -> str:
     elif choice == 3:
         path.write_bytes(b"\xff\xfe{\x00")
     elif choice == 4:
-        path.write_text('{"format": "tracecmp-trace", "format_version": 1, "a": ' + "{\"a\": " * 5000 + "1" + "}" * 5000 + "}")
+        path.write_text(
+            '{"format": "tracecmp-trace", "format_version": 1, "a": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"
+        )
     elif choice == 5:
         path.write_text('{"format": "tracecmp-trace", "format_version": "1"}')
     else:
@@ -178,10 +199,22 @@ def traversal(rng: random.Random, trace: Path) -> str:
     record_path = rng.choice(_records(trace))
     record = _load_json(record_path)
     key = rng.choice([k for k in ("ops", "tensors", "data") if k in record])
-    name = rng.choice([
-        "../../../../dev/zero", "/dev/zero", "/etc/passwd", "..", ".", "", "../manifest.json",
-        "rank0/../../x", "ops\x00.parquet", "C:\\x", "a" * 5000, "chunk-00000.json",
-    ])
+    name = rng.choice(
+        [
+            "../../../../dev/zero",
+            "/dev/zero",
+            "/etc/passwd",
+            "..",
+            ".",
+            "",
+            "../manifest.json",
+            "rank0/../../x",
+            "ops\x00.parquet",
+            "C:\\x",
+            "a" * 5000,
+            "chunk-00000.json",
+        ]
+    )
     record[key]["file"] = name
     _save_json(record_path, record)
     return f"{record_path.name}: {key}.file = {name[:40]!r}"
@@ -260,11 +293,31 @@ def _random_value(rng: random.Random, arrow_type: pa.DataType) -> Any:
     if pa.types.is_list(arrow_type):
         return [_random_value(rng, arrow_type.value_type) for _ in range(rng.choice([0, 1, 3, 40]))]
     if pa.types.is_string(arrow_type):
-        return rng.choice([
-            "", "x", "aten.mm.default", "backward", "optimizer", "source.parameter", "view", "op", "float99",
-            "cpu", "npu:7", "{", '{"a": ' * 3000 + "1" + "}" * 3000, "[" * 50_000, '{"args": [1e999]}', "0/999",
-            "99999/1", "\u0663/1", "../x", "alias.update", "x" * 100_000,
-        ])
+        return rng.choice(
+            [
+                "",
+                "x",
+                "aten.mm.default",
+                "backward",
+                "optimizer",
+                "source.parameter",
+                "view",
+                "op",
+                "float99",
+                "cpu",
+                "npu:7",
+                "{",
+                '{"a": ' * 3000 + "1" + "}" * 3000,
+                "[" * 50_000,
+                '{"args": [1e999]}',
+                "0/999",
+                "99999/1",
+                "\u0663/1",
+                "../x",
+                "alias.update",
+                "x" * 100_000,
+            ]
+        )
     if pa.types.is_boolean(arrow_type):
         return rng.random() < 0.5
     if pa.types.is_floating(arrow_type):

@@ -10,6 +10,7 @@ cross-entropy against ``batch[1]``, so one loop trains any of them. GPT-2 is tra
 ``GPT2LMHeadModel`` with random weights (module paths as in transformers:
 ``transformer.h.0.mlp.c_fc``).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -24,6 +24,7 @@ replays one recipe twice.
 >>> b.value(g).shape
 torch.Size([4, 16])
 """
+
 from __future__ import annotations
 
 import json
@@ -72,7 +73,13 @@ def stats_of(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 def fake_stats(
-    shape: Sequence[int], *, mean: float = 0.0, std: float = 1.0, nan: int = 0, inf: int = 0, checksum: int | None = None
+    shape: Sequence[int],
+    *,
+    mean: float = 0.0,
+    std: float = 1.0,
+    nan: int = 0,
+    inf: int = 0,
+    checksum: int | None = None,
 ) -> dict[str, Any]:
     """Plausible statistics of a Gaussian-like tensor without making one (for large fake traces).
 
@@ -106,13 +113,7 @@ class TraceBuilder:
     """
 
     def __init__(
-        self,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        device: str = "cpu",
-        data: bool = False,
-        complete: bool = True,
+        self, *, rank: int = 0, world_size: int = 1, device: str = "cpu", data: bool = False, complete: bool = True
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -153,9 +154,17 @@ class TraceBuilder:
         if value is not None and not isinstance(value, torch.Tensor):
             shape, value = tuple(value), None
         (ref,) = self._node(
-            f"source.{kind}", [], [value] if value is not None else None, kind="source", name=name,
-            shapes=None if shape is None else [shape], dtypes=[dtype], stats=None if stats is None else [stats],
-            module=module, phase=phase, location=location,
+            f"source.{kind}",
+            [],
+            [value] if value is not None else None,
+            kind="source",
+            name=name,
+            shapes=None if shape is None else [shape],
+            dtypes=[dtype],
+            stats=None if stats is None else [stats],
+            module=module,
+            phase=phase,
+            location=location,
         )
         return ref
 
@@ -206,8 +215,22 @@ class TraceBuilder:
         dtypes = [dtype] * n if isinstance(dtype, (str, torch.dtype)) else list(dtype)
         stat_list = None if stats is None else ([stats] * n if isinstance(stats, Mapping) else list(stats))
         refs = self._node(
-            op, inputs, outs, kind="op", name="", shapes=shapes, dtypes=dtypes, stats=stat_list, module=module,
-            phase=phase, location=location, args=args, random=random, inplace=inplace, seq_nr=seq_nr, stack=stack,
+            op,
+            inputs,
+            outs,
+            kind="op",
+            name="",
+            shapes=shapes,
+            dtypes=dtypes,
+            stats=stat_list,
+            module=module,
+            phase=phase,
+            location=location,
+            args=args,
+            random=random,
+            inplace=inplace,
+            seq_nr=seq_nr,
+            stack=stack,
         )
         if not refs:
             return None  # an op that hands back no tensor (``.item()``'s number)
@@ -225,8 +248,15 @@ class TraceBuilder:
         location: str = "",
     ) -> Ref:
         """A view op: its output aliases ``base`` and carries no statistics."""
-        (ref,) = self.views(op, base, [tuple(base.shape if shape is None else shape)], module=module, phase=phase,
-                            args=args, location=location)
+        (ref,) = self.views(
+            op,
+            base,
+            [tuple(base.shape if shape is None else shape)],
+            module=module,
+            phase=phase,
+            args=args,
+            location=location,
+        )
         return ref
 
     def views(
@@ -243,8 +273,9 @@ class TraceBuilder:
         """A view op with one output per shape (``unbind``, ``split``), each aliasing ``base``."""
         op_id = len(self.ops)
         tids = [self._tensor_id() for _ in shapes]
-        self.ops.append(self._op_row(op_id, op, "view", "", module, phase, location, args, [base], tids, False, False, -1,
-                                     ""))
+        self.ops.append(
+            self._op_row(op_id, op, "view", "", module, phase, location, args, [base], tids, False, False, -1, "")
+        )
         for index, (tid, shape) in enumerate(zip(tids, shapes)):
             self.tensors.append(self._tensor_row(tid, op_id, index, tuple(shape), base.dtype, base.tensor_id, None))
         return tuple(Ref(tid, op_id, tuple(shape), base.dtype) for tid, shape in zip(tids, shapes))
@@ -261,7 +292,9 @@ class TraceBuilder:
         phase: str = "forward",
         location: str = "",
         random: bool = False,
-        fault: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor] | None] | None = None,
+        fault: Callable[[torch.Tensor], torch.Tensor]
+        | Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
+        | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run the aten overload ``op`` on the real values behind the :class:`Ref` arguments and record it.
@@ -271,6 +304,7 @@ class TraceBuilder:
         recorded (to inject a wrong result); a sequence rewrites each output by position (``None``
         leaves one as is). Returns a :class:`Ref`, or a tuple for several outputs.
         """
+
         def unwrap(v: Any) -> Any:
             if isinstance(v, Ref):
                 return self.values[v.tensor_id]
@@ -289,14 +323,30 @@ class TraceBuilder:
         recorded_args = _schema_args(op, args, kwargs)
         name = str(op)
         if getattr(op, "is_view", False) and outs and refs:
-            views = self.views(name, refs[0], [tuple(o.shape) for o in outs], module=module, phase=phase,
-                               args=recorded_args, location=location)
+            views = self.views(
+                name,
+                refs[0],
+                [tuple(o.shape) for o in outs],
+                module=module,
+                phase=phase,
+                args=recorded_args,
+                location=location,
+            )
             for ref, tensor in zip(views, outs):
                 self.values[ref.tensor_id] = tensor
             return views[0] if len(views) == 1 and isinstance(result, torch.Tensor) else views
         mutable = bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
-        out_refs = self.op(name, refs, [o.detach().clone() for o in outs], module=module, phase=phase,
-                           args=recorded_args, location=location, random=random, inplace=mutable)
+        out_refs = self.op(
+            name,
+            refs,
+            [o.detach().clone() for o in outs],
+            module=module,
+            phase=phase,
+            args=recorded_args,
+            location=location,
+            random=random,
+            inplace=mutable,
+        )
         ref_list = [out_refs] if isinstance(out_refs, Ref) else list(out_refs or ())
         for ref, tensor in zip(ref_list, outs):
             self.values[ref.tensor_id] = tensor.detach().clone()
@@ -304,7 +354,9 @@ class TraceBuilder:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def write(self, path: str | Path, *, options: Mapping[str, Any] | None = None, chunk_ops: int | None = None) -> Path:
+    def write(
+        self, path: str | Path, *, options: Mapping[str, Any] | None = None, chunk_ops: int | None = None
+    ) -> Path:
         """Write the run manifest and this builder's rank folder; returns the run folder.
 
         ``chunk_ops`` splits the nodes into several committed chunks (as a long capture does).
@@ -326,7 +378,10 @@ class TraceBuilder:
                     t["data_key"] = f"{index}/t{t['tensor_id']}"
                     data[t["data_key"]] = self.saved[t["tensor_id"]]
             writer.write_chunk(
-                _columns(ops, OPS_SCHEMA.names), _columns(tensors, TENSORS_SCHEMA.names), data or None, steps=sorted({o["step"] for o in ops}),
+                _columns(ops, OPS_SCHEMA.names),
+                _columns(tensors, TENSORS_SCHEMA.names),
+                data or None,
+                steps=sorted({o["step"] for o in ops}),
                 compiled=self.compiled if index == 0 else None,
             )
         writer.close(complete=self.complete)
@@ -340,10 +395,24 @@ class TraceBuilder:
         return tid
 
     def _node(
-        self, op: str, inputs: Sequence[Ref], outs: list[torch.Tensor] | None, *, kind: str, name: str,
-        shapes: list[Sequence[int]] | None, dtypes: list[Any], stats: list[Mapping[str, Any]] | None, module: str,
-        phase: str, location: str, args: Mapping[str, Any] | None = None, random: bool = False,
-        inplace: bool = False, seq_nr: int = -1, stack: str = "",
+        self,
+        op: str,
+        inputs: Sequence[Ref],
+        outs: list[torch.Tensor] | None,
+        *,
+        kind: str,
+        name: str,
+        shapes: list[Sequence[int]] | None,
+        dtypes: list[Any],
+        stats: list[Mapping[str, Any]] | None,
+        module: str,
+        phase: str,
+        location: str,
+        args: Mapping[str, Any] | None = None,
+        random: bool = False,
+        inplace: bool = False,
+        seq_nr: int = -1,
+        stack: str = "",
     ) -> list[Ref]:
         op_id = len(self.ops)
         refs: list[Ref] = []
@@ -368,31 +437,81 @@ class TraceBuilder:
             rows.append(self._tensor_row(tid, op_id, index, out_shape, out_dtype, -1, out_stats))
             refs.append(Ref(tid, op_id, out_shape, out_dtype))
         self.ops.append(
-            self._op_row(op_id, op, kind, name, module, phase, location, args, inputs, [r.tensor_id for r in refs],
-                         inplace, random, seq_nr, stack)
+            self._op_row(
+                op_id,
+                op,
+                kind,
+                name,
+                module,
+                phase,
+                location,
+                args,
+                inputs,
+                [r.tensor_id for r in refs],
+                inplace,
+                random,
+                seq_nr,
+                stack,
+            )
         )
         self.tensors.extend(rows)
         return refs
 
     def _op_row(
-        self, op_id: int, op: str, kind: str, name: str, module: str, phase: str, location: str,
-        args: Mapping[str, Any] | None, inputs: Iterable[Ref], outputs: list[int], inplace: bool, random: bool,
-        seq_nr: int, stack: str,
+        self,
+        op_id: int,
+        op: str,
+        kind: str,
+        name: str,
+        module: str,
+        phase: str,
+        location: str,
+        args: Mapping[str, Any] | None,
+        inputs: Iterable[Ref],
+        outputs: list[int],
+        inplace: bool,
+        random: bool,
+        seq_nr: int,
+        stack: str,
     ) -> dict[str, Any]:
         return {
-            "op_id": op_id, "step": self.current_step, "phase": phase, "kind": kind, "op": op, "name": name,
-            "module": module, "location": location, "args": json.dumps(dict(args or {}), sort_keys=True),
-            "inputs": [r.tensor_id for r in inputs], "outputs": outputs, "inplace": inplace, "random": random,
-            "seq_nr": seq_nr, "stack": stack,
+            "op_id": op_id,
+            "step": self.current_step,
+            "phase": phase,
+            "kind": kind,
+            "op": op,
+            "name": name,
+            "module": module,
+            "location": location,
+            "args": json.dumps(dict(args or {}), sort_keys=True),
+            "inputs": [r.tensor_id for r in inputs],
+            "outputs": outputs,
+            "inplace": inplace,
+            "random": random,
+            "seq_nr": seq_nr,
+            "stack": stack,
         }
 
     @staticmethod
     def _tensor_row(
-        tid: int, op_id: int, index: int, shape: Sequence[int], dtype: str, view_of: int, stats: Mapping[str, Any] | None
+        tid: int,
+        op_id: int,
+        index: int,
+        shape: Sequence[int],
+        dtype: str,
+        view_of: int,
+        stats: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         row: dict[str, Any] = {
-            "tensor_id": tid, "op_id": op_id, "index": index, "shape": list(shape), "dtype": dtype, "device": "cpu",
-            "view_of": view_of, "has_stats": stats is not None, "data_key": "",
+            "tensor_id": tid,
+            "op_id": op_id,
+            "index": index,
+            "shape": list(shape),
+            "dtype": dtype,
+            "device": "cpu",
+            "view_of": view_of,
+            "has_stats": stats is not None,
+            "data_key": "",
         }
         for key in STAT_FIELDS:
             default: Any = 0 if key in ("nan_count", "inf_count", "checksum") else math.nan

@@ -5,6 +5,7 @@
 ...     loss = model(x).sum(); loss.backward(); opt.step(); tc.step()
 >>> tracecmp.compare("runs/target", "runs/bench").first_divergence  # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 from importlib import import_module

@@ -9,6 +9,7 @@ where they are handled; this module holds the checks that more than one place ne
 >>> TORCH_VERSION >= OLDEST_TORCH
 True
 """
+
 from __future__ import annotations
 
 import os

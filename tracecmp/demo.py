@@ -14,6 +14,7 @@ fault mode, and records the faulty outputs, as it would on the real device.
 >>> outcome.result.first_divergence.module
 'blocks.1.mlp.act'
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,7 +85,9 @@ class Block(nn.Module):
 class TinyTransformer(nn.Module):
     """A GPT-shaped language model small enough to capture in a second on a CPU."""
 
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, layers: int = LAYERS, seq: int = SEQ) -> None:
+    def __init__(
+        self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, layers: int = LAYERS, seq: int = SEQ
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
@@ -258,7 +261,9 @@ class DemoOutcome:
         return d is not None and d.module == self.fault.module
 
 
-def run_demo(out_dir: str | Path = "tracecmp-demo", fault: str = "fp16-matmul", steps: int = 2, seed: int = 1234) -> DemoOutcome:
+def run_demo(
+    out_dir: str | Path = "tracecmp-demo", fault: str = "fp16-matmul", steps: int = 2, seed: int = 1234
+) -> DemoOutcome:
     """Capture a bench and a faulty target run, compare them, write the report to ``out_dir``.
 
     >>> run_demo("tracecmp-demo").found   # doctest: +SKIP

@@ -2,6 +2,7 @@
 
 The CLI turns any :class:`TracecmpError` into one line on stderr and exit code 2.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

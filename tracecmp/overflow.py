@@ -15,6 +15,7 @@ infinity: a value reached 0 that the program did not expect to (a probability th
 variance of a constant row). It is reported like an overflow, since it is where the non-finite
 values start, with a note that says the input reached 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -108,8 +109,10 @@ def overflow_notes(op: str, inputs: list[TensorRange], outputs: list[TensorRange
     if base_name(op) in POLES:
         for position, rng in enumerate(inputs):
             if rng.min <= 0.0 <= rng.max:
-                notes.append(f"input {position} reaches 0, where {base_name(op)}'s exact result is infinite "
-                             "(a pole, not beyond the dtype's range): find why it reached 0")
+                notes.append(
+                    f"input {position} reaches 0, where {base_name(op)}'s exact result is infinite "
+                    "(a pole, not beyond the dtype's range): find why it reached 0"
+                )
                 break
     out_dtypes = {o.dtype for o in outputs if not o.finite}
     for dtype in sorted(out_dtypes):
@@ -146,18 +149,33 @@ def from_dict(data: dict[str, Any]) -> Overflow:
     >>> from_dict(to_dict(o)) == o
     True
     """
+
     def ranges(items: list[dict[str, Any]]) -> tuple[TensorRange, ...]:
         return tuple(
-            TensorRange(int(r["tensor_id"]), str(r["dtype"]), tuple(int(s) for s in r["shape"]), float(r["min"]),
-                        float(r["max"]), int(r["nan_count"]), int(r["inf_count"]))
+            TensorRange(
+                int(r["tensor_id"]),
+                str(r["dtype"]),
+                tuple(int(s) for s in r["shape"]),
+                float(r["min"]),
+                float(r["max"]),
+                int(r["nan_count"]),
+                int(r["inf_count"]),
+            )
             for r in items
         )
 
     return Overflow(
-        op=str(data["op"]), module=str(data["module"]), phase=str(data["phase"]), step=int(data["step"]),
-        location=str(data["location"]), op_id=int(data["op_id"]), rank=int(data["rank"]),
-        inputs=ranges(data.get("inputs", [])), outputs=ranges(data.get("outputs", [])),
-        stack=str(data.get("stack", "")), notes=tuple(str(n) for n in data.get("notes", [])),
+        op=str(data["op"]),
+        module=str(data["module"]),
+        phase=str(data["phase"]),
+        step=int(data["step"]),
+        location=str(data["location"]),
+        op_id=int(data["op_id"]),
+        rank=int(data["rank"]),
+        inputs=ranges(data.get("inputs", [])),
+        outputs=ranges(data.get("outputs", [])),
+        stack=str(data.get("stack", "")),
+        notes=tuple(str(n) for n in data.get("notes", [])),
     )
 
 
@@ -236,7 +254,9 @@ def find_overflows(trace: Trace | str | Path, *, limit: int | None = None) -> li
         flags[rank] = bad.to_dict()
         tables[rank] = (rank_trace.ops, tensors)
     calls = {rank: collectives(tables[rank][0], rank) for rank in trace.ranks} if len(trace.ranks) > 1 else {}
-    sent_bad = {(c.rank, c.key): any(flags[c.rank].get(t, False) for t in c.sent) for items in calls.values() for c in items}
+    sent_bad = {
+        (c.rank, c.key): any(flags[c.rank].get(t, False) for t in c.sent) for items in calls.values() for c in items
+    }
     found: list[Overflow] = []
     for rank in trace.ranks:
         bad_array = flags[rank]

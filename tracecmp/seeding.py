@@ -1,4 +1,5 @@
 """Removing randomness before a comparison: one call seeds everything a training run draws from."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """``python -m benchmarks.localization``: see :mod:`benchmarks.localization.run`."""
+
 import sys
 
 from benchmarks.localization.run import main

@@ -5,6 +5,7 @@ cycling over op *categories* (matmul, conv, norm, softmax, activation, reduction
 ...) in a seeded order and taking a seeded op and occurrence inside each, so every model gets
 several kinds of op in both phases without anyone picking sites by hand.
 """
+
 from __future__ import annotations
 
 import math
@@ -125,8 +126,11 @@ def profile(family: str, seed: int) -> Profile:
     """Run ``family`` once, clean, recording every program call (no capture involved)."""
     workload = build_workload(family, seed)
     # A relative perturbation of an all-zero parameter (GPT-2's biases at init) changes nothing.
-    params = [n for n, p in workload.model.named_parameters()
-              if p.requires_grad and p.dtype.is_floating_point and bool(p.detach().ne(0).any())]
+    params = [
+        n
+        for n, p in workload.model.named_parameters()
+        if p.requires_grad and p.dtype.is_floating_point and bool(p.detach().ne(0).any())
+    ]
     injector = Injector(workload.model, Plan(), profile=True, keep_outputs=True)
     with injector.outer(), injector.inner():
         workload.train_step(workload.make_optimizer())
@@ -135,8 +139,11 @@ def profile(family: str, seed: int) -> Profile:
     with tf32.outer(), tf32.inner():
         noisy.train_step(noisy.make_optimizer())
     clean, rounded = injector.outputs or {}, tf32.outputs or {}
-    background = {site: relative_change(clean[site], rounded[site])
-                  for site in clean.keys() & rounded.keys() if clean[site].shape == rounded[site].shape}
+    background = {
+        site: relative_change(clean[site], rounded[site])
+        for site in clean.keys() & rounded.keys()
+        if clean[site].shape == rounded[site].shape
+    }
     return Profile(family, injector.calls or [], params, background, clean)
 
 
@@ -226,7 +233,9 @@ def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int 
             fault = OutputFault(kind, site, mag, seed=zlib.crc32(f"{seed}/{m}/{site}/{kind}".encode()))
             if changes_nothing(prof, fault):
                 continue
-            if (kind, site) not in {(f[3].output_fault.kind, f[3].output_fault.site) for f in faults if f[3].output_fault}:
+            if (kind, site) not in {
+                (f[3].output_fault.kind, f[3].output_fault.site) for f in faults if f[3].output_fault
+            }:
                 faults.append((kind, phase, mag, Plan(output_fault=fault), ""))
     opt_sites = choose_sites(calls, "optimizer", 1, rng_for(seed, m, "optimizer"))
     for site in opt_sites:
@@ -268,17 +277,66 @@ def plan_model(prof: Profile, seed: int, model_index: int, sites_per_fault: int 
                 target = Plan(plan.output_fault, plan.arg_fault, plan.insertion, tf32=True)
                 site = (plan.output_fault or plan.arg_fault).site if not weight else None  # type: ignore[union-attr]
                 background = prof.background.get(site, math.nan) if site is not None else 0.0
-            cases.append(Case(f"{m}/{label}/{variant}", m, kind, variant, phase, mag, target, bench, weight, structure,
-                              background=background))
+            cases.append(
+                Case(
+                    f"{m}/{label}/{variant}",
+                    m,
+                    kind,
+                    variant,
+                    phase,
+                    mag,
+                    target,
+                    bench,
+                    weight,
+                    structure,
+                    background=background,
+                )
+            )
 
     cases.append(Case(f"{m}/identical", m, "identical", "-", "", 0.0, Plan(), Plan(), expect_divergence=False))
     if extra is not None and missing is not None:
-        cases.append(Case(f"{m}/exact-op-extra", m, "exact-op", "-", "", 0.0, Plan(insertion=extra), Plan(),
-                          structure=f"extra:{extra.how}@{extra.site}", expect_divergence=False))
-        cases.append(Case(f"{m}/exact-op-missing", m, "exact-op", "-", "", 0.0, Plan(), Plan(insertion=missing),
-                          structure=f"missing:{missing.how}@{missing.site}", expect_divergence=False))
-    cases.append(Case(f"{m}/tf32-only", m, "tf32-only", "-", "", 0.0, Plan(tf32=True), Plan(),
-                      expect_divergence=False, counted=False))
+        cases.append(
+            Case(
+                f"{m}/exact-op-extra",
+                m,
+                "exact-op",
+                "-",
+                "",
+                0.0,
+                Plan(insertion=extra),
+                Plan(),
+                structure=f"extra:{extra.how}@{extra.site}",
+                expect_divergence=False,
+            )
+        )
+        cases.append(
+            Case(
+                f"{m}/exact-op-missing",
+                m,
+                "exact-op",
+                "-",
+                "",
+                0.0,
+                Plan(),
+                Plan(insertion=missing),
+                structure=f"missing:{missing.how}@{missing.site}",
+                expect_divergence=False,
+            )
+        )
+    cases.append(
+        Case(
+            f"{m}/tf32-only",
+            m,
+            "tf32-only",
+            "-",
+            "",
+            0.0,
+            Plan(tf32=True),
+            Plan(),
+            expect_divergence=False,
+            counted=False,
+        )
+    )
     return cases
 
 
@@ -295,8 +353,9 @@ def _label(kind: str, mag: float, plan: Plan, weight: str) -> str:
     return f"{kind}{size}@{site.op}#{site.k}:{site.phase}"
 
 
-def plan_all(families: tuple[str, ...] = FAMILIES, seed: int = 0, model_seed: int = 1234,
-             sites_per_fault: int = 4) -> list[Case]:
+def plan_all(
+    families: tuple[str, ...] = FAMILIES, seed: int = 0, model_seed: int = 1234, sites_per_fault: int = 4
+) -> list[Case]:
     """Every case for ``families`` (profiling each model once)."""
     cases: list[Case] = []
     for family in families:

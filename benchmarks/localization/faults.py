@@ -21,6 +21,7 @@ exact extra op (clone, ``mul`` by 1.0) that capture records as part of the progr
 
 Both modes are pure pass-throughs when the plan is empty, and the bench run uses the same stack.
 """
+
 from __future__ import annotations
 
 import math
@@ -256,7 +257,9 @@ def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tenso
     return written
 
 
-def set_argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict, Any]:
+def set_argument(
+    func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, value: Any
+) -> tuple[tuple, dict, Any]:
     """Return ``(args, kwargs, old_value)`` with the schema argument ``name`` replaced by ``value``."""
     schema_args = func._schema.arguments
     position = next((i for i, a in enumerate(schema_args) if a.name == name), None)
@@ -367,8 +370,16 @@ class _Modules:
 class SiteMode(TorchDispatchMode):
     """The inner mode: names every program call, applies argument faults and insertions."""
 
-    def __init__(self, plan: Plan, shared: _Shared, obs: Observation, phases: _Phases, modules: _Modules,
-                 profile: list[CallRecord] | None, outputs: dict[Site, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        shared: _Shared,
+        obs: Observation,
+        phases: _Phases,
+        modules: _Modules,
+        profile: list[CallRecord] | None,
+        outputs: dict[Site, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.plan, self.shared, self.obs = plan, shared, obs
         self.phases, self.modules, self.profile = phases, modules, profile
@@ -489,7 +500,9 @@ class FaultMode(TorchDispatchMode):
         if self.plan.tf32 and name in TF32_ARGS:
             positions = TF32_ARGS[name]
             args = tuple(
-                in_layout_of(a, TF32_ROUNDINGS[TF32_ROUNDING["how"]](a)) if i in positions and isinstance(a, torch.Tensor) else a
+                in_layout_of(a, TF32_ROUNDINGS[TF32_ROUNDING["how"]](a))
+                if i in positions and isinstance(a, torch.Tensor)
+                else a
                 for i, a in enumerate(args)
             )
             self.obs.tf32_calls += 1

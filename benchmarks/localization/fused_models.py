@@ -14,6 +14,7 @@ Each of the four parts the seeds' migrations fuse can be switched on its own:
 >>> w = build_fused(FusedConfig(attn="fused")); float(w.train_step(w.make_optimizer())) > 0
 True
 """
+
 from __future__ import annotations
 
 import math
@@ -43,11 +44,9 @@ if CUSTOM_OPS:
         a64, b64 = a.double(), b.double()
         return (a64 * torch.sigmoid(a64) * b64).to(a.dtype)
 
-
     @swiglu.register_fake
     def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(a)
-
 
     @torch.library.custom_op("tracecmp_bench::swiglu_backward", mutates_args=())
     def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,20 +57,16 @@ if CUSTOM_OPS:
         grad_a = g64 * b64 * (sig + silu * (1.0 - sig))
         return grad_a.to(a.dtype), (g64 * silu).to(b.dtype)
 
-
     @swiglu_backward.register_fake
     def _(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(a), torch.empty_like(b)
 
-
     def _setup(ctx: object, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
         ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
-
 
     def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = ctx.saved_tensors  # type: ignore[attr-defined]
         return swiglu_backward(grad, a, b)
-
 
     swiglu.register_autograd(_backward, setup_context=_setup)
 else:

@@ -11,6 +11,7 @@ Two deliberate differences from the tests' use of those models, both applied to 
 Dropout stays as the models have it: target and bench start the step from the same RNG state, so
 their masks are equal.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,7 +82,9 @@ def build(family: str, seed: int = 1234) -> Workload:
         model.act = nn.LeakyReLU(0.01)
     batch = shared.example_batch(family, seed)
     torch.manual_seed(seed)
-    return Workload(family, model, batch, _OPTIMIZER[family], _no_mkldnn if family == "lstm" else contextlib.nullcontext)
+    return Workload(
+        family, model, batch, _OPTIMIZER[family], _no_mkldnn if family == "lstm" else contextlib.nullcontext
+    )
 
 
 def build_workload(family: str, seed: int = 1234) -> "Workload | FusedWorkload":

@@ -27,6 +27,7 @@ optimizer state in bfloat16), ``amp-bf16`` (``torch.autocast`` to bfloat16, fp32
 script, so the bench of an ``amp-fp16`` run (``fp32-scaler``) runs the same script with autocast
 off and the scaler on: both runs scale the loss by the same power of two.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,7 +42,13 @@ REAL_MODELS = ("gpt2-small", "bert-base", "resnet50", "llama8")
 EXTRA_MODELS = ("bert-padded",)
 PRECISIONS = ("bf16", "amp-bf16", "amp-fp16")
 BENCH_OF = {"bf16": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32-scaler"}
-BATCH = {"gpt2-small": (2, 128), "bert-base": (2, 128), "resnet50": (8, 224), "llama8": (2, 128), "bert-padded": (2, 128)}
+BATCH = {
+    "gpt2-small": (2, 128),
+    "bert-base": (2, 128),
+    "resnet50": (8, 224),
+    "llama8": (2, 128),
+    "bert-padded": (2, 128),
+}
 PADDED_FROM = 96  # bert-padded: where its second sequence's padding starts
 
 
@@ -74,22 +81,42 @@ def _bert_padded() -> nn.Module:
 def _resnet50() -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    config = ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3],
-                          layer_type="bottleneck", hidden_act="relu", downsample_in_first_stage=False, num_labels=1000)
+    config = ResNetConfig(
+        embedding_size=64,
+        hidden_sizes=[256, 512, 1024, 2048],
+        depths=[3, 4, 6, 3],
+        layer_type="bottleneck",
+        hidden_act="relu",
+        downsample_in_first_stage=False,
+        num_labels=1000,
+    )
     return ResNetForImageClassification(config)
 
 
 def _llama8() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
 _BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "gpt2-small": _gpt2, "bert-base": _bert, "resnet50": _resnet50, "llama8": _llama8, "bert-padded": _bert_padded,
+    "gpt2-small": _gpt2,
+    "bert-base": _bert,
+    "resnet50": _resnet50,
+    "llama8": _llama8,
+    "bert-padded": _bert_padded,
 }
 
 
@@ -97,8 +124,10 @@ def _batch(family: str, model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     if family == "resnet50":
         n, size = BATCH[family]
-        return {"pixel_values": torch.randn(n, 3, size, size, generator=gen),
-                "labels": torch.randint(0, 1000, (n,), generator=gen)}
+        return {
+            "pixel_values": torch.randn(n, 3, size, size, generator=gen),
+            "labels": torch.randint(0, 1000, (n,), generator=gen),
+        }
     n, length = BATCH[family]
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (n, length), generator=gen)

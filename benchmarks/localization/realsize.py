@@ -24,6 +24,7 @@ Traces of every case stay in ``--workdir`` with ``--keep`` (a few MB each with s
 ``--resume`` captures only what is not there yet and compares everything again (what a change to
 compare needs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,8 +109,9 @@ class RealCase:
     def plan(self) -> Plan:
         if self.kind in ("scale", "nan"):
             assert self.site is not None
-            fault = OutputFault(self.kind, self.site, SCALE if self.kind == "scale" else 0.0,
-                                seed=zlib.crc32(self.id.encode()))
+            fault = OutputFault(
+                self.kind, self.site, SCALE if self.kind == "scale" else 0.0, seed=zlib.crc32(self.id.encode())
+            )
             return Plan(output_fault=fault)
         if self.kind == "arg":
             assert self.site is not None
@@ -118,8 +120,17 @@ class RealCase:
 
     def as_case(self) -> Case:
         """The small benchmark's case record, for its ground-truth and scoring helpers."""
-        return Case(self.id, self.model, self.kind, self.precision, self.phase, SCALE if self.kind == "scale" else 0.0,
-                    self.plan, Plan(), expect_divergence=self.kind != "clean")
+        return Case(
+            self.id,
+            self.model,
+            self.kind,
+            self.precision,
+            self.phase,
+            SCALE if self.kind == "scale" else 0.0,
+            self.plan,
+            Plan(),
+            expect_divergence=self.kind != "clean",
+        )
 
 
 @dataclass
@@ -142,8 +153,9 @@ def _dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def capture(family: str, precision: str, path: Path, plan: Plan, data: str, profile: bool = False
-            ) -> tuple[Observation, list[CallRecord], list[float], float]:
+def capture(
+    family: str, precision: str, path: Path, plan: Plan, data: str, profile: bool = False
+) -> tuple[Observation, list[CallRecord], list[float], float]:
     """Two training steps of ``family`` in ``precision`` under ``plan``, captured into ``path``."""
     import tracecmp
 
@@ -175,12 +187,17 @@ def beyond_fault_size(tensors: pd.DataFrame, rank: int, from_op: int, size: floa
     >>> beyond_fault_size(t, 0, 5, 0.05)  # op 8's output holds integers: not counted
     {'from_op': 5, 'tensors': 2, 'norm_mean': 1, 'max_min': 0}
     """
-    rows = tensors[(tensors["rank"] == rank) & (tensors["op_id"] >= from_op) & (tensors["numel"] > 1)
-                   & (tensors["unit"] > 0)]
+    rows = tensors[
+        (tensors["rank"] == rank) & (tensors["op_id"] >= from_op) & (tensors["numel"] > 1) & (tensors["unit"] > 0)
+    ]
     rows = rows[rows["e_sys"].notna()]
     off = rows[~rows["exact"].astype(bool)]
-    return {"from_op": from_op, "tensors": len(rows), "norm_mean": int((off["e_sys"] >= size).sum()),
-            "max_min": int((off["e_ext"] >= size).sum())}
+    return {
+        "from_op": from_op,
+        "tensors": len(rows),
+        "norm_mean": int((off["e_sys"] >= size).sum()),
+        "max_min": int((off["e_ext"] >= size).sum()),
+    }
 
 
 _COMPARE_CHILD = r"""
@@ -205,10 +222,17 @@ print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSA
 def compare_fresh(target: Path, bench: Path, timeout_s: int) -> dict[str, Any]:
     """``tracecmp.compare`` in a fresh process: its roots, wall time and peak RSS."""
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", _COMPARE_CHILD, str(target), str(bench), str(SCALE)], capture_output=True,
-                         text=True, timeout=timeout_s, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPARE_CHILD, str(target), str(bench), str(SCALE)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
     if out.returncode != 0:
-        raise RuntimeError(f"compare failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+        raise RuntimeError(
+            f"compare failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -232,8 +256,13 @@ def parse_sites(text: str) -> dict[str, int]:
     return out
 
 
-def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sites: dict[str, int], seed: int,
-               kinds: Iterable[str] = FAULT_KINDS) -> list[RealCase]:
+def plan_cases(
+    family: str,
+    calls_by_precision: dict[str, list[CallRecord]],
+    sites: dict[str, int],
+    seed: int,
+    kinds: Iterable[str] = FAULT_KINDS,
+) -> list[RealCase]:
     """Fault cases of ``family``: ``sites[kind]`` per fault kind and precision, phases in turn."""
     cases: list[RealCase] = []
     for precision, calls in calls_by_precision.items():
@@ -250,10 +279,20 @@ def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sit
                 rng.shuffle(keys)
                 for op, name in keys[:n_sites]:
                     c, name, new = rng.choice(by_key[(op, name)])
-                    cases.append(RealCase(f"{family}/{precision}/arg:{name}={new:.6g}@{op}#{c.site.k}:{c.site.phase}"
-                                          if isinstance(new, float) else
-                                          f"{family}/{precision}/arg:{name}={new}@{op}#{c.site.k}:{c.site.phase}",
-                                          family, precision, "arg", c.site.phase, c.site, name, new))
+                    cases.append(
+                        RealCase(
+                            f"{family}/{precision}/arg:{name}={new:.6g}@{op}#{c.site.k}:{c.site.phase}"
+                            if isinstance(new, float)
+                            else f"{family}/{precision}/arg:{name}={new}@{op}#{c.site.k}:{c.site.phase}",
+                            family,
+                            precision,
+                            "arg",
+                            c.site.phase,
+                            c.site,
+                            name,
+                            new,
+                        )
+                    )
                 continue
             per_phase: dict[str, int] = {}
             for i in range(n_sites):
@@ -261,8 +300,16 @@ def plan_cases(family: str, calls_by_precision: dict[str, list[CallRecord]], sit
                 per_phase[phase] = per_phase.get(phase, 0) + 1
             for phase, n in per_phase.items():
                 for site in choose_sites(calls, phase, n, rng):
-                    cases.append(RealCase(f"{family}/{precision}/{kind}@{site.op}#{site.k}:{phase}", family, precision,
-                                          kind, phase, site))
+                    cases.append(
+                        RealCase(
+                            f"{family}/{precision}/{kind}@{site.op}#{site.k}:{phase}",
+                            family,
+                            precision,
+                            kind,
+                            phase,
+                            site,
+                        )
+                    )
     return cases
 
 
@@ -284,7 +331,9 @@ def _bench_task(args: tuple[str, str, str, str]) -> tuple[str, str, float]:
     return path, "", seconds
 
 
-def _clean_task(args: tuple[str, str, str, str, bool]) -> tuple[str, str, list[dict[str, Any]], list[float], float, str]:
+def _clean_task(
+    args: tuple[str, str, str, str, bool],
+) -> tuple[str, str, list[dict[str, Any]], list[float], float, str]:
     family, precision, path, data, profile = args
     try:
         # profile: record every call, to choose fault sites from (slow; not needed for clean pairs alone)
@@ -312,17 +361,32 @@ def _pool(fn: Any, items: list[Any], jobs: int, steps: int = 2) -> Iterable[Any]
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(max(1, jobs), initializer=_init_worker, initargs=(steps,), maxtasksperchild=1) as pool:
+    with mp.get_context("spawn").Pool(
+        max(1, jobs), initializer=_init_worker, initargs=(steps,), maxtasksperchild=1
+    ) as pool:
         yield from pool.imap_unordered(fn, items)
 
 
-def score_case(case: RealCase, target: Path, bench: Path, info: dict[str, Any], fresh: bool, timeout_s: int) -> RealResult:
+def score_case(
+    case: RealCase, target: Path, bench: Path, info: dict[str, Any], fresh: bool, timeout_s: int
+) -> RealResult:
     """Compare a captured case with its bench and score it."""
     import tracecmp
 
     rc = case.as_case()
-    out = RealResult(case.id, case.model, case.kind, case.precision, case.phase, rc.magnitude, rc.category, "",
-                     rc.expect_divergence, True, precision=case.precision)
+    out = RealResult(
+        case.id,
+        case.model,
+        case.kind,
+        case.precision,
+        case.phase,
+        rc.magnitude,
+        rc.category,
+        "",
+        rc.expect_divergence,
+        True,
+        precision=case.precision,
+    )
     out.losses = info.get("losses", [])
     out.capture_s = info.get("capture_s", 0.0)
     if "error" in info:
@@ -339,8 +403,10 @@ def score_case(case: RealCase, target: Path, bench: Path, info: dict[str, Any], 
                 out.skipped = list(measured.get("skipped", []))
                 out.verdict, out.drift = measured.get("verdict", ""), measured.get("drift", "")
                 out.beyond = measured.get("beyond")
-                out.ranked = [Record(r["op"], r["module"], r["phase"], r["step"], r["op_id"], r["kind"], r["reason"], r["score"])
-                              for r in sorted(measured["roots"], key=lambda r: r["op_id"])][:10]
+                out.ranked = [
+                    Record(r["op"], r["module"], r["phase"], r["step"], r["op_id"], r["kind"], r["reason"], r["score"])
+                    for r in sorted(measured["roots"], key=lambda r: r["op_id"])
+                ][:10]
                 out.found = out.ranked[0] if out.ranked else None
                 out.outcome = "clean" if not out.roots else "false-alarm"
                 return out
@@ -384,9 +450,11 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
         "",
         "### Clean pairs (target against its fp32 bench, 2 steps)",
         "",
-        ("| model | precision | losses (target) | roots | verdict | steps its loss scaler skipped | runs drifted apart from "
-         f"| tensors off by {SCALE:.0%} or more in norm/mean, max/min: of those from the drift on (or all) | compare | peak RSS "
-         "| trace |"),
+        (
+            "| model | precision | losses (target) | roots | verdict | steps its loss scaler skipped | runs drifted apart from "
+            f"| tensors off by {SCALE:.0%} or more in norm/mean, max/min: of those from the drift on (or all) | compare | peak RSS "
+            "| trace |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in clean:
@@ -396,10 +464,14 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
         beyond = "-"
         if r.beyond and r.beyond["tensors"]:
             b, n = r.beyond, r.beyond["tensors"]
-            beyond = f"{b['norm_mean']:,} ({b['norm_mean'] / n:.0%}), {b['max_min']:,} ({b['max_min'] / n:.0%}) of {n:,}"
-        lines.append(f"| {r.model} | {r.precision} | {losses} | {roots} | {r.verdict or '-'} | {skipped} | {r.drift or '-'} | {beyond} | "
-                     f"{r.compare_s:.1f} s | {r.compare_rss_mb:,.0f} MB | "
-                     f"{r.trace_mb:,.1f} MB |")
+            beyond = (
+                f"{b['norm_mean']:,} ({b['norm_mean'] / n:.0%}), {b['max_min']:,} ({b['max_min'] / n:.0%}) of {n:,}"
+            )
+        lines.append(
+            f"| {r.model} | {r.precision} | {losses} | {roots} | {r.verdict or '-'} | {skipped} | {r.drift or '-'} | {beyond} | "
+            f"{r.compare_s:.1f} s | {r.compare_rss_mb:,.0f} MB | "
+            f"{r.trace_mb:,.1f} MB |"
+        )
     lines.append("")
     lines += group_table("Faults by kind", faults, lambda r: r.kind)
     lines += group_table("Faults by model", faults, lambda r: r.model)
@@ -431,22 +503,39 @@ def report(results: list[RealResult], seconds: float, command: str, data: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.localization.realsize", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(REAL_MODELS),
-                        help=f"comma-separated subset of {REAL_MODELS}, or of {EXTRA_MODELS} (on request only)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.localization.realsize",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(REAL_MODELS),
+        help=f"comma-separated subset of {REAL_MODELS}, or of {EXTRA_MODELS} (on request only)",
+    )
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated subset of {PRECISIONS}")
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help=f"fault kinds, of {FAULT_KINDS}")
-    parser.add_argument("--sites", type=parse_sites, default="scale=2,nan=1,arg=1",
-                        help="sites per fault kind, model and precision: N, or KIND=N,... (default scale=2,nan=1,arg=1)")
+    parser.add_argument(
+        "--sites",
+        type=parse_sites,
+        default="scale=2,nan=1,arg=1",
+        help="sites per fault kind, model and precision: N, or KIND=N,... (default scale=2,nan=1,arg=1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the site rule")
     parser.add_argument("--data", choices=("stats", "tensors"), default="stats")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per run (whole-tensor traces of "
-                        "real-size models take ~8 GB a step)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="training steps per run (whole-tensor traces of real-size models take ~8 GB a step)",
+    )
     parser.add_argument("--clean-only", action="store_true", help="clean pairs only (no fault cases)")
     parser.add_argument("--case", action="append", default=[], help="only cases whose id contains this")
-    parser.add_argument("--within", default="", help="fault sites only in modules whose path contains this "
-                        "(e.g. attention.self); site seeds as without it")
+    parser.add_argument(
+        "--within",
+        default="",
+        help="fault sites only in modules whose path contains this (e.g. attention.self); site seeds as without it",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="capture processes at once (each holds a model)")
     parser.add_argument("--workdir", type=Path, help="where traces go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the traces in --workdir")
@@ -459,8 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     families = [m for m in args.models.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
     kinds = [k for k in args.kinds.split(",") if k]
-    for name, values, known in (("models", families, REAL_MODELS + EXTRA_MODELS), ("precisions", precisions, PRECISIONS),
-                                ("kinds", kinds, FAULT_KINDS)):
+    for name, values, known in (
+        ("models", families, REAL_MODELS + EXTRA_MODELS),
+        ("precisions", precisions, PRECISIONS),
+        ("kinds", kinds, FAULT_KINDS),
+    ):
         if not set(values) <= set(known):
             parser.error(f"unknown {name} {sorted(set(values) - set(known))}; choose from {known}")
     if args.resume and args.workdir is None:
@@ -485,25 +577,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_model(family: str, precisions: list[str], kinds: list[str], args: argparse.Namespace, work: Path) -> list[RealResult]:
+def _run_model(
+    family: str, precisions: list[str], kinds: list[str], args: argparse.Namespace, work: Path
+) -> list[RealResult]:
     keep = args.keep or args.resume
     root = work / family
     root.mkdir(parents=True, exist_ok=True)
     say = lambda text: print(f"[{family}] {text}", file=sys.stderr, flush=True)  # noqa: E731
     benches = {BENCH_OF[p] for p in precisions}
-    todo = [(family, b, str(root / f"bench-{b}"), args.data) for b in sorted(benches)
-            if not (args.resume and (root / f"bench-{b}" / "manifest.json").exists())]
+    todo = [
+        (family, b, str(root / f"bench-{b}"), args.data)
+        for b in sorted(benches)
+        if not (args.resume and (root / f"bench-{b}" / "manifest.json").exists())
+    ]
     for path, err, seconds in _pool(_bench_task, todo, args.jobs, args.steps):
         say(f"bench {Path(path).name}: {err or f'{seconds:.0f} s'}")
     calls_by_precision: dict[str, list[CallRecord]] = {}
     infos: dict[str, dict[str, Any]] = {}
     profile = not args.clean_only
     done = "calls" if profile else "clean"
-    todo = [(family, p, str(root / f"clean-{p}"), args.data, profile) for p in precisions
-            if not (args.resume and (root / f"{done}-{p}.json").exists())]
+    todo = [
+        (family, p, str(root / f"clean-{p}"), args.data, profile)
+        for p in precisions
+        if not (args.resume and (root / f"{done}-{p}.json").exists())
+    ]
     for _, p, calls, losses, seconds, err in _pool(_clean_task, todo, args.jobs, args.steps):
         say(f"clean {p}: {err or f'{seconds:.0f} s, {len(calls)} calls, losses {losses}'}")
-        (root / f"clean-{p}.json").write_text(json.dumps({"losses": losses, "capture_s": seconds} if not err else {"error": err}))
+        (root / f"clean-{p}.json").write_text(
+            json.dumps({"losses": losses, "capture_s": seconds} if not err else {"error": err})
+        )
         if profile:
             (root / f"calls-{p}.json").write_text(json.dumps(calls))
     for p in precisions:
@@ -521,14 +623,19 @@ def _run_model(family: str, precisions: list[str], kinds: list[str], args: argpa
     if args.clean_only:
         return results
     if args.within:
-        calls_by_precision = {p: [c for c in calls if args.within in c.module] for p, calls in calls_by_precision.items()}
+        calls_by_precision = {
+            p: [c for c in calls if args.within in c.module] for p, calls in calls_by_precision.items()
+        }
     cases = plan_cases(family, calls_by_precision, args.sites, args.seed, [k for k in kinds])
     if args.case:
         cases = [c for c in cases if any(s in c.id for s in args.case)]
     paths = {c.id: (str(root / "cases" / _slug(c.id)), str(root / "cases" / (_slug(c.id) + ".json"))) for c in cases}
     (root / "cases").mkdir(exist_ok=True)
-    todo = [(c, paths[c.id][0], args.data, paths[c.id][1]) for c in cases
-            if not (args.resume and Path(paths[c.id][1]).exists())]
+    todo = [
+        (c, paths[c.id][0], args.data, paths[c.id][1])
+        for c in cases
+        if not (args.resume and Path(paths[c.id][1]).exists())
+    ]
     for i, (c, info) in enumerate(_pool(_fault_task, todo, args.jobs, args.steps), 1):
         say(f"captured {i}/{len(todo)} {c.id}" + (f": {info['error'].splitlines()[0]}" if "error" in info else ""))
     for c in cases:

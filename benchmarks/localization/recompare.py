@@ -14,6 +14,7 @@ after a change must be equal::
 
 ``--fused`` and ``--data`` plan the cases as the benchmark run that kept them did.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,8 +86,11 @@ def diff(before: Path, after: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.localization.recompare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.localization.recompare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("workdir", nargs="?", type=Path, help="a benchmark's --keep --workdir folder")
     parser.add_argument("--out", type=Path, help="the fingerprint file to write (JSON lines)")
     parser.add_argument("--fused", action="store_true", help="the kept run was the fused variant")

@@ -5,6 +5,7 @@ the faulty output that the injector saw (for a weight fault, the parameter's sou
 case is scored against what the run really recorded. Its module is then checked against our own
 expectation and any disagreement is reported as a warning (a capture question, not a score).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,18 @@ class Record:
     def of(cls, d: Any, regions: Any = ()) -> "Record":
         region = getattr(d, "region", None)
         members = next((list(r.target_ops) for r in regions if r.region_id == region), []) if region is not None else []
-        return cls(d.op, d.module, d.phase, int(d.step), int(d.op_id), str(getattr(d, "kind", "")),
-                   str(getattr(d, "reason", "")), float(getattr(d, "score", 0.0) or 0.0),
-                   {str(k): _num(v) for k, v in dict(getattr(d, "metrics", {}) or {}).items()}, members)
+        return cls(
+            d.op,
+            d.module,
+            d.phase,
+            int(d.step),
+            int(d.op_id),
+            str(getattr(d, "kind", "")),
+            str(getattr(d, "reason", "")),
+            float(getattr(d, "score", 0.0) or 0.0),
+            {str(k): _num(v) for k, v in dict(getattr(d, "metrics", {}) or {}).items()},
+            members,
+        )
 
     def where(self) -> str:
         return f"{self.op} @ {self.module or '<top>'} [{self.phase}] op_id {self.op_id}"
@@ -168,7 +178,9 @@ def find_truth(case: Case, obs: Observation, trace_path: Path) -> tuple[Record, 
     if not obs.site_reached:
         raise HarnessError(f"the run never called {site}")
     if case.target.arg_fault is not None and not obs.effective:
-        raise HarnessError(f"setting {case.target.arg_fault.name}={case.target.arg_fault.value!r} changed no output bit of {site}")
+        raise HarnessError(
+            f"setting {case.target.arg_fault.name}={case.target.arg_fault.value!r} changed no output bit of {site}"
+        )
     if case.target.output_fault is not None:
         if not obs.fault_applied:
             raise HarnessError(f"{site} never reached the outer fault mode (capture bypassed the mode stack?)")
@@ -202,9 +214,32 @@ def _matches(d: Record, truth: Record) -> bool:
     return (d.op, d.phase, d.module) == (truth.op, truth.phase, truth.module) or truth.op_id in d.region_ops
 
 
-_NODE_FIELDS = ("bench_op_id", "status", "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
-_TENSOR_FIELDS = ("index", "shape", "dtype", "exact", "e_ext", "e_sys", "norm_rel_diff", "max_diff", "min_diff",
-                  "mean_diff", "within_tol", "nonfinite_mismatch", "status")
+_NODE_FIELDS = (
+    "bench_op_id",
+    "status",
+    "error",
+    "introduced",
+    "own_error",
+    "honest_error",
+    "metric",
+    "root_kind",
+    "reason",
+)
+_TENSOR_FIELDS = (
+    "index",
+    "shape",
+    "dtype",
+    "exact",
+    "e_ext",
+    "e_sys",
+    "norm_rel_diff",
+    "max_diff",
+    "min_diff",
+    "mean_diff",
+    "within_tol",
+    "nonfinite_mismatch",
+    "status",
+)
 
 
 def truth_detail(result: Any, op_id: int) -> dict[str, Any]:
@@ -218,8 +253,9 @@ def truth_detail(result: Any, op_id: int) -> dict[str, Any]:
     frame = result.to_frame()
     frame = frame[frame["rank"] == 0] if "rank" in frame.columns else frame
     outputs = frame[frame["op_id"] == op_id]
-    detail["outputs"] = [{k: _num(v) for k, v in r.items() if k in _TENSOR_FIELDS and not _blank(v)}
-                         for r in outputs.to_dict("records")]
+    detail["outputs"] = [
+        {k: _num(v) for k, v in r.items() if k in _TENSOR_FIELDS and not _blank(v)} for r in outputs.to_dict("records")
+    ]
     rank = result.target.rank(0)
     ops = rank.ops
     row = ops[ops["op_id"] == op_id]
@@ -309,8 +345,19 @@ def run_case(case: Case, bench_path: Path, work: Path, keep: bool, timeout_s: in
     """Capture the target of ``case``, compare it with ``bench_path`` and score it."""
     import tracecmp
 
-    out = Result(case.id, case.model, case.kind, case.variant, case.phase, case.magnitude, case.category,
-                 case.structure, case.expect_divergence, case.counted, background=case.background)
+    out = Result(
+        case.id,
+        case.model,
+        case.kind,
+        case.variant,
+        case.phase,
+        case.magnitude,
+        case.category,
+        case.structure,
+        case.expect_divergence,
+        case.counted,
+        background=case.background,
+    )
     target = work / "targets" / case.id.replace("/", "__").replace(":", "_")
     shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -318,7 +365,9 @@ def run_case(case: Case, bench_path: Path, work: Path, keep: bool, timeout_s: in
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(timeout_s)
     try:
-        obs = record_run(case.model, case.target, target, case.weight, weight_seed=zlib.crc32(f"{case.model}/{case.weight}".encode()))
+        obs = record_run(
+            case.model, case.target, target, case.weight, weight_seed=zlib.crc32(f"{case.model}/{case.weight}".encode())
+        )
         out.fault_size = WEIGHT_PERTURBATION if case.weight else obs.fault_size
         if out.fault_size is not None:
             out.ratio = _ratio(out.fault_size, case.background)
@@ -439,8 +488,11 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
     lines += group_table("By variant", pos, lambda r: r.variant)
     lines += group_table("By fault kind", pos, lambda r: r.kind)
     lines += group_table("By phase", pos, lambda r: r.phase)
-    lines += group_table("By magnitude (scale and noise)", [r for r in pos if r.kind in ("scale", "noise")],
-                          lambda r: f"{r.kind} {r.magnitude:.0e}")
+    lines += group_table(
+        "By magnitude (scale and noise)",
+        [r for r in pos if r.kind in ("scale", "noise")],
+        lambda r: f"{r.kind} {r.magnitude:.0e}",
+    )
     lines += group_table("By op category", pos, lambda r: r.category)
     lines += group_table("tf32 variant by fault size / background error at the site", tf32, _ratio_bucket)
     lines += _cross_table(pos)
@@ -453,7 +505,9 @@ def tables(results: list[Result], seconds: float, command: str) -> str:
         reported = r.found.where() if r.found else (r.error.splitlines()[0] if r.error else "")
         lines.append(f"| {r.id} | {r.outcome or r.status} | {reported} |")
     lines.append("")
-    fails = [r for r in results if (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")]
+    fails = [
+        r for r in results if (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")
+    ]
     lines += ["### Failures", ""]
     lines += [_failure(r) for r in fails] or ["none"]
     lines.append("")
@@ -464,8 +518,12 @@ def group_table(title: str, rows: list[Result], key: Any) -> list[str]:
     groups: dict[str, list[Result]] = defaultdict(list)
     for r in rows:
         groups[key(r)].append(r)
-    out = [f"### {title}", "", "| group | n | top-1 | top-3 | exact node | missed | early | late | suspects exact |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {title}",
+        "",
+        "| group | n | top-1 | top-3 | exact node | missed | early | late | suspects exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in sorted(groups):
         g = groups[name]
         out.append(
@@ -480,10 +538,16 @@ def _cross_table(rows: list[Result]) -> list[str]:
     cells: dict[tuple[str, str], dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r.model, r.kind)][r.variant].append(r)
-    variants = list(dict.fromkeys([*(v for v in VARIANTS if any(r.variant == v for r in rows)), *(r.variant for r in rows)]))
-    out = ["### By model x fault kind x variant (top-1 hits/n, top-3 in brackets)", "",
-           "| model | kind | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
-    for (model, kind) in sorted(cells, key=lambda mk: (FAMILIES.index(mk[0]) if mk[0] in FAMILIES else 99, mk[1])):
+    variants = list(
+        dict.fromkeys([*(v for v in VARIANTS if any(r.variant == v for r in rows)), *(r.variant for r in rows)])
+    )
+    out = [
+        "### By model x fault kind x variant (top-1 hits/n, top-3 in brackets)",
+        "",
+        "| model | kind | " + " | ".join(variants) + " |",
+        "|---|---|" + "---|" * len(variants),
+    ]
+    for model, kind in sorted(cells, key=lambda mk: (FAMILIES.index(mk[0]) if mk[0] in FAMILIES else 99, mk[1])):
         parts = []
         for v in variants:
             g = cells[(model, kind)].get(v, [])
@@ -506,8 +570,11 @@ def _failure(r: Result) -> str:
         assert r.found is not None
         return f"{head}: false alarm: {r.found.where()} kind={r.found.kind} reason={r.found.reason!r} metrics={r.found.metrics}"
     assert r.truth is not None
-    found = (f"{r.found.where()} (kind {r.found.kind}, score {r.found.score:.3g}: {r.found.reason})"
-             if r.found else "no divergence")
+    found = (
+        f"{r.found.where()} (kind {r.found.kind}, score {r.found.score:.3g}: {r.found.reason})"
+        if r.found
+        else "no divergence"
+    )
     text = f"{head}: **{r.outcome}**; expected {r.truth.where()}; found {found}; truth rank {r.rank or '-'}"
     if r.fault_size is not None:
         text += f"; fault size {r.fault_size:.2g}"
@@ -533,11 +600,16 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.localization [--quick] [--jobs N] [--models a,b] [--case SUBSTR]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.localization", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="every 7th fault case, every negative")
-    parser.add_argument("--fused", action="store_true",
-                        help="the fused variant instead (fused against eager, both directions; see fused.py)")
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="the fused variant instead (fused against eager, both directions; see fused.py)",
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--models", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
-    parser.add_argument("--case", action="append", default=[], help="run only cases whose id contains this (repeatable)")
+    parser.add_argument(
+        "--case", action="append", default=[], help="run only cases whose id contains this (repeatable)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault-site rule")
     parser.add_argument("--sites", type=int, default=4, help="sites per output fault, magnitude and phase")
     parser.add_argument("--list", action="store_true", help="list the planned cases and exit")
@@ -546,11 +618,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="where traces go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep target and bench traces (implies a printed workdir)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per case")
-    parser.add_argument("--data", choices=DATA_MODES, default="stats",
-                        help="what both runs record; with tensors, compare also replays every target op")
-    parser.add_argument("--tf32-rounding", choices=sorted(TF32_ROUNDINGS), default="nearest",
-                        help="how the tf32 background rounds matmul/conv inputs: to nearest even, or toward "
-                             "zero (a tensor core fed float32 as is)")
+    parser.add_argument(
+        "--data",
+        choices=DATA_MODES,
+        default="stats",
+        help="what both runs record; with tensors, compare also replays every target op",
+    )
+    parser.add_argument(
+        "--tf32-rounding",
+        choices=sorted(TF32_ROUNDINGS),
+        default="nearest",
+        help="how the tf32 background rounds matmul/conv inputs: to nearest even, or toward "
+        "zero (a tensor core fed float32 as is)",
+    )
     args = parser.parse_args(argv)
     _init_worker(args.data, args.tf32_rounding)
 
@@ -591,9 +671,21 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             path = benches[bench_key(c)][2]
             if path in failed_bench:
-                r = Result(c.id, c.model, c.kind, c.variant, c.phase, c.magnitude, c.category, c.structure,
-                           c.expect_divergence, c.counted, status="error", outcome="error",
-                           error=f"bench capture failed: {failed_bench[path]}")
+                r = Result(
+                    c.id,
+                    c.model,
+                    c.kind,
+                    c.variant,
+                    c.phase,
+                    c.magnitude,
+                    c.category,
+                    c.structure,
+                    c.expect_divergence,
+                    c.counted,
+                    status="error",
+                    outcome="error",
+                    error=f"bench capture failed: {failed_bench[path]}",
+                )
                 results.append(r)
             else:
                 todo.append((c, path, str(work), args.keep, args.timeout))

@@ -11,6 +11,7 @@ all-reduce's recorded statistics next to those of the gradients it produced.
 ``... -m tests.integration.dist_program OUT killed`` runs DDP with rank 1 killed by SIGKILL in
 the optimizer step of step 1, once rank 0 has closed its trace.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,7 +110,9 @@ def run(out: Path, setup: str, variant: str, rank: int, facts: dict[str, Any]) -
                 # gradients, flattened in bucket order (read with capture's mode out of the way).
                 with _disable_current_modes():
                     buckets = model.reducer._get_zeros_like_grad_buckets()
-                    facts["buckets"] = [_stats(torch.cat([p.grad.reshape(-1) for p in b.parameters()])) for b in buckets]
+                    facts["buckets"] = [
+                        _stats(torch.cat([p.grad.reshape(-1) for p in b.parameters()])) for b in buckets
+                    ]
             opt.step()
             opt.zero_grad()
             tc.step()

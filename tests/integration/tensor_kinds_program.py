@@ -5,6 +5,7 @@ without and with ``TraceCompare``, and prints one JSON line of facts per case: w
 outputs are bitwise equal, which ops were recorded, what the rank manifest says was skipped and
 why, and the statistics to check. A crash of the native kernel kills this process, not pytest.
 """
+
 from __future__ import annotations
 
 import json
@@ -156,7 +157,9 @@ def run(name: str, case: Case) -> dict[str, Any]:
         "phases": sorted(set(ops["phase"])),
         "skipped": trace.manifest["info"].get("capture_skipped", {}),
         "devices": sorted(set(tensors["device"])),
-        "stats": [[r.min, r.max, r.mean, r.norm, r.nan_count, r.inf_count, r.checksum] for r in value_rows.itertuples()],
+        "stats": [
+            [r.min, r.max, r.mean, r.norm, r.nan_count, r.inf_count, r.checksum] for r in value_rows.itertuples()
+        ],
         "expected": {key: _stats(value.detach()) for key, value in expected.items()},  # after the capture
         "complete": trace.complete,
     }

@@ -4,6 +4,7 @@ and the bound it draws from their arithmetic holds for the steps they take.
 The recognition reads the recorded graph (lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_), so
 it depends on how this torch's optimizers are written: this test runs on every torch CI covers.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

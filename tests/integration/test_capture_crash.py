@@ -5,6 +5,7 @@ it once ``flush_secs`` passed since the previous hand-over (every step with ``fl
 ``tc.sync()``, and at every step with ``sync=True``. Each case below kills the child at a point
 where that contract says exactly which steps must be on disk.
 """
+
 from __future__ import annotations
 
 import os

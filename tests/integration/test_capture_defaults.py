@@ -1,5 +1,6 @@
 """``with TraceCompare():`` as it reads: a default folder, steps from optimizer.step(), the model
 found as it runs."""
+
 from __future__ import annotations
 
 import re
@@ -86,7 +87,9 @@ def test_explicit_steps_keep_their_numbering(tmp_path: Path) -> None:
     assert sorted(tracecmp.load(tmp_path / "t").to_frame()["step"].unique()) == [0, 1, 2]
 
 
-def test_an_inference_only_run_is_one_step(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_inference_only_run_is_one_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TRACECMP_DIR", str(tmp_path))
     model = Net()
     with torch.no_grad(), tracecmp.TraceCompare() as tc:

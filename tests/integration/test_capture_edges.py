@@ -1,4 +1,5 @@
 """Hand-checked dataflow (in-place ops, views, aliases), odd outputs, saved tensors and misuse."""
+
 from __future__ import annotations
 
 import json
@@ -171,7 +172,9 @@ def test_large_steps_are_split_into_bounded_chunks(tmp_path: Path) -> None:
     assert list(ops["op_id"]) == list(range(len(ops)))
     adds = ops[ops["op"] == "aten.add.Tensor"]
     # The chain crosses chunk boundaries without losing a link.
-    assert all(list(b) == list(a) for a, b in zip(adds["outputs"].iloc[:-1], adds["inputs"].iloc[1:].map(lambda i: i[:1])))
+    assert all(
+        list(b) == list(a) for a, b in zip(adds["outputs"].iloc[:-1], adds["inputs"].iloc[1:].map(lambda i: i[:1]))
+    )
 
 
 def test_unselected_steps_install_nothing(tmp_path: Path) -> None:
@@ -371,8 +374,13 @@ def test_a_compile_before_capture_leaves_the_optimizer_phase_and_steps(tmp_path:
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", _AFTER_A_COMPILE, str(tmp_path / "t")], cwd=root, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _AFTER_A_COMPILE, str(tmp_path / "t")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     ops, _ = _trace(tmp_path / "t")
     phases = ops.groupby("step")["phase"].agg(set).to_dict()

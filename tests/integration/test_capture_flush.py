@@ -3,6 +3,7 @@
 Short steps share a chunk; what is recorded (ops, ids, statistics, saved tensors) does not depend
 on how it was cut into chunks.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

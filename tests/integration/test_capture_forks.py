@@ -2,6 +2,7 @@
 it: it records and writes nothing, never waits for the writer, and computes what it would without
 tracecmp; the session's trace is the parent's alone. (``tracecmp record``'s own case, armed before
 the first module call: tests/integration/test_record.py.)"""
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,14 @@ class Data(Dataset):  # type: ignore[type-arg]
 
 def _loader() -> DataLoader:  # type: ignore[type-arg]
     # timeout: a worker that hangs fails the test instead of stalling it.
-    return DataLoader(Data(), batch_size=8, num_workers=2, multiprocessing_context="fork", timeout=60,
-                      generator=torch.Generator().manual_seed(1))
+    return DataLoader(
+        Data(),
+        batch_size=8,
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=60,
+        generator=torch.Generator().manual_seed(1),
+    )
 
 
 def test_dataloader_workers_forked_in_a_session_record_nothing_and_compute_as_without_it(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
 """``tracecmp inspect`` on real captures."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,7 +35,9 @@ def test_inspect_cli_summarises_a_training_trace(capture: Callable[..., Path]) -
     assert f"{torch.get_num_threads()} intra-op threads" in out  # what replay needs to give the run's bits
 
 
-def test_inspect_reports_incomplete_runs_and_nonfinite_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_reports_incomplete_runs_and_nonfinite_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(RuntimeError):
         with tracecmp.TraceCompare(tmp_path / "t"):
             x = torch.tensor([1.0, 0.0]) / 0

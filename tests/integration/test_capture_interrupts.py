@@ -1,5 +1,6 @@
 """Interrupted captures say so: Ctrl-C (KeyboardInterrupt), SIGTERM from an elastic agent, an
 exception from the program, and an interrupt that lands inside an op."""
+
 from __future__ import annotations
 
 import os
@@ -45,14 +46,19 @@ def test_keyboard_interrupt_is_labelled_with_the_steps_kept(tmp_path: Path) -> N
     rank = trace.rank(0)
     assert trace.complete is False
     assert rank.stopped == {
-        "kind": "interrupted", "reason": "interrupted by the user (KeyboardInterrupt)", "step": 3, "last_step": 2
+        "kind": "interrupted",
+        "reason": "interrupted by the user (KeyboardInterrupt)",
+        "step": 3,
+        "last_step": 2,
     }
     assert rank.manifest["steps"] == [0, 1, 2, 3]
     ops = trace.to_frame()
     assert set(ops[ops["step"] == 3]["phase"]) == {"forward", "backward"}
     expected = "interrupted by the user (KeyboardInterrupt), in step 3; it keeps steps 0-2 whole, step 3 in part"
     assert f"complete  NO: {expected}" in summarize(tmp_path / "t")
-    assert any("keeps steps 0-2 whole, step 3 in part" in note and str(tmp_path / "t") in note for note in exc.__notes__)
+    assert any(
+        "keeps steps 0-2 whole, step 3 in part" in note and str(tmp_path / "t") in note for note in exc.__notes__
+    )
 
 
 def test_an_interrupt_in_step_0_keeps_no_whole_step_in_the_note_as_in_inspect(tmp_path: Path) -> None:
@@ -66,7 +72,12 @@ def test_an_interrupt_in_step_0_keeps_no_whole_step_in_the_note_as_in_inspect(tm
 def test_an_exception_from_the_program_is_named(tmp_path: Path) -> None:
     _train_until(tmp_path / "t", 1, ValueError("bad batch\nshape"))
     stopped = tracecmp.load(tmp_path / "t").rank(0).stopped
-    assert stopped == {"kind": "error", "reason": "the program raised ValueError: bad batch shape", "step": 1, "last_step": 0}
+    assert stopped == {
+        "kind": "error",
+        "reason": "the program raised ValueError: bad batch shape",
+        "step": 1,
+        "last_step": 0,
+    }
 
 
 def test_sys_exit_zero_is_a_normal_end(tmp_path: Path) -> None:
@@ -130,8 +141,12 @@ def test_sigterm_is_labelled_and_the_process_still_dies_by_it(tmp_path: Path) ->
     trace_path, ready = tmp_path / "t", tmp_path / "ready"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(trace_path), str(ready)], env=env, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", CHILD, str(trace_path), str(ready)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120

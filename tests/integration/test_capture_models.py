@@ -1,4 +1,5 @@
 """Real models traced over two training steps, read back with tracecmp.load."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,11 @@ from tests.models import MODELS, example_batch, make_model, make_optimizer, trai
 EXPECTED = {
     "mlp": (
         {("fc1", "aten.addmm.default"), ("act1", "aten.relu.default"), ("act2", "aten.gelu.default")},
-        {("fc1", "aten.mm.default"), ("act1", "aten.threshold_backward.default"), ("act2", "aten.gelu_backward.default")},
+        {
+            ("fc1", "aten.mm.default"),
+            ("act1", "aten.threshold_backward.default"),
+            ("act2", "aten.gelu_backward.default"),
+        },
     ),
     "convnet": (
         {("conv1", "aten.convolution.default"), ("bn1", "aten.native_batch_norm.default")},
@@ -22,7 +27,11 @@ EXPECTED = {
     ),
     "transformer": (
         {("ln1", "aten.native_layer_norm.default"), ("attn", "aten.bmm.default"), ("mlp.1", "aten.gelu.default")},
-        {("ln1", "aten.native_layer_norm_backward.default"), ("attn", "aten.bmm.default"), ("mlp.0", "aten.mm.default")},
+        {
+            ("ln1", "aten.native_layer_norm_backward.default"),
+            ("attn", "aten.bmm.default"),
+            ("mlp.0", "aten.mm.default"),
+        },
     ),
     "lstm": (
         {("lstm", "aten.mkldnn_rnn_layer.default"), ("head", "aten.addmm.default")},
@@ -30,7 +39,10 @@ EXPECTED = {
     ),
     "gpt2": (
         {("transformer.h.0.mlp.c_fc", "aten.addmm.default"), ("transformer.h.1.attn", "aten.bmm.default")},
-        {("transformer.h.0.mlp.c_fc", "aten.mm.default"), ("transformer.h.1.ln_1", "aten.native_layer_norm_backward.default")},
+        {
+            ("transformer.h.0.mlp.c_fc", "aten.mm.default"),
+            ("transformer.h.1.ln_1", "aten.native_layer_norm_backward.default"),
+        },
     ),
 }
 
@@ -105,7 +117,9 @@ def test_gpt2_backward_attribution_matches_the_weights(traces: dict[str, Path]) 
     backward = ops[ops["phase"] == "backward"]
     for name, module in conv1d.items():
         for step in (0, 1):
-            mms = backward[(backward["module"] == name) & (backward["op"] == "aten.mm.default") & (backward["step"] == step)]
+            mms = backward[
+                (backward["module"] == name) & (backward["op"] == "aten.mm.default") & (backward["step"] == step)
+            ]
             assert len(mms) == 2, (name, step)  # grad of the input and grad of the weight
             out_shapes = {tuple(tensors.set_index("tensor_id")["shape"][o[0]]) for o in mms["outputs"]}
             assert tuple(module.weight.shape) in out_shapes, name

@@ -1,5 +1,6 @@
 """An existing trace is never replaced silently: a second capture into its folder is refused
 unless asked to overwrite it."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ def _capture(path: Path, steps: int, **options: object) -> None:
 def test_a_second_capture_into_a_trace_is_refused_and_the_trace_kept(tmp_path: Path) -> None:
     path = tmp_path / "run"
     _capture(path, 3)
-    with pytest.raises(tracecmp.TraceExistsError, match=r"already holds a trace.*overwrite=True \(CLI: --force\)") as caught:
+    with pytest.raises(
+        tracecmp.TraceExistsError, match=r"already holds a trace.*overwrite=True \(CLI: --force\)"
+    ) as caught:
         _capture(path, 1)
     assert str(path) in str(caught.value)
     trace = tracecmp.load(path)

@@ -1,4 +1,5 @@
 """Tracing never changes the traced program's results: bitwise equal with and without it."""
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@ everywhere, the trace writer's own file calls failing once the same quota is use
 what its code sees on a full disk: ``write`` raising ``OSError(ENOSPC)``, space given back when
 a file is removed.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -110,7 +111,8 @@ def _mount_tmpfs(root: Path) -> bool:
         return False
     result = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={QUOTA}", f"tracecmp-test-{uuid.uuid4().hex[:8]}", str(root)],
-        capture_output=True, timeout=30,
+        capture_output=True,
+        timeout=30,
     )
     return result.returncode == 0
 

@@ -1,4 +1,5 @@
 """The background chunk writer: bounded, ordered, and never silent about a failed write."""
+
 from __future__ import annotations
 
 import threading
@@ -45,7 +46,9 @@ def test_steps_are_committed_in_order_and_complete(tmp_path: Path) -> None:
 def test_write_error_stops_recording_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_chunk(monkeypatch, 1)
     done = []
-    with pytest.warns(CaptureWarning, match=r"No space left on device; recording stopped in step \d+ and the run goes on"):
+    with pytest.warns(
+        CaptureWarning, match=r"No space left on device; recording stopped in step \d+ and the run goes on"
+    ):
         with tracecmp.TraceCompare(tmp_path / "t", flush_secs=0) as tc:  # a chunk per step
             for step in range(6):
                 torch.ones(3).mul(2).sum()
@@ -157,11 +160,18 @@ def test_saved_tensors_of_every_dtype_read_back_bit_for_bit(tmp_path: Path) -> N
 
     g = torch.Generator().manual_seed(0)
     values = {
-        "f32": torch.randn(3, 4, generator=g), "f32_t": torch.randn(4, 3, generator=g).t(),
-        "bf16": torch.randn(5, generator=g).bfloat16(), "f16": torch.randn(2, 3, generator=g).half(),
-        "f64": torch.randn(2, generator=g).double(), "i64": torch.arange(7), "i32": torch.arange(3, dtype=torch.int32),
-        "u8": torch.tensor([1, 255], dtype=torch.uint8), "bool": torch.tensor([True, False]),
-        "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3), "nan": torch.tensor([float("nan"), float("-inf")]),
+        "f32": torch.randn(3, 4, generator=g),
+        "f32_t": torch.randn(4, 3, generator=g).t(),
+        "bf16": torch.randn(5, generator=g).bfloat16(),
+        "f16": torch.randn(2, 3, generator=g).half(),
+        "f64": torch.randn(2, generator=g).double(),
+        "i64": torch.arange(7),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "u8": torch.tensor([1, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "nan": torch.tensor([float("nan"), float("-inf")]),
     }
     with tracecmp.TraceCompare(tmp_path / "run", data="tensors", flush_secs=0) as tc:
         outs = {name: v.clone() for name, v in values.items()}  # clone: an op whose output is saved
@@ -171,20 +181,27 @@ def test_saved_tensors_of_every_dtype_read_back_bit_for_bit(tmp_path: Path) -> N
     assert len(saved) >= len(values)
     (path,) = rank.data_files.values()
     files = load_file(str(path))
+
     def bits(t: torch.Tensor) -> torch.Tensor:  # NaN == NaN, -0.0 != 0.0
         return t.contiguous().reshape(-1).view(torch.uint8)
 
     for name, value in outs.items():
-        matches = [t for t in files.values() if t.dtype == value.dtype and t.shape == value.shape
-                   and torch.equal(bits(t), bits(value))]
+        matches = [
+            t
+            for t in files.values()
+            if t.dtype == value.dtype and t.shape == value.shape and torch.equal(bits(t), bits(value))
+        ]
         assert matches, name
 
 
 def test_a_chunk_with_a_dtype_safetensors_names_no_other_way_still_saves(tmp_path: Path) -> None:
     writer = RankWriter(tmp_path / "run")
     data = {"0/0": torch.randn(3, dtype=torch.complex64), "0/1": torch.randn(2)}
-    writer.write_chunk({k: [] for k in tracecmp.trace.schema.OPS_SCHEMA.names},
-                       {k: [] for k in tracecmp.trace.schema.TENSORS_SCHEMA.names}, data)
+    writer.write_chunk(
+        {k: [] for k in tracecmp.trace.schema.OPS_SCHEMA.names},
+        {k: [] for k in tracecmp.trace.schema.TENSORS_SCHEMA.names},
+        data,
+    )
     from safetensors.torch import load_file
 
     back = load_file(str(tmp_path / "run" / "rank0" / "data-00000.safetensors"))

@@ -4,6 +4,7 @@ Kernel faults are emulated as a device would make them: a dispatch mode entered 
 ``TraceCompare`` computes the op differently while the trace records the call as issued (the op,
 its arguments, its dtypes), and only while the faulty module runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,11 @@ def _tf32(x: Any) -> Any:
 # name -> (ops, what the device computes instead, module where it happens)
 FAULTS: dict[str, tuple[set[Any], Callable[..., Any], str]] = {
     "gelu-tanh": ({A.gelu.default}, lambda f, a, k: A.gelu.default(a[0], approximate="tanh"), "blocks.1.mlp.act"),
-    "layer-norm-eps": ({A.native_layer_norm.default},
-                       lambda f, a, k: A.native_layer_norm.default(a[0], a[1], a[2], a[3], 1e-3), "blocks.0.ln1"),
+    "layer-norm-eps": (
+        {A.native_layer_norm.default},
+        lambda f, a, k: A.native_layer_norm.default(a[0], a[1], a[2], a[3], 1e-3),
+        "blocks.0.ln1",
+    ),
     "matmul-fp16-inputs": (_MATMULS, lambda f, a, k: f(*tree_map(_fp16, a), **k), "blocks.1.mlp.fc1"),
     "matmul-fp16": (_MATMULS, lambda f, a, k: tree_map(_fp16, f(*tree_map(_fp16, a), **k)), "blocks.1.mlp.fc1"),
     "softmax-fp16": ({A._softmax.default}, lambda f, a, k: _fp16(f(_fp16(a[0]), a[1], a[2])), "blocks.0.attn"),
@@ -65,8 +69,16 @@ class _Device(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def capture(path: Path, fault: str | None = None, *, dtype: torch.dtype = torch.float32, autocast: bool = False,
-            tf32: bool = False, data: str = "tensors", only: Any = None) -> Path:
+def capture(
+    path: Path,
+    fault: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    autocast: bool = False,
+    tf32: bool = False,
+    data: str = "tensors",
+    only: Any = None,
+) -> Path:
     """One Adam step of the demo transformer under capture (and under ``fault``)."""
     model = build_model().to(dtype)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -76,8 +88,10 @@ def capture(path: Path, fault: str | None = None, *, dtype: torch.dtype = torch.
     hooks = []
     if fault:
         module = model.get_submodule(where)
-        hooks = [module.register_forward_pre_hook(lambda *_: setattr(device, "active", True)),
-                 module.register_forward_hook(lambda *_: setattr(device, "active", False))]
+        hooks = [
+            module.register_forward_pre_hook(lambda *_: setattr(device, "active", True)),
+            module.register_forward_hook(lambda *_: setattr(device, "active", False)),
+        ]
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     extra = {} if only is None else {"only": only}
@@ -103,12 +117,15 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fault,op", [
-    ("gelu-tanh", "aten.gelu.default"),
-    ("layer-norm-eps", "aten.native_layer_norm.default"),
-    ("matmul-fp16-inputs", "aten.addmm.default"),
-    ("softmax-fp16", "aten._softmax.default"),
-])
+@pytest.mark.parametrize(
+    "fault,op",
+    [
+        ("gelu-tanh", "aten.gelu.default"),
+        ("layer-norm-eps", "aten.native_layer_norm.default"),
+        ("matmul-fp16-inputs", "aten.addmm.default"),
+        ("softmax-fp16", "aten._softmax.default"),
+    ],
+)
 def test_check_names_the_faulty_kernel_on_tensors(tmp_path, fault, op):
     result = tracecmp.check(capture(tmp_path / "run", fault))
     d = result.first_error
@@ -120,8 +137,12 @@ def test_check_names_the_faulty_kernel_on_tensors(tmp_path, fault, op):
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "autocast-bf16", "tf32-declared"])
 def test_clean_runs_have_no_error(tmp_path, kind):
-    options = {"float32": {}, "bfloat16": {"dtype": torch.bfloat16}, "autocast-bf16": {"autocast": True},
-               "tf32-declared": {"tf32": True}}[kind]
+    options = {
+        "float32": {},
+        "bfloat16": {"dtype": torch.bfloat16},
+        "autocast-bf16": {"autocast": True},
+        "tf32-declared": {"tf32": True},
+    }[kind]
     result = tracecmp.check(capture(tmp_path / "run", **options))
     assert result.first_error is None, result.summary()
     judged = result.counts()["pass"] + result.counts()["warning"]
@@ -129,11 +150,14 @@ def test_clean_runs_have_no_error(tmp_path, kind):
     assert set(result.skipped()["names"]) <= {"aten._local_scalar_dense.default"}
 
 
-@pytest.mark.parametrize("fault,op", [
-    ("matmul-fp16", "aten.addmm.default"),
-    ("softmax-fp16", "aten._softmax.default"),
-    ("gelu-tanh", "aten.gelu.default"),  # off at its output's max, which the input's max pins
-])
+@pytest.mark.parametrize(
+    "fault,op",
+    [
+        ("matmul-fp16", "aten.addmm.default"),
+        ("softmax-fp16", "aten._softmax.default"),
+        ("gelu-tanh", "aten.gelu.default"),  # off at its output's max, which the input's max pins
+    ],
+)
 def test_statistics_alone_find_the_faulty_kernel_and_say_the_evidence_is_weaker(tmp_path, fault, op):
     result = tracecmp.check(capture(tmp_path / "run", fault, data="stats"))
     d = result.first_error

@@ -9,6 +9,7 @@ fault. A one-layer TinyGPT is compiled once per module; a second one, compiled w
 that miscompiles one node, has other heads so that Dynamo compiles it again rather than reuse
 the first one's code.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,8 +37,10 @@ class Heads:
         self.batch = tiny_batch()
         # Compiled in a session that records nothing, with the pass where there is one: inductor's
         # compile and the session's record of the graphs both run it.
-        with torch._inductor.config.patch(joint_custom_post_pass=joint_pass), \
-                tracecmp.TraceCompare(tmp / "warm", model=self.model, steps=[]):
+        with (
+            torch._inductor.config.patch(joint_custom_post_pass=joint_pass),
+            tracecmp.TraceCompare(tmp / "warm", model=self.model, steps=[]),
+        ):
             self._step(self.compiled)
         self.bench = self.trace(tmp / "bench", eager=True, data="tensors")
 
@@ -66,8 +69,9 @@ def scaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Heads]:
     yield Heads(tmp_path_factory.mktemp("scaled"), heads=4, joint_pass=SCORES)
 
 
-def test_a_clean_region_has_no_root_and_nothing_to_narrow(heads: Heads, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_clean_region_has_no_root_and_nothing_to_narrow(
+    heads: Heads, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     narrowed: list[str] = []
     narrow = compiled_compare._narrow
 

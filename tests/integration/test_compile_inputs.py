@@ -7,6 +7,7 @@ Dynamo's guards nor add one (a recompile an untraced run would not make). Each r
 compiled TinyGPT on sliced batches, all steps but the last in a session, and must match a run
 never traced bitwise: losses, gradients, parameters, what compiled and how often compiled code ran.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,10 +28,7 @@ pytestmark = pytest.mark.skipif(TORCH_VERSION < (2, 2), reason="compiled regions
 # (batch, length) of each step's batch before slicing. "view": one static compile. "dynamic": the
 # batch dimension marked dynamic (2, then 3 without a recompile), then a new length: a recompile
 # inside the session, which makes that dimension dynamic too, and a step after the session.
-SCHEDULES = {
-    "view": ((2, 9), (2, 9)),
-    "dynamic": ((2, 9), (3, 9), (4, 7), (2, 9)),
-}
+SCHEDULES = {"view": ((2, 9), (2, 9)), "dynamic": ((2, 9), (3, 9), (4, 7), (2, 9))}
 
 
 def _run(schedule: str, inner: str, trace: Path | None = None, how: str = "boundary") -> dict[str, Any]:
@@ -79,14 +77,18 @@ def _plain(schedule: str, inner: str) -> dict[str, Any]:
     return _run(schedule, inner)
 
 
-@pytest.mark.parametrize(("schedule", "inner", "how"), [
-    ("view", "aot_eager", "boundary"),
-    ("view", "inductor", "boundary"),
-    ("dynamic", "eager", "boundary"),  # a backend without AOT autograd: capture's trace adds no guard
-    ("dynamic", "aot_eager", "graph"),  # the region's graphs run at sizes other than the traced ones
-])
-def test_traced_view_and_dynamic_inputs_match_an_untraced_run(tmp_path: Path, schedule: str, inner: str,
-                                                              how: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "inner", "how"),
+    [
+        ("view", "aot_eager", "boundary"),
+        ("view", "inductor", "boundary"),
+        ("dynamic", "eager", "boundary"),  # a backend without AOT autograd: capture's trace adds no guard
+        ("dynamic", "aot_eager", "graph"),  # the region's graphs run at sizes other than the traced ones
+    ],
+)
+def test_traced_view_and_dynamic_inputs_match_an_untraced_run(
+    tmp_path: Path, schedule: str, inner: str, how: str
+) -> None:
     needs_inductor(inner)
     plain = _plain(schedule, inner)
     traced = _run(schedule, inner, tmp_path / "t", how)

@@ -4,6 +4,7 @@ One TinyGPT with a graph break (two compiled graphs, eager code between them) is
 backend in a session that records nothing, then traced by the tests in both modes: compiling
 with inductor on two cores takes a minute, so the compiled model is shared.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -71,7 +72,9 @@ def test_boundary_mode_records_regions_with_module_paths(compiled: Compiled, tmp
     ops = rank.ops
     record = rank.compiled
     assert len(record.graphs) == 2
-    assert sorted((c.part, c.mode) for c in record.calls) == [("backward", "boundary")] * 2 + [("forward", "boundary")] * 2
+    assert (
+        sorted((c.part, c.mode) for c in record.calls) == [("backward", "boundary")] * 2 + [("forward", "boundary")] * 2
+    )
     boundary = ops[ops["op"].isin(["compiled.forward", "compiled.backward"])]
     assert len(boundary) == 4
     assert set(boundary["name"]) == set(record.graphs)
@@ -83,7 +86,8 @@ def test_boundary_mode_records_regions_with_module_paths(compiled: Compiled, tmp
         assert any(m.startswith("blocks.") for m in modules)
         assert "backward" in graph.parts
     assert {"blocks.0.ln1", "blocks.1.mlp.fc", "head"} <= {
-        n.module for g in record.graphs.values() for n in g.parts["forward"].nodes}
+        n.module for g in record.graphs.values() for n in g.parts["forward"].nodes
+    }
     # What the compiled code dispatched inside (inductor: its extern kernels) carries the module
     # of the node it runs.
     inside = ops[ops["op"].str.startswith("aten.addmm")]
@@ -105,8 +109,11 @@ def test_graph_mode_runs_every_node_with_module_paths(compiled: Compiled, tmp_pa
     assert sorted((c.part, c.mode) for c in record.calls) == [("backward", "graph")] * 2 + [("forward", "graph")] * 2
     for call in record.calls:
         graph = record.graphs[call.graph]
-        computing = [n.name for n in graph.parts[call.part].nodes if n.op.startswith("aten.") and n.op not in (
-            "aten.sym_size.int",)]
+        computing = [
+            n.name
+            for n in graph.parts[call.part].nodes
+            if n.op.startswith("aten.") and n.op not in ("aten.sym_size.int",)
+        ]
         assert set(computing) <= set(call.nodes), set(computing) - set(call.nodes)
         by_id = ops.set_index("op_id")
         for node in graph.parts[call.part].nodes:
@@ -171,8 +178,9 @@ def benches(compiled: Compiled, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 @pytest.mark.parametrize("mode,data", [("boundary", "stats"), ("boundary", "tensors"), ("graph", "stats")])
-def test_compiled_against_eager_on_a_clean_model_has_no_root(compiled: Compiled, benches: dict[str, tracecmp.Trace],
-                                                             tmp_path: Path, mode: str, data: str) -> None:
+def test_compiled_against_eager_on_a_clean_model_has_no_root(
+    compiled: Compiled, benches: dict[str, tracecmp.Trace], tmp_path: Path, mode: str, data: str
+) -> None:
     target = compiled.trace(tmp_path / "t", compiled=mode, data=data)
     result = tracecmp.compare(target, benches[data])
     assert result.first_divergence is None, result.first_divergence
@@ -189,14 +197,21 @@ def test_compiled_against_eager_on_a_clean_model_has_no_root(compiled: Compiled,
         # Forward nodes inductor's partitioner computes again in a backward graph have no eager
         # op (the eager backward reads saved values): none is paired with one.
         record = target.rank(0).compiled
-        again = {op for c in record.calls if c.part == "backward"
-                 for n in record.graphs[c.graph].parts["backward"].nodes if n.recomputed for op in c.nodes.get(n.name, ())}
+        again = {
+            op
+            for c in record.calls
+            if c.part == "backward"
+            for n in record.graphs[c.graph].parts["backward"].nodes
+            if n.recomputed
+            for op in c.nodes.get(n.name, ())
+        }
         assert bool(again) == (compiled.backend.inner == "inductor")
         assert nodes.loc[nodes["op_id"].isin(again), "bench_op_id"].isna().all()
 
 
-def test_a_fault_in_eager_code_between_graphs_is_found(compiled: Compiled, benches: dict[str, tracecmp.Trace],
-                                                       tmp_path: Path) -> None:
+def test_a_fault_in_eager_code_between_graphs_is_found(
+    compiled: Compiled, benches: dict[str, tracecmp.Trace], tmp_path: Path
+) -> None:
     FAULTS["between"] = 2.002
     try:
         target = compiled.trace(tmp_path / "t", compiled="boundary")
@@ -215,8 +230,9 @@ def _faulty_gelu_trace(model: Compiled, path: Path, **options: Any) -> tracecmp.
         FAULTS["gelu"] = 1.0
 
 
-def test_a_fault_inside_a_region_is_found_at_the_region(compiled: Compiled, benches: dict[str, tracecmp.Trace],
-                                                        tmp_path: Path) -> None:
+def test_a_fault_inside_a_region_is_found_at_the_region(
+    compiled: Compiled, benches: dict[str, tracecmp.Trace], tmp_path: Path
+) -> None:
     target = _faulty_gelu_trace(compiled, tmp_path / "t", compiled="boundary")
     first = tracecmp.compare(target, benches["stats"]).first_divergence
     assert first is not None and first.op in ("compiled.forward", "compiled.backward") and first.step == 0
@@ -225,8 +241,9 @@ def test_a_fault_inside_a_region_is_found_at_the_region(compiled: Compiled, benc
     assert any(n.op == "tracecmp_tests.gelu.default" for n in faulty.parts["forward"].nodes)
 
 
-def test_a_fault_inside_a_region_is_narrowed_to_its_node(compiled: Compiled, benches: dict[str, tracecmp.Trace],
-                                                         tmp_path: Path) -> None:
+def test_a_fault_inside_a_region_is_narrowed_to_its_node(
+    compiled: Compiled, benches: dict[str, tracecmp.Trace], tmp_path: Path
+) -> None:
     # Boundary mode with tensors: the region's graph is replayed and the kernel named.
     target = _faulty_gelu_trace(compiled, tmp_path / "b", compiled="boundary", data="tensors")
     first = tracecmp.compare(target, benches["tensors"]).first_divergence
@@ -237,8 +254,12 @@ def test_a_fault_inside_a_region_is_narrowed_to_its_node(compiled: Compiled, ben
     target = _faulty_gelu_trace(compiled, tmp_path / "g", compiled="graph")
     first = tracecmp.compare(target, benches["stats"]).first_divergence
     assert first is not None
-    assert (first.op, first.module, first.phase, first.step) == ("tracecmp_tests.gelu.default", "blocks.1.mlp.act",
-                                                                 "forward", 0)
+    assert (first.op, first.module, first.phase, first.step) == (
+        "tracecmp_tests.gelu.default",
+        "blocks.1.mlp.act",
+        "forward",
+        0,
+    )
 
 
 def test_compiled_against_compiled(compiled: Compiled, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ make a variant of the compiled code that is compiled again once they are gone. E
 counts what the backend compiled and how often compiled code ran, per step, and keeps every
 loss, gradient and parameter: a traced run must match a run that was never traced, bitwise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ def needs_inductor(backend: str) -> None:
         pytest.skip("torch 2.1's inductor imports pkg_resources, and setuptools is not installed here")
 
 
-def _run(backend: CountingBackend, trace: Path | None = None, traced_steps: tuple[int, ...] = (0,),
-         fullgraph: bool = True) -> dict[str, Any]:
+def _run(
+    backend: CountingBackend, trace: Path | None = None, traced_steps: tuple[int, ...] = (0,), fullgraph: bool = True
+) -> dict[str, Any]:
     """``STEPS`` training steps of a compiled TinyGPT from a fixed seed; the first two in a session."""
     torch.manual_seed(7)
     model = TinyGPT(layers=1)
@@ -92,12 +94,15 @@ def test_traced_compiled_steps_stay_compiled_and_bitwise_equal(tmp_path: Path, i
     with contextlib.nullcontext() if HOOKS_GUARDED else pytest.warns(UserWarning, match="before tracing began"):
         before = _run(backend, tmp_path / "before", traced_steps=(1,))
     assert before["compiles"][2:] == [0, 0]
-    assert before["compiles"][:2] == ([min(c, plain["compiles"][0]) for c in before["compiles"][:2]]
-                                      if HOOKS_GUARDED else [0, 0])
+    assert before["compiles"][:2] == (
+        [min(c, plain["compiles"][0]) for c in before["compiles"][:2]] if HOOKS_GUARDED else [0, 0]
+    )
     assert before["runs"] == plain["runs"]
     assert _same(plain, before) == []
     notes = tracecmp.load(tmp_path / "before").rank(0).manifest["info"]["compiled_notes"]
-    assert ("without regions" if HOOKS_GUARDED else "graph(s) were compiled in this process before tracing began") in notes[0]
+    assert (
+        "without regions" if HOOKS_GUARDED else "graph(s) were compiled in this process before tracing began"
+    ) in notes[0]
 
     # Compiled inside the traced step: the same code, and it keeps running after the session.
     torch._dynamo.reset()

@@ -1,4 +1,5 @@
 """`tracecmp demo` end to end: capture two runs, compare, report, and name the emulated fault."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def test_demo_command_finds_the_fp16_overflow(tmp_path: Path) -> None:
     assert verdict.startswith("DIVERGED: first divergence at aten.mm.default in head (backward, step 0) — demo.py:")
     assert any(line.strip().startswith("reason") and "NaN/Inf" in line for line in lines)
     assert "Found it: the first divergence is in head (aten.mm.default), where the emulated fault is." in lines
-    bench, target = (next(line for line in lines if line.strip().startswith(f"{name} ")) for name in ("bench", "target"))
+    bench, target = (
+        next(line for line in lines if line.strip().startswith(f"{name} ")) for name in ("bench", "target")
+    )
     assert "nan" not in bench and target.rstrip().endswith("nan")  # the target's second step trains on Inf gradients
     assert any(line.startswith("Report: ") and str(out / "report.html") in line for line in lines)
     report = (out / "report.html").read_text(encoding="utf-8")

@@ -1,5 +1,6 @@
 """Bitwise determinism: two seeded runs give identical traces, and ``compare --exact`` names the one
 op that is not deterministic (its output changed while its inputs were bitwise equal)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,9 @@ def _restore_determinism() -> Any:
     torch.backends.cudnn.deterministic = False
 
 
-def _run(path: Path, name: str = "transformer", *, deterministic: bool = False, fault: TorchDispatchMode | None = None) -> Path:
+def _run(
+    path: Path, name: str = "transformer", *, deterministic: bool = False, fault: TorchDispatchMode | None = None
+) -> Path:
     model = make_model(name)
     opt = make_optimizer(model)
     batch = example_batch(name)

@@ -5,6 +5,7 @@ known: ``_local_scalar_dense`` (``.item()``, ``bool(t)``), data-dependent shapes
 ``masked_select``, boolean-mask indexing) and copies to another device. A recorder mode entered
 *outside* the capture sees every op the capture itself runs, so the test can count them.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@ One ``torchrun`` launch captures every run the tests compare (``dist_program.py`
 bench, a clean target, and targets with a fault on rank 1 alone, in forward and in backward
 before the gradients are reduced. A second launch kills rank 1 with SIGKILL mid-step.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,8 +37,12 @@ def _has(module: str, name: str) -> bool:
 # What each setup needs of torch (FSDP2 and public DTensor came with torch 2.4-2.6).
 MISSING = {
     "ddp": "",
-    "fsdp2": "" if _has("torch.distributed.fsdp", "fully_shard") else "this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)",
-    "tp": "" if _has("torch.distributed.tensor", "distribute_tensor") and _has("torch.distributed.device_mesh", "init_device_mesh")
+    "fsdp2": ""
+    if _has("torch.distributed.fsdp", "fully_shard")
+    else "this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)",
+    "tp": ""
+    if _has("torch.distributed.tensor", "distribute_tensor")
+    and _has("torch.distributed.device_mesh", "init_device_mesh")
     else "this torch has no public DTensor (torch.distributed.tensor, device_mesh)",
 }
 AVAILABLE = tuple(setup for setup in SETUPS if not MISSING[setup])
@@ -57,9 +62,26 @@ def _free_port() -> int:
 def _torchrun(out: Path, *setups: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), "-m", "tests.integration.dist_program", str(out), *setups],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "tests.integration.dist_program",
+            str(out),
+            *setups,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
     )
 
 
@@ -131,7 +153,8 @@ def test_the_recorded_all_reduce_statistics_are_the_reduced_gradients(runs: Path
             assert sent["checksum"] != row["checksum"], "what a rank sent differs from the sum it received"
     buckets = trace.rank(0).manifest["info"]["ddp_buckets"]
     assert sorted(name for bucket in buckets for name in bucket) == sorted(
-        f"module.{n}" for n in ("up.weight", "up.bias", "down.weight", "down.bias"))
+        f"module.{n}" for n in ("up.weight", "up.bias", "down.weight", "down.bias")
+    )
 
 
 def test_each_collective_names_its_group_reduction_and_match_key(runs: Path) -> None:
@@ -144,10 +167,16 @@ def test_each_collective_names_its_group_reduction_and_match_key(runs: Path) -> 
         assert all(c.root == 0 for calls in per_rank for c in calls if c.kind == "broadcast")
         assert [c.key for c in per_rank[0]] == [c.key for c in per_rank[1]]  # matched one to one
         assert all(c.ranks == (0, 1) and c.group for calls in per_rank for c in calls)
-        assert all(c.reduce in ("sum", "avg") for calls in per_rank for c in calls if c.kind in ("all_reduce", "reduce_scatter"))
+        assert all(
+            c.reduce in ("sum", "avg")
+            for calls in per_rank
+            for c in calls
+            if c.kind in ("all_reduce", "reduce_scatter")
+        )
         for r in trace.ranks:
             assert "capture_skipped" not in trace.rank(r).manifest["info"] or not any(
-                "collective" in reason for reason in trace.rank(r).manifest["info"]["capture_skipped"])
+                "collective" in reason for reason in trace.rank(r).manifest["info"]["capture_skipped"]
+            )
 
 
 def test_the_first_overflow_of_the_job_is_where_it_was_born(runs: Path) -> None:
@@ -160,7 +189,10 @@ def test_the_first_overflow_of_the_job_is_where_it_was_born(runs: Path) -> None:
 def test_ranks_are_compared_in_worker_processes_as_in_this_one(runs: Path) -> None:
     here = tracecmp.compare(runs / "ddp" / "forward", runs / "ddp" / "bench", workers=1)
     pooled = tracecmp.compare(runs / "ddp" / "forward", runs / "ddp" / "bench", workers=2, max_memory=6 << 30)
-    assert (pooled.first_divergence.rank, pooled.first_divergence.op_id) == (here.first_divergence.rank, here.first_divergence.op_id)
+    assert (pooled.first_divergence.rank, pooled.first_divergence.op_id) == (
+        here.first_divergence.rank,
+        here.first_divergence.op_id,
+    )
     assert pooled.job.to_frame().equals(here.job.to_frame())
     assert len(pooled.nodes) == len(here.nodes)
 

@@ -3,6 +3,7 @@
 The full benchmark is ``python -m benchmarks.localization`` (minutes); this runs a handful of
 cases end to end in seconds and asserts that tracecmp names the injected op.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,10 +42,14 @@ def _tf32_reference(v: float) -> float:
 
 def test_round_tf32_matches_bit_reference_including_ties_and_specials() -> None:
     torch.manual_seed(0)
-    x = torch.cat([
-        torch.randn(2000) * torch.logspace(-30, 30, 2000),
-        torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, 1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11)]),
-    ])
+    x = torch.cat(
+        [
+            torch.randn(2000) * torch.logspace(-30, 30, 2000),
+            torch.tensor(
+                [0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, 1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11)]
+            ),
+        ]
+    )
     y = round_tf32(x)
     assert y.tolist() == [_tf32_reference(v) for v in x.tolist()]
     assert torch.isnan(round_tf32(torch.tensor([float("nan")]))).all()
@@ -60,7 +65,9 @@ def test_the_tf32_background_hands_the_kernel_the_operands_layout() -> None:
     assert rounded.stride() == weight.t().stride() and torch.equal(rounded, round_tf32(weight.t()))
 
 
-@pytest.mark.parametrize("kind,magnitude", [("scale", 1e-6), ("noise", 1e-4), ("bf16", 0), ("fp16", 0), ("nan", 0), ("inf", 0), ("ulp", 0)])
+@pytest.mark.parametrize(
+    "kind,magnitude", [("scale", 1e-6), ("noise", 1e-4), ("bf16", 0), ("fp16", 0), ("nan", 0), ("inf", 0), ("ulp", 0)]
+)
 def test_every_output_fault_changes_bits_and_is_reproducible(kind: str, magnitude: float) -> None:
     base = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
     a, b = base.clone(), base.clone()
@@ -123,8 +130,9 @@ def test_output_fault_is_recorded_as_the_sites_own_output_and_nothing_earlier_ch
     site = Site("aten.gelu.default", "forward", 0)
     inj, faulty, _ = _mlp_step(Plan(output_fault=OutputFault("scale", site, 1e-2)))
     assert inj.obs.fault_applied and inj.obs.effective and inj.obs.site_module == "act2"
-    first_diff = next(i for i, (a, b) in enumerate(zip(clean.rows, faulty.rows))
-                      if a[2] is not None and not bitwise_equal(a[2], b[2]))
+    first_diff = next(
+        i for i, (a, b) in enumerate(zip(clean.rows, faulty.rows)) if a[2] is not None and not bitwise_equal(a[2], b[2])
+    )
     assert faulty.rows[first_diff][0] == "aten.gelu.default"
     assert torch.allclose(faulty.rows[first_diff][2], clean.rows[first_diff][2] * 1.01)
 
@@ -153,7 +161,9 @@ def test_tf32_noise_rounds_matmul_inputs_only() -> None:
     inj, rec, loss = _mlp_step(Plan(tf32=True))
     _, clean, clean_loss = _mlp_step(Plan())
     assert inj.obs.tf32_calls == sum(1 for r in clean.rows if r[0] in ("aten.addmm.default", "aten.mm.default"))
-    first = next(i for i, (a, b) in enumerate(zip(clean.rows, rec.rows)) if a[2] is not None and not bitwise_equal(a[2], b[2]))
+    first = next(
+        i for i, (a, b) in enumerate(zip(clean.rows, rec.rows)) if a[2] is not None and not bitwise_equal(a[2], b[2])
+    )
     assert rec.rows[first][0] == "aten.addmm.default"
     assert not bitwise_equal(loss, clean_loss)
 
@@ -186,11 +196,14 @@ def _run(case: Any, tmp_path: Path) -> Any:
     return run_case(case, bench, tmp_path, keep=False, timeout_s=120)
 
 
-@pytest.mark.parametrize("pick", [
-    lambda c: c.kind == "scale" and c.magnitude == 1e-2 and c.phase == "forward" and c.variant == "plain",
-    lambda c: c.kind == "bf16" and c.phase == "backward" and c.variant == "plain",
-    lambda c: c.kind == "arg" and "gelu.default" in c.id and c.variant == "plain",
-])
+@pytest.mark.parametrize(
+    "pick",
+    [
+        lambda c: c.kind == "scale" and c.magnitude == 1e-2 and c.phase == "forward" and c.variant == "plain",
+        lambda c: c.kind == "bf16" and c.phase == "backward" and c.variant == "plain",
+        lambda c: c.kind == "arg" and "gelu.default" in c.id and c.variant == "plain",
+    ],
+)
 def test_benchmark_cases_find_the_injected_op(pick: Any, tmp_path: Path) -> None:
     case = next(c for c in _cases("mlp").values() if pick(c))
     r = _run(case, tmp_path)
@@ -209,8 +222,11 @@ def test_tensors_mode_replay_finds_a_fault_below_the_tf32_background(tmp_path: P
     """A 1e-4 fault in threshold_backward, 5x below the TF32 noise its inputs carry: statistics miss it."""
     from benchmarks.localization.run import CAPTURE
 
-    case = next(c for c in _cases("mlp").values()
-                if c.kind == "scale" and c.magnitude == 1e-4 and c.variant == "tf32" and c.category == "activation")
+    case = next(
+        c
+        for c in _cases("mlp").values()
+        if c.kind == "scale" and c.magnitude == 1e-4 and c.variant == "tf32" and c.category == "activation"
+    )
     previous = CAPTURE["data"]
     CAPTURE["data"] = "tensors"
     try:
@@ -223,7 +239,9 @@ def test_tensors_mode_replay_finds_a_fault_below_the_tf32_background(tmp_path: P
 
 @pytest.mark.parametrize("rounding", ["nearest", "zero"])
 @pytest.mark.parametrize("data", ["stats", "tensors"])
-def test_the_tf32_background_alone_is_no_divergence_whichever_way_it_rounds(rounding: str, data: str, tmp_path: Path) -> None:
+def test_the_tf32_background_alone_is_no_divergence_whichever_way_it_rounds(
+    rounding: str, data: str, tmp_path: Path
+) -> None:
     from benchmarks.localization.faults import TF32_ROUNDING
     from benchmarks.localization.run import CAPTURE
 
@@ -237,12 +255,17 @@ def test_the_tf32_background_alone_is_no_divergence_whichever_way_it_rounds(roun
     assert r.outcome == "clean", r.found
 
 
-def test_a_matmul_fault_below_the_tf32_background_is_found_where_the_runs_matmuls_are_reproduced(tmp_path: Path) -> None:
+def test_a_matmul_fault_below_the_tf32_background_is_found_where_the_runs_matmuls_are_reproduced(
+    tmp_path: Path,
+) -> None:
     from benchmarks.localization.faults import TF32_ROUNDING
     from benchmarks.localization.run import CAPTURE
 
-    case = next(c for c in _cases("mlp").values()
-                if c.kind == "noise" and c.magnitude == 1e-4 and c.variant == "tf32" and c.category == "matmul")
+    case = next(
+        c
+        for c in _cases("mlp").values()
+        if c.kind == "noise" and c.magnitude == 1e-4 and c.variant == "tf32" and c.category == "matmul"
+    )
     previous = CAPTURE["data"], TF32_ROUNDING["how"]
     CAPTURE["data"], TF32_ROUNDING["how"] = "tensors", "zero"
     try:
@@ -259,15 +282,17 @@ def test_the_census_counts_clean_tensors_off_by_a_faults_size_from_the_drift_on(
 
     from benchmarks.localization.realsize import beyond_fault_size
 
-    tensors = pd.DataFrame({
-        "rank": [0, 0, 0, 0, 1, 0, 0],
-        "op_id": [3, 7, 9, 11, 8, 12, 13],
-        "numel": [10, 10, 10, 1, 10, 10, 10],
-        "unit": [0.0039, 0.0039, 0.0039, 0.0039, 0.0039, 0.0039, 0.0],
-        "exact": [False, False, True, False, False, False, False],
-        # a scalar, another rank, a tensor without statistics and an integer one are left out
-        "e_sys": [0.2, 0.06, 0.0, 0.5, 0.5, math.nan, 1.0],
-        "e_ext": [0.3, 0.01, 0.0, 0.5, 0.5, math.nan, 1.0],
-    })
+    tensors = pd.DataFrame(
+        {
+            "rank": [0, 0, 0, 0, 1, 0, 0],
+            "op_id": [3, 7, 9, 11, 8, 12, 13],
+            "numel": [10, 10, 10, 1, 10, 10, 10],
+            "unit": [0.0039, 0.0039, 0.0039, 0.0039, 0.0039, 0.0039, 0.0],
+            "exact": [False, False, True, False, False, False, False],
+            # a scalar, another rank, a tensor without statistics and an integer one are left out
+            "e_sys": [0.2, 0.06, 0.0, 0.5, 0.5, math.nan, 1.0],
+            "e_ext": [0.3, 0.01, 0.0, 0.5, 0.5, math.nan, 1.0],
+        }
+    )
     assert beyond_fault_size(tensors, 0, 5, 0.05) == {"from_op": 5, "tensors": 2, "norm_mean": 1, "max_min": 0}
     assert beyond_fault_size(tensors, 0, 0, 0.05) == {"from_op": 0, "tensors": 3, "norm_mean": 2, "max_min": 1}

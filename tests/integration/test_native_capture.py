@@ -8,6 +8,7 @@ writes, several new outputs, backward and gradient accumulation, ``.item()``) an
 to the reference (new sources, alias updates, undeclared writes, inference tensors, saved data,
 argument rewrites, full stacks).
 """
+
 from __future__ import annotations
 
 import os

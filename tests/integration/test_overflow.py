@@ -1,4 +1,5 @@
 """The first op that turns finite inputs into NaN/Inf: found offline, in forward and in backward."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """Packaging on a machine without a C++ compiler: ``python -m build`` makes an sdist and, from it, a
 wheel whose extensions could not be built; installed, tracecmp captures on the Python references
 and says so once, in one line."""
+
 from __future__ import annotations
 
 import os
@@ -51,7 +52,10 @@ def test_sdist_and_wheel_built_without_a_compiler_run_on_the_references(tmp_path
     no_compiler = {**env, "CC": "false", "CXX": "false"}
     built = subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(source)],
-        env=no_compiler, capture_output=True, text=True, timeout=600,
+        env=no_compiler,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     assert "tracecmp will use its slower pure-Python/torch reference" in built.stdout + built.stderr
@@ -60,13 +64,20 @@ def test_sdist_and_wheel_built_without_a_compiler_run_on_the_references(tmp_path
     site = tmp_path / "site"
     installed = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheels[0])],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert installed.returncode == 0, installed.stderr[-2000:]
     assert not list(site.glob("tracecmp/*.so"))
     ran = subprocess.run(
         [sys.executable, "-c", _CAPTURE, str(tmp_path / "traces")],
-        env={**env, "PYTHONPATH": str(site)}, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**env, "PYTHONPATH": str(site)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ran.returncode == 0, ran.stderr[-3000:]
     where, native, counts = ran.stdout.splitlines()[-3:]

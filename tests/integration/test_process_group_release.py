@@ -1,4 +1,5 @@
 """A session lets go of the program's process groups when it ends."""
+
 from __future__ import annotations
 
 import socket

@@ -6,6 +6,7 @@ failure reproduces; a deeper search::
 
     TRACECMP_FUZZ_CASES=2000 TRACECMP_FUZZ_SEED=7 python3 -m pytest tests/integration/test_reader_fuzz.py
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,25 @@ def _good_trace(path: Path, data: str) -> Path:
 def test_damaged_traces_are_refused_in_one_line_or_read_cleanly(tmp_path: Path) -> None:
     goods = [_good_trace(tmp_path / "stats", "stats"), _good_trace(tmp_path / "tensors", "tensors")]
     result = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz_reader", *map(str, goods), "--cases", str(CASES), "--seed", str(SEED),
-         "--work", str(tmp_path / "work"), "--case-seconds", "60"],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "tests.fuzz_reader",
+            *map(str, goods),
+            "--cases",
+            str(CASES),
+            "--seed",
+            str(SEED),
+            "--work",
+            str(tmp_path / "work"),
+            "--case-seconds",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=900,
     )
     lines = result.stdout.strip().splitlines()
     assert result.returncode in (0, 1) and lines, (

@@ -6,6 +6,7 @@ second step's parameters carry the first step's optimizer rounding). A clean pai
 a 5% fault at one layer norm is the only root. The real-size figures (GPT-2 small, BERT-base,
 ResNet-50, Llama) are measured in ``benchmarks/localization/realsize.py``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,16 @@ def _record(path: Path, precision: str, plan: Plan, optimizer: str = "single") -
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=256,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         # Eager attention: its causal mask is filled with finfo(dtype).min, each run its own (and
         # every torch computes it from the same aten ops).
         config._attn_implementation = "eager"
@@ -67,11 +76,14 @@ def test_a_layer_norm_fault_in_an_autocast_gpt2_is_the_only_root(tmp_path: Path,
     plan = Plan(output_fault=OutputFault("scale", site, 0.05, seed=1))
     result = tracecmp.compare(_record(tmp_path / "target", "amp-bf16", plan), bench)
     assert [(s.op, s.module, s.step) for s in result.suspects] == [
-        ("aten.native_layer_norm.default", "transformer.h.1.ln_1", 0)], result.summary()
+        ("aten.native_layer_norm.default", "transformer.h.1.ln_1", 0)
+    ], result.summary()
 
 
 @pytest.mark.parametrize("optimizer", ["single", "foreach", "fused"])
-def test_a_fault_in_the_next_steps_positional_lookup_is_the_only_root(tmp_path: Path, bench: Path, optimizer: str) -> None:
+def test_a_fault_in_the_next_steps_positional_lookup_is_the_only_root(
+    tmp_path: Path, bench: Path, optimizer: str
+) -> None:
     # The batch reads 32 of the 64 positions: AdamW leaves the other rows, which hold the table's
     # extremes, where they were, and divides their zero moments by eps. What bounds the table's
     # error after the step is Adam's own arithmetic, not that division (comparison/adam.py), in
@@ -85,5 +97,6 @@ def test_a_fault_in_the_next_steps_positional_lookup_is_the_only_root(tmp_path: 
     site = Site("aten.embedding.default", "forward", 3)  # transformer.wpe in step 1
     plan = Plan(output_fault=OutputFault("scale", site, 0.05, seed=1))
     result = tracecmp.compare(_record(tmp_path / "target", "amp-bf16", plan, optimizer), bench)
-    assert [(s.op, s.module, s.step) for s in result.suspects] == [
-        ("aten.embedding.default", "transformer.wpe", 1)], result.summary()
+    assert [(s.op, s.module, s.step) for s in result.suspects] == [("aten.embedding.default", "transformer.wpe", 1)], (
+        result.summary()
+    )

@@ -1,5 +1,6 @@
 """``tracecmp record -- python train.py``: a training script that knows nothing of tracecmp,
 captured without an edit, running as it does without tracecmp."""
+
 from __future__ import annotations
 
 import os
@@ -86,8 +87,19 @@ def script(tmp_path: Path) -> Path:
 
 def _record(script: Path, *options: str, args: tuple[str, ...] = ("4", "0"), python: bool = True):
     trace = script.parent / "trace"
-    argv = [sys.executable, "-m", "tracecmp", "record", "-o", str(trace), *options, "--",
-            *(["python"] if python else []), script.name, *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "tracecmp",
+        "record",
+        "-o",
+        str(trace),
+        *options,
+        "--",
+        *(["python"] if python else []),
+        script.name,
+        *args,
+    ]
     return _run(argv, script.parent, script.parent / "recorded.safetensors"), trace
 
 
@@ -157,8 +169,22 @@ def test_module_form_and_exit_after(tmp_path: Path, script: Path) -> None:
     (package / "__init__.py").write_text("")
     (package / "train.py").write_text(TRAIN)
     trace = tmp_path / "trace"
-    argv = [sys.executable, "-m", "tracecmp", "record", "-o", str(trace), "--steps", "0", "--exit-after", "--",
-            "-m", "pkg.train", "5", "3"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tracecmp",
+        "record",
+        "-o",
+        str(trace),
+        "--steps",
+        "0",
+        "--exit-after",
+        "--",
+        "-m",
+        "pkg.train",
+        "5",
+        "3",
+    ]
     recorded = _run(argv, tmp_path, tmp_path / "r.safetensors")
     plain = _run([sys.executable, "-m", "pkg.train", "5", "3"], tmp_path, tmp_path / "p.safetensors")
     assert recorded.returncode == 0, recorded.stderr  # ended after step 0 by --exit-after
@@ -177,8 +203,17 @@ def test_an_existing_trace_is_refused_before_the_program_runs(script: Path) -> N
 
 
 def test_a_program_without_a_model_says_so_and_leaves_no_trace(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "tracecmp", "record", "-o", "t", "--", "-c",
-            "import torch, sys; print((torch.ones(2) * 3).sum().item()); sys.exit(4)"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tracecmp",
+        "record",
+        "-o",
+        "t",
+        "--",
+        "-c",
+        "import torch, sys; print((torch.ones(2) * 3).sum().item()); sys.exit(4)",
+    ]
     result = _run(argv, tmp_path, tmp_path / "unused")
     assert result.returncode == 4 and result.stdout == "6.0\n"
     assert "never ran the forward of a torch.nn.Module" in result.stderr
@@ -224,9 +259,21 @@ DDP = textwrap.dedent(
 
 def test_torchrun_with_two_ranks_writes_a_folder_per_rank(tmp_path: Path) -> None:
     (tmp_path / "ddp.py").write_text(DDP)
-    launch = ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(_free_port()), "ddp.py"]
-    recorded = _run([sys.executable, "-m", "tracecmp", "record", "-o", "trace", "--", *launch], tmp_path, tmp_path / "x")
+    launch = [
+        "torchrun",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "ddp.py",
+    ]
+    recorded = _run(
+        [sys.executable, "-m", "tracecmp", "record", "-o", "trace", "--", *launch], tmp_path, tmp_path / "x"
+    )
     launch[launch.index("--master-port") + 1] = str(_free_port())
     plain = _run(launch, tmp_path, tmp_path / "x")
     assert recorded.returncode == plain.returncode == 0, recorded.stderr[-3000:]
@@ -243,8 +290,18 @@ def test_torchrun_with_two_ranks_writes_a_folder_per_rank(tmp_path: Path) -> Non
 
 def test_ab_records_both_commands_the_same_way_and_compares(script: Path) -> None:
     (script.parent / "train_tanh.py").write_text(TRAIN.replace("nn.GELU()", 'nn.GELU(approximate="tanh")'))
-    argv = [sys.executable, "-m", "tracecmp", "ab", "-o", "ab", "--bench", "python train.py 4 0",
-            "--target", "python train_tanh.py 4 0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tracecmp",
+        "ab",
+        "-o",
+        "ab",
+        "--bench",
+        "python train.py 4 0",
+        "--target",
+        "python train_tanh.py 4 0",
+    ]
     result = _run(argv, script.parent, script.parent / "r.safetensors")
     assert result.returncode == 1, result.stderr[-3000:]  # compare's "divergence found"
     assert "first divergence at aten.gelu.default in encoder.1 (forward, step 0)" in result.stdout

@@ -1,4 +1,5 @@
 """Replay on real models: a whole run in bfloat16 against float32 is honest rounding, op by op."""
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ drawn, a screenshot; once with graphviz's dot and once with dot hidden from PATH
 Headless Chromium (Debian package ``chromium``). Skipped only when Chromium is missing and ``CI`` is
 not set; in CI it must run.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,10 +63,20 @@ _PROBE = """<script>
 def _browser(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
     assert BROWSER is not None, "CI is set but chromium is not installed (.ci/setup installs it)"
     command = [
-        BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-        "--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9",
-        "--enable-logging=stderr", "--v=0", *args,
+        BROWSER,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--proxy-server=127.0.0.1:9",
+        "--enable-logging=stderr",
+        "--v=0",
+        *args,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
@@ -104,12 +115,16 @@ def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_report_opens_without_errors_and_sorts(report: Path, tmp_path: Path) -> None:
     html = report.read_text(encoding="utf-8")
     probed = tmp_path / "probed.html"
-    probed.write_text(html.replace("<head>", "<head>" + _SINK, 1).replace("</body>", _PROBE + "</body>", 1), encoding="utf-8")
+    probed.write_text(
+        html.replace("<head>", "<head>" + _SINK, 1).replace("</body>", _PROBE + "</body>", 1), encoding="utf-8"
+    )
     done = _browser("--dump-dom", "--virtual-time-budget=5000", probed.as_uri(), profile=tmp_path / "profile")
     assert done.returncode == 0, done.stderr[-2000:]
     match = re.search(r'<pre id="probe-result">(.*?)</pre>', done.stdout, re.S)
     assert match, "the probe did not run: " + done.stdout[-1000:]
-    seen = json.loads(match.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
+    seen = json.loads(
+        match.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+    )
     assert seen["errors"] == []
     assert _console_lines(done.stderr) == []
     assert [r for r in seen["resources"] if not r.startswith("file:")] == []  # nothing fetched: works offline

@@ -4,6 +4,7 @@ random ops are marked, and compare explains a divergence that starts at a random
 No accelerator here: ``rng._FORCE_HOST_FOR_TESTS`` treats CPU tensors as device tensors, so the
 host path (copy to the host, draw, copy back or move to the device) runs and is checked bitwise.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -147,7 +148,11 @@ def test_cpu_tensors_are_left_alone_without_forcing() -> None:
 
 
 def _trace(
-    path: Path, name: str = "transformer", seed: int = 3, steps: int = 2, steps_recorded: list[int] | None = None,
+    path: Path,
+    name: str = "transformer",
+    seed: int = 3,
+    steps: int = 2,
+    steps_recorded: list[int] | None = None,
     **options: Any,
 ) -> Path:
     model = make_model(name)
@@ -189,9 +194,16 @@ def test_random_column_marks_the_ops_that_draw(tmp_path: Path) -> None:
         tc.step()
     frame = tracecmp.load(tmp_path / "t").to_frame()
     marked = set(frame.loc[frame["random"], "op"])
-    assert marked == {"aten.bernoulli_.float", "aten.randn.default", "aten.rand_like.default", "aten.randperm.default",
-                      "aten.native_dropout.default"}
-    assert not frame.loc[frame["op"].isin(["aten.empty_like.default", "aten.div_.Scalar", "aten.mul.Tensor"]), "random"].any()
+    assert marked == {
+        "aten.bernoulli_.float",
+        "aten.randn.default",
+        "aten.rand_like.default",
+        "aten.randperm.default",
+        "aten.native_dropout.default",
+    }
+    assert not frame.loc[
+        frame["op"].isin(["aten.empty_like.default", "aten.div_.Scalar", "aten.mul.Tensor"]), "random"
+    ].any()
 
 
 class Droppy(torch.nn.Module):

@@ -5,6 +5,7 @@ The transformer block of ``tests/models.py`` with its MLP's first ``addmm`` (``m
 1.001: before the downstream margin, compare also named the bias gradient of ``mlp.2`` (a sum
 over tokens of an error the scale spread unevenly) or the head.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

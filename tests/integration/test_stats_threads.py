@@ -7,6 +7,7 @@ OpenMP team and through the pass's own pool of threads: every tensor row, statis
 must be equal bit for bit, and equal to the pure-torch reference's rows (exact fields bit for bit,
 mean and norm within rounding: the reference adds in another order).
 """
+
 from __future__ import annotations
 
 import math
@@ -105,7 +106,9 @@ _IN_POOL = textwrap.dedent(
 def test_own_pool_gives_the_same_rows() -> None:
     """TRACECMP_CSTATS_POOL=threads: the pass's own threads instead of torch's team, same bits."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRACECMP_CSTATS_POOL="threads")
-    out = subprocess.run([sys.executable, "-c", _IN_POOL], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _IN_POOL], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0] == "threads"

@@ -5,6 +5,7 @@ FakeTensor's or a functional tensor's is 0, and handing it over killed the proce
 runs in a fresh interpreter per path (native kernel and C per-op path, or the torch reference),
 so a crash fails this test instead of the test run.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,11 @@ def facts(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRACECMP_FORCE_REFERENCE="0" if path == "native" else "1")
     result = subprocess.run(
         [sys.executable, "-m", "tests.integration.tensor_kinds_program", path, str(_free_port())],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, f"the capture crashed (exit {result.returncode}):\n{result.stderr[-3000:]}"
     cases = {}
@@ -69,16 +74,16 @@ def _recorded(case: dict[str, Any], name: str) -> bool:
     def same(a: float, b: float) -> bool:
         return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12)
 
-    return any(
-        all(same(a, b) for a, b in zip(row[:4], want[:4])) and row[4:] == want[4:] for row in case["stats"]
-    )
+    return any(all(same(a, b) for a, b in zip(row[:4], want[:4])) and row[4:] == want[4:] for row in case["stats"])
 
 
 def _mentions(case: dict[str, Any], word: str) -> bool:
     return any(word in reason for reason in case["skipped"])
 
 
-@pytest.mark.parametrize("name", ["dtensor", "fsdp2", "fake", "functional", "nested", "sparse", "meta", "subclasses", "other_layouts"])
+@pytest.mark.parametrize(
+    "name", ["dtensor", "fsdp2", "fake", "functional", "nested", "sparse", "meta", "subclasses", "other_layouts"]
+)
 def test_capture_runs_to_the_end_and_changes_nothing(facts: dict[str, dict[str, Any]], name: str) -> None:
     case = _case(facts, name)
     assert case["complete"]
@@ -114,7 +119,9 @@ def test_functionalized_code_is_recorded(facts: dict[str, dict[str, Any]]) -> No
     assert _recorded(case, "result")
 
 
-def test_nested_tensors_skip_with_a_reason_and_jagged_ones_record_their_values(facts: dict[str, dict[str, Any]]) -> None:
+def test_nested_tensors_skip_with_a_reason_and_jagged_ones_record_their_values(
+    facts: dict[str, dict[str, Any]],
+) -> None:
     case = _case(facts, "nested")
     assert _mentions(case, "nested tensor: no single shape")
     assert _recorded(case, "jagged_values")

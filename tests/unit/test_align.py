@@ -1,4 +1,5 @@
 """Alignment of target and bench nodes: structural keys, anchors, DP on the differing stretches."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -10,7 +11,9 @@ from tests.tracebuild import Ref, TraceBuilder
 from tracecmp.comparison.align import align_nodes, align_sequences
 
 
-def _pairs(tmp_path, target: Callable[[TraceBuilder], None], bench: Callable[[TraceBuilder], None], **kw) -> tuple[dict, object, object]:
+def _pairs(
+    tmp_path, target: Callable[[TraceBuilder], None], bench: Callable[[TraceBuilder], None], **kw
+) -> tuple[dict, object, object]:
     bt, bb = TraceBuilder(**kw), TraceBuilder(**kw)
     target(bt)
     bench(bb)
@@ -19,8 +22,14 @@ def _pairs(tmp_path, target: Callable[[TraceBuilder], None], bench: Callable[[Tr
     return align_nodes(t.ops, t.tensors, b.ops, b.tensors), t, b
 
 
-def _blocks(b: TraceBuilder, n: int = 6, extra_in: int | None = None, missing_in: int | None = None,
-            dtype: str = "float32", cast_in: int | None = None) -> None:
+def _blocks(
+    b: TraceBuilder,
+    n: int = 6,
+    extra_in: int | None = None,
+    missing_in: int | None = None,
+    dtype: str = "float32",
+    cast_in: int | None = None,
+) -> None:
     """n identical blocks (linear, relu, add): the shape of a repeated transformer stack."""
     x: Ref = b.source("input.0", shape=(4, 8), dtype=dtype)
     for i in range(n):

@@ -1,4 +1,5 @@
 """``tracecmp.check`` on hand-built traces: standards, statistics mode, skips, CLI, filters, regions."""
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,15 @@ def test_a_clean_trace_passes_and_every_op_is_judged_on_tensors(tmp_path):
     assert (result.nodes["evidence"] == "tensors").all()
 
 
-@pytest.mark.parametrize("site,op,module,phase", [
-    ("gelu", "aten.gelu.default", "act", "forward"),
-    ("ln", "aten.native_layer_norm.default", "ln", "forward"),
-    ("gelu_backward", "aten.gelu_backward.default", "act", "backward"),
-    ("sgd_b1", "aten.add.Tensor", "", "optimizer"),
-])
+@pytest.mark.parametrize(
+    "site,op,module,phase",
+    [
+        ("gelu", "aten.gelu.default", "act", "forward"),
+        ("ln", "aten.native_layer_norm.default", "ln", "forward"),
+        ("gelu_backward", "aten.gelu_backward.default", "act", "backward"),
+        ("sgd_b1", "aten.add.Tensor", "", "optimizer"),
+    ],
+)
 def test_an_op_wrong_by_a_few_parts_in_1e5_is_the_first_error(tmp_path, site, op, module, phase):
     result = check(record(tmp_path / "run", data=True, faults={site: scale(1 + 3e-5)}))
     d = result.first_error
@@ -79,8 +83,13 @@ def test_matmuls_on_bf16_inputs_pass_under_medium_and_are_named_bf16_when_the_ru
     x = b.source("input.0", torch.randn(32, 64, generator=g))
     for i in range(4):  # a device at "medium" multiplies float32 tensors rounded to bf16
         w = b.param(f"l{i}.weight", torch.randn(64, 64, generator=g) / 8)
-        x = b.call(A.mm.default, x, w, module=f"l{i}",
-                   fault=lambda _, x=x, w=w: torch.mm(b.value(x).bfloat16().float(), b.value(w).bfloat16().float()))
+        x = b.call(
+            A.mm.default,
+            x,
+            w,
+            module=f"l{i}",
+            fault=lambda _, x=x, w=w: torch.mm(b.value(x).bfloat16().float(), b.value(w).bfloat16().float()),
+        )
     path = b.write(tmp_path / "run")
     declared = check(_declare(path, "medium"))
     assert declared.first_error is None and declared.counts()["pass"] == 4
@@ -176,7 +185,10 @@ def test_statistics_find_an_output_on_the_float16_grid(tmp_path):
     def run(path: Path, fault: bool) -> tracecmp.CheckResult:
         g = torch.Generator().manual_seed(3)
         b = TraceBuilder()
-        x, w = b.source("input.0", torch.randn(16, 32, generator=g)), b.param("fc.weight", torch.randn(32, 8, generator=g))
+        x, w = (
+            b.source("input.0", torch.randn(16, 32, generator=g)),
+            b.param("fc.weight", torch.randn(32, 8, generator=g)),
+        )
         half = (lambda t: _fp16(_fp16(b.value(x)) @ _fp16(b.value(w)))) if fault else None
         b.call(A.mm.default, x, w, module="fc", fault=half)
         return check(b.write(path))
@@ -190,7 +202,10 @@ def test_statistics_find_an_output_on_the_float16_grid(tmp_path):
 def test_statistics_nan_from_finite_inputs_is_put_down_to_float16_range(tmp_path):
     b = TraceBuilder()
     g = torch.Generator().manual_seed(4)
-    x, w = b.source("input.0", torch.randn(8, 8, generator=g) * 3e4), b.param("fc.weight", torch.randn(8, 8, generator=g) * 4)
+    x, w = (
+        b.source("input.0", torch.randn(8, 8, generator=g) * 3e4),
+        b.param("fc.weight", torch.randn(8, 8, generator=g) * 4),
+    )
     half = lambda t: _fp16(_fp16(b.value(x)) @ _fp16(b.value(w)))  # noqa: E731
     b.call(A.mm.default, x, w, module="head", fault=half)
     d = check(b.write(tmp_path / "run")).first_error
@@ -233,7 +248,12 @@ def test_random_collective_opaque_and_device_only_ops_are_skipped_with_the_reaso
     torch.manual_seed(0)
     b.call(A.native_dropout.default, x, 0.5, True, random=True)
     b.op("aten.mul.Tensor", [x], torch.ones(4, 4), args={"self": {"tensor": 0}, "other": "<Generator>"})
-    b.op("_c10d_functional.all_reduce.default", [x], b.value(x).clone(), args={"input": {"tensor": 0}, "reduce_op": "sum", "group_name": "0"})
+    b.op(
+        "_c10d_functional.all_reduce.default",
+        [x],
+        b.value(x).clone(),
+        args={"input": {"tensor": 0}, "reduce_op": "sum", "group_name": "0"},
+    )
     b.op("tcchk.fused.default", [x], b.value(x) * 2, args={"x": {"tensor": 0}})
     b.op("npu.fast_gelu.default", [x], b.value(x), args={"self": {"tensor": 0}})
     result = check(b.write(tmp_path / "run"))
@@ -270,7 +290,7 @@ def test_a_float16_op_this_cpu_has_no_kernel_for_is_replayed_in_float32_and_roun
 
     def cpu(x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float16:
-            raise RuntimeError('"halfless" not implemented for \'Half\'')
+            raise RuntimeError("\"halfless\" not implemented for 'Half'")
         return torch.exp(x) / 3
 
     lib.impl("halfless", cpu, "CPU")
@@ -389,7 +409,8 @@ def test_selection_parses_matches_and_prints_ready_to_paste():
             self.module, self.step = module, step
 
     assert around([D("blocks.1.mlp.act", 0), D("blocks.1", 1), D("head", 0), D("x", 0)], top=2) == Selection(
-        modules=("blocks.1",), steps=(0, 1))
+        modules=("blocks.1",), steps=(0, 1)
+    )
     assert around([]) is None
 
 

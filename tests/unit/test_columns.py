@@ -1,4 +1,5 @@
 """Columns: capture's row buffers give back the rows they were given, as tuples and as Arrow."""
+
 from __future__ import annotations
 
 import array
@@ -11,8 +12,40 @@ from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 
 OPS = [
-    (0, 0, "forward", "source", "source.parameter", "fc.weight", "fc", "train.py:3", "{}", (), (0,), False, False, -1, ""),
-    (1, 0, "forward", "op", "aten.mm.default", "", "fc", "train.py:3", '{"self":{"tensor":0}}', (0, 7), (1,), False, False, 12, ""),
+    (
+        0,
+        0,
+        "forward",
+        "source",
+        "source.parameter",
+        "fc.weight",
+        "fc",
+        "train.py:3",
+        "{}",
+        (),
+        (0,),
+        False,
+        False,
+        -1,
+        "",
+    ),
+    (
+        1,
+        0,
+        "forward",
+        "op",
+        "aten.mm.default",
+        "",
+        "fc",
+        "train.py:3",
+        '{"self":{"tensor":0}}',
+        (0, 7),
+        (1,),
+        False,
+        False,
+        12,
+        "",
+    ),
     (2, 0, "backward", "op", "aten.split.Tensor", "", "", "", "{}", (1,), (2, 3, 4), False, False, 12, "a\nb"),
 ]
 TENSORS = [

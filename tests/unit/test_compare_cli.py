@@ -1,4 +1,5 @@
 """``tracecmp compare`` in a subprocess: exit codes 0/1/2, tables written, one-line errors."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,15 +27,21 @@ def _run(path: Path, factor: float = 1.0, complete: bool = True) -> Path:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tracecmp", "compare", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tracecmp", "compare", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    return {"bench": _run(root / "bench"), "same": _run(root / "same"), "bad": _run(root / "bad", 1.05),
-            "partial": _run(root / "partial", complete=False), "root": root}
+    return {
+        "bench": _run(root / "bench"),
+        "same": _run(root / "same"),
+        "bad": _run(root / "bad", 1.05),
+        "partial": _run(root / "partial", complete=False),
+        "root": root,
+    }
 
 
 def test_agreeing_runs_exit_0(runs):

@@ -4,6 +4,7 @@ The bench runs ``relu(x * w)`` eagerly (``aten.mul`` in ``fc``, ``aten.relu`` in
 sum. The target recorded the first two as one compiled region (``compiled.forward``) whose graph
 says which eager ops its nodes came from; the sum runs eagerly after it.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,14 +34,32 @@ def _graph(relu_op: str = "aten.relu.default", relu_args: str = '{"self":{"tenso
     nodes = (
         GraphNode("primals_1", "placeholder"),
         GraphNode("primals_2", "placeholder"),
-        GraphNode("mul", "aten.mul.Tensor", ("primals_1", "primals_2"), '{"self":{"tensor":0},"other":{"tensor":1}}',
-                  "fc", "model.py:3", 1, "aten.mul.Tensor", ((2, 4),), ("float32",)),
-        GraphNode("relu", relu_op, ("mul",), relu_args, "act", "model.py:4", 2, "aten.relu.default", ((2, 4),),
-                  ("float32",)),
+        GraphNode(
+            "mul",
+            "aten.mul.Tensor",
+            ("primals_1", "primals_2"),
+            '{"self":{"tensor":0},"other":{"tensor":1}}',
+            "fc",
+            "model.py:3",
+            1,
+            "aten.mul.Tensor",
+            ((2, 4),),
+            ("float32",),
+        ),
+        GraphNode(
+            "relu", relu_op, ("mul",), relu_args, "act", "model.py:4", 2, "aten.relu.default", ((2, 4),), ("float32",)
+        ),
         GraphNode("output", "output", ("relu",)),
     )
-    return CompiledGraph("g0", "0/0", "inductor", "model.py:2 forward", "", ("L['x']", "L['self'].fc.weight"),
-                         {"forward": GraphPart("forward", nodes, (), 1)})
+    return CompiledGraph(
+        "g0",
+        "0/0",
+        "inductor",
+        "model.py:2 forward",
+        "",
+        ("L['x']", "L['self'].fc.weight"),
+        {"forward": GraphPart("forward", nodes, (), 1)},
+    )
 
 
 def _target(path: Path, region: Callable[[torch.Tensor], torch.Tensor], graph: CompiledGraph, data: bool) -> Path:
@@ -50,8 +69,17 @@ def _target(path: Path, region: Callable[[torch.Tensor], torch.Tensor], graph: C
     y = b.op("compiled.forward", [x, w], out, module="")
     b.ops[-1]["name"] = graph.id
     b.call(torch.ops.aten.sum.default, y)
-    call = RegionCall(graph=graph.id, part="forward", mode="boundary", step=0, op_id=y.op_id, first_op=y.op_id,
-                      last_op=y.op_id, inputs=(x.tensor_id, w.tensor_id), outputs=(y.tensor_id,))
+    call = RegionCall(
+        graph=graph.id,
+        part="forward",
+        mode="boundary",
+        step=0,
+        op_id=y.op_id,
+        first_op=y.op_id,
+        last_op=y.op_id,
+        inputs=(x.tensor_id, w.tensor_id),
+        outputs=(y.tensor_id,),
+    )
     b.compiled = {"graphs": [graph.to_json()], "calls": [call.to_json()]}
     return b.write(path)
 
@@ -115,18 +143,31 @@ def _heads_bench(path: Path, *, data: bool = True) -> Path:
     b = TraceBuilder(data=data)
     x, w = b.source("input.0", QKV_X), b.param("qkv.weight", QKV_W)
     y = b.call(ATEN.mul.Tensor, x, w, module="qkv")
-    heads = b.call(ATEN.permute.default, b.call(ATEN.view.default, y, [1, 4, 3, 2, 2], module="attn"), [2, 0, 3, 1, 4],
-                   module="attn")
+    heads = b.call(
+        ATEN.permute.default,
+        b.call(ATEN.view.default, y, [1, 4, 3, 2, 2], module="attn"),
+        [2, 0, 3, 1, 4],
+        module="attn",
+    )
     q, k, v = b.call(ATEN.unbind.int, heads, module="attn")
     out = b.call(ATEN.add.Tensor, b.call(ATEN.mul.Tensor, q, k, module="attn"), v, module="attn")
     b.call(ATEN.sum.default, out)
     return b.write(path)
 
 
-def _node(name: str, op: str, inputs: tuple[str, ...], args: dict, module: str, seq: int, original: str,
-          shapes: tuple[tuple[int, ...], ...]) -> GraphNode:
-    return GraphNode(name, op, inputs, json.dumps(args), module, f"model.py:{seq}", seq, original, shapes,
-                     ("float32",) * len(shapes))
+def _node(
+    name: str,
+    op: str,
+    inputs: tuple[str, ...],
+    args: dict,
+    module: str,
+    seq: int,
+    original: str,
+    shapes: tuple[tuple[int, ...], ...],
+) -> GraphNode:
+    return GraphNode(
+        name, op, inputs, json.dumps(args), module, f"model.py:{seq}", seq, original, shapes, ("float32",) * len(shapes)
+    )
 
 
 def _heads_nodes() -> list[GraphNode]:
@@ -135,35 +176,76 @@ def _heads_nodes() -> list[GraphNode]:
     return [
         GraphNode("primals_1", "placeholder"),
         GraphNode("primals_2", "placeholder"),
-        _node("mul", "aten.mul.Tensor", ("primals_1", "primals_2"), {"self": t, "other": {"tensor": 1}}, "qkv", 1,
-              "aten.mul.Tensor", ((1, 4, 12),)),
-        _node("view", "aten.view.default", ("mul",), {"self": t, "size": [1, 4, 3, 2, 2]}, "attn", 2,
-              "aten.view.default", ((1, 4, 3, 2, 2),)),
-        _node("permute", "aten.permute.default", ("view",), {"self": t, "dims": [2, 0, 3, 1, 4]}, "attn", 3,
-              "aten.permute.default", ((3, 1, 2, 4, 2),)),
+        _node(
+            "mul",
+            "aten.mul.Tensor",
+            ("primals_1", "primals_2"),
+            {"self": t, "other": {"tensor": 1}},
+            "qkv",
+            1,
+            "aten.mul.Tensor",
+            ((1, 4, 12),),
+        ),
+        _node(
+            "view",
+            "aten.view.default",
+            ("mul",),
+            {"self": t, "size": [1, 4, 3, 2, 2]},
+            "attn",
+            2,
+            "aten.view.default",
+            ((1, 4, 3, 2, 2),),
+        ),
+        _node(
+            "permute",
+            "aten.permute.default",
+            ("view",),
+            {"self": t, "dims": [2, 0, 3, 1, 4]},
+            "attn",
+            3,
+            "aten.permute.default",
+            ((3, 1, 2, 4, 2),),
+        ),
         _node("unbind", "aten.unbind.int", ("permute",), {"self": t}, "attn", 4, "aten.unbind.int", (HEADS,) * 3),
-        *(_node(f"getitem_{i}", "getitem", ("unbind",), {"index": i}, "attn", 4, "aten.unbind.int", (HEADS,))
-          for i in range(3)),
+        *(
+            _node(f"getitem_{i}", "getitem", ("unbind",), {"index": i}, "attn", 4, "aten.unbind.int", (HEADS,))
+            for i in range(3)
+        ),
     ]
 
 
 def _graph_of(nodes: list[GraphNode], outputs: tuple[str, ...]) -> CompiledGraph:
     part = GraphPart("forward", (*nodes, GraphNode("output", "output", outputs)), (), len(outputs))
-    return CompiledGraph("g0", "0/0", "inductor", "model.py:1 forward", "", ("L['x']", "L['self'].qkv.weight"),
-                         {"forward": part})
+    return CompiledGraph(
+        "g0", "0/0", "inductor", "model.py:1 forward", "", ("L['x']", "L['self'].qkv.weight"), {"forward": part}
+    )
 
 
-def _region_target(path: Path, graph: CompiledGraph, outs: list[torch.Tensor], *, data: bool,
-                   after: Callable[[TraceBuilder, list], None]) -> Path:
+def _region_target(
+    path: Path,
+    graph: CompiledGraph,
+    outs: list[torch.Tensor],
+    *,
+    data: bool,
+    after: Callable[[TraceBuilder, list], None],
+) -> Path:
     """A target that ran ``graph`` as one compiled region returning ``outs``, then ``after``."""
     b = TraceBuilder(data=data)
     x, w = b.source("input.0", QKV_X), b.param("qkv.weight", QKV_W)
     refs = b.op("compiled.forward", [x, w], outs, module="")
     refs = [refs] if not isinstance(refs, tuple) else list(refs)
     b.ops[-1]["name"] = graph.id
-    call = RegionCall(graph=graph.id, part="forward", mode="boundary", step=0, op_id=refs[0].op_id,
-                      first_op=refs[0].op_id, last_op=refs[0].op_id, inputs=(x.tensor_id, w.tensor_id),
-                      outputs=tuple(r.tensor_id for r in refs))
+    call = RegionCall(
+        graph=graph.id,
+        part="forward",
+        mode="boundary",
+        step=0,
+        op_id=refs[0].op_id,
+        first_op=refs[0].op_id,
+        last_op=refs[0].op_id,
+        inputs=(x.tensor_id, w.tensor_id),
+        outputs=tuple(r.tensor_id for r in refs),
+    )
     after(b, refs)
     b.compiled = {"graphs": [graph.to_json()], "calls": [call.to_json()]}
     return b.write(path)
@@ -173,22 +255,55 @@ def test_a_pass_that_scales_k_is_narrowed_to_it_against_the_bench_k(tmp_path: Pa
     # A pass scaled k (the unbind's output 1): its product carries the getitem's metadata, so it
     # stands for one of the eager unbind's three same-shaped outputs; the getitem says which.
     t = {"tensor": 0}
-    nodes = [*_heads_nodes(),
-             _node("mul_k", "aten.mul.Tensor", ("getitem_1",), {"self": t, "other": 1.5}, "attn", 4, "aten.unbind.int",
-                   (HEADS,)),
-             _node("mul_1", "aten.mul.Tensor", ("getitem_0", "mul_k"), {"self": t, "other": {"tensor": 1}}, "attn", 5,
-                   "aten.mul.Tensor", (HEADS,)),
-             _node("add", "aten.add.Tensor", ("mul_1", "getitem_2"), {"self": t, "other": {"tensor": 1}}, "attn", 6,
-                   "aten.add.Tensor", (HEADS,))]
+    nodes = [
+        *_heads_nodes(),
+        _node(
+            "mul_k",
+            "aten.mul.Tensor",
+            ("getitem_1",),
+            {"self": t, "other": 1.5},
+            "attn",
+            4,
+            "aten.unbind.int",
+            (HEADS,),
+        ),
+        _node(
+            "mul_1",
+            "aten.mul.Tensor",
+            ("getitem_0", "mul_k"),
+            {"self": t, "other": {"tensor": 1}},
+            "attn",
+            5,
+            "aten.mul.Tensor",
+            (HEADS,),
+        ),
+        _node(
+            "add",
+            "aten.add.Tensor",
+            ("mul_1", "getitem_2"),
+            {"self": t, "other": {"tensor": 1}},
+            "attn",
+            6,
+            "aten.add.Tensor",
+            (HEADS,),
+        ),
+    ]
     q, k, v = (QKV_X * QKV_W).view(1, 4, 3, 2, 2).permute(2, 0, 3, 1, 4).unbind(0)
     bench = _heads_bench(tmp_path / "bench")
-    target = _region_target(tmp_path / "target", _graph_of(nodes, ("add",)), [q * (k * 1.5) + v], data=True,
-                            after=lambda b, refs: b.call(ATEN.sum.default, refs[0]))
+    target = _region_target(
+        tmp_path / "target",
+        _graph_of(nodes, ("add",)),
+        [q * (k * 1.5) + v],
+        data=True,
+        after=lambda b, refs: b.call(ATEN.sum.default, refs[0]),
+    )
     first = tracecmp.compare(target, bench).first_divergence
     assert first is not None and first.op == "compiled.forward"
     # Against the bench's k, not "no eager counterpart", nor q's or v's values.
-    assert "narrowed to FX node mul_k (aten.mul.Tensor, attn, model.py:4): the graph's own value there differs from " \
-           "the bench's aten.unbind.int by 3.3e-01" in first.reason
+    assert (
+        "narrowed to FX node mul_k (aten.mul.Tensor, attn, model.py:4): the graph's own value there differs from "
+        "the bench's aten.unbind.int by 3.3e-01" in first.reason
+    )
 
 
 def test_nodes_a_pass_rewrote_inside_a_softmax_stand_for_none_of_its_outputs(tmp_path: Path) -> None:
@@ -204,32 +319,83 @@ def test_nodes_a_pass_rewrote_inside_a_softmax_stand_for_none_of_its_outputs(tmp
     t, two = {"tensor": 0}, {"tensor": 0}
     nodes = [
         GraphNode("primals_1", "placeholder"),
-        _node("amax", "aten.amax.default", ("primals_1",), {"self": t, "dim": [-1], "keepdim": True}, "attn", -1,
-              "aten.amax.default", ((2, 1),)),
-        _node("sub", "aten.sub.Tensor", ("primals_1", "amax"), {"self": t, "other": {"tensor": 1}}, "attn", -1,
-              "aten._softmax.default", ((2, 4),)),
+        _node(
+            "amax",
+            "aten.amax.default",
+            ("primals_1",),
+            {"self": t, "dim": [-1], "keepdim": True},
+            "attn",
+            -1,
+            "aten.amax.default",
+            ((2, 1),),
+        ),
+        _node(
+            "sub",
+            "aten.sub.Tensor",
+            ("primals_1", "amax"),
+            {"self": t, "other": {"tensor": 1}},
+            "attn",
+            -1,
+            "aten._softmax.default",
+            ((2, 4),),
+        ),
         _node("exp", "aten.exp.default", ("sub",), {"self": t}, "attn", 7, "aten._softmax.default", ((2, 4),)),
-        _node("sum_1", "aten.sum.dim_IntList", ("exp",), {"self": t, "dim": [-1], "keepdim": True}, "attn", 7,
-              "aten._softmax.default", ((2, 1),)),
-        _node("div", "aten.div.Tensor", ("exp", "sum_1"), {"self": t, "other": {"tensor": 1}}, "attn", 7,
-              "aten._softmax.default", ((2, 4),)),
-        _node("mul", "aten.mul.Tensor", ("div",), {"self": two, "other": 2.5}, "scale", 8, "aten.mul.Tensor",
-              ((2, 4),)),
+        _node(
+            "sum_1",
+            "aten.sum.dim_IntList",
+            ("exp",),
+            {"self": t, "dim": [-1], "keepdim": True},
+            "attn",
+            7,
+            "aten._softmax.default",
+            ((2, 1),),
+        ),
+        _node(
+            "div",
+            "aten.div.Tensor",
+            ("exp", "sum_1"),
+            {"self": t, "other": {"tensor": 1}},
+            "attn",
+            7,
+            "aten._softmax.default",
+            ((2, 4),),
+        ),
+        _node(
+            "mul", "aten.mul.Tensor", ("div",), {"self": two, "other": 2.5}, "scale", 8, "aten.mul.Tensor", ((2, 4),)
+        ),
     ]
-    graph = CompiledGraph("g0", "0/0", "inductor", "model.py:1 forward", "", ("L['x']",),
-                          {"forward": GraphPart("forward", (*nodes, GraphNode("output", "output", ("mul",))), (), 1)})
+    graph = CompiledGraph(
+        "g0",
+        "0/0",
+        "inductor",
+        "model.py:1 forward",
+        "",
+        ("L['x']",),
+        {"forward": GraphPart("forward", (*nodes, GraphNode("output", "output", ("mul",))), (), 1)},
+    )
     tb = TraceBuilder(data=True)
     xt = tb.source("input.0", x)
     out = tb.op("compiled.forward", [xt], torch.softmax(x, -1) * 2.5)
     tb.ops[-1]["name"] = graph.id
     tb.call(ATEN.sum.default, out)
-    call = RegionCall(graph=graph.id, part="forward", mode="boundary", step=0, op_id=out.op_id, first_op=out.op_id,
-                      last_op=out.op_id, inputs=(xt.tensor_id,), outputs=(out.tensor_id,))
+    call = RegionCall(
+        graph=graph.id,
+        part="forward",
+        mode="boundary",
+        step=0,
+        op_id=out.op_id,
+        first_op=out.op_id,
+        last_op=out.op_id,
+        inputs=(xt.tensor_id,),
+        outputs=(out.tensor_id,),
+    )
     tb.compiled = {"graphs": [graph.to_json()], "calls": [call.to_json()]}
     first = tracecmp.compare(tb.write(tmp_path / "target"), bench).first_divergence
     assert first is not None and first.op == "compiled.forward"
-    assert "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:8): the graph's own value there differs from " \
-           "the bench's aten.mul.Tensor" in first.reason
+    assert (
+        "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:8): the graph's own value there differs from "
+        "the bench's aten.mul.Tensor" in first.reason
+    )
 
 
 def test_a_region_returning_q_k_v_is_not_compared_with_the_projection_they_view(tmp_path: Path) -> None:
@@ -257,10 +423,19 @@ def test_a_replay_takes_the_sizes_a_backward_reads_from_its_forward() -> None:
     nodes = (
         GraphNode("sym_size_int", "placeholder"),
         GraphNode("tangents_1", "placeholder"),
-        _node("view", "aten.view.default", ("tangents_1",), {"self": {"tensor": 0}, "size": ["<node sym_size_int>", 3]},
-              "fc", 1, "aten.view.default", ((2, 3),)),
-        _node("relu", "aten.relu.default", ("view",), {"self": {"tensor": 0}}, "act", 2, "aten.relu.default",
-              ((2, 3),)),
+        _node(
+            "view",
+            "aten.view.default",
+            ("tangents_1",),
+            {"self": {"tensor": 0}, "size": ["<node sym_size_int>", 3]},
+            "fc",
+            1,
+            "aten.view.default",
+            ((2, 3),),
+        ),
+        _node(
+            "relu", "aten.relu.default", ("view",), {"self": {"tensor": 0}}, "act", 2, "aten.relu.default", ((2, 3),)
+        ),
         GraphNode("output", "output", ("relu",)),
     )
     given = {"sym_size_int": 2, "tangents_1": torch.linspace(-1.0, 1.0, 6)}
@@ -273,12 +448,19 @@ def _two_matmuls(tmp_path: Path, wrong: float) -> tracecmp.CompareResult:
     node a pass changed (``* 2.5``), and its compiled code dispatched the two matmuls in the other
     order than its graph's (capture files them by order); ``wrong`` scales what it dispatched for
     the second one."""
-    x, w1, w2 = torch.linspace(-1.0, 1.0, 12).reshape(3, 4), torch.linspace(0.5, 2.0, 16).reshape(4, 4), \
-        torch.linspace(-1.5, 0.5, 16).reshape(4, 4)
+    x, w1, w2 = (
+        torch.linspace(-1.0, 1.0, 12).reshape(3, 4),
+        torch.linspace(0.5, 2.0, 16).reshape(4, 4),
+        torch.linspace(-1.5, 0.5, 16).reshape(4, 4),
+    )
     b = TraceBuilder(data=True)
     refs = b.source("input.0", x), b.param("fc1.weight", w1), b.param("fc2.weight", w2)
-    added = b.call(ATEN.add.Tensor, b.call(ATEN.mm.default, refs[0], refs[1], module="fc1"),
-                   b.call(ATEN.mm.default, refs[0], refs[2], module="fc2"), module="out")
+    added = b.call(
+        ATEN.add.Tensor,
+        b.call(ATEN.mm.default, refs[0], refs[1], module="fc1"),
+        b.call(ATEN.mm.default, refs[0], refs[2], module="fc2"),
+        module="out",
+    )
     b.call(ATEN.sum.default, b.call(ATEN.mul.Tensor, added, 2.0, module="scale"))
     bench = b.write(tmp_path / "bench")
     t = {"tensor": 0}
@@ -287,13 +469,28 @@ def _two_matmuls(tmp_path: Path, wrong: float) -> tracecmp.CompareResult:
         *(GraphNode(f"primals_{i}", "placeholder") for i in (1, 2, 3)),
         _node("mm", "aten.mm.default", ("primals_1", "primals_2"), mm, "fc1", 1, "aten.mm.default", ((3, 4),)),
         _node("mm_1", "aten.mm.default", ("primals_1", "primals_3"), mm, "fc2", 2, "aten.mm.default", ((3, 4),)),
-        _node("add", "aten.add.Tensor", ("mm", "mm_1"), {"self": t, "other": {"tensor": 1}}, "out", 3,
-              "aten.add.Tensor", ((3, 4),)),
+        _node(
+            "add",
+            "aten.add.Tensor",
+            ("mm", "mm_1"),
+            {"self": t, "other": {"tensor": 1}},
+            "out",
+            3,
+            "aten.add.Tensor",
+            ((3, 4),),
+        ),
         _node("mul", "aten.mul.Tensor", ("add",), {"self": t, "other": 2.5}, "scale", 4, "aten.mul.Tensor", ((3, 4),)),
         GraphNode("output", "output", ("mul",)),
     )
-    graph = CompiledGraph("g0", "0/0", "inductor", "model.py:1 forward", "", ("L['x']", "L['w1']", "L['w2']"),
-                          {"forward": GraphPart("forward", nodes, (), 1)})
+    graph = CompiledGraph(
+        "g0",
+        "0/0",
+        "inductor",
+        "model.py:1 forward",
+        "",
+        ("L['x']", "L['w1']", "L['w2']"),
+        {"forward": GraphPart("forward", nodes, (), 1)},
+    )
     tb = TraceBuilder(data=True)
     xs = tb.source("input.0", x), tb.param("fc1.weight", w1), tb.param("fc2.weight", w2)
     second = tb.op("aten.mm.out", [xs[0], xs[2]], x @ w2 * wrong)  # dispatched first: filed under mm
@@ -301,9 +498,18 @@ def _two_matmuls(tmp_path: Path, wrong: float) -> tracecmp.CompareResult:
     out = tb.op("compiled.forward", list(xs), (x @ w1 + x @ w2 * wrong) * 2.5)
     tb.ops[-1]["name"] = graph.id
     tb.call(ATEN.sum.default, out)
-    call = RegionCall(graph=graph.id, part="forward", mode="boundary", step=0, op_id=out.op_id, first_op=second.op_id,
-                      last_op=out.op_id, inputs=tuple(r.tensor_id for r in xs), outputs=(out.tensor_id,),
-                      nodes={"mm": (second.op_id,), "mm_1": (first.op_id,)})
+    call = RegionCall(
+        graph=graph.id,
+        part="forward",
+        mode="boundary",
+        step=0,
+        op_id=out.op_id,
+        first_op=second.op_id,
+        last_op=out.op_id,
+        inputs=tuple(r.tensor_id for r in xs),
+        outputs=(out.tensor_id,),
+        nodes={"mm": (second.op_id,), "mm_1": (first.op_id,)},
+    )
     tb.compiled = {"graphs": [graph.to_json()], "calls": [call.to_json()]}
     return tracecmp.compare(tb.write(tmp_path / "target"), bench)
 
@@ -311,10 +517,14 @@ def _two_matmuls(tmp_path: Path, wrong: float) -> tracecmp.CompareResult:
 def test_extern_kernels_dispatched_out_of_graph_order_are_not_wrong_kernels(tmp_path: Path) -> None:
     first = _two_matmuls(tmp_path / "clean", 1.0).first_divergence
     assert first is not None and first.op == "compiled.forward"
-    assert "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:4): the graph's own value there differs" \
+    assert (
+        "narrowed to FX node mul (aten.mul.Tensor, scale, model.py:4): the graph's own value there differs"
         in first.reason
+    )
     # A wrong kernel is still named, whichever node capture filed its value under.
     first = _two_matmuls(tmp_path / "wrong", 1.01).first_divergence
     assert first is not None and first.op == "compiled.forward"
-    assert "narrowed to FX node mm_1 (aten.mm.default, fc2, model.py:2): what the compiled code computed for it is " \
-           "off" in first.reason
+    assert (
+        "narrowed to FX node mm_1 (aten.mm.default, fc2, model.py:2): what the compiled code computed for it is "
+        "off" in first.reason
+    )

@@ -1,4 +1,5 @@
 """The record of compiled regions: JSON round trip, and bad records refused naming the file."""
+
 from __future__ import annotations
 
 import json
@@ -17,22 +18,60 @@ from tracecmp.trace.writer import RankWriter, write_run_manifest
 def _graph() -> CompiledGraph:
     nodes = (
         GraphNode("primals_1", "placeholder"),
-        GraphNode("relu", "aten.relu.default", ("primals_1",), '{"self":{"tensor":0}}', "fc", "m.py:3", 4,
-                  "aten.relu.default", ((2,),), ("float32",)),
+        GraphNode(
+            "relu",
+            "aten.relu.default",
+            ("primals_1",),
+            '{"self":{"tensor":0}}',
+            "fc",
+            "m.py:3",
+            4,
+            "aten.relu.default",
+            ((2,),),
+            ("float32",),
+        ),
         GraphNode("output", "output", ("relu",)),
     )
     backward = (
-        GraphNode("relu", "aten.relu.default", ("primals_1",), '{"self":{"tensor":0}}', "fc", "m.py:3", 4,
-                  "aten.relu.default", ((2,),), ("float32",), recomputed=True),
+        GraphNode(
+            "relu",
+            "aten.relu.default",
+            ("primals_1",),
+            '{"self":{"tensor":0}}',
+            "fc",
+            "m.py:3",
+            4,
+            "aten.relu.default",
+            ((2,),),
+            ("float32",),
+            recomputed=True,
+        ),
         GraphNode("output", "output", ("relu",)),
     )
-    return CompiledGraph("g0", "0/0", "inductor", "m.py:1 forward", "", ("L['x']",),
-                         {"forward": GraphPart("forward", nodes, (), 1), "backward": GraphPart("backward", backward)})
+    return CompiledGraph(
+        "g0",
+        "0/0",
+        "inductor",
+        "m.py:1 forward",
+        "",
+        ("L['x']",),
+        {"forward": GraphPart("forward", nodes, (), 1), "backward": GraphPart("backward", backward)},
+    )
 
 
 def _call(**changes: Any) -> RegionCall:
-    fields: dict[str, Any] = dict(graph="g0", part="forward", mode="boundary", step=0, op_id=2, first_op=1,
-                                  last_op=2, inputs=(0,), outputs=(2,), nodes={"relu": (1,)})
+    fields: dict[str, Any] = dict(
+        graph="g0",
+        part="forward",
+        mode="boundary",
+        step=0,
+        op_id=2,
+        first_op=1,
+        last_op=2,
+        inputs=(0,),
+        outputs=(2,),
+        nodes={"relu": (1,)},
+    )
     fields.update(changes)
     return RegionCall(**fields)
 
@@ -46,13 +85,16 @@ def test_round_trip() -> None:
     assert record.region_of() == {1: _call(), 2: _call()}
 
 
-@pytest.mark.parametrize("payload,match", [
-    ({"graphs": [], "calls": [_call().to_json()]}, "names graph 'g0'"),
-    ({"graphs": [{"id": 3}], "calls": []}, "'id' is missing or not a string"),
-    ({"graphs": [], "calls": [{**_call().to_json(), "mode": "fused"}]}, "unknown part"),
-    ({"graphs": "g0"}, "graphs is not a JSON array"),
-    ([1, 2], "compiled record is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        ({"graphs": [], "calls": [_call().to_json()]}, "names graph 'g0'"),
+        ({"graphs": [{"id": 3}], "calls": []}, "'id' is missing or not a string"),
+        ({"graphs": [], "calls": [{**_call().to_json(), "mode": "fused"}]}, "unknown part"),
+        ({"graphs": "g0"}, "graphs is not a JSON array"),
+        ([1, 2], "compiled record is not a JSON object"),
+    ],
+)
 def test_bad_records_are_refused(payload: Any, match: str) -> None:
     with pytest.raises(TraceFormatError, match=match):
         CompiledRecord.from_json([payload])

@@ -1,4 +1,5 @@
 """Dataflow graph of a trace: nodes, producer -> consumer edges through tensor ids, views, steps."""
+
 from __future__ import annotations
 
 import pandas as pd

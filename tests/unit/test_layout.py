@@ -5,6 +5,7 @@ and a 60-node selection of a wide graph): nodes never overlap, every cluster fra
 its own nodes, frames nest or stay apart, edges run from their tail to their head, and labels sit
 clear of nodes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,7 +32,12 @@ def _overlap(a: Box, b: Box) -> bool:
 
 
 def _inside(inner: Box, outer: Box) -> bool:
-    return outer[0] <= inner[0] + 1e-6 and outer[1] <= inner[1] + 1e-6 and inner[2] <= outer[2] + 1e-6 and inner[3] <= outer[3] + 1e-6
+    return (
+        outer[0] <= inner[0] + 1e-6
+        and outer[1] <= inner[1] + 1e-6
+        and inner[2] <= outer[2] + 1e-6
+        and inner[3] <= outer[3] + 1e-6
+    )
 
 
 def _members(cluster: Cluster) -> set[str]:
@@ -74,7 +80,7 @@ def check_geometry(text: str) -> Drawing:
         assert t[0] <= start[0] <= t[2] and abs(start[1] - t[3]) < 1e-6  # leaves the tail's bottom
         assert h[0] <= tip[0] <= h[2] and abs(tip[1] - h[1]) < 1e-6  # arrives on the head's top
         for label in (s for s in group.shapes if s.kind == "text"):
-            (x, y), = label.points
+            ((x, y),) = label.points
             box = (x, y - label.size, x + text_width(label.text, label.size, label.bold), y)
             assert not any(_overlap(box, n) for n in nodes.values()), f"label {label.text!r} covers a node"
     for shape in drawing.shapes:
@@ -133,7 +139,9 @@ def test_dot_subset_is_read() -> None:
     assert graph.cluster_of["b"] is outer.children[0] and graph.cluster_of["c"] is outer
 
 
-@pytest.mark.parametrize("text", ["digraph { a -> ", "digraph { a [label=<unclosed] }", "digraph { a -> b; } }{", "graph"])
+@pytest.mark.parametrize(
+    "text", ["digraph { a -> ", "digraph { a [label=<unclosed] }", "digraph { a -> b; } }{", "graph"]
+)
 def test_broken_dot_text_is_a_clear_error(text: str) -> None:
     with pytest.raises(TracecmpError, match="DOT"):
         layout(text)

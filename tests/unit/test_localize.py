@@ -3,6 +3,7 @@
 Each run is a small training step (linear, layer norm, gelu, linear, loss; its backward by hand;
 an SGD update) recorded op by op with real aten calls through ``tests.tracebuild``.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,12 +80,38 @@ def record(
     call("loss", A.mean.default, SQ)
     # backward, by hand
     GO = call("grad_out", A.mul.Tensor, OUT, 2.0 / (32 * 16), phase="backward", module="")
-    GW2 = call("grad_w2", A.mm.default, b.call(A.t.default, GO, phase="backward", module="fc2"), G, phase="backward", module="fc2")
+    GW2 = call(
+        "grad_w2",
+        A.mm.default,
+        b.call(A.t.default, GO, phase="backward", module="fc2"),
+        G,
+        phase="backward",
+        module="fc2",
+    )
     GG = call("grad_g", A.mm.default, GO, W2, phase="backward", module="fc2")
     GN = call("gelu_backward", A.gelu_backward.default, GG, N, approximate=gelu, phase="backward", module="act")
-    GH, GLW, GLB = call("ln_backward", A.native_layer_norm_backward.default, GN, H, [128], mean, rstd, LW, LB,
-                        [True, True, True], phase="backward", module="ln")
-    GW1 = call("grad_w1", A.mm.default, b.call(A.t.default, GH, phase="backward", module="fc1"), X, phase="backward", module="fc1")
+    GH, GLW, GLB = call(
+        "ln_backward",
+        A.native_layer_norm_backward.default,
+        GN,
+        H,
+        [128],
+        mean,
+        rstd,
+        LW,
+        LB,
+        [True, True, True],
+        phase="backward",
+        module="ln",
+    )
+    GW1 = call(
+        "grad_w1",
+        A.mm.default,
+        b.call(A.t.default, GH, phase="backward", module="fc1"),
+        X,
+        phase="backward",
+        module="fc1",
+    )
     GB1 = call("grad_b1", A.sum.dim_IntList, GH, [0], phase="backward", module="fc1")
     # optimizer: SGD
     for param, grad, site in ((W1, GW1, "sgd_w1"), (B1, GB1, "sgd_b1"), (W2, GW2, "sgd_w2")):
@@ -113,15 +140,20 @@ def test_identical_runs_agree(tmp_path):
     assert result.verdict().startswith("AGREE")
 
 
-@pytest.mark.parametrize("site,op,phase", [
-    ("gelu", "aten.gelu.default", "forward"),
-    ("ln", "aten.native_layer_norm.default", "forward"),
-    ("fc2", "aten.mm.default", "forward"),
-    ("gelu_backward", "aten.gelu_backward.default", "backward"),
-    ("grad_w1", "aten.mm.default", "backward"),
-    ("sgd_b1", "aten.add.Tensor", "optimizer"),
-])
-@pytest.mark.parametrize("fault", [scale(1 + 1e-6), noise(1e-3), scale(1.1)], ids=["scale1e-6", "noise1e-3", "scale0.1"])
+@pytest.mark.parametrize(
+    "site,op,phase",
+    [
+        ("gelu", "aten.gelu.default", "forward"),
+        ("ln", "aten.native_layer_norm.default", "forward"),
+        ("fc2", "aten.mm.default", "forward"),
+        ("gelu_backward", "aten.gelu_backward.default", "backward"),
+        ("grad_w1", "aten.mm.default", "backward"),
+        ("sgd_b1", "aten.add.Tensor", "optimizer"),
+    ],
+)
+@pytest.mark.parametrize(
+    "fault", [scale(1 + 1e-6), noise(1e-3), scale(1.1)], ids=["scale1e-6", "noise1e-3", "scale0.1"]
+)
 def test_a_faulty_op_is_the_first_divergence(tmp_path, site, op, phase, fault):
     result = pair(tmp_path, faults={site: fault})
     d = result.first_divergence
@@ -287,8 +319,14 @@ def test_result_tables_and_statuses(tmp_path):
     assert {"tensor_id", "bench_tensor_id", "e_ext", "e_sys", "exact", "status", "cosine"} <= set(frame.columns)
     assert len(frame) == len(frame["tensor_id"].unique())
     paths = result.write_tables(tmp_path / "out", xlsx=True)
-    assert {p.name for p in paths} == {"nodes.csv", "tensors.csv", "suspects.csv", "unpaired_bench.csv", "regions.csv",
-                                       "compare.xlsx"}
+    assert {p.name for p in paths} == {
+        "nodes.csv",
+        "tensors.csv",
+        "suspects.csv",
+        "unpaired_bench.csv",
+        "regions.csv",
+        "compare.xlsx",
+    }
     text = result.summary()
     assert text.splitlines()[0].startswith("DIVERGED") and "aten.gelu.default" in text
 
@@ -392,6 +430,13 @@ def test_a_sums_reach_covers_its_upper_population() -> None:
     # one population: the log-normal through the whole spread still decides
     single = np.asarray([0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5, 1.8] * 4)
     assert tail_ratio(single, accumulates=True) > 2.0 * 1.8
-    assert tail_ratio(single, accumulates=True) == pytest.approx(2.0 * 10 ** (
-        np.median(np.log10(single)) + math.sqrt(2 * math.log(len(single))) * 1.4826
-        * np.median(np.abs(np.log10(single) - np.median(np.log10(single))))))
+    assert tail_ratio(single, accumulates=True) == pytest.approx(
+        2.0
+        * 10
+        ** (
+            np.median(np.log10(single))
+            + math.sqrt(2 * math.log(len(single)))
+            * 1.4826
+            * np.median(np.abs(np.log10(single) - np.median(np.log10(single))))
+        )
+    )

@@ -5,6 +5,7 @@ an fp32 bench's reach beyond 65504. The scaler's check finds the Inf, the step's
 skipped, the scale halved. Compare reports that as a skipped step with the ops that overflowed,
 and what the next step computes from the parameters the bench moved as inherited.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ A = torch.ops.aten
 _CHECK = "aten._amp_foreach_non_finite_check_and_unscale_.default"
 
 
-def _scaled_steps(path: Path, low: torch.dtype, *, scale: float = 256.0, forward_scale: float = 1.0,
-                  nan_in_backward: bool = False, scale_forward_of_step: int | None = None, data: bool = False) -> Path:
+def _scaled_steps(
+    path: Path,
+    low: torch.dtype,
+    *,
+    scale: float = 256.0,
+    forward_scale: float = 1.0,
+    nan_in_backward: bool = False,
+    scale_forward_of_step: int | None = None,
+    data: bool = False,
+) -> Path:
     """Two training steps of one linear layer under a loss scaler, its matmuls in ``low`` (float16 in
     the target, float32 in the bench), its loss half the sum of squares: the weight gradient
     ``x^T x w`` scaled by ``scale`` overflows float16 at the default, by about twice; the scaler's
@@ -58,15 +67,22 @@ def _scaled_steps(path: Path, low: torch.dtype, *, scale: float = 256.0, forward
         grad_out = b.call(A.mul.Scalar, out, scale / 64, phase="backward")
         xt = b.call(A.t.default, in_low(inputs, module="fc", phase="backward"), module="fc", phase="backward")
         fault = (lambda t: t.index_fill(0, torch.tensor([0]), math.nan)) if nan_in_backward else None
-        grad_w = in_fp32(mm(xt, in_low(grad_out, module="fc", phase="backward"), fault, module="fc", phase="backward"),
-                         module="fc", phase="backward")
+        grad_w = in_fp32(
+            mm(xt, in_low(grad_out, module="fc", phase="backward"), fault, module="fc", phase="backward"),
+            module="fc",
+            phase="backward",
+        )
         found = b.call(A.zeros.default, [1])
         inv_scale = b.call(A.full.default, [1], 1.0 / scale)
         value = b.value(grad_w)
         overflowed = float(not torch.isfinite(value).all())
-        unscaled, found_after = b.op(_CHECK, [grad_w, found, inv_scale], [value * (1.0 / scale), torch.tensor([overflowed])],
-                                     args={"self": [{"tensor": 0}], "found_inf": {"tensor": 1}, "inv_scale": {"tensor": 2}},
-                                     inplace=True)
+        unscaled, found_after = b.op(
+            _CHECK,
+            [grad_w, found, inv_scale],
+            [value * (1.0 / scale), torch.tensor([overflowed])],
+            args={"self": [{"tensor": 0}], "found_inf": {"tensor": 1}, "inv_scale": {"tensor": 2}},
+            inplace=True,
+        )
         b.call(A._local_scalar_dense.default, found_after)
         if not overflowed:
             update = b.call(A.mul.Scalar, unscaled, -3.4e-3, phase="optimizer")
@@ -94,8 +110,10 @@ def test_an_overflow_the_scaler_caught_is_a_skipped_step_not_a_root(tmp_path: Pa
 
 def test_a_scale_the_bench_also_holds_skips_nothing(tmp_path: Path) -> None:
     # float16 holds 2**4 times the gradient: no overflow, no skipped step, noise only
-    result = tracecmp.compare(_scaled_steps(tmp_path / "t", torch.float16, scale=16.0),
-                              _scaled_steps(tmp_path / "b", torch.float32, scale=16.0))
+    result = tracecmp.compare(
+        _scaled_steps(tmp_path / "t", torch.float16, scale=16.0),
+        _scaled_steps(tmp_path / "b", torch.float32, scale=16.0),
+    )
     assert result.first_divergence is None and not result.skipped_steps, result.summary()
 
 
@@ -108,7 +126,9 @@ def test_a_fault_its_replay_shows_after_a_skipped_step_stays_a_root(tmp_path: Pa
     result = tracecmp.compare(target, bench)
     assert [s.step for s in result.skipped_steps] == [0, 1], result.summary()
     d = result.first_divergence
-    assert d is not None and (d.op, d.phase, d.step, d.kind) == ("aten.mm.default", "forward", 1, "computation"), result.summary()
+    assert d is not None and (d.op, d.phase, d.step, d.kind) == ("aten.mm.default", "forward", 1, "computation"), (
+        result.summary()
+    )
     assert [s.op_id for s in result.suspects] == [d.op_id], result.summary()
     assert "replay" in d.reason
     # with statistics alone the same fault follows what Python read, as before

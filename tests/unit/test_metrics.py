@@ -1,4 +1,5 @@
 """Per-tensor metrics from statistics and from whole tensors, and the per-dtype tolerances."""
+
 from __future__ import annotations
 
 import math
@@ -116,10 +117,14 @@ def test_a_mask_filled_with_each_runs_finfo_min_compares_its_finite_elements():
     # bf16's finfo.min is 0.4% off float32's: as plain numbers that error hid every other one
     m = _pair(_padding_mask(torch.bfloat16), _padding_mask(torch.float32))
     assert m["filled"] and m["e_ext"] == 0.0 and m["e_sys"] == 0.0, m
-    assert tensor_metrics(_padding_mask(torch.bfloat16), _padding_mask(torch.float32), Tolerances())["max_abs_err"] == 0.0
+    assert (
+        tensor_metrics(_padding_mask(torch.bfloat16), _padding_mask(torch.float32), Tolerances())["max_abs_err"] == 0.0
+    )
     # all fill (scalar_tensor(finfo.min)): both extremes are fills
-    m = _pair(torch.tensor([torch.finfo(torch.bfloat16).min], dtype=torch.bfloat16),
-              torch.tensor([torch.finfo(torch.float32).min]))
+    m = _pair(
+        torch.tensor([torch.finfo(torch.bfloat16).min], dtype=torch.bfloat16),
+        torch.tensor([torch.finfo(torch.float32).min]),
+    )
     assert m["filled"] and m["e_ext"] == 0.0 and m["e_sys"] == 0.0, m
     # its finite elements still count, at the extreme the fills leave alone
     t, b = _padding_mask(torch.bfloat16), _padding_mask(torch.float32)
@@ -132,8 +137,12 @@ def test_a_mask_filled_with_each_runs_finfo_min_compares_its_finite_elements():
 def test_a_mask_filled_elsewhere_is_as_wrong_as_a_changed_integer():
     m = _pair(_padding_mask(torch.bfloat16, slice(5, 8)), _padding_mask(torch.float32))
     assert m["filled"] and m["e_ext"] == 1.0 and m["e_sys"] == 1.0, m
-    assert tensor_metrics(_padding_mask(torch.bfloat16, slice(5, 8)), _padding_mask(torch.float32),
-                          Tolerances())["max_abs_err"] > 1e38
+    assert (
+        tensor_metrics(_padding_mask(torch.bfloat16, slice(5, 8)), _padding_mask(torch.float32), Tolerances())[
+            "max_abs_err"
+        ]
+        > 1e38
+    )
     # float16's finfo.min (65504) is a value data reaches, not a fill: compared as it is
     m = _pair(_padding_mask(torch.float16), _padding_mask(torch.float32))
     assert not m["filled"] and m["min_diff"] > 1e38

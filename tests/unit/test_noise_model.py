@@ -4,6 +4,7 @@ Each test is the smallest hand-built trace (``tests.tracebuild``) that still sho
 of a clean bf16 or mixed-precision run against fp32, and checks that a real fault at the same
 place is still found.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,22 +47,29 @@ def _masked_scores(path: Path, dtype: torch.dtype, fill: float | None = None) ->
 
 
 def test_finfo_min_of_each_runs_dtype_is_the_same_argument(tmp_path: Path) -> None:
-    result = tracecmp.compare(_masked_scores(tmp_path / "t", torch.bfloat16), _masked_scores(tmp_path / "b", torch.float32))
+    result = tracecmp.compare(
+        _masked_scores(tmp_path / "t", torch.bfloat16), _masked_scores(tmp_path / "b", torch.float32)
+    )
     assert result.first_divergence is None, result.summary()
     # fp16's own minimum against fp32's is the same argument too
-    result = tracecmp.compare(_masked_scores(tmp_path / "t16", torch.float16), _masked_scores(tmp_path / "b", torch.float32))
+    result = tracecmp.compare(
+        _masked_scores(tmp_path / "t16", torch.float16), _masked_scores(tmp_path / "b", torch.float32)
+    )
     assert result.first_divergence is None, result.summary()
 
 
 def test_a_changed_constant_is_still_an_argument_root(tmp_path: Path) -> None:
     # -1e4 (a hand-written "large negative") where the bench takes its dtype's minimum
-    result = tracecmp.compare(_masked_scores(tmp_path / "t", torch.float32, fill=-1e4),
-                              _masked_scores(tmp_path / "b", torch.float32))
+    result = tracecmp.compare(
+        _masked_scores(tmp_path / "t", torch.float32, fill=-1e4), _masked_scores(tmp_path / "b", torch.float32)
+    )
     d = result.first_divergence
     assert d is not None and (d.op, d.kind) == ("aten.scalar_tensor.default", "argument")
     # another property of the same dtype is another argument: max is not min
-    result = tracecmp.compare(_masked_scores(tmp_path / "t2", torch.bfloat16, fill=torch.finfo(torch.bfloat16).max),
-                              _masked_scores(tmp_path / "b", torch.float32))
+    result = tracecmp.compare(
+        _masked_scores(tmp_path / "t2", torch.bfloat16, fill=torch.finfo(torch.bfloat16).max),
+        _masked_scores(tmp_path / "b", torch.float32),
+    )
     d = result.first_divergence
     assert d is not None and d.kind == "argument" and "3.38953139e+38" in d.reason
 
@@ -120,8 +128,13 @@ def _adam_denominator(path: Path, dtype: torch.dtype, *, fault: float = 1.0, siz
     param = b.param("fc.weight", (torch.randn(size, size, generator=g) * 0.02).to(dtype), module="fc")
     exp_avg = b.source("input.0", (torch.randn(size, size, generator=g) * 1e-4).to(torch.bfloat16).to(dtype))
     denom = b.source("input.1", root_v)
-    denom = b.call(A.div.Tensor, denom, (1 - 0.999) ** 0.5, phase="optimizer",
-                   fault=(lambda t: t * fault) if fault != 1.0 else None)
+    denom = b.call(
+        A.div.Tensor,
+        denom,
+        (1 - 0.999) ** 0.5,
+        phase="optimizer",
+        fault=(lambda t: t * fault) if fault != 1.0 else None,
+    )
     denom = b.call(A.add_.Tensor, denom, 1e-8, phase="optimizer")
     b.call(A.addcdiv_.default, param, exp_avg, denom, value=-1e-3 / 0.1, phase="optimizer")
     return b.write(path)
@@ -131,8 +144,9 @@ def test_optimizer_division_in_bf16_is_noise(tmp_path: Path) -> None:
     _noise_then_one_root(tmp_path, _adam_denominator, {"fault": 1.05}, op="aten.div.Tensor", phase="optimizer")
 
 
-def _eps_guarded_normalize(path: Path, dtype: torch.dtype, *, fault: str = "", eps: float | None = None,
-                           scale: float = 0.025) -> Path:
+def _eps_guarded_normalize(
+    path: Path, dtype: torch.dtype, *, fault: str = "", eps: float | None = None, scale: float = 0.025
+) -> Path:
     """x / (||x|| + finfo(dtype).eps) over rows of norm ~ 4 * ``scale``, in ``dtype`` (``eps``
     instead, when given). bfloat16's eps (0.0078) moves norms of 0.1 by 8%: far beyond rounding,
     yet the program's own choice, made alike in both runs. ``fault`` scales the output of "add" by 1.05."""
@@ -228,14 +242,21 @@ def _residual_chain(path: Path, low: torch.dtype, *, fault_at: int = -1, fault: 
     b = TraceBuilder()
     x = b.source("input.0", torch.randn(64, 64, generator=g))
     w = b.param("fc.weight", torch.randn(64, 64, generator=g) / 8.0, module="fc")
-    h = b.call(A.mm.default, b.call(A._to_copy.default, x, dtype=low, module="fc"),
-               b.call(A._to_copy.default, w, dtype=low, module="fc"), module="fc")
+    h = b.call(
+        A.mm.default,
+        b.call(A._to_copy.default, x, dtype=low, module="fc"),
+        b.call(A._to_copy.default, w, dtype=low, module="fc"),
+        module="fc",
+    )
     r = b.call(A._to_copy.default, h, dtype=torch.float32, module="fc")
     for i, gain in enumerate((0.5, 4.0, 0.7, 6.0, 1.0, 8.0, 0.6, 5.0, 0.8, 3.0, 0.9, 7.0) * 2):
         tanh = i % 6 == 2  # too few tanh calls to judge each other
-        t = b.call(A.tanh.default if tanh else A.sigmoid.default,
-                   b.call(A.mul.Scalar, r, 0.5 if tanh else gain, module=f"block{i}"), module=f"block{i}",
-                   fault=(lambda v: v * (1 + fault)) if i == fault_at else None)
+        t = b.call(
+            A.tanh.default if tanh else A.sigmoid.default,
+            b.call(A.mul.Scalar, r, 0.5 if tanh else gain, module=f"block{i}"),
+            module=f"block{i}",
+            fault=(lambda v: v * (1 + fault)) if i == fault_at else None,
+        )
         r = b.call(A.add.Tensor, r, t, module=f"block{i}")
     return b.write(path)
 
@@ -268,12 +289,24 @@ def _adam_then_layer_norm(path: Path, low: torch.dtype, *, fault: float = 1.0, s
     grad = b.call(A._to_copy.default, grad, dtype=torch.float32, phase="backward")
     exp_avg = b.call(A.mul.Scalar, grad, 0.1, phase="optimizer")
     exp_avg_sq = b.call(A.mul.Scalar, b.call(A.mul.Tensor, grad, grad, phase="optimizer"), 0.001, phase="optimizer")
-    denom = b.call(A.add.Scalar, b.call(A.div.Scalar, b.call(A.sqrt.default, exp_avg_sq, phase="optimizer"),
-                                        0.001**0.5, phase="optimizer"), 1e-8, phase="optimizer")
+    denom = b.call(
+        A.add.Scalar,
+        b.call(A.div.Scalar, b.call(A.sqrt.default, exp_avg_sq, phase="optimizer"), 0.001**0.5, phase="optimizer"),
+        1e-8,
+        phase="optimizer",
+    )
     weight = b.call(A.addcdiv_.default, weight, exp_avg, denom, value=-1e-3 / 0.1, phase="optimizer", fault=swap)
     b.step()
-    b.call(A.native_layer_norm.default, b.source("input.1", rows), [size], weight, bias, 1e-5, module="ln",
-           fault=(lambda t: t * fault) if fault != 1.0 else None)
+    b.call(
+        A.native_layer_norm.default,
+        b.source("input.1", rows),
+        [size],
+        weight,
+        bias,
+        1e-5,
+        module="ln",
+        fault=(lambda t: t * fault) if fault != 1.0 else None,
+    )
     return b.write(path)
 
 
@@ -324,8 +357,15 @@ def _adam_then_lookup(path: Path, low: torch.dtype, *, fault: float = 1.0, forea
         roots = b.call(A._foreach_sqrt.default, exp_avg_sqs, **opt)
         roots = b.call(A._foreach_div.ScalarList, roots, [(1 - beta2) ** 0.5] * 2, **opt)
         denoms = b.call(A._foreach_add.Scalar, roots, eps, **opt)
-        table, _ = b.call(A._foreach_addcdiv.ScalarList, params, exp_avgs, denoms, [-lr / (1 - beta1)] * 2, **opt,
-                          fault=[swap if low != torch.float32 else None, None])
+        table, _ = b.call(
+            A._foreach_addcdiv.ScalarList,
+            params,
+            exp_avgs,
+            denoms,
+            [-lr / (1 - beta1)] * 2,
+            **opt,
+            fault=[swap if low != torch.float32 else None, None],
+        )
     else:
         exp_avg = b.call(A.zeros_like.default, table, **opt)
         exp_avg_sq = b.call(A.zeros_like.default, table, **opt)
@@ -335,8 +375,15 @@ def _adam_then_lookup(path: Path, low: torch.dtype, *, fault: float = 1.0, forea
         exp_avg_sq = b.call(A.addcmul_.default, exp_avg_sq, grad, grad, value=1 - beta2, **opt)
         denom = b.call(A.div.Tensor, b.call(A.sqrt.default, exp_avg_sq, **opt), (1 - beta2) ** 0.5, **opt)
         denom = b.call(A.add_.Tensor, denom, eps, **opt)
-        table = b.call(A.addcdiv_.default, table, exp_avg, denom, value=-lr / (1 - beta1), **opt,
-                       fault=swap if low != torch.float32 else None)
+        table = b.call(
+            A.addcdiv_.default,
+            table,
+            exp_avg,
+            denom,
+            value=-lr / (1 - beta1),
+            **opt,
+            fault=swap if low != torch.float32 else None,
+        )
     b.step()
     rows = b.source("input.2", torch.arange(16).repeat(4))
     b.call(A.embedding.default, table, rows, module="wpe", fault=(lambda t: t * fault) if fault != 1.0 else None)
@@ -348,8 +395,13 @@ def test_a_fault_in_a_lookup_after_adams_step_is_found(tmp_path: Path, foreach: 
     # Rows without gradients are divided by eps; the division's rule then predicts an error as
     # large as the table's range, which hid a 5% fault in GPT-2 small's positional lookup under
     # AMP. Adam's own arithmetic bounds the step at lr, wherever the moments are 0.
-    _noise_then_one_root(tmp_path, functools.partial(_adam_then_lookup, foreach=foreach), {"fault": 1.05},
-                         op="aten.embedding.default", step=1)
+    _noise_then_one_root(
+        tmp_path,
+        functools.partial(_adam_then_lookup, foreach=foreach),
+        {"fault": 1.05},
+        op="aten.embedding.default",
+        step=1,
+    )
 
 
 def _row_sum_of_a_product(path: Path, low: torch.dtype, *, fault: str = "") -> Path:
@@ -374,8 +426,15 @@ def _row_sum_of_a_product(path: Path, low: torch.dtype, *, fault: str = "") -> P
     product = b.call(A.mul.Tensor, g_low, x_low, phase="backward", module="norm", fault=scale.get("mul"))
     stray = (lambda t: t * 1.01) if low_run else None
     fault_sum = scale.get("sum")
-    b.call(A.sum.dim_IntList, product, [1], True, phase="backward", module="norm",
-           fault=(lambda t: fault_sum(stray(t))) if fault_sum and stray else stray)
+    b.call(
+        A.sum.dim_IntList,
+        product,
+        [1],
+        True,
+        phase="backward",
+        module="norm",
+        fault=(lambda t: fault_sum(stray(t))) if fault_sum and stray else stray,
+    )
     return b.write(path)
 
 
@@ -383,12 +442,17 @@ def _row_sum_of_a_product(path: Path, low: torch.dtype, *, fault: str = "") -> P
 def test_a_row_sum_after_a_product_with_lucky_extremes_is_noise(tmp_path: Path, site: str) -> None:
     # The sum's prediction carries what the product passed on; its own extremes, a single lucky
     # sample, said 20x less than its factors' did, and the sum's 1% read as 5x its inputs' error.
-    _noise_then_one_root(tmp_path, _row_sum_of_a_product, {"fault": site},
-                         op={"mul": "aten.mul.Tensor", "sum": "aten.sum.dim_IntList"}[site])
+    _noise_then_one_root(
+        tmp_path,
+        _row_sum_of_a_product,
+        {"fault": site},
+        op={"mul": "aten.mul.Tensor", "sum": "aten.sum.dim_IntList"}[site],
+    )
 
 
-def _layer_norm_backwards(path: Path, low: torch.dtype, *, fault_at: int = -1, fault: float = 1.05, stray: float = 0.04,
-                          calls: int = 12) -> Path:
+def _layer_norm_backwards(
+    path: Path, low: torch.dtype, *, fault_at: int = -1, fault: float = 1.05, stray: float = 0.04, calls: int = 12
+) -> Path:
     """Layer norms and their backwards, each grad_output from a matmul in ``low``. A layer norm
     backward's outputs play different roles: its input gradient carries its inputs' errors
     closely, while its weight and bias gradients (sums over the rows) stray from their
@@ -405,13 +469,32 @@ def _layer_norm_backwards(path: Path, low: torch.dtype, *, fault_at: int = -1, f
         bias = b.param(f"{ln}.bias", (0.1 * torch.randn(n, generator=g)).to(low), module=ln)
         _, mean, rstd = b.call(A.native_layer_norm.default, x, [n], weight, bias, 1e-5, module=ln)
         head = b.param(f"head{i}.weight", (torch.randn(48, n, generator=g) / 7).to(low), module=f"head{i}")
-        grad = b.call(A.mm.default, b.source(f"input.g{i}", torch.randn(32, 48, generator=g).to(low)), head,
-                      module=f"head{i}", phase="backward")
+        grad = b.call(
+            A.mm.default,
+            b.source(f"input.g{i}", torch.randn(32, 48, generator=g).to(low)),
+            head,
+            module=f"head{i}",
+            phase="backward",
+        )
         off = stray * (i % 6) / 5 if low != torch.float32 else 0.0
-        b.call(A.native_layer_norm_backward.default, grad, x, [n], mean, rstd, weight, bias, [True, True, True],
-               module=ln, phase="backward",
-               fault=[(lambda t: t * fault) if i == fault_at else None,  # the input gradient
-                      lambda t, off=off: t * (1 + off), lambda t, off=off: t * (1 - off)])  # weight, bias
+        b.call(
+            A.native_layer_norm_backward.default,
+            grad,
+            x,
+            [n],
+            mean,
+            rstd,
+            weight,
+            bias,
+            [True, True, True],
+            module=ln,
+            phase="backward",
+            fault=[
+                (lambda t: t * fault) if i == fault_at else None,  # the input gradient
+                lambda t, off=off: t * (1 + off),
+                lambda t, off=off: t * (1 - off),
+            ],
+        )  # weight, bias
     return b.write(path)
 
 
@@ -419,8 +502,9 @@ def test_a_normalizations_input_gradient_is_judged_against_its_own_calls(tmp_pat
     # Calibrated against every output of the op's calls, the weight and bias gradients' spread
     # hid a 5% fault in an input gradient (3x its prediction in BERT-base); each output is judged
     # against the same output of the other calls.
-    _noise_then_one_root(tmp_path, _layer_norm_backwards, {"fault_at": 7}, op="aten.native_layer_norm_backward.default",
-                         module="ln7")
+    _noise_then_one_root(
+        tmp_path, _layer_norm_backwards, {"fault_at": 7}, op="aten.native_layer_norm_backward.default", module="ln7"
+    )
 
 
 def test_a_roots_metrics_are_those_of_the_output_that_decided(tmp_path: Path) -> None:
@@ -443,8 +527,13 @@ def _skipped_step(path: Path, *, skip: bool, overflow: bool = False, read: bool 
     w0 = torch.randn(16, 16, generator=g)
     b = TraceBuilder()
     weight = b.param("fc.weight", w0.clone(), module="fc")  # the update writes into it
-    h = b.call(A.mm.default, b.source("input.0", x), weight, module="fc",
-               fault=(lambda t: t.index_fill(0, torch.tensor([0]), math.inf)) if overflow else None)
+    h = b.call(
+        A.mm.default,
+        b.source("input.0", x),
+        weight,
+        module="fc",
+        fault=(lambda t: t.index_fill(0, torch.tensor([0]), math.inf)) if overflow else None,
+    )
     found = b.call(A.any.default, b.call(A.isinf.default, h))
     if read:
         b.call(A._local_scalar_dense.default, found)
@@ -467,14 +556,18 @@ def test_what_python_decided_from_a_root_is_inherited(tmp_path: Path) -> None:
     assert set(inherited["op"]) == {"aten.mm.default", "aten.div.Tensor"} and set(inherited["status"]) == {"diverged"}
     # With no root before it, a skipped update is the program's own doing: still named.
     result = tracecmp.compare(_skipped_step(tmp_path / "s", skip=True), bench)
-    assert {(s.op, s.kind) for s in result.suspects} == {("aten.mm.default", "structure"), ("aten.div.Tensor", "argument")}
+    assert {(s.op, s.kind) for s in result.suspects} == {
+        ("aten.mm.default", "structure"),
+        ("aten.div.Tensor", "argument"),
+    }
     # Nor does an Inf that never reaches Python speak for what the program did later.
     result = tracecmp.compare(_skipped_step(tmp_path / "u", skip=True, overflow=True, read=False), bench)
     assert any(s.op == "aten.div.Tensor" for s in result.suspects), result.summary()
 
 
-def _centred_layer_norm_backward(path: Path, dtype: torch.dtype, *, fault: float = 1.0, rows: int = 64,
-                                 features: int = 256) -> Path:
+def _centred_layer_norm_backward(
+    path: Path, dtype: torch.dtype, *, fault: float = 1.0, rows: int = 64, features: int = 256
+) -> Path:
     """A layer norm's forward and backward in ``dtype`` over rows centred on 0: the row means it
     saves are rounding noise, off by 100% of themselves between bf16 and fp32, yet a few units of
     x's spread. ``fault`` scales the input gradient the backward returns."""
@@ -487,8 +580,20 @@ def _centred_layer_norm_backward(path: Path, dtype: torch.dtype, *, fault: float
     bias = b.param("ln.bias", torch.zeros(features, dtype=dtype), module="ln")
     _, mean, rstd = b.call(A.native_layer_norm.default, inputs, [features], weight, bias, 1e-5, module="ln")
     grad = b.source("input.1", torch.randn(rows, features, generator=g).to(dtype))
-    b.call(A.native_layer_norm_backward.default, grad, inputs, [features], mean, rstd, weight, bias, [True, True, True],
-           module="ln", phase="backward", fault=(lambda t: t * fault) if fault != 1.0 else None)
+    b.call(
+        A.native_layer_norm_backward.default,
+        grad,
+        inputs,
+        [features],
+        mean,
+        rstd,
+        weight,
+        bias,
+        [True, True, True],
+        module="ln",
+        phase="backward",
+        fault=(lambda t: t * fault) if fault != 1.0 else None,
+    )
     return b.write(path)
 
 
@@ -496,9 +601,13 @@ def test_a_saved_mean_counts_by_its_error_against_the_spread(tmp_path: Path) -> 
     # The backward subtracts the saved mean from x: its error moves x - mean by its absolute size
     # over x's spread, not by its size against a mean near 0. Taken relative, it predicted an error
     # in the backward that hid a 5% fault.
-    _noise_then_one_root(tmp_path, _centred_layer_norm_backward, {"fault": 1.05}, op="aten.native_layer_norm_backward.default",
-                         phase="backward")
-
+    _noise_then_one_root(
+        tmp_path,
+        _centred_layer_norm_backward,
+        {"fault": 1.05},
+        op="aten.native_layer_norm_backward.default",
+        phase="backward",
+    )
 
 
 def _drift_then_fault(path: Path, low: torch.dtype, *, again: bool = True, fault: float = 1.0) -> Path:
@@ -513,8 +622,9 @@ def _drift_then_fault(path: Path, low: torch.dtype, *, again: bool = True, fault
     b = TraceBuilder()
 
     def drifting(name: str) -> Any:
-        rounded = b.call(A._to_copy.default, b.call(A._to_copy.default, b.source(name, near_one), dtype=low),
-                         dtype=torch.float32)
+        rounded = b.call(
+            A._to_copy.default, b.call(A._to_copy.default, b.source(name, near_one), dtype=low), dtype=torch.float32
+        )
         return b.call(A.add.Scalar, rounded, -1.0)
 
     weight = b.param("fc.weight", torch.randn(n, n, generator=g), module="fc")
@@ -537,8 +647,10 @@ def test_roots_after_the_runs_drift_apart_are_left_undecided(tmp_path: Path) -> 
     # the clean pair agrees, and says from where statistics see only faults larger than the drift
     assert result.agrees and [d.undecided for d in result.drifts] == [()], result.summary()
     assert result.drifts[0].op == "aten.add.Scalar" and "Drift:" in result.summary()
-    assert result.verdict().startswith(f"AGREE: no op diverges beyond rounding noise; from op {result.drifts[0].op_id} "
-                                       "(aten.add.Scalar, step 0) the runs drifted apart by"), result.verdict()
+    assert result.verdict().startswith(
+        f"AGREE: no op diverges beyond rounding noise; from op {result.drifts[0].op_id} "
+        "(aten.add.Scalar, step 0) the runs drifted apart by"
+    ), result.verdict()
     from tracecmp.render.html import write_report
 
     assert "Drift: rank 0: the runs drifted apart" in write_report(result, tmp_path / "report").read_text()
@@ -570,18 +682,37 @@ def _attention_backwards(path: Path, low: torch.dtype, *, fault_at: int = -1, ca
         q, k, v = (b.source(f"input.{name}{i}", torch.randn(2, 4, 32, 16, generator=g).to(low)) for name in "qkv")
         out, lse = b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, module=attn)
         grad = b.source(f"input.g{i}", (torch.randn(2, 4, 32, 16, generator=g) * 1e-4).to(low))
-        b.call(A._scaled_dot_product_flash_attention_for_cpu_backward.default, grad, q, k, v, out, lse, 0.0, False,
-               module=attn, phase="backward", fault=[(lambda t: t * 1.05) if i == fault_at else None, None, None])
+        b.call(
+            A._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            0.0,
+            False,
+            module=attn,
+            phase="backward",
+            fault=[(lambda t: t * 1.05) if i == fault_at else None, None, None],
+        )
     return b.write(path)
 
 
-@pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
-                    reason="torch before 2.2 has no fused attention kernel on the CPU")
+@pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+    reason="torch before 2.2 has no fused attention kernel on the CPU",
+)
 def test_a_fault_in_an_attention_backward_is_found(tmp_path: Path) -> None:
     # Its two largest inputs were taken as the operands and the others as added to its output, a
     # thousand times smaller than they are: a 5% fault in GPT-2 small's query gradient read as noise.
-    _noise_then_one_root(tmp_path, _attention_backwards, {"fault_at": 3},
-                         op="aten._scaled_dot_product_flash_attention_for_cpu_backward.default", module="h3.attn")
+    _noise_then_one_root(
+        tmp_path,
+        _attention_backwards,
+        {"fault_at": 3},
+        op="aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+        module="h3.attn",
+    )
 
 
 def _padded_attention(path: Path, low: torch.dtype, *, fused: bool, fault: str = "", calls: int = 6) -> Path:
@@ -603,34 +734,57 @@ def _padded_attention(path: Path, low: torch.dtype, *, fused: bool, fault: str =
         padded = b.call(A.logical_not.default, keep, module=attn)
         mask = b.call(A.masked_fill.Scalar, zeros, padded, torch.finfo(low).min, module=attn)
         if fused:
-            b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, attn_mask=mask, module=attn,
-                   fault=[off("attention", i), None])
+            b.call(
+                A._scaled_dot_product_flash_attention_for_cpu.default,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                module=attn,
+                fault=[off("attention", i), None],
+            )
             continue
         kt = b.call(A.reshape.default, b.call(A.transpose.int, k, -1, -2, module=attn), [8, 16, 32], module=attn)
         scores = b.call(A.bmm.default, b.call(A.reshape.default, q, [8, 32, 16], module=attn), kt, module=attn)
         scores = b.call(A.mul.Tensor, b.call(A.view.default, scores, [2, 4, 32, 32], module=attn), 0.25, module=attn)
         scores = b.call(A.add.Tensor, scores, mask, module=attn, fault=off("add", i))
         weights = b.call(A._softmax.default, scores, -1, False, module=attn, fault=off("_softmax", i))
-        b.call(A.bmm.default, b.call(A.reshape.default, weights, [8, 32, 32], module=attn),
-               b.call(A.reshape.default, v, [8, 32, 16], module=attn), module=attn)
+        b.call(
+            A.bmm.default,
+            b.call(A.reshape.default, weights, [8, 32, 32], module=attn),
+            b.call(A.reshape.default, v, [8, 32, 16], module=attn),
+            module=attn,
+        )
     return b.write(path)
 
 
-@pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
-                    reason="torch before 2.2 has no fused attention kernel on the CPU")
+@pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+    reason="torch before 2.2 has no fused attention kernel on the CPU",
+)
 def test_a_padding_mask_leaves_a_fault_in_fused_attention_visible(tmp_path: Path) -> None:
     # The mask's 0.4% at its fills, 1e36 in absolute terms, counted as added to the output: the
     # prediction covered any error, and a 5% fault in the attention read as noise.
-    _noise_then_one_root(tmp_path, functools.partial(_padded_attention, fused=True), {"fault": "attention"},
-                         op="aten._scaled_dot_product_flash_attention_for_cpu.default", module="h3.attn")
+    _noise_then_one_root(
+        tmp_path,
+        functools.partial(_padded_attention, fused=True),
+        {"fault": "attention"},
+        op="aten._scaled_dot_product_flash_attention_for_cpu.default",
+        module="h3.attn",
+    )
 
 
 @pytest.mark.parametrize("op", ["add", "_softmax"])
 def test_a_padding_mask_leaves_a_fault_in_eager_attention_visible(tmp_path: Path, op: str) -> None:
     # The softmax's input carries the fills: through exp its 1e36 covered any error. The masked
     # scores' own error hid at the fill's scale, 1e-38 of it.
-    _noise_then_one_root(tmp_path, functools.partial(_padded_attention, fused=False), {"fault": op},
-                         op=f"aten.{op}.{'Tensor' if op == 'add' else 'default'}", module="h3.attn")
+    _noise_then_one_root(
+        tmp_path,
+        functools.partial(_padded_attention, fused=False),
+        {"fault": op},
+        op=f"aten.{op}.{'Tensor' if op == 'add' else 'default'}",
+        module="h3.attn",
+    )
 
 
 def _spread_error(t: torch.Tensor, seed: int, spare_extremes: bool, at: tuple[int, int]) -> torch.Tensor:
@@ -642,8 +796,9 @@ def _spread_error(t: torch.Tensor, seed: int, spare_extremes: bool, at: tuple[in
     return t * (1 + noise)
 
 
-def _lucky_layer_norm_gradient(path: Path, low: torch.dtype, *, fault: str = "", calls: int = 8, lucky: int = 6,
-                               features: int = 256) -> Path:
+def _lucky_layer_norm_gradient(
+    path: Path, low: torch.dtype, *, fault: str = "", calls: int = 8, lucky: int = 6, features: int = 256
+) -> Path:
     """Layer norms in float32 over inputs rounded to ``low``, their backwards, and the residual
     branch's gradient added to each input gradient, as BERT-base runs them in AMP bf16.
 
@@ -668,25 +823,48 @@ def _lucky_layer_norm_gradient(path: Path, low: torch.dtype, *, fault: str = "",
         # The gradient's extremes, held exactly in bf16 in the lucky call only; none in the branch's.
         grad[3, 5], grad[9, 7] = 2.0**-7 * (1 + (i != lucky) * 0.7 * 2.0**-7), -(2.0**-7)
         branch[3, 5] = branch[9, 7] = 0.0
-        grad = b.call(A._to_copy.default, b.source(f"input.g{i}", grad.to(low)), dtype=torch.float32, module=mlp,
-                      phase="backward")
-        spread = None if low == torch.float32 else functools.partial(_spread_error, seed=i, spare_extremes=i == lucky,
-                                                                     at=at)
+        grad = b.call(
+            A._to_copy.default, b.source(f"input.g{i}", grad.to(low)), dtype=torch.float32, module=mlp, phase="backward"
+        )
+        spread = (
+            None if low == torch.float32 else functools.partial(_spread_error, seed=i, spare_extremes=i == lucky, at=at)
+        )
         if fault == "norm" and i == lucky:
             spread = (lambda t, f=spread: f(t) * 1.05) if spread else (lambda t: t * 1.05)
-        grad_in = b.call(A.native_layer_norm_backward.default, grad, x, [features], mean, rstd, weight, bias,
-                         [True, True, True], module=ln, phase="backward", fault=[spread, None, None])[0]
-        b.call(A.add.Tensor, grad_in, b.source(f"input.b{i}", branch), module=mlp, phase="backward",
-               fault=(lambda t: t * 1.05) if (fault, i) == ("add", lucky) else None)
+        grad_in = b.call(
+            A.native_layer_norm_backward.default,
+            grad,
+            x,
+            [features],
+            mean,
+            rstd,
+            weight,
+            bias,
+            [True, True, True],
+            module=ln,
+            phase="backward",
+            fault=[spread, None, None],
+        )[0]
+        b.call(
+            A.add.Tensor,
+            grad_in,
+            b.source(f"input.b{i}", branch),
+            module=mlp,
+            phase="backward",
+            fault=(lambda t: t * 1.05) if (fault, i) == ("add", lucky) else None,
+        )
     return b.write(path)
 
 
 @pytest.mark.parametrize("site", ["norm", "add"])
-def test_an_input_gradient_with_lucky_extremes_passes_on_what_its_calls_typically_carry(tmp_path: Path,
-                                                                                        site: str) -> None:
+def test_an_input_gradient_with_lucky_extremes_passes_on_what_its_calls_typically_carry(
+    tmp_path: Path, site: str
+) -> None:
     # The layer norm's input gradient passed on twice its extremes' 0.01%, not the 0.5% its
     # elements carried; the sum after it read as 8x its inputs' error. Its other calls show what
     # their prediction typically comes to, and it passes on that much of its own.
-    op, module = {"norm": ("aten.native_layer_norm_backward.default", "layers.6.ln"),
-                  "add": ("aten.add.Tensor", "layers.6.mlp")}[site]
+    op, module = {
+        "norm": ("aten.native_layer_norm_backward.default", "layers.6.ln"),
+        "add": ("aten.add.Tensor", "layers.6.mlp"),
+    }[site]
     _noise_then_one_root(tmp_path, _lucky_layer_norm_gradient, {"fault": site}, op=op, module=module)

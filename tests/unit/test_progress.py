@@ -1,4 +1,5 @@
 """The one progress bar: each command's line as it has always read, drawn only when enabled."""
+
 from __future__ import annotations
 
 import pytest

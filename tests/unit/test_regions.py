@@ -1,5 +1,6 @@
 """Regions: ops that pair only as groups (a fused op against its decomposition, another
 decomposition, casts on one side), judged at their boundary, on hand-recorded runs."""
+
 from __future__ import annotations
 
 import math
@@ -30,14 +31,30 @@ def _qkv(b: TraceBuilder) -> tuple[Ref, Ref, Ref, Ref]:
 FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 
-def _flash(b: TraceBuilder, q: Ref, k: Ref, v: Ref, module: str, fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           **kwargs: object) -> Ref:
+def _flash(
+    b: TraceBuilder,
+    q: Ref,
+    k: Ref,
+    v: Ref,
+    module: str,
+    fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **kwargs: object,
+) -> Ref:
     """Flash attention for the CPU, recorded as capture records it (``dropout_p=0.0``; the schema
     says random, but it draws nothing). Torch before 2.2 has no such op: its two outputs are then
     computed here, as a vendor's op would be recorded, and replay runs the bench's side instead."""
     if hasattr(torch.ops.aten, FLASH.split(".")[1]):
-        return b.call(A._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, dropout_p=0.0, module=module,
-                      random=True, fault=fault, **kwargs)[0]
+        return b.call(
+            A._scaled_dot_product_flash_attention_for_cpu.default,
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            module=module,
+            random=True,
+            fault=fault,
+            **kwargs,
+        )[0]
     qv, kv, vv = b.value(q), b.value(k), b.value(v)
     scores = qv @ kv.transpose(-2, -1) * qv.shape[-1] ** -0.5
     value = torch.softmax(scores, dim=-1) @ vv
@@ -50,8 +67,13 @@ def _tail(b: TraceBuilder, out: Ref) -> None:
     b.call(A.sum.default, y, module="")
 
 
-def _fused(path: Path, *, fault: Callable[[torch.Tensor], torch.Tensor] | None = None, name: str | None = None,
-           data: bool = False) -> Path:
+def _fused(
+    path: Path,
+    *,
+    fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    name: str | None = None,
+    data: bool = False,
+) -> Path:
     """Attention as one fused op (flash attention for the CPU, or a vendor op the CPU lacks)."""
     b = TraceBuilder(data=data)
     _, q, k, v = _qkv(b)
@@ -118,8 +140,9 @@ def test_a_vendor_fused_op_the_cpu_cannot_run_is_replayed_through_the_bench_ops(
     (region,) = clean.regions
     (replay,) = replay_regions(clean.target.rank(0), clean.bench.rank(0), clean.regions).values()
     assert replay.reference == "bench" and replay.error < 1e-6 and math.isnan(replay.sides_differ)
-    faulty = tracecmp.compare(_fused(tmp_path / "t1", name="npu.fused_attention.default", fault=_scale(1 + 1e-5),
-                                     data=True), bench)
+    faulty = tracecmp.compare(
+        _fused(tmp_path / "t1", name="npu.fused_attention.default", fault=_scale(1 + 1e-5), data=True), bench
+    )
     d = faulty.first_divergence
     assert d is not None and d.op == "npu.fused_attention.default" and "the bench's ops" in d.reason
 
@@ -135,9 +158,13 @@ def _gelu_fused(path: Path, data: bool) -> Path:
 def _gelu_eager(path: Path, data: bool) -> Path:
     b = TraceBuilder(data=data)
     x = b.source("input.0", torch.randn(8, 32, generator=torch.Generator().manual_seed(5)))
-    e = b.call(A.erf.default, b.call(A.mul.Tensor, x, 2 ** -0.5, module="act"), module="act")
-    y = b.call(A.mul.Tensor, b.call(A.mul.Tensor, x, 0.5, module="act"), b.call(A.add.Tensor, e, 1.0, module="act"),
-               module="act")
+    e = b.call(A.erf.default, b.call(A.mul.Tensor, x, 2**-0.5, module="act"), module="act")
+    y = b.call(
+        A.mul.Tensor,
+        b.call(A.mul.Tensor, x, 0.5, module="act"),
+        b.call(A.add.Tensor, e, 1.0, module="act"),
+        module="act",
+    )
     b.call(A.sum.default, y)
     return b.write(path)
 
@@ -154,12 +181,13 @@ def test_a_fused_op_computing_another_function_is_a_root(tmp_path, data):
 
 def test_a_rewritten_decomposition_that_compensates_is_no_divergence(tmp_path):
     """The target scales q and k by sqrt(scale) each, the bench scales the scores once."""
+
     def run(path: Path, split: bool) -> Path:
         b = TraceBuilder()
         _, q, k, v = _qkv(b)
         if split:
-            q = b.call(A.mul.Tensor, q, SCALE ** 0.5, module="attn")
-            k = b.call(A.mul.Tensor, k, SCALE ** 0.5, module="attn")
+            q = b.call(A.mul.Tensor, q, SCALE**0.5, module="attn")
+            k = b.call(A.mul.Tensor, k, SCALE**0.5, module="attn")
         s = b.call(A.matmul.default, q, b.call(A.transpose.int, k, -2, -1, module="attn"), module="attn")
         if not split:
             s = b.call(A.mul.Tensor, s, SCALE, module="attn")
@@ -189,7 +217,9 @@ def _mlp(path: Path, *, cast: str = "", data: bool = False) -> Path:
             return b.call(A.mm.default, a, w, module=module)
         a16 = b.call(A._to_copy.default, a, dtype=torch.bfloat16, module=module)
         w16 = b.call(A._to_copy.default, w, dtype=torch.bfloat16, module=module)
-        return b.call(A._to_copy.default, b.call(A.mm.default, a16, w16, module=module), dtype=torch.float32, module=module)
+        return b.call(
+            A._to_copy.default, b.call(A.mm.default, a16, w16, module=module), dtype=torch.float32, module=module
+        )
 
     h = b.call(A.relu.default, mm(x, w1, "fc1"), module="act")
     b.call(A.sum.default, mm(h, w2, "fc2"))
@@ -241,19 +271,29 @@ def _saving_attention(path: Path, fused: bool, fault: Callable[[torch.Tensor], t
     b = TraceBuilder()
     g = torch.Generator().manual_seed(5)
     x = b.source("input.0", torch.randn(2, 2, 8, 8, generator=g))
-    q = b.call(A.matmul.default, x, b.param("proj.weight", torch.randn(8, 8, generator=g) / 3, module="proj"), module="proj")
+    q = b.call(
+        A.matmul.default, x, b.param("proj.weight", torch.randn(8, 8, generator=g) / 3, module="proj"), module="proj"
+    )
     k, v = b.call(A.mul.Tensor, q, 0.5, module="proj"), b.call(A.tanh.default, q, module="proj")
     if fused:
         out = _flash(b, q, k, v, "attn")
         b.call(A.detach.default, out, module="attn")
     else:
-        s = b.call(A.mul.Tensor, b.call(A.matmul.default, q, b.call(A.transpose.int, k, -2, -1, module="attn"),
-                                        module="attn"), 8 ** -0.5, module="attn")
+        s = b.call(
+            A.mul.Tensor,
+            b.call(A.matmul.default, q, b.call(A.transpose.int, k, -2, -1, module="attn"), module="attn"),
+            8**-0.5,
+            module="attn",
+        )
         p = b.call(A._softmax.default, s, -1, False, module="attn")
         b.call(A.detach.default, p, module="attn")
         out = b.call(A.matmul.default, p, v, module="attn")
-    y = b.call(A.mm.default, b.call(A.view.default, out, [32, 8], module="out"),
-               b.param("out.weight", torch.randn(8, 8, generator=g) / 3, module="out"), module="out")
+    y = b.call(
+        A.mm.default,
+        b.call(A.view.default, out, [32, 8], module="out"),
+        b.param("out.weight", torch.randn(8, 8, generator=g) / 3, module="out"),
+        module="out",
+    )
     b.call(A.sum.default, b.call(A.gelu.default, y, module="act", fault=fault), module="")
     return b.write(path)
 
@@ -275,7 +315,7 @@ def test_a_nan_root_outranks_roots_of_a_few_rounding_units(tmp_path):
     def run(path: Path, faulty: bool) -> Path:
         b = TraceBuilder()
         x = b.source("input.0", torch.randn(64, generator=torch.Generator().manual_seed(2)))
-        y = b.call(A.exp.default, x, module="a", fault=(lambda t: t * (1 + 2 ** -20)) if faulty else None)
+        y = b.call(A.exp.default, x, module="a", fault=(lambda t: t * (1 + 2**-20)) if faulty else None)
         z = b.call(A.mul.Tensor, y, 3.0, module="b")
 
         def overflow(t: torch.Tensor) -> torch.Tensor:

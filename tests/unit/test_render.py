@@ -3,6 +3,7 @@ through tracecmp's own layout (:mod:`tracecmp.render.dot`).
 
 Results are real comparisons of hand-made traces (:mod:`tests.tracebuild`).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return request.param
 
 
-def transformer_recipe(layers: int = 3, fault_layer: int | None = 1, *, nan_layer: int | None = None,
-                       extra_op: bool = False) -> Any:
+def transformer_recipe(
+    layers: int = 3, fault_layer: int | None = 1, *, nan_layer: int | None = None, extra_op: bool = False
+) -> Any:
     """Blocks of LayerNorm + GELU MLP with residuals, a loss and a backward op, from real tensors.
 
     In the target, block ``fault_layer``'s GELU is computed with the tanh approximation (same
@@ -57,14 +59,22 @@ def transformer_recipe(layers: int = 3, fault_layer: int | None = 1, *, nan_laye
             w1 = torch.randn(4 * DIM, DIM, generator=g) / DIM**0.5
             w2 = torch.randn(DIM, 4 * DIM, generator=g) / (4 * DIM) ** 0.5
             ln = F.layer_norm(h, (DIM,))
-            r_ln = b.op("aten.native_layer_norm.default", [ref], ln, module=f"{m}.ln", location=f"model.py:{10 + layer}")
+            r_ln = b.op(
+                "aten.native_layer_norm.default", [ref], ln, module=f"{m}.ln", location=f"model.py:{10 + layer}"
+            )
             r_w1t = b.view("aten.t.default", b.param(f"{m}.mlp.fc1.weight", w1), (DIM, 4 * DIM), module=f"{m}.mlp.fc1")
             a = ln @ w1.t()
             r_a = b.op("aten.mm.default", [r_ln, r_w1t], a, module=f"{m}.mlp.fc1", location="model.py:30")
             tanh = is_target and layer == fault_layer
             act = F.gelu(a, approximate="tanh") if tanh else F.gelu(a)
-            r_act = b.op("aten.gelu.default", [r_a], act, module=f"{m}.mlp.act", location="model.py:31",
-                         stack="train.py:5 in main\nmodel.py:31 in forward")
+            r_act = b.op(
+                "aten.gelu.default",
+                [r_a],
+                act,
+                module=f"{m}.mlp.act",
+                location="model.py:31",
+                stack="train.py:5 in main\nmodel.py:31 in forward",
+            )
             r_w2t = b.view("aten.t.default", b.param(f"{m}.mlp.fc2.weight", w2), (4 * DIM, DIM), module=f"{m}.mlp.fc2")
             o = act @ w2.t()
             if is_target and layer == nan_layer:
@@ -139,7 +149,14 @@ def test_short_names_and_numbers() -> None:
     assert short_op("aten.add.Tensor") == "add"
     assert short_op("aten._softmax.default") == "_softmax"
     assert short_op("npu.fused_x.default") == "npu.fused_x"
-    assert [format_number(x) for x in (25000.0, 1400, 0.25, float("nan"), 0, 1e-5)] == ["2.5e4", "1400", "0.25", "nan", "0", "1e-5"]
+    assert [format_number(x) for x in (25000.0, 1400, 0.25, float("nan"), 0, 1e-5)] == [
+        "2.5e4",
+        "1400",
+        "0.25",
+        "nan",
+        "0",
+        "1e-5",
+    ]
 
 
 def test_diverged_colour_goes_from_orange_to_red_with_error() -> None:
@@ -151,7 +168,9 @@ def test_diverged_colour_goes_from_orange_to_red_with_error() -> None:
     assert green[0] > green[1] > green[2]  # the green channel falls: orange turns red
 
 
-def test_svg_is_valid_xml_with_root_label_and_its_module_cluster(diverged: CompareResult, tmp_path: Path, engine: str) -> None:
+def test_svg_is_valid_xml_with_root_label_and_its_module_cluster(
+    diverged: CompareResult, tmp_path: Path, engine: str
+) -> None:
     result = diverged
     written = render_subgraph(result, tmp_path / "divergence.svg")
     assert written == tmp_path / "divergence.svg"
@@ -166,8 +185,12 @@ def test_svg_is_valid_xml_with_root_label_and_its_module_cluster(diverged: Compa
     assert any(t.startswith("err ") and t.endswith(" u") or " u · " in t for t in texts)
     # Two hops each way: fc1 and ln above, fc2 and the residual add below.
     shown = {g.findtext(f"{SVG}title") for g in svg_nodes(written)}
-    near = [node_id(result, "aten.mm.default", "blocks.1.mlp.fc1"), node_id(result, "aten.native_layer_norm.default", "blocks.1.ln"),
-            node_id(result, "aten.mm.default", "blocks.1.mlp.fc2"), node_id(result, "aten.add.Tensor", "blocks.1")]
+    near = [
+        node_id(result, "aten.mm.default", "blocks.1.mlp.fc1"),
+        node_id(result, "aten.native_layer_norm.default", "blocks.1.ln"),
+        node_id(result, "aten.mm.default", "blocks.1.mlp.fc2"),
+        node_id(result, "aten.add.Tensor", "blocks.1"),
+    ]
     assert {f"n{n}" for n in near} <= shown
 
 
@@ -181,7 +204,9 @@ def test_views_are_folded_into_edge_labels(diverged: CompareResult) -> None:
     assert re.search(rf'n{weight} -> n{fc1} \[label="t ▸ {DIM}×{4 * DIM}"', text)
 
 
-def test_without_dot_binary_the_own_layout_draws_the_picture(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_dot_binary_the_own_layout_draws_the_picture(
+    diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -245,7 +270,9 @@ def test_selection_prefers_near_nodes(wide: CompareResult) -> None:
     assert (len(select(wide, max_nodes=1).shown), select(wide, max_nodes=1).more) == (1, [])
     ops = wide.nodes.set_index("op_id")["op"]
     # Direct producers and consumers come before anything two hops away.
-    distances = [0 if n == sel.shown[0] else 2 if ops[n] in ("aten.relu.default", "aten.sum.default") else 1 for n in sel.shown]
+    distances = [
+        0 if n == sel.shown[0] else 2 if ops[n] in ("aten.relu.default", "aten.sum.default") else 1 for n in sel.shown
+    ]
     assert distances == sorted(distances)
 
 
@@ -296,6 +323,6 @@ def test_nan_root_and_region_box(tmp_path: Path) -> None:
     (region,) = result.regions
     (clone,) = region.target_ops
     text = build_dot(result, depth=60, max_nodes=200)
-    box = re.search(rf'subgraph cluster_region{region.region_id}_\d+ {{(.*?)\n\s*}}', text, re.S)
+    box = re.search(rf"subgraph cluster_region{region.region_id}_\d+ {{(.*?)\n\s*}}", text, re.S)
     assert box is not None and f"n{clone} [" in box.group(1)
     assert "pass-through" in box.group(1) and "bench: nothing (target-only ops)" in box.group(1)

@@ -1,4 +1,5 @@
 """Replay of recorded ops (tracecmp.numerics.replay) on hand-recorded traces with whole tensors."""
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,15 @@ def test_a_statistics_trace_has_nothing_to_replay(tmp_path):
     assert replay_rank(tracecmp.load(record(tmp_path / "run")).rank(0)) == {}
 
 
-@pytest.mark.parametrize("site,op,phase", [
-    ("gelu", "aten.gelu.default", "forward"),
-    ("ln", "aten.native_layer_norm.default", "forward"),
-    ("gelu_backward", "aten.gelu_backward.default", "backward"),
-    ("grad_b1", "aten.sum.dim_IntList", "backward"),
-])
+@pytest.mark.parametrize(
+    "site,op,phase",
+    [
+        ("gelu", "aten.gelu.default", "forward"),
+        ("ln", "aten.native_layer_norm.default", "forward"),
+        ("gelu_backward", "aten.gelu_backward.default", "backward"),
+        ("grad_b1", "aten.sum.dim_IntList", "backward"),
+    ],
+)
 def test_replay_finds_a_fault_smaller_than_the_tf32_background(tmp_path, site, op, phase):
     bench = record(tmp_path / "bench", data=True)
     target = record(tmp_path / "target", data=True, tf32=True, faults={site: scale(1 + 3e-5)})
@@ -65,8 +69,9 @@ def test_tf32_background_alone_is_not_a_divergence_under_replay(tmp_path):
     replayed = result.nodes[result.nodes["own_error"].notna()]
     assert len(replayed) > 10
     # Without the TF32 allowance the rounded matmuls are their own errors.
-    strict = tracecmp.compare(record(tmp_path / "target2", data=True, tf32=True), bench,
-                              tolerances={"allow_tf32": False})
+    strict = tracecmp.compare(
+        record(tmp_path / "target2", data=True, tf32=True), bench, tolerances={"allow_tf32": False}
+    )
     assert strict.first_divergence is not None and strict.first_divergence.op == "aten.addmm.default"
 
 
@@ -198,8 +203,9 @@ def test_noise_fault_found_by_replay_has_the_largest_score(tmp_path):
     assert result.suspects and result.suspects[0].op == "aten.gelu_backward.default"
 
 
-def _after_tf32(path: Path, op: Any, fault: Callable[[torch.Tensor], torch.Tensor] | None, tf32: bool = True,
-                **kwargs: Any) -> Path:
+def _after_tf32(
+    path: Path, op: Any, fault: Callable[[torch.Tensor], torch.Tensor] | None, tf32: bool = True, **kwargs: Any
+) -> Path:
     """x @ w (at TF32 in a target: background noise), then ``op(h, h2)`` whose output ``fault`` may rewrite."""
     from tests.tracebuild import round_tf32
 
@@ -207,7 +213,7 @@ def _after_tf32(path: Path, op: Any, fault: Callable[[torch.Tensor], torch.Tenso
     x, w, w2 = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
     b = TraceBuilder(data=True)
     X, W, W2 = b.source("input.0", x), b.param("fc.weight", w, module="fc"), b.param("fc2.weight", w2, module="fc2")
-    rounded = (lambda a, c: (lambda _: A.mm.default(round_tf32(a), round_tf32(c)))) if tf32 else (lambda a, c: None)
+    rounded = (lambda a, c: lambda _: A.mm.default(round_tf32(a), round_tf32(c))) if tf32 else (lambda a, c: None)
     H = b.call(A.mm.default, X, W, module="fc", fault=rounded(x, w))
     H2 = b.call(A.mm.default, X, W2, module="fc2", fault=rounded(x, w2))
     b.call(op, H, H2, module="merge", fault=fault, **kwargs)
@@ -220,6 +226,7 @@ def _next_float_at(index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         flat = out.view(-1)
         flat[index] = torch.nextafter(flat[index], torch.tensor(math.inf))
         return out
+
     return bump
 
 
@@ -248,8 +255,13 @@ def test_a_matmul_output_rounded_to_bf16_stands_out_of_the_tf32_noise(tmp_path):
         x, w = torch.randn(64, 128, generator=g), torch.randn(128, 64, generator=g)
         b = TraceBuilder(data=True)
         X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
-        b.call(A.mm.default, X, W, module="fc",
-               fault=lambda _: A.mm.default(round_tf32(x), round_tf32(w)).to(torch.bfloat16).float())
+        b.call(
+            A.mm.default,
+            X,
+            W,
+            module="fc",
+            fault=lambda _: A.mm.default(round_tf32(x), round_tf32(w)).to(torch.bfloat16).float(),
+        )
         return b.write(path)
 
     def clean(path: Path) -> Path:
@@ -318,8 +330,13 @@ def test_sqrt_is_held_to_one_rounding(tmp_path):
         x, w = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
         b = TraceBuilder(data=True)
         X, W = b.source("input.0", x), b.param("fc.weight", w, module="fc")
-        H = b.call(A.mm.default, X, W, module="fc",
-                   fault=(lambda _: A.mm.default(round_tf32(x), round_tf32(w))) if target else None)
+        H = b.call(
+            A.mm.default,
+            X,
+            W,
+            module="fc",
+            fault=(lambda _: A.mm.default(round_tf32(x), round_tf32(w))) if target else None,
+        )
         M = b.call(A.abs.default, H)
         b.call(A.sqrt.default, M, module="norm", fault=_next_float_at(3) if target else None)
         return b.write(path)
@@ -332,13 +349,20 @@ def test_the_report_counts_replayed_ops(tmp_path):
     from tracecmp.render import write_report
 
     bench = record(tmp_path / "bench", data=True)
-    result = tracecmp.compare(record(tmp_path / "target", data=True, tf32=True, faults={"gelu": scale(1 + 3e-5)}), bench)
+    result = tracecmp.compare(
+        record(tmp_path / "target", data=True, tf32=True, faults={"gelu": scale(1 + 3e-5)}), bench
+    )
     page = Path(write_report(result, tmp_path / "out")).read_text()
     assert "<span>replayed</span>" in page and "float64 replay" in page
 
 
-def _tf32_chain(path: Path, rounding: Callable[[torch.Tensor], torch.Tensor] | None, fault: float | None = None,
-                accumulate: str = "float32", data: bool = True) -> Path:
+def _tf32_chain(
+    path: Path,
+    rounding: Callable[[torch.Tensor], torch.Tensor] | None,
+    fault: float | None = None,
+    accumulate: str = "float32",
+    data: bool = True,
+) -> Path:
     """Six matmuls in a chain (with tanh between), every one at reduced precision in the target:
     inputs rounded by ``rounding`` (None: plain float32, the bench). ``fault`` scales the fourth
     matmul's output; ``accumulate="float64"`` sums in another order than this CPU (a device)."""
@@ -365,10 +389,14 @@ def _truncate(x: torch.Tensor) -> torch.Tensor:
     return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
 
 
-@pytest.mark.parametrize("rounding,accumulate", [
-    ("to nearest even", "float32"), ("toward zero", "float32"), ("to nearest even", "float64"),
-], ids=["rn", "rz", "rn-other-order"])
-def test_a_matmul_fault_far_below_tf32_noise_shows_where_the_runs_matmuls_are_reproduced(tmp_path, rounding, accumulate):
+@pytest.mark.parametrize(
+    "rounding,accumulate",
+    [("to nearest even", "float32"), ("toward zero", "float32"), ("to nearest even", "float64")],
+    ids=["rn", "rz", "rn-other-order"],
+)
+def test_a_matmul_fault_far_below_tf32_noise_shows_where_the_runs_matmuls_are_reproduced(
+    tmp_path, rounding, accumulate
+):
     from tests.tracebuild import round_tf32
 
     model = round_tf32 if rounding == "to nearest even" else _truncate
@@ -428,8 +456,12 @@ def test_non_finite_scalars_are_decoded_as_numbers(golden: bool) -> None:
 
     x = torch.tensor([1.0, 2.0])
     mask = torch.tensor([True, False])
-    call = decode_call(torch.ops.aten.masked_fill.Scalar, {"self": {"tensor": 0}, "mask": {"tensor": 1}, "value": "-inf"},
-                       [x, mask], golden=golden)
+    call = decode_call(
+        torch.ops.aten.masked_fill.Scalar,
+        {"self": {"tensor": 0}, "mask": {"tensor": 1}, "value": "-inf"},
+        [x, mask],
+        golden=golden,
+    )
     assert call is not None
     assert torch.ops.aten.masked_fill.Scalar(*call[0], **call[1]).tolist() == [-math.inf, 2.0]
     call = decode_call(torch.ops.aten.ne.Scalar, {"self": {"tensor": 0}, "other": "inf"}, [x], golden=golden)

@@ -1,5 +1,6 @@
 """Replay's verdict on single calls: TF32 matmuls an op calls once, and bits a device gives as
 this CPU does (hand-recorded runs, ``tests.tracebuild``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,9 @@ from tests.tracebuild import TraceBuilder, round_tf32
 A = torch.ops.aten
 
 
-def _three_matmuls(path: Path, tf32: bool, fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   data: bool = True) -> Path:
+def _three_matmuls(
+    path: Path, tf32: bool, fault: Callable[[torch.Tensor], torch.Tensor] | None = None, data: bool = True
+) -> Path:
     """mm, addmm, bmm: three matmul ops called once each, TF32-rounded operands in the target;
     ``fault`` rewrites the addmm's output."""
     g = torch.Generator().manual_seed(21)

@@ -1,5 +1,6 @@
 """Replay that gives the run's bits: inputs laid out in memory as the run had them, and a single
 call that a bit-for-bit replay does not reproduce, where it reproduces the op's other calls."""
+
 from __future__ import annotations
 
 import math
@@ -161,11 +162,10 @@ def test_a_saved_value_keeps_the_layout_it_had_in_the_run(tmp_path):
     assert own.bitwise and own.error == own.honest, own
 
 
-@pytest.mark.parametrize("orders, match", [
-    ('{"k": [0, 0]}', "not permutations"),
-    ('{"k": [1, 0, 2]}', "3 dimensions for 2"),
-    ("[1, 0", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "orders, match",
+    [('{"k": [0, 0]}', "not permutations"), ('{"k": [1, 0, 2]}', "3 dimensions for 2"), ("[1, 0", "not valid JSON")],
+)
 def test_a_malformed_memory_order_is_a_format_error(tmp_path, orders, match):
     from safetensors.torch import save_file
 

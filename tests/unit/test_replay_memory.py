@@ -1,6 +1,7 @@
 """Replay's memory bounds: large pointwise calls get their float64 reference in pieces, large
 outputs are measured in pieces, and the value cache makes room for a large op; none of it
 changes what replay measures."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,11 @@ def _trace(path: Path) -> Path:
     b.call(A.gelu.default, across, approximate="tanh", module="act")
     b.call(A.mul.Tensor, across, b.source("input.7", torch.randn(SHAPE[::-1], generator=g).t()))
     b.call(A._log_softmax.default, grad, 1, False)  # a reduction: whole reference, measured in pieces
-    b.call(A.mm.default, b.source("input.4", torch.randn(40, 16, generator=g)),
-           b.source("input.5", torch.randn(16, 500, generator=g)))
+    b.call(
+        A.mm.default,
+        b.source("input.4", torch.randn(40, 16, generator=g)),
+        b.source("input.5", torch.randn(16, 500, generator=g)),
+    )
     return b.write(path)
 
 
@@ -103,9 +107,10 @@ def test_calls_replayed_in_pieces_measure_as_whole_ones(tmp_path, monkeypatch, o
     assert (len(matmul.fits), len(matmul.bounds)) == ((3, 4) if reduced else (0, 0))
 
 
-@pytest.mark.parametrize("op,args", [
-    (A.gelu.default, {"approximate": "tanh"}), (A.sigmoid.default, {}), (A.pow.Tensor_Scalar, {"exponent": 1.7}),
-])
+@pytest.mark.parametrize(
+    "op,args",
+    [(A.gelu.default, {"approximate": "tanh"}), (A.sigmoid.default, {}), (A.pow.Tensor_Scalar, {"exponent": 1.7})],
+)
 def test_a_reference_made_in_pieces_has_the_bits_of_a_whole_one(op, args, one_thread):
     """Where a kernel's vectorized and scalar paths round differently, pieces that start at
     multiples of the vector width leave every element on the path it takes in the whole call."""
@@ -120,7 +125,9 @@ def test_a_reference_made_in_pieces_has_the_bits_of_a_whole_one(op, args, one_th
     pieces = torch.cat([reference.piece(i) for i in range(len(spans))])
     assert torch.equal(pieces.view(torch.int64), whole[0].reshape(-1).view(torch.int64))
     # ... which a piece boundary off the vector width would not keep.
-    odd = torch.cat([measure.run_outputs(name, recorded, [x.view(-1)[s:s + 7]], golden=True)[0] for s in range(0, x.numel(), 7)])
+    odd = torch.cat(
+        [measure.run_outputs(name, recorded, [x.view(-1)[s : s + 7]], golden=True)[0] for s in range(0, x.numel(), 7)]
+    )
     if name != "aten.pow.Tensor_Scalar":  # float64 pow takes one path here
         assert not torch.equal(odd, whole[0].reshape(-1))
 
@@ -128,7 +135,12 @@ def test_a_reference_made_in_pieces_has_the_bits_of_a_whole_one(op, args, one_th
 def test_pieces_are_only_for_pointwise_calls_over_one_shape(monkeypatch):
     monkeypatch.setattr(measure, "_PIECE_ELEMENTS", PIECE)
     x, y = torch.ones(SHAPE), torch.ones(SHAPE)
-    assert measure.piece_spans("aten.add.Tensor", [x, y], [SHAPE]) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 15009)]
+    assert measure.piece_spans("aten.add.Tensor", [x, y], [SHAPE]) == [
+        (0, 4096),
+        (4096, 8192),
+        (8192, 12288),
+        (12288, 15009),
+    ]
     assert measure.piece_spans("aten._foreach_add.List", [x, y], [SHAPE]) is not None
     assert measure.piece_spans("aten.add.Tensor", [x, torch.tensor(2.0)], [SHAPE]) is not None  # a scalar operand
     assert measure.piece_spans("aten.add.Tensor", [x, torch.ones(SHAPE[1])], [SHAPE]) is None  # broadcast

@@ -1,4 +1,5 @@
 """The HTML report: verdict, first divergence, chart, tables, counts; self-contained; without dot."""
+
 from __future__ import annotations
 
 import re
@@ -50,7 +51,9 @@ def report(diverged: CompareResult, tmp_path_factory: pytest.TempPathFactory) ->
 def test_report_holds_verdict_first_divergence_chart_and_tables(report: str, diverged: CompareResult) -> None:  # noqa: F811
     verdict = re.search(r'<div class="verdict (\w+)" id="verdict">(.*?)</div>', report)
     assert verdict and verdict.group(1) == "diverged"
-    assert "DIVERGED" in verdict.group(2) and "aten.gelu.default in blocks.1.mlp.act (forward, step 0)" in verdict.group(2)
+    assert "DIVERGED" in verdict.group(
+        2
+    ) and "aten.gelu.default in blocks.1.mlp.act (forward, step 0)" in verdict.group(2)
     assert "<code>aten.gelu.default</code>" in report and "<code>model.py:31</code>" in report  # op and source line
     assert "train.py:5 in main\nmodel.py:31 in forward" in report  # the stack
     chart = re.search(r'<svg xmlns="http://www.w3.org/2000/svg" class="chart".*?</svg>', report, re.S)
@@ -79,7 +82,11 @@ def test_report_inlines_the_subgraph_svg(report: str) -> None:
     assert "FIRST DIVERGENCE" in figure
 
 
-def test_report_without_dot_inlines_the_own_layout(diverged: CompareResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_report_without_dot_inlines_the_own_layout(
+    diverged: CompareResult,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
     html = write_report(diverged, tmp_path).read_text(encoding="utf-8")
     figure = html[html.index('id="subgraph"') : html.index('id="chart"')]
@@ -117,8 +124,19 @@ def test_chart_marks_root_bands_and_thins_long_runs() -> None:
         phase = "forward" if i < 8_000 else "backward" if i < 18_000 else "optimizer"
         error = 0.0 if i % 3 == 0 else (1e5 if i == 12_346 else 1.0 + i % 7)
         status = "nan" if i == 15_000 else ("diverged" if i >= 9_000 else "noise")
-        rows.append(dict(rank=0, op_id=i, step=i // 10_000, phase=phase, kind="op", op="aten.mul.Tensor",
-                         module="m", status=status, error=error))
+        rows.append(
+            dict(
+                rank=0,
+                op_id=i,
+                step=i // 10_000,
+                phase=phase,
+                kind="op",
+                op="aten.mul.Tensor",
+                module="m",
+                status=status,
+                error=error,
+            )
+        )
     root = ET.fromstring(error_chart(pd.DataFrame(rows), root=9_000))
     circles = root.findall(f"{SVG}circle")
     assert len(circles) < 6_000  # thinned to about one point per pixel column and phase

@@ -1,4 +1,5 @@
 """seed_all: same seed, same numbers everywhere; determinism flags on and off; bad seeds refused."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ min, max, NaN/Inf counts and the checksum must be bit-identical between the two;
 within 1e-12 relative to the data's scale (they are summed in different orders). Every copy of
 the kernel (baseline, AVX2, AVX-512) must give the same bits.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,7 +104,9 @@ def float_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "all_inf": _from_values([inf, inf, -inf], dtype),
         "only_pos_inf": _from_values([inf] * 9, dtype),
         "nan_and_inf_only": _from_values([nan, inf, nan, -inf], dtype),
-        "denormals": _from_values([fi.smallest_normal / 2, -fi.smallest_normal / 4, fi.smallest_normal / 1024] * 7, dtype),
+        "denormals": _from_values(
+            [fi.smallest_normal / 2, -fi.smallest_normal / 4, fi.smallest_normal / 1024] * 7, dtype
+        ),
         "huge": _from_values([fi.max, -fi.max, fi.max, 1.0, -fi.max / 2], dtype),
         "all_equal": torch.full((2 * BLOCK + 1,), 0.75, dtype=dtype),
         "signed_zeros": _from_values([0.0, -0.0, -0.0, 0.0], dtype),
@@ -126,7 +129,12 @@ def int_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     if dtype == torch.bool:
         rand = torch.randint(0, 2, (3 * BLOCK + 7,), generator=g).bool()
-        return {"rand": rand, "all_true": torch.ones(BLOCK, dtype=dtype), "empty": rand[:0], "scalar": torch.tensor(True)}
+        return {
+            "rand": rand,
+            "all_true": torch.ones(BLOCK, dtype=dtype),
+            "empty": rand[:0],
+            "scalar": torch.tensor(True),
+        }
     ii = torch.iinfo(dtype)
     rand = torch.randint(ii.min, ii.max, (3 * BLOCK + 7,), generator=g, dtype=dtype)
     return {

@@ -1,4 +1,5 @@
 """TF32-sized rounding of float32 matmuls is noise only where a run could have used it."""
+
 from __future__ import annotations
 
 import json

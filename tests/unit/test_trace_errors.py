@@ -1,4 +1,5 @@
 """Bad traces: each is refused with a TracecmpError subclass naming the file and the problem."""
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,9 @@ def _write(path: Path, ops: dict[str, list[Any]], tensors: dict[str, list[Any]])
 @pytest.fixture
 def good(tmp_path: Path) -> Path:
     """source -> relu -> relu: a valid two-op trace written by the real writer."""
-    return _write(tmp_path / "good", ops_columns([[], [0], [1]], [[0], [1], [2]]), tensors_columns([0, 1, 2], [0, 1, 2]))
+    return _write(
+        tmp_path / "good", ops_columns([[], [0], [1]], [[0], [1], [2]]), tensors_columns([0, 1, 2], [0, 1, 2])
+    )
 
 
 def _rank_manifest(trace: Path) -> tuple[Path, dict[str, Any]]:
@@ -191,11 +194,7 @@ def test_cli_inspect_bad_trace_exits_2_with_one_line(good: Path) -> None:
     chunk = good / "rank0" / "ops-00000.parquet"
     chunk.write_bytes(chunk.read_bytes()[:-10])
     result = subprocess.run(
-        [sys.executable, "-m", "tracecmp", "inspect", str(good)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
+        [sys.executable, "-m", "tracecmp", "inspect", str(good)], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert result.returncode == 2
     assert result.stdout == ""
@@ -246,10 +245,15 @@ def test_deeply_nested_manifest_is_refused_before_parsing(good: Path, capsys: py
 
 
 def test_compare_of_a_hostile_trace_exits_2_in_a_real_process(good: Path) -> None:
-    (good / "manifest.json").write_text('{"format": "tracecmp-trace", "format_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (good / "manifest.json").write_text(
+        '{"format": "tracecmp-trace", "format_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    )
     result = subprocess.run(
         [sys.executable, "-m", "tracecmp", "compare", str(good), str(good)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "manifest.json" in result.stderr
@@ -342,8 +346,9 @@ def test_a_rank_folder_whose_manifest_names_another_rank(good: Path) -> None:
     _expect(TraceFormatError, good / "rank0", "says rank 3", good)
 
 
-def test_an_internal_error_exits_2_with_its_traceback(good: Path, capsys: pytest.CaptureFixture[str],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_internal_error_exits_2_with_its_traceback(
+    good: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bug must never exit 1, which compare reserves for "divergence found"."""
     import tracecmp.cli.inspect as inspect_module
 
@@ -355,7 +360,9 @@ def test_an_internal_error_exits_2_with_its_traceback(good: Path, capsys: pytest
     assert code == 2 and "Traceback" in err and "internal error" in err.splitlines()[-1]
 
 
-@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"approximate": "' + "x" * (2 << 20) + '"}'], ids=["deep", "large"])
+@pytest.mark.parametrize(
+    "text", ["[" * 100_000 + "]" * 100_000, '{"approximate": "' + "x" * (2 << 20) + '"}'], ids=["deep", "large"]
+)
 def test_hostile_op_arguments_are_unreadable_not_a_crash(tmp_path: Path, text: str) -> None:
     """An op's ``args`` JSON is read by compare (argument differences) and by replay: bounded too."""
     import torch

@@ -1,4 +1,5 @@
 """What capture reads from op schemas, and how it spells arguments (no live mode)."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,13 @@ aten = torch.ops.aten
         (aten.t.default, "view", ((VIEW, (0, "self")),), (), False),
         (aten.split.Tensor, "view", ((VIEW, (0, "self")),), (), False),
         (aten._foreach_add_.List, "op", (), ((0, "self"),), True),
-        (aten._native_batch_norm_legit.default, "op", ((FRESH, None),) * 3, ((3, "running_mean"), (4, "running_var")), True),
+        (
+            aten._native_batch_norm_legit.default,
+            "op",
+            ((FRESH, None),) * 3,
+            ((3, "running_mean"), (4, "running_var")),
+            True,
+        ),
     ],
 )
 def test_schema_alias_info(func: object, kind: str, returns: tuple, extra: tuple, inplace: bool) -> None:
@@ -99,8 +106,10 @@ def test_resolve_finds_inductors_prims_in_a_fresh_interpreter() -> None:
 
     # fma came with a later torch than inductor's random seed prim.
     name = "prims.fma.default" if hasattr(inductor_prims, "fma") else "prims.inductor_seed.default"
-    code = ("import sys, torch; from tracecmp.aten.schema import resolve; "
-            "assert 'torch._inductor' not in sys.modules; "
-            f"assert resolve({name!r}) is not None; assert resolve('prims.no_such_op.default') is None")
+    code = (
+        "import sys, torch; from tracecmp.aten.schema import resolve; "
+        "assert 'torch._inductor' not in sys.modules; "
+        f"assert resolve({name!r}) is not None; assert resolve('prims.no_such_op.default') is None"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

@@ -14,6 +14,7 @@ that JSON against the operator's schema and builds the call again on given tenso
 >>> len(args), kwargs
 (2, {'alpha': 2})
 """
+
 from __future__ import annotations
 
 import json

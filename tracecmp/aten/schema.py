@@ -9,6 +9,7 @@ a small record so capture's per-op path only does lookups and replay knows what 
 >>> info.name, info.returns, info.extra_writes
 ('aten.add_.Tensor', ((1, (0, 'self')),), ())
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,7 +40,9 @@ _SCRATCH_RETURNS = {"aten::mkldnn_rnn_layer": 3, "aten::_cudnn_rnn": 3, "aten::m
 # and offset, the varlen batch offsets and the debug mask. Where a kernel has no use for them they
 # are uninitialized memory (all of them on the CPU in torch 2.1; the generator's without dropout on
 # CUDA), so statistics of them would differ between identical runs.
-SCRATCH_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"})
+SCRATCH_NAMES = frozenset(
+    {"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k", "debug_attn_mask"}
+)
 # Returns that are an argument handed back after the op wrote part of it, with no alias
 # annotation: FSDP2's all-gather buffer holds only this rank's shard (the other return, a view of
 # it) until the all-gather fills the rest, so it stays the uninitialised value it was.
@@ -126,8 +129,16 @@ def _build(func: Any) -> OpInfo:
     for position, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is None:
-            returns.append((SCRATCH if position == scratch or ret.name in SCRATCH_NAMES
-                            else BUFFER if position == buffer else FRESH, None))
+            returns.append(
+                (
+                    SCRATCH
+                    if position == scratch or ret.name in SCRATCH_NAMES
+                    else BUFFER
+                    if position == buffer
+                    else FRESH,
+                    None,
+                )
+            )
             continue
         sets = _alias_sets(info)
         # A list return (`Tensor(a)[]`) carries its alias set on the elements; fall back to the
@@ -221,7 +232,9 @@ def resolve(name: str) -> Any:
                 return None
 
 
-def outputs_in_order(func: Any, result: Any, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def outputs_in_order(
+    func: Any, result: Any, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
     """A call's tensors in the order capture numbers its outputs: the returns, then the written
     arguments that no return hands back (``OpInfo.extra_writes``)."""
     info = op_info(func)

@@ -2,6 +2,7 @@
 
 >>> from tracecmp.capture import TraceCompare
 """
+
 from tracecmp._compat import check_torch
 
 check_torch()

@@ -31,6 +31,7 @@ sequence number does not count calls, so capture keeps its own counters).
 A DDP bucket's all-reduce also names the bucket (``"bucket": k``); the rank manifest lists the
 parameters of each bucket (``info.ddp_buckets``), from the reducer's ``GradBucket.parameters()``.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,26 +55,48 @@ NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 IN_FLIGHT = "a collective still in flight when its step ended: no statistics of what it received"
 
 _KINDS = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast_": "broadcast", "broadcast": "broadcast", "reduce_": "reduce",
-    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
-    "gather_": "gather", "scatter_": "scatter", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "barrier": "barrier", "monitored_barrier_": "barrier", "wait_tensor": "wait",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "reduce_": "reduce",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "barrier": "barrier",
+    "monitored_barrier_": "barrier",
+    "wait_tensor": "wait",
 }
 # c10d ops fill their ``tensors`` argument in place for these kinds; it is also what they send
 # (all-reduce, broadcast, reduce) unless they only receive.
 _TENSORS_RECEIVED = {"all_reduce", "broadcast", "reduce", "recv"}
 _TENSORS_SENT = {"all_reduce", "broadcast", "reduce", "send"}
-_REDUCTIONS = {int(v): name.lower() for name, v in torch.distributed.ReduceOp.RedOpType.__members__.items()} if (
-    torch.distributed.is_available()
-) else {}
+_REDUCTIONS = (
+    {int(v): name.lower() for name, v in torch.distributed.ReduceOp.RedOpType.__members__.items()}
+    if (torch.distributed.is_available())
+    else {}
+)
 
 
 @dataclass(frozen=True)
@@ -224,8 +247,14 @@ def _arguments(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return named
 
 
-def describe(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], groups: dict[Any, Group], rank: int,
-             issuer: Any = None) -> dict[str, Any]:
+def describe(
+    sig: Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    groups: dict[Any, Group],
+    rank: int,
+    issuer: Any = None,
+) -> dict[str, Any]:
     """What a collective call carries, as the node's ``args["collective"]`` (without its match key).
 
     ``sent`` lists the positions, among the call's tensor arguments, of what this rank contributes.
@@ -462,7 +491,9 @@ class CollectiveRecorder:
         if sig.functional:
             received = [t for t in _tensors(out if not isinstance(out, torch.ScriptObject) else ())]
         else:
-            received = [t for name, value in _arguments(sig, args, kwargs) if name in sig.received for t in _tensors(value)]
+            received = [
+                t for name, value in _arguments(sig, args, kwargs) if name in sig.received for t in _tensors(value)
+            ]
         seen: set[int] = set()
         for t in received:
             if id(t) in seen:
@@ -493,8 +524,23 @@ class CollectiveRecorder:
             encoded["reduce_op"] = meta["reduce"]
         encoded["collective"] = meta
         self.rows.append(
-            (op_id, self.step, phase, info.kind, info.name, name, module, location,
-             json.dumps(encoded, separators=(",", ":")), tuple(inputs), tuple(outputs), inplace, False, seq, stack)
+            (
+                op_id,
+                self.step,
+                phase,
+                info.kind,
+                info.name,
+                name,
+                module,
+                location,
+                json.dumps(encoded, separators=(",", ":")),
+                tuple(inputs),
+                tuple(outputs),
+                inplace,
+                False,
+                seq,
+                stack,
+            )
         )
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
@@ -543,8 +589,9 @@ class CollectiveRecorder:
                     self._complete(tid)
         return out
 
-    def _complete_inputs(self: CaptureMode, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         tensors: list[torch.Tensor]) -> None:
+    def _complete_inputs(
+        self: CaptureMode, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+    ) -> None:
         """An op reads a tensor of an awaited c10d output's view family: the output completed.
 
         A correct program waits before it reads what a collective received (DDP waits on the

@@ -18,6 +18,7 @@ Importing Dynamo costs seconds, so a session that never meets ``torch.compile`` 
 it: :func:`when_imported` acts at once when ``torch._dynamo`` is loaded already, else the moment
 something (``torch.compile``) loads it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +65,9 @@ class _AfterExec(importlib.abc.Loader):
             try:
                 callback()
             except Exception as exc:  # noqa: BLE001 - never break the user's import of torch._dynamo
-                warnings.warn(f"tracecmp: could not prepare for torch.compile ({type(exc).__name__}: {exc})", stacklevel=2)
+                warnings.warn(
+                    f"tracecmp: could not prepare for torch.compile ({type(exc).__name__}: {exc})", stacklevel=2
+                )
 
 
 class _ImportWatch(importlib.abc.MetaPathFinder):
@@ -365,12 +368,20 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
     # The trace shares Dynamo's ShapeEnv: what it assumes of a size must not become a guard of the
     # user's compiled code (a recompile that an untraced run would not make).
     no_guards = fake_mode.shape_env.suppress_guards() if fake_mode.shape_env is not None else contextlib.nullcontext()
-    patch = (functorch_config.patch(force_non_lazy_backward_lowering=True)
-             if hasattr(functorch_config, "force_non_lazy_backward_lowering") else contextlib.nullcontext())
+    patch = (
+        functorch_config.patch(force_non_lazy_backward_lowering=True)
+        if hasattr(functorch_config, "force_non_lazy_backward_lowering")
+        else contextlib.nullcontext()
+    )
     with tracing(context), no_guards, patch:
         graph.runner = aot_module_simplified(
-            gm, list(example_inputs), fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"), decompositions=decompositions, partition_fn=partition,
+            gm,
+            list(example_inputs),
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            decompositions=decompositions,
+            partition_fn=partition,
             keep_inference_input_mutations=True,
         )
     meta = getattr(context, "fw_metadata", None)
@@ -413,10 +424,17 @@ def _raw_node(node: Any, backward: bool = False) -> _RawNode:
     shapes, dtypes = _example_shapes(meta.get("val"))
     seq = meta.get("seq_nr", -1)
     return _RawNode(
-        name=node.name, op=op, inputs=tuple(inputs), args=args, module_key=key, module_name=qualified,
-        location=location, seq_nr=seq if isinstance(seq, int) else -1,
+        name=node.name,
+        op=op,
+        inputs=tuple(inputs),
+        args=args,
+        module_key=key,
+        module_name=qualified,
+        location=location,
+        seq_nr=seq if isinstance(seq, int) else -1,
         original=op_info(original).name if isinstance(original, torch._ops.OpOverload) else "",
-        shapes=shapes, dtypes=dtypes,
+        shapes=shapes,
+        dtypes=dtypes,
         made_by_pass=node.op == "call_function" and not stack and "stack_trace" not in meta and "seq_nr" not in meta,
         recomputed=backward and meta.get("partitioner_tag") == "is_forward",
     )
@@ -511,7 +529,7 @@ def _weak(obj: Any) -> Any:
 def _qualified_path(qualified: str, prefix: str) -> str:
     """``"L['self'].blocks[0]._modules['fc']"`` as a path below ``prefix``: ``prefix.blocks.0.fc``."""
     hit = _ROOT.match(qualified)
-    rest = qualified[hit.end():] if hit else qualified
+    rest = qualified[hit.end() :] if hit else qualified
     parts: list[str] = []
     position = 0
     while position < len(rest):
@@ -536,7 +554,6 @@ def _qualified_path(qualified: str, prefix: str) -> str:
             break
     path = ".".join(p for p in parts if p)
     return f"{prefix}.{path}" if prefix and path else prefix or path
-
 
 
 def _boxed(fn: Callable[..., Any]) -> Callable[[list[Any]], Any]:
@@ -602,9 +619,19 @@ class _Call:
         return {n.name: n for n in part.nodes} if part is not None else {}
 
     def record(self, step: int, op_id: int, last_op: int, outputs: list[int]) -> RegionCall:
-        return RegionCall(graph=self.graph.id, part=self.part, mode=self.how, step=step, op_id=op_id,
-                          first_op=self.first_op, last_op=last_op, inputs=tuple(self.inputs), outputs=tuple(outputs),
-                          forward=self.forward, nodes=dict(self.node_ops))
+        return RegionCall(
+            graph=self.graph.id,
+            part=self.part,
+            mode=self.how,
+            step=step,
+            op_id=op_id,
+            first_op=self.first_op,
+            last_op=last_op,
+            inputs=tuple(self.inputs),
+            outputs=tuple(outputs),
+            forward=self.forward,
+            nodes=dict(self.node_ops),
+        )
 
 
 class RegionCapture:
@@ -720,7 +747,7 @@ class RegionCapture:
             written = _unique([args[i] for i in written_at if i < len(args) and isinstance(args[i], torch.Tensor)])
             fresh = [t for t in outs if not _among(t, tensors)]
             op_id, ids = mode.append_node(BOUNDARY_OPS[part], graph.id, phase, module, location, in_ids, fresh, written)
-            known = {**{id(t): i for t, i in zip(tensors, in_ids)}, **dict(zip(map(id, fresh), ids[len(written):]))}
+            known = {**{id(t): i for t, i in zip(tensors, in_ids)}, **dict(zip(map(id, fresh), ids[len(written) :]))}
             self._tag(call, len(mode.rows) - 1)
         else:
             op_id, known = -1, {id(t): _or(mode.current_id(t), -1) for t in outs}
@@ -761,8 +788,9 @@ class RegionCapture:
         return result
 
     # -- backward ---------------------------------------------------------------------------------
-    def _watch_backward(self, node: Any, graph: CompiledGraph, how: str, module: str, fw_inputs: list[int],
-                        fw_first: int) -> None:
+    def _watch_backward(
+        self, node: Any, graph: CompiledGraph, how: str, module: str, fw_inputs: list[int], fw_first: int
+    ) -> None:
         holder: list[_Call] = []
 
         def begins(grad_outputs: Any) -> None:
@@ -773,8 +801,18 @@ class RegionCapture:
             grads = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             first = mode._next_op
             grad_ids = mode.tensor_ids(grads, "backward", module, location)
-            call = _Call(graph, "backward", how, module, location, first, [*fw_inputs, *grad_ids], mode.rows,
-                         len(mode.rows), forward=fw_first)
+            call = _Call(
+                graph,
+                "backward",
+                how,
+                module,
+                location,
+                first,
+                [*fw_inputs, *grad_ids],
+                mode.rows,
+                len(mode.rows),
+                forward=fw_first,
+            )
             holder[:] = [call]
             self._backward.append(call)
 
@@ -786,8 +824,9 @@ class RegionCapture:
             mode = self.mode
             outs = _unique([g for g in grad_inputs if isinstance(g, torch.Tensor)])
             if call.how == "boundary":
-                op_id, ids = mode.append_node(BOUNDARY_OPS["backward"], graph.id, "backward", module, call.location,
-                                              call.inputs, outs)
+                op_id, ids = mode.append_node(
+                    BOUNDARY_OPS["backward"], graph.id, "backward", module, call.location, call.inputs, outs
+                )
                 known = dict(zip(map(id, outs), ids))
                 self._tag(call, len(mode.rows) - 1)
             else:
@@ -808,8 +847,12 @@ class RegionCapture:
         owner = raw.frame_self() if raw.frame_self is not None else None
         frame_path = (self.scope.path_of_module(owner) or "") if isinstance(owner, torch.nn.Module) else ""
         parts = {
-            kind: GraphPart(kind, _fill_modules(part.nodes, [self._node(n, frame_path) for n in part.nodes]),
-                            part.mutated, part.user_outputs)
+            kind: GraphPart(
+                kind,
+                _fill_modules(part.nodes, [self._node(n, frame_path) for n in part.nodes]),
+                part.mutated,
+                part.user_outputs,
+            )
             for kind, part in raw.parts.items()
         }
         graph = CompiledGraph(raw.id, raw.compile_id, raw.backend, raw.code, frame_path, raw.sources, parts, raw.note)
@@ -821,8 +864,9 @@ class RegionCapture:
         module = self.scope.path_of(n.module_key) if n.module_key is not None else None
         if module is None:
             module = _qualified_path(n.module_name, frame_path) if n.module_name else frame_path
-        return GraphNode(n.name, n.op, n.inputs, n.args, module, n.location, n.seq_nr, n.original, n.shapes, n.dtypes,
-                         n.recomputed)
+        return GraphNode(
+            n.name, n.op, n.inputs, n.args, module, n.location, n.seq_nr, n.original, n.shapes, n.dtypes, n.recomputed
+        )
 
     def _region_module(self, graph: CompiledGraph, part: str) -> str:
         """The compiled frame's module, else the deepest module every node of the part lies in."""

@@ -11,6 +11,7 @@ collective on the group). Under ``torchrun`` before the group exists, the name c
 every worker of one launch shares: the rendezvous id, or else the launching agent's process id
 and start time.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ recording drop all of it in ``os.register_at_fork(after_in_child=...)`` handlers
 needs no check of its own. Spawned children and subprocesses start a fresh interpreter and get
 nothing to drop.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

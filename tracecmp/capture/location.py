@@ -13,6 +13,7 @@ by the cache, so its id cannot be reused by another while it is cached.
 >>> Locator().location(0).split(":")[0]  # doctest: +SKIP
 'train.py'
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -30,6 +30,7 @@ is (parameter, buffer, root-model input, gradient, optimizer state, or unnamed `
 Only plain dense strided tensors with storage reach the statistics kernel; ops on tensor
 subclasses (DTensor, FakeTensor ...) are unwrapped or passed through (``tensorkinds.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -188,7 +189,9 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         self._forget_cb: Callable[[_Rec], Any] = self._forget
         # What was not recorded, or recorded without statistics, and why: reason -> count.
         self.skipped: dict[str, int] = {}
-        if _crecord is not None and USE_NATIVE and self._only is None:  # the C path knows no only=: per op, it is Python's call
+        if (
+            _crecord is not None and USE_NATIVE and self._only is None
+        ):  # the C path knows no only=: per op, it is Python's call
             # The C copy of __torch_dispatch__ (csrc/record.cpp), bound to this mode: torch looks
             # the method up on the instance, so it shadows the reference below, which it calls
             # for the ops it does not handle itself.
@@ -338,8 +341,9 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         with _disable_current_modes():
             return self._input_ids(tensors, phase, module, location, stack)
 
-    def _input_ids(self, tensors: Iterable[torch.Tensor], phase: str, module: str, location: str, stack: str
-                   ) -> list[int]:
+    def _input_ids(
+        self, tensors: Iterable[torch.Tensor], phase: str, module: str, location: str, stack: str
+    ) -> list[int]:
         """The ids of the values ``tensors`` hold now; a tensor capture does not know (or knows an
         older value of) enters as a source node. ``__torch_dispatch__`` inlines this loop (its hot path)."""
         known = self._known
@@ -377,8 +381,23 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                 self._fresh(t, op_id, outputs)
         stack = self._locator.stack(1) if self._stack else ""
         self.rows.append(
-            (op_id, self.step, phase, "op", op, name, module, location, "{}", tuple(inputs), tuple(outputs),
-             bool(written), False, -1, stack)
+            (
+                op_id,
+                self.step,
+                phase,
+                "op",
+                op,
+                name,
+                module,
+                location,
+                "{}",
+                tuple(inputs),
+                tuple(outputs),
+                bool(written),
+                False,
+                -1,
+                stack,
+            )
         )
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
@@ -418,7 +437,13 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         return hit[0], hit[1] or self._locator.location(2), seq
 
     def _enter(
-        self, t: torch.Tensor, rec: _Rec | None, phase: str, module: str, location: str, stack: str,
+        self,
+        t: torch.Tensor,
+        rec: _Rec | None,
+        phase: str,
+        module: str,
+        location: str,
+        stack: str,
         unread: bool = False,
     ) -> int:
         """Id of an input the map does not vouch for: a refreshed alias or a new source node
@@ -458,7 +483,19 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                 written = [w for v, w in writes if v > since] if writes and writes[-1][0] == version else []
                 if written and len(written) == version - since:
                     self.rows.append(
-                        (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", tuple(written), (tid,))
+                        (
+                            op_id,
+                            self.step,
+                            phase,
+                            "view",
+                            ALIAS_UPDATE_OP,
+                            "",
+                            module,
+                            location,
+                            "{}",
+                            tuple(written),
+                            (tid,),
+                        )
                         + _NOT_AN_OP
                         + (stack,)
                     )
@@ -469,7 +506,9 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         if unread:
             source = UNREAD_SOURCE
         self.rows.append(
-            (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,)) + _NOT_AN_OP + (stack,)
+            (op_id, self.step, phase, "source", source, name, module, location, "{}", (), (tid,))
+            + _NOT_AN_OP
+            + (stack,)
         )
         if unread:
             self._bare(t, tid, op_id, 0, -1)
@@ -713,7 +752,14 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             return None
         native = _stats._native_stats
         code = _NATIVE_CODES.get(t.dtype)
-        if kind == _CPU and native is not None and code is not None and type(t) in PLAIN_TYPES and t.layout is STRIDED and not t.is_neg():
+        if (
+            kind == _CPU
+            and native is not None
+            and code is not None
+            and type(t) in PLAIN_TYPES
+            and t.layout is STRIDED
+            and not t.is_neg()
+        ):
             # Only a plain dense strided tensor reaches the kernel, and only with storage behind
             # its pointer: a functional tensor's is 0, a sparse one's raises (tensorkinds.py).
             n = t.numel()

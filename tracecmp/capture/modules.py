@@ -22,6 +22,7 @@ would be traced into the compiled graph (its effects replayed afterwards, or a g
 where the user's program has none). Modules run inside a compiled region are known from the
 graph's node metadata instead (:mod:`tracecmp.capture.compiled`).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -157,7 +158,11 @@ class ModuleScope:
             if name is not None:
                 return "source.buffer", name
             seen = self._unnamed.get(id(tensor))
-            if isinstance(tensor, torch.nn.Parameter) and self.model is not None and (seen is None or seen() is not tensor):
+            if (
+                isinstance(tensor, torch.nn.Parameter)
+                and self.model is not None
+                and (seen is None or seen() is not tensor)
+            ):
                 # A parameter swapped in during the step (FSDP2's unsharded parameters): look again, once.
                 self._unnamed[id(tensor)] = weakref.ref(tensor)
                 self._stale = True

@@ -8,6 +8,7 @@ process cannot take on after it started (``-O``, ``-X dev`` ...), is run by that
 instead (:func:`reexec_argv`), and a ``torchrun`` command is rewritten so that each worker runs
 ``tracecmp record`` on the program (:func:`torchrun_argv`).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,7 +58,9 @@ def parse_command(argv: list[str]) -> Program:
         python = rest.pop(0)
     while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c", "-", "--"):
         if python is None:
-            raise TracecmpError(f"interpreter option {rest[0]!r} without an interpreter: name it (python {rest[0]} ...)")
+            raise TracecmpError(
+                f"interpreter option {rest[0]!r} without an interpreter: name it (python {rest[0]} ...)"
+            )
         option = rest.pop(0)
         options.append(option)
         if option in _OPTIONS_WITH_VALUE and rest:
@@ -91,7 +94,9 @@ def needs_other_interpreter(program: Program) -> bool:
 def reexec_argv(program: Program, record_argv: list[str]) -> list[str]:
     """``python [OPTS] -m tracecmp record RECORD_ARGV -- PROGRAM`` for the interpreter the command named."""
     python = shutil.which(program.python or "") or program.python or sys.executable
-    target = {"script": [program.target], "module": ["-m", program.target], "code": ["-c", program.target]}[program.kind]
+    target = {"script": [program.target], "module": ["-m", program.target], "code": ["-c", program.target]}[
+        program.kind
+    ]
     return [python, *program.python_options, "-m", "tracecmp", "record", *record_argv, "--", *target, *program.args]
 
 
@@ -150,7 +155,9 @@ def run_program(program: Program, before_exit: Callable[[BaseException | None], 
         if program.kind == "script":
             script = Path(program.target)
             if not script.exists():
-                raise FileNotFoundError(f"can't open file {str(script.resolve())!r}: [Errno 2] No such file or directory")
+                raise FileNotFoundError(
+                    f"can't open file {str(script.resolve())!r}: [Errno 2] No such file or directory"
+                )
             sys.argv = [program.target, *program.args]
             _set_path0(str(script.resolve().parent))  # python resolves links for sys.path[0]
             if script.is_file():
@@ -190,8 +197,12 @@ def _run_script(path: str) -> None:
 
     with open(path, "rb") as fh:
         source = fh.read()
-    _run_main(compile(source, path, "exec", dont_inherit=True), __file__=path, __cached__=None,
-              __loader__=SourceFileLoader("__main__", path))
+    _run_main(
+        compile(source, path, "exec", dont_inherit=True),
+        __file__=path,
+        __cached__=None,
+        __loader__=SourceFileLoader("__main__", path),
+    )
 
 
 def _run_code(code: str) -> None:
@@ -235,7 +246,9 @@ def _outcome(error: BaseException | None) -> Outcome:
 def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback from the program's first frame on (this module's and runpy's frames dropped)."""
     ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
-    while tb is not None and (tb.tb_frame.f_code.co_filename in ours or os.path.abspath(tb.tb_frame.f_code.co_filename) in ours):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in ours or os.path.abspath(tb.tb_frame.f_code.co_filename) in ours
+    ):
         tb = tb.tb_next
     return tb
 

@@ -4,6 +4,7 @@ at its first module forward, ended at its last selected step or when it exits.
 >>> recording = Recording(None, {"steps": frozenset({0, 1})})   # doctest: +SKIP
 >>> recording.arm(); run the program; recording.finish(None)    # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import os

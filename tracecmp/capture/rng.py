@@ -17,6 +17,7 @@ with a drop-probability argument (``native_dropout``, fused attention, cuDNN RNN
 set to 1 to match. Both options hold for the whole session: in steps that are not recorded a
 light dispatch mode (:class:`Rewrites`) applies them.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -90,7 +91,9 @@ def host_call(func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, 
     except (RuntimeError, NotImplementedError) as exc:  # a dtype the CPU kernel lacks: draw on the device
         if info.name not in _warned:
             _warned.add(info.name)
-            warnings.warn(f"tracecmp: rng='host' cannot draw {info.name} on the CPU ({exc}); drawn on {device}", stacklevel=3)
+            warnings.warn(
+                f"tracecmp: rng='host' cannot draw {info.name} on the CPU ({exc}); drawn on {device}", stacklevel=3
+            )
         return func(*args, **kwargs)
     for ref in info.writes:
         original, written = arg_value(ref, args, kwargs), arg_value(ref, host_args, host_kwargs)
@@ -145,7 +148,9 @@ class Rewrites(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def without_dropout(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def without_dropout(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args``/``kwargs`` with the op's drop probabilities set to 0 (see ``OpInfo.dropout``).
 
     >>> info = op_info(torch.ops.aten.native_dropout.default)
@@ -174,10 +179,25 @@ def _rnn_dropout_position(args: tuple[Any, ...]) -> int:
 _F = torch.nn.functional
 # torch's Python-level functions that drop values: where their probability arrives.
 _FUNCTIONAL: dict[Any, tuple[int, str]] = {
-    **{fn: (1, "p") for fn in (_F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout,
-                              _F.feature_alpha_dropout, torch.dropout, torch.dropout_, torch.alpha_dropout,
-                              torch.alpha_dropout_, torch.feature_dropout, torch.feature_dropout_,
-                              torch.feature_alpha_dropout, torch.feature_alpha_dropout_)},
+    **{
+        fn: (1, "p")
+        for fn in (
+            _F.dropout,
+            _F.dropout1d,
+            _F.dropout2d,
+            _F.dropout3d,
+            _F.alpha_dropout,
+            _F.feature_alpha_dropout,
+            torch.dropout,
+            torch.dropout_,
+            torch.alpha_dropout,
+            torch.alpha_dropout_,
+            torch.feature_dropout,
+            torch.feature_dropout_,
+            torch.feature_alpha_dropout,
+            torch.feature_alpha_dropout_,
+        )
+    },
     _F.scaled_dot_product_attention: (4, "dropout_p"),
     _F.multi_head_attention_forward: (10, "dropout_p"),
 }
@@ -201,7 +221,7 @@ class DropoutOff(TorchFunctionMode):
         if where is not None:
             position, name = where
             if 0 <= position < len(args):
-                args = (*args[:position], 0.0, *args[position + 1:])
+                args = (*args[:position], 0.0, *args[position + 1 :])
             elif position >= 0 or name in kwargs:
                 kwargs = {**kwargs, name: 0.0}
         return func(*args, **kwargs)

@@ -22,6 +22,7 @@ True
 >>> str(only)
 'only={"modules": ["blocks.1"], "steps": [0]}'
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,9 @@ class Selection:
         if isinstance(value, str):
             value = _parse(value)
         if not isinstance(value, Mapping):
-            raise CaptureError(f"only must be a mapping like {{'modules': [...], 'steps': [...]}}, not {type(value).__name__}")
+            raise CaptureError(
+                f"only must be a mapping like {{'modules': [...], 'steps': [...]}}, not {type(value).__name__}"
+            )
         unknown = sorted(set(value) - set(_FIELDS))
         if unknown:
             raise CaptureError(f"only has unknown field(s) {unknown}; use {list(_FIELDS)}")

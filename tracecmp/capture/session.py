@@ -1,4 +1,5 @@
 """``TraceCompare``: the public context manager that records a run into a trace folder."""
+
 from __future__ import annotations
 
 import math
@@ -367,8 +368,13 @@ class TraceCompare:
                     remove_extra_ranks(self.path, world_size)
             # The intra-op thread count decides how CPU kernels split a large reduction, and so its
             # bits: replay runs at the same count to be held to them.
-            rank_writer = RankWriter(self.path, rank=rank, world_size=world_size, device=device,
-                                     info={"options": options, "threads": torch.get_num_threads()})
+            rank_writer = RankWriter(
+                self.path,
+                rank=rank,
+                world_size=world_size,
+                device=device,
+                info={"options": options, "threads": torch.get_num_threads()},
+            )
         except (OSError, TracecmpError) as exc:
             cause = exc.__cause__ or exc if isinstance(exc, TracecmpError) else exc
             raise CaptureWriteError(_cannot_write(cause), path=self.path) from exc
@@ -430,7 +436,11 @@ class TraceCompare:
             if not self._closed:
                 if exc is not None and self._mode is not None:
                     self._mode.trim_unfinished()  # an interrupt may have cut an op short inside the mode
-                if _stopped_by(exc, self._step, self._overflowed) is None and self._auto_steps and self._auto_boundaries:
+                if (
+                    _stopped_by(exc, self._step, self._overflowed) is None
+                    and self._auto_steps
+                    and self._auto_boundaries
+                ):
                     self._fold_trailing_ops()
                 self._flush()
                 self._close(_stopped_by(exc, self._step, self._overflowed))
@@ -469,8 +479,12 @@ class TraceCompare:
             self._stopped = self._writer.close(complete=stopped is None, stopped=stopped)
         except TracecmpError as err:  # not even the manifest could be written: it still says incomplete
             self._failure = self._failure or err.__cause__ or err
-            self._stopped = {**(stopped or {}), "kind": "write-error", "reason": _cannot_write(self._failure),
-                             "last_step": self._writer.last_step}
+            self._stopped = {
+                **(stopped or {}),
+                "kind": "write-error",
+                "reason": _cannot_write(self._failure),
+                "last_step": self._writer.last_step,
+            }
 
     def _kept_note(self) -> str:
         """One line: where the trace is, why it stopped, which steps it keeps."""
@@ -762,7 +776,9 @@ class TraceCompare:
         self._failure = err.__cause__ or err if isinstance(err, TracecmpError) else err
         if self.on_error == "raise" and not self._failure_raised:
             self._failure_raised = True
-            raise CaptureWriteError(f"{_cannot_write(self._failure)}; recording stopped", path=self.path) from self._failure
+            raise CaptureWriteError(
+                f"{_cannot_write(self._failure)}; recording stopped", path=self.path
+            ) from self._failure
 
     # -- when the trace cannot be written -------------------------------------------------------
     def _give_up(self) -> None:

@@ -28,6 +28,7 @@ pairwise in float64 and independent of layout, thread count and CPU). Tensors of
 "Threads"). :func:`tensor_stats` and :func:`tensor_stats_row` use it when it is built and
 ``TRACECMP_FORCE_REFERENCE=1`` is not set.
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ shard, a redistribution's collectives) are what the trace holds; ops on FakeTens
 active FakeTensorMode or FunctionalTensorMode (DTensor's sharding propagation, tracing), compute no
 values and pass through unrecorded.
 """
+
 from __future__ import annotations
 
 import torch

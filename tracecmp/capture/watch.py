@@ -7,6 +7,7 @@ with a non-finite output and no non-finite input is the overflow, unless the op 
 NaN/Inf as an argument (a causal mask's ``masked_fill(mask, -inf)``): the same rule as
 :func:`tracecmp.overflow.find_overflows` applies to a finished trace.
 """
+
 from __future__ import annotations
 
 from tracecmp.aten.opclass import given_nonfinite
@@ -17,7 +18,8 @@ _T_ID, _T_OP, _T_VIEW_OF, _T_HAS_STATS, _T_NAN, _T_INF = (
     TENSORS_SCHEMA.names.index(c) for c in ("tensor_id", "op_id", "view_of", "has_stats", "nan_count", "inf_count")
 )
 _O_ID, _O_KIND, _O_ARGS, _O_INPUTS, _O_OUTPUTS = (
-    OPS_SCHEMA.names.index(c) for c in ("op_id", "kind", "args", "inputs", "outputs"))
+    OPS_SCHEMA.names.index(c) for c in ("op_id", "kind", "args", "inputs", "outputs")
+)
 
 
 class OverflowWatch:

@@ -7,6 +7,7 @@ done on the trace the run already wrote.
 >>> result = tracecmp.check("runs/target")       # doctest: +SKIP
 >>> result.first_error                           # doctest: +SKIP
 """
+
 from tracecmp.checking.engine import CheckError, check
 from tracecmp.checking.result import CheckResult
 from tracecmp.checking.standards import Standards

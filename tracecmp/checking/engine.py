@@ -5,6 +5,7 @@ trace saved them (:mod:`tracecmp.numerics.replay`, judged by :mod:`tracecmp.chec
 random inputs drawn to their statistics where it did not (:mod:`tracecmp.checking.statistics`,
 weaker evidence). Ops that cannot be replayed on the CPU are listed as skipped with the reason.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,7 +91,9 @@ def check(
         raise CheckError(f"trace has no rank {missing[0]} (ranks: {trace.ranks})", path=trace.path)
     wanted_steps = None if steps is None else {int(s) for s in steps}
     reduced, how = _reduced(trace)
-    notes.append(f"float32 matmul/conv: {how}" + (f"; honest replays round their inputs to {reduced}" if reduced else ""))
+    notes.append(
+        f"float32 matmul/conv: {how}" + (f"; honest replays round their inputs to {reduced}" if reduced else "")
+    )
     frames, verdicts_all, divergences = [], [], []
     total = 0
     plans = []
@@ -103,8 +106,11 @@ def check(
         plans.append((r, rank, ops))
         total += len(ops)
     if wanted_steps is not None and total == 0:
-        raise CheckError(f"the trace has no op in step(s) {sorted(wanted_steps)} (steps: "
-                         f"{sorted({s for _, rk, _ in plans for s in rk.manifest.get('steps', [])})})", path=trace.path)
+        raise CheckError(
+            f"the trace has no op in step(s) {sorted(wanted_steps)} (steps: "
+            f"{sorted({s for _, rk, _ in plans for s in rk.manifest.get('steps', [])})})",
+            path=trace.path,
+        )
     bar = Progress("check", shown(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops")
     evidence_kinds: set[str] = set()
     try:
@@ -123,44 +129,82 @@ def check(
             if v.status != "error":
                 continue
             row = info.loc[op_id]
-            divergences.append(Divergence(
-                op=str(row["op"]), module=str(row["module"]), phase=str(row["phase"]), step=int(row["step"]),
-                location=str(row["location"]), op_id=int(op_id), rank=r, kind=v.kind or "computation", reason=v.reason,
-                score=float(v.score), metrics={k: float(x) for k, x in v.metrics.items() if isinstance(x, (int, float))},
-                stack=str(row.get("stack", "") or ""),
-            ))
+            divergences.append(
+                Divergence(
+                    op=str(row["op"]),
+                    module=str(row["module"]),
+                    phase=str(row["phase"]),
+                    step=int(row["step"]),
+                    location=str(row["location"]),
+                    op_id=int(op_id),
+                    rank=r,
+                    kind=v.kind or "computation",
+                    reason=v.reason,
+                    score=float(v.score),
+                    metrics={k: float(x) for k, x in v.metrics.items() if isinstance(x, (int, float))},
+                    stack=str(row.get("stack", "") or ""),
+                )
+            )
     divergences.sort(key=lambda d: (d.step, d.rank, d.op_id))
     first = divergences[0] if divergences else None
     suspects = sorted(divergences, key=lambda d: (-d.score if not math.isnan(d.score) else 0.0, d.step, d.op_id))
     evidence = "mixed" if len(evidence_kinds) > 1 else (next(iter(evidence_kinds)) if evidence_kinds else "none")
     if "statistics" in evidence_kinds:
-        warnings.append("statistics-only evidence for some ops: judged on random inputs drawn to their statistics, which "
-                        "pins only a few numbers (extremes of monotone ops, a softmax's mean, the precision grid, NaN/Inf); "
-                        "weaker than a replay of recorded inputs")
+        warnings.append(
+            "statistics-only evidence for some ops: judged on random inputs drawn to their statistics, which "
+            "pins only a few numbers (extremes of monotone ops, a softmax's mean, the precision grid, NaN/Inf); "
+            "weaker than a replay of recorded inputs"
+        )
     steps_seen = sorted({int(s) for s in nodes["step"].unique()}) if len(nodes) else []
-    return CheckResult(trace=trace, first_error=first, suspects=suspects, nodes=nodes, standards=std, warnings=warnings,
-                       notes=notes, evidence=evidence, ranks=chosen, steps=steps_seen)
+    return CheckResult(
+        trace=trace,
+        first_error=first,
+        suspects=suspects,
+        nodes=nodes,
+        standards=std,
+        warnings=warnings,
+        notes=notes,
+        evidence=evidence,
+        ranks=chosen,
+        steps=steps_seen,
+    )
 
 
 def _check_rank(
-    rank: RankTrace, ops: pd.DataFrame, data: str, std: Standards, reduced: str | None, workers: int | None,
-    bar: Progress, warnings: list[str], notes: list[str],
+    rank: RankTrace,
+    ops: pd.DataFrame,
+    data: str,
+    std: Standards,
+    reduced: str | None,
+    workers: int | None,
+    bar: Progress,
+    warnings: list[str],
+    notes: list[str],
 ) -> dict[int, OpVerdict]:
     op_ids = ops["op_id"].tolist()
     names = dict(zip(ops["op_id"].tolist(), ops["op"].tolist()))
     has_tensors = bool(rank.data_files)
     if data == "tensors" and not rank.data_files:
         raise CheckError(
-            "the trace holds statistics only, no tensors: capture it with TraceCompare(..., data=\"tensors\") (restricted "
-            "to a region with only=... for a large model), or check its statistics with data=\"statistics\" "
-            "(tracecmp check --data statistics)", path=rank.path)
+            'the trace holds statistics only, no tensors: capture it with TraceCompare(..., data="tensors") (restricted '
+            'to a region with only=... for a large model), or check its statistics with data="statistics" '
+            "(tracecmp check --data statistics)",
+            path=rank.path,
+        )
     count = auto_workers(len(op_ids)) if workers is None else max(1, int(workers))
     verdicts: dict[int, OpVerdict] = {}
     fallback: list[int] = []
     if data != "statistics" and has_tensors:
         bar.update(f"rank {rank.rank}: replaying")
-        found = replay_ops(rank, op_ids, reduced=reduced, detail=std.element_ulps, workers=count, progress=lambda n: bar.update(advance=n),
-                           small_on_one_thread=True)
+        found = replay_ops(
+            rank,
+            op_ids,
+            reduced=reduced,
+            detail=std.element_ulps,
+            workers=count,
+            progress=lambda n: bar.update(advance=n),
+            small_on_one_thread=True,
+        )
         own = {o: f for o, f in found.items() if isinstance(f, OwnError)}
         fits = model_fits(own, names) if reduced else {}
         for op_id in op_ids:
@@ -177,29 +221,46 @@ def _check_rank(
                 verdicts[op_id] = OpVerdict(op_id, "skipped", reason="not replayed")
         _explain_precision(rank, verdicts, own, names, reduced, notes)
         if reduced:
-            full = [o for o, e in own.items() if e.dtype == "float32" and classify(names[o]).precision_variable
-                    and e.error <= std.floor * EPS["float32"]]
+            full = [
+                o
+                for o, e in own.items()
+                if e.dtype == "float32"
+                and classify(names[o]).precision_variable
+                and e.error <= std.floor * EPS["float32"]
+            ]
             if full:
-                notes.append(f"rank {rank.rank}: {len(full)} float32 matmul/conv calls are within {std.floor:g} float32 "
-                             "rounding units of float64: the run computed them at full float32 precision")
+                notes.append(
+                    f"rank {rank.rank}: {len(full)} float32 matmul/conv calls are within {std.floor:g} float32 "
+                    "rounding units of float64: the run computed them at full float32 precision"
+                )
         if fits and reduced:
             counted = {}
             for fit in fits.values():
                 counted.setdefault(REDUCED_MODELS[reduced][fit.model][0], []).append(fit.members)
             for how, members in counted.items():
-                notes.append(f"rank {rank.rank}: {sum(members)} float32 matmul/conv calls are reproduced by inputs rounded "
-                             f"to {reduced} ({how}): the run computed them at that precision")
+                notes.append(
+                    f"rank {rank.rank}: {sum(members)} float32 matmul/conv calls are reproduced by inputs rounded "
+                    f"to {reduced} ({how}): the run computed them at that precision"
+                )
     else:
         if data == "auto":
-            warnings.append(f"rank {rank.rank}: the trace holds no tensors: every op judged from statistics "
-                            "(capture with TraceCompare(..., data=\"tensors\") for a full check)")
+            warnings.append(
+                f"rank {rank.rank}: the trace holds no tensors: every op judged from statistics "
+                '(capture with TraceCompare(..., data="tensors") for a full check)'
+            )
         fallback = op_ids
     if fallback:
         bar.update(f"rank {rank.rank}: statistics")
         options = {"reduced": reduced, "standards": std}
         if count > 1 and len(fallback) > 1 and rank.manifest.get("chunks"):
-            found_stats = run_in_workers(rank, fallback, "tracecmp.checking.statistics:StatisticsChecker.check", options,
-                                         workers=count, progress=lambda n: bar.update(advance=n))
+            found_stats = run_in_workers(
+                rank,
+                fallback,
+                "tracecmp.checking.statistics:StatisticsChecker.check",
+                options,
+                workers=count,
+                progress=lambda n: bar.update(advance=n),
+            )
         else:
             checker = StatisticsChecker(rank, **options)  # type: ignore[arg-type]
             found_stats = {}
@@ -213,16 +274,23 @@ def _check_rank(
 
 
 def _explain_precision(
-    rank: RankTrace, verdicts: dict[int, OpVerdict], own: dict[int, OwnError], names: dict[int, str],
-    reduced: str | None, notes: list[str],
+    rank: RankTrace,
+    verdicts: dict[int, OpVerdict],
+    own: dict[int, OwnError],
+    names: dict[int, str],
+    reduced: str | None,
+    notes: list[str],
 ) -> None:
     """For float32 matmul/conv that err under a full-precision standard: do their outputs match a
     replay on inputs rounded to TF32 or bf16? Then say so (the run computed at reduced precision
     it did not declare: TF32/HF32, or float16-rounded inputs, which share TF32's 10 mantissa bits)."""
     if reduced is not None:
         return
-    suspects = [o for o, v in verdicts.items()
-                if v.status == "error" and o in own and own[o].dtype == "float32" and classify(names[o]).precision_variable]
+    suspects = [
+        o
+        for o, v in verdicts.items()
+        if v.status == "error" and o in own and own[o].dtype == "float32" and classify(names[o]).precision_variable
+    ]
     if not suspects:
         return
     matched: dict[int, str] = {}
@@ -237,24 +305,51 @@ def _explain_precision(
                     if found.fits[best] <= FIT_BOUND:
                         matched[op_id] = f"{model} ({REDUCED_MODELS[model][best][0]})"
     for op_id, how in matched.items():
-        verdicts[op_id].reason += (f"; it matches a replay on inputs rounded to {how}: it computed at reduced precision "
-                                   + ("(10 mantissa bits: TF32/HF32, or float16 inputs)" if how.startswith("tf32")
-                                      else "(bf16 inputs)")
-                                   + " which the run does not declare")
+        verdicts[op_id].reason += (
+            f"; it matches a replay on inputs rounded to {how}: it computed at reduced precision "
+            + ("(10 mantissa bits: TF32/HF32, or float16 inputs)" if how.startswith("tf32") else "(bf16 inputs)")
+            + " which the run does not declare"
+        )
         verdicts[op_id].kind = "computation"
 
 
 def _frame(rank: int, ops: pd.DataFrame, verdicts: dict[int, OpVerdict]) -> pd.DataFrame:
     rows = []
     for op_id, step, phase, op, module, location in zip(
-        ops["op_id"].tolist(), ops["step"].tolist(), ops["phase"].tolist(), ops["op"].tolist(), ops["module"].tolist(),
+        ops["op_id"].tolist(),
+        ops["step"].tolist(),
+        ops["phase"].tolist(),
+        ops["op"].tolist(),
+        ops["module"].tolist(),
         ops["location"].tolist(),
     ):
         v = verdicts.get(op_id) or OpVerdict(op_id, "skipped", reason="not checked")
         m = v.metrics
-        rows.append((rank, op_id, step, phase, "op", op, module, location, v.status, v.evidence, v.dtype, v.kind,
-                     v.score if v.status in ("error", "warning") else math.nan,
-                     m.get("own_error", math.nan), m.get("honest_error", math.nan), m.get("error_units", math.nan),
-                     m.get("ratio", math.nan), m.get("max_ulps", math.nan), m.get("beyond", math.nan),
-                     m.get("honest_beyond", math.nan), m.get("nonfinite", math.nan), v.checks, v.reason))
+        rows.append(
+            (
+                rank,
+                op_id,
+                step,
+                phase,
+                "op",
+                op,
+                module,
+                location,
+                v.status,
+                v.evidence,
+                v.dtype,
+                v.kind,
+                v.score if v.status in ("error", "warning") else math.nan,
+                m.get("own_error", math.nan),
+                m.get("honest_error", math.nan),
+                m.get("error_units", math.nan),
+                m.get("ratio", math.nan),
+                m.get("max_ulps", math.nan),
+                m.get("beyond", math.nan),
+                m.get("honest_beyond", math.nan),
+                m.get("nonfinite", math.nan),
+                v.checks,
+                v.reason,
+            )
+        )
     return pd.DataFrame(rows, columns=list(NODE_COLUMNS))

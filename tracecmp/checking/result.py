@@ -1,4 +1,5 @@
 """The outcome of ``check``: the verdict, the first erring op, the ranked suspects, one row per op."""
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,31 @@ from tracecmp.verdict.records import Divergence
 if TYPE_CHECKING:
     from tracecmp.capture.select import Selection
 
-NODE_COLUMNS = ("rank", "op_id", "step", "phase", "kind", "op", "module", "location", "status", "evidence", "dtype",
-                "finding", "score", "own_error", "honest_error", "error_units", "ratio", "max_ulps", "beyond",
-                "honest_beyond", "nonfinite", "checks", "reason")
+NODE_COLUMNS = (
+    "rank",
+    "op_id",
+    "step",
+    "phase",
+    "kind",
+    "op",
+    "module",
+    "location",
+    "status",
+    "evidence",
+    "dtype",
+    "finding",
+    "score",
+    "own_error",
+    "honest_error",
+    "error_units",
+    "ratio",
+    "max_ulps",
+    "beyond",
+    "honest_beyond",
+    "nonfinite",
+    "checks",
+    "reason",
+)
 # check's statuses in the words of compare's pictures (render/subgraph.py, render/chart.py).
 RENDER_STATUS = {"pass": "agrees", "warning": "noise", "error": "diverged", "skipped": "uncompared"}
 
@@ -83,7 +106,9 @@ class CheckResult:
         rows = self.nodes[self.nodes["status"] == "skipped"]
         if rows.empty:
             return pd.DataFrame(columns=["reason", "ops", "names"])
-        grouped = rows.groupby("reason").agg(ops=("op_id", "size"), names=("op", lambda s: ", ".join(sorted(set(s))[:4])))
+        grouped = rows.groupby("reason").agg(
+            ops=("op_id", "size"), names=("op", lambda s: ", ".join(sorted(set(s))[:4]))
+        )
         return grouped.reset_index().sort_values("ops", ascending=False).reset_index(drop=True)
 
     def selection(self, top: int = 3) -> Selection | None:
@@ -101,10 +126,15 @@ class CheckResult:
     def verdict(self) -> str:
         """One line: ERROR / PASS / INCOMPLETE with the essentials."""
         d = self.first_error
-        weak = " (statistics only: weaker evidence)" if self.evidence == "statistics" else (
-            " (partly from statistics: weaker evidence)" if self.evidence == "mixed" else "")
+        weak = (
+            " (statistics only: weaker evidence)"
+            if self.evidence == "statistics"
+            else (" (partly from statistics: weaker evidence)" if self.evidence == "mixed" else "")
+        )
         if d is not None:
-            where = f"{d.op} in {d.module or '<top>'} ({d.phase}, step {d.step}{', rank ' + str(d.rank) if d.rank else ''})"
+            where = (
+                f"{d.op} in {d.module or '<top>'} ({d.phase}, step {d.step}{', rank ' + str(d.rank) if d.rank else ''})"
+            )
             return f"ERROR: first erring op {where}" + (f" — {d.location}" if d.location else "") + weak
         c = self.counts()
         judged = c["pass"] + c["warning"]
@@ -122,20 +152,32 @@ class CheckResult:
         lines = [self.verdict()]
         d = self.first_error
         if d is not None:
-            lines += ["", "First erring op:", f"  op        {d.op}", f"  module    {d.module or '<top>'}",
-                      f"  phase     {d.phase}, step {d.step}" + (f", rank {d.rank}" if d.rank else ""),
-                      f"  location  {d.location or '?'}", f"  kind      {d.kind}", f"  reason    {d.reason}"]
+            lines += [
+                "",
+                "First erring op:",
+                f"  op        {d.op}",
+                f"  module    {d.module or '<top>'}",
+                f"  phase     {d.phase}, step {d.step}" + (f", rank {d.rank}" if d.rank else ""),
+                f"  location  {d.location or '?'}",
+                f"  kind      {d.kind}",
+                f"  reason    {d.reason}",
+            ]
             evidence = self._evidence_of(d)
             if evidence:
                 lines.append(f"  evidence  {evidence}")
         if self.suspects:
-            lines += ["", f"Suspects ({len(self.suspects)} erring op{'s' if len(self.suspects) != 1 else ''}, by how far "
-                      "beyond the standard):"]
+            lines += [
+                "",
+                f"Suspects ({len(self.suspects)} erring op{'s' if len(self.suspects) != 1 else ''}, by how far "
+                "beyond the standard):",
+            ]
             ranked = self.suspects[:top]
             width = max(len(s.op) for s in ranked)
             for i, s in enumerate(ranked, 1):
-                lines.append(f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
-                             f"{_fmt(s.score)}x")
+                lines.append(
+                    f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
+                    f"{_fmt(s.score)}x"
+                )
         lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in self.counts().items())]
         skipped = self.skipped()
         if len(skipped):
@@ -173,10 +215,15 @@ class CheckResult:
         frame = pd.DataFrame(rows, columns=columns)
         # Whether each finding stands on a replay of recorded inputs or on statistics (weaker).
         evidence = dict(zip(zip(self.nodes["rank"], self.nodes["op_id"]), self.nodes["evidence"]))
-        frame.insert(len(columns) - 2, "evidence", [evidence.get((r, o), "") for r, o in zip(frame["rank"], frame["op_id"])])
+        frame.insert(
+            len(columns) - 2, "evidence", [evidence.get((r, o), "") for r, o in zip(frame["rank"], frame["op_id"])]
+        )
         first = self.first_error
-        frame.insert(0, "first", [first is not None and (r, o) == (first.rank, first.op_id)
-                                  for r, o in zip(frame["rank"], frame["op_id"])])
+        frame.insert(
+            0,
+            "first",
+            [first is not None and (r, o) == (first.rank, first.op_id) for r, o in zip(frame["rank"], frame["op_id"])],
+        )
         return frame
 
     def write_tables(self, out_dir: str | Path) -> list[Path]:
@@ -187,7 +234,11 @@ class CheckResult:
         except OSError as exc:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
         paths = []
-        tables = (("check_ops", self.nodes), ("check_suspects", self.suspects_frame()), ("check_skipped", self.skipped()))
+        tables = (
+            ("check_ops", self.nodes),
+            ("check_suspects", self.suspects_frame()),
+            ("check_skipped", self.skipped()),
+        )
         for name, frame in tables:
             path = out / f"{name}.csv"
             try:

@@ -42,6 +42,7 @@ more (tests/unit/test_check.py, tests/integration/test_check_models.py).
 Statistics only: see :mod:`tracecmp.checking.statistics`; its verdicts carry
 ``evidence="statistics"``, weaker by construction.
 """
+
 from __future__ import annotations
 
 import math
@@ -122,7 +123,11 @@ class OpVerdict:
 
 
 def judge_replay(
-    own: OwnError, cls: OpClass, standards: Standards, reduced: str | None, fit: ModelFit | None = None,
+    own: OwnError,
+    cls: OpClass,
+    standards: Standards,
+    reduced: str | None,
+    fit: ModelFit | None = None,
     model_name: str = "",
 ) -> OpVerdict:
     """The verdict of one op from its replay (rules of the module docstring)."""
@@ -134,64 +139,118 @@ def judge_replay(
         assert reduced is not None
         floor = max(floor, REDUCED_EPS[reduced])
     metrics = {
-        "own_error": own.error, "honest_error": own.honest, "error_units": own.error / u if u else math.nan,
+        "own_error": own.error,
+        "honest_error": own.honest,
+        "error_units": own.error / u if u else math.nan,
         "ratio": own.error / own.honest if own.honest > 0 else (math.inf if own.error > 0 else 1.0),
-        "max_ulps": own.max_ulps, "honest_max_ulps": own.honest_max_ulps, "beyond": own.beyond,
-        "honest_beyond": own.honest_beyond, "nonfinite": float(own.nonfinite), "honest_nonfinite": float(own.honest_nonfinite),
+        "max_ulps": own.max_ulps,
+        "honest_max_ulps": own.honest_max_ulps,
+        "beyond": own.beyond,
+        "honest_beyond": own.honest_beyond,
+        "nonfinite": float(own.nonfinite),
+        "honest_nonfinite": float(own.honest_nonfinite),
     }
     checks = "normwise,elements,nonfinite" + (",ieee" if own.misrounded else "") + (",fit" if fit is not None else "")
     verdict = OpVerdict(own.op_id, "pass", "tensors", dtype=own.dtype, metrics=metrics, checks=checks)
     dtype = own.dtype
     if own.nonfinite > own.honest_nonfinite:
         extra = own.nonfinite - own.honest_nonfinite
-        return _set(verdict, "error", "nan", math.inf,
-                    f"{extra} NaN/Inf in its output where a float64 replay of its recorded inputs is finite and an honest "
-                    f"{dtype} replay is too"
-                    + (f" ({own.honest_nonfinite} positions overflow honestly)" if own.honest_nonfinite else ""))
+        return _set(
+            verdict,
+            "error",
+            "nan",
+            math.inf,
+            f"{extra} NaN/Inf in its output where a float64 replay of its recorded inputs is finite and an honest "
+            f"{dtype} replay is too"
+            + (f" ({own.honest_nonfinite} positions overflow honestly)" if own.honest_nonfinite else ""),
+        )
     if own.misrounded:
-        return _set(verdict, "error", "computation", math.inf,
-                    f"its output is not the correctly rounded {dtype} result of its recorded inputs, which every IEEE 754 "
-                    f"device gives (own error {own.error:.2e}, max {own.max_ulps:.0f} ulp)")
+        return _set(
+            verdict,
+            "error",
+            "computation",
+            math.inf,
+            f"its output is not the correctly rounded {dtype} result of its recorded inputs, which every IEEE 754 "
+            f"device gives (own error {own.error:.2e}, max {own.max_ulps:.0f} ulp)",
+        )
     if own.honest == 0.0 and own.error > 0 and not math.isinf(own.error):
-        return _set(verdict, "error", "computation", math.inf,
-                    f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {dtype} computes "
-                    f"exactly (max {own.max_ulps:.0f} ulp)")
+        return _set(
+            verdict,
+            "error",
+            "computation",
+            math.inf,
+            f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {dtype} computes "
+            f"exactly (max {own.max_ulps:.0f} ulp)",
+        )
     bar = max(s.margin * own.honest, floor)
     excess = own.error / bar if bar > 0 else (math.inf if own.error > 0 else 0.0)
     if excess > 1.0 and math.isfinite(own.error):
         ratio = f"{own.error / own.honest:.0f}x" if own.honest > 0 else "far beyond"
-        return _set(verdict, "error", "computation", excess,
-                    f"own error {own.error:.2e} ({own.error / u:.0f} rounding units of {dtype}) against a float64 replay of "
-                    f"its recorded inputs is {ratio} what an honest {dtype} replay makes ({own.honest:.1e})"
-                    + (f"; {own.beyond:.1%} of its elements lie beyond {s.element_ulps.get(dtype, 4):.0f} ulp"
-                       if own.beyond else ""))
+        return _set(
+            verdict,
+            "error",
+            "computation",
+            excess,
+            f"own error {own.error:.2e} ({own.error / u:.0f} rounding units of {dtype}) against a float64 replay of "
+            f"its recorded inputs is {ratio} what an honest {dtype} replay makes ({own.honest:.1e})"
+            + (
+                f"; {own.beyond:.1%} of its elements lie beyond {s.element_ulps.get(dtype, 4):.0f} ulp"
+                if own.beyond
+                else ""
+            ),
+        )
     if reduced_matmul and fit is not None and fit.model < len(own.fits):
         misfit = own.fits[fit.model] / (s.margin * fit.misfit)
         if misfit > 1.0:
-            return _set(verdict, "error", "computation", misfit,
-                        f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
-                        f"inputs rounded to {reduced} ({model_name}), a replay that matches this run's other {fit.members - 1} "
-                        f"calls of the op to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's "
-                        f"{own.honest:.1e})")
+            return _set(
+                verdict,
+                "error",
+                "computation",
+                misfit,
+                f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+                f"inputs rounded to {reduced} ({model_name}), a replay that matches this run's other {fit.members - 1} "
+                f"calls of the op to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's "
+                f"{own.honest:.1e})",
+            )
     if own.nonfinite and own.nonfinite <= own.honest_nonfinite:
-        return _set(verdict, "warning", "nan", 0.0,
-                    f"{own.nonfinite} NaN/Inf in its output where the float64 reference is finite: {dtype} cannot hold the "
-                    f"result (an honest {dtype} replay overflows there too)")
+        return _set(
+            verdict,
+            "warning",
+            "nan",
+            0.0,
+            f"{own.nonfinite} NaN/Inf in its output where the float64 reference is finite: {dtype} cannot hold the "
+            f"result (an honest {dtype} replay overflows there too)",
+        )
     if own.integer_mismatch:
-        return _set(verdict, "warning", "computation", 0.0,
-                    f"{own.integer_mismatch} elements of an integer/boolean output differ from an honest replay "
-                    "(indices of ties may legitimately differ)")
+        return _set(
+            verdict,
+            "warning",
+            "computation",
+            0.0,
+            f"{own.integer_mismatch} elements of an integer/boolean output differ from an honest replay "
+            "(indices of ties may legitimately differ)",
+        )
     warn_bar = max(s.warn_margin * own.honest, floor)
     if own.error > warn_bar and math.isfinite(own.error):
-        return _set(verdict, "warning", "computation", own.error / bar if bar > 0 else 0.0,
-                    f"own error {own.error:.2e} is {own.error / max(own.honest, 1e-300):.1f}x an honest {dtype} replay's "
-                    f"({own.honest:.1e}), below the error bar of {s.margin:g}x")
+        return _set(
+            verdict,
+            "warning",
+            "computation",
+            own.error / bar if bar > 0 else 0.0,
+            f"own error {own.error:.2e} is {own.error / max(own.honest, 1e-300):.1f}x an honest {dtype} replay's "
+            f"({own.honest:.1e}), below the error bar of {s.margin:g}x",
+        )
     share_bar = max(s.share, s.margin * own.honest_beyond)
     if cls.kind in ("copy", "lipschitz", "product", "exp", "select") and not cls.accumulates and own.beyond > share_bar:
-        return _set(verdict, "warning", "computation", 0.0,
-                    f"{own.beyond:.2%} of its elements lie more than {s.element_ulps.get(dtype, 4):.0f} ulp from a float64 "
-                    f"replay (an honest {dtype} replay: {own.honest_beyond:.2%}), though its normwise error "
-                    f"{own.error:.1e} is within the standard")
+        return _set(
+            verdict,
+            "warning",
+            "computation",
+            0.0,
+            f"{own.beyond:.2%} of its elements lie more than {s.element_ulps.get(dtype, 4):.0f} ulp from a float64 "
+            f"replay (an honest {dtype} replay: {own.honest_beyond:.2%}), though its normwise error "
+            f"{own.error:.1e} is within the standard",
+        )
     return verdict
 
 

@@ -33,6 +33,7 @@ its region with tensors; so is an op whose output depends on values no statistic
 (integer or boolean inputs: indices, masks, token ids). Every verdict here carries
 ``evidence="statistics"``: weaker evidence than a replay on the recorded inputs.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,15 @@ _DRAWS_LARGE = 2
 _LARGE = 1 << 20  # input elements above which an op gets the smaller number of draws
 _GRIDS = (("float16", torch.float16), ("bfloat16", torch.bfloat16))
 _FLOATS = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPES = {**_FLOATS, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-           "uint8": torch.uint8, "bool": torch.bool}
+_DTYPES = {
+    **_FLOATS,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
 _STATS = ("min", "max", "mean", "norm")
 _RESIDUE = 1e-2  # an output below this fraction of what honest draws give is cancellation residue (grid test off)
 
@@ -109,19 +117,43 @@ class StatisticsChecker:
     OpVerdict(op_id=42, status='pass', evidence='statistics', ...)
     """
 
-    def __init__(self, rank: Any, *, reduced: str | None = None, standards: Standards | None = None,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, rank: Any, *, reduced: str | None = None, standards: Standards | None = None, seed: int = 0
+    ) -> None:
         self.reduced = reduced
         self.standards = standards or Standards()
         self.seed = seed
         table = rank.tensors_table.select(
-            ["tensor_id", "op_id", "shape", "dtype", "view_of", "has_stats", "min", "max", "mean", "norm", "nan_count",
-             "inf_count"]
+            [
+                "tensor_id",
+                "op_id",
+                "shape",
+                "dtype",
+                "view_of",
+                "has_stats",
+                "min",
+                "max",
+                "mean",
+                "norm",
+                "nan_count",
+                "inf_count",
+            ]
         ).to_pydict()
         self.rows: dict[int, tuple] = {
-            t: row for t, *row in zip(
-                table["tensor_id"], table["op_id"], table["shape"], table["dtype"], table["view_of"], table["has_stats"],
-                table["min"], table["max"], table["mean"], table["norm"], table["nan_count"], table["inf_count"],
+            t: row
+            for t, *row in zip(
+                table["tensor_id"],
+                table["op_id"],
+                table["shape"],
+                table["dtype"],
+                table["view_of"],
+                table["has_stats"],
+                table["min"],
+                table["max"],
+                table["mean"],
+                table["norm"],
+                table["nan_count"],
+                table["inf_count"],
             )
         }
         ops = rank.ops_table.select(["op_id", "kind", "op", "args", "inputs", "outputs", "random"]).to_pydict()
@@ -158,9 +190,18 @@ class StatisticsChecker:
             return None
         if seen and base_numel and numel != base_numel and norm is not None:
             norm = norm * math.sqrt(numel / base_numel)
-        return TensorSpec(shape, own_dtype, float(lo), float(hi), float(mean if mean is not None else 0.0),
-                          float(norm if norm is not None else 0.0), int(nan or 0), int(inf or 0), exact,
-                          _grid_of(own_dtype, float(lo), float(hi)))
+        return TensorSpec(
+            shape,
+            own_dtype,
+            float(lo),
+            float(hi),
+            float(mean if mean is not None else 0.0),
+            float(norm if norm is not None else 0.0),
+            int(nan or 0),
+            int(inf or 0),
+            exact,
+            _grid_of(own_dtype, float(lo), float(hi)),
+        )
 
     # -- checking ------------------------------------------------------------------------------
     def check(self, op_id: int) -> OpVerdict:
@@ -175,14 +216,24 @@ class StatisticsChecker:
         for position, tid in enumerate(op.inputs):
             spec = self.spec(tid)
             if spec is None:
-                return OpVerdict(op_id, "skipped", reason=f"input {position} has no statistics (a view the trace cannot "
-                                 "resolve, or uninitialized memory)")
+                return OpVerdict(
+                    op_id,
+                    "skipped",
+                    reason=f"input {position} has no statistics (a view the trace cannot "
+                    "resolve, or uninitialized memory)",
+                )
             if spec.dtype not in _DTYPES:
-                return OpVerdict(op_id, "skipped", reason=f"input {position} is {spec.dtype}, which random inputs do not cover")
+                return OpVerdict(
+                    op_id, "skipped", reason=f"input {position} is {spec.dtype}, which random inputs do not cover"
+                )
             if spec.dtype not in _FLOATS and spec.min != spec.max and cls.input_rule(position) != "ignore":
                 what = "a mask" if spec.dtype == "bool" else "indices or token ids"
-                return OpVerdict(op_id, "skipped", reason=f"its output depends on the values of input {position} "
-                                 f"({spec.dtype}: {what}), which statistics cannot reproduce")
+                return OpVerdict(
+                    op_id,
+                    "skipped",
+                    reason=f"its output depends on the values of input {position} "
+                    f"({spec.dtype}: {what}), which statistics cannot reproduce",
+                )
             specs.append(spec)
         outputs = [(i, t, self.spec(t)) for i, t in enumerate(op.outputs)]
         judged = [(i, t, s) for i, t, s in outputs if s is not None and s.dtype in _FLOATS and self.rows[t][4]]
@@ -211,7 +262,11 @@ class StatisticsChecker:
         return worst
 
     def _check_call(
-        self, op: RecordedOp, args: dict[str, Any], specs: list[TensorSpec], judged: list[tuple[int, int, TensorSpec]],
+        self,
+        op: RecordedOp,
+        args: dict[str, Any],
+        specs: list[TensorSpec],
+        judged: list[tuple[int, int, TensorSpec]],
         seed: int,
     ) -> OpVerdict:
         s = self.standards
@@ -226,7 +281,9 @@ class StatisticsChecker:
             models = reduced_models(op.name, inputs, self.reduced)
             honest = invoke(op.name, args, models[0] if models else inputs, golden=False)
             if golden is None or honest is None:
-                return OpVerdict(op.op_id, "skipped", reason="it does not run on the CPU on inputs drawn to its statistics")
+                return OpVerdict(
+                    op.op_id, "skipped", reason="it does not run on the CPU on inputs drawn to its statistics"
+                )
             g_out, h_out = returned_tensors(op.name, *golden), returned_tensors(op.name, *honest)
             if any(i >= len(g_out) or i >= len(h_out) for i, _, _ in judged):
                 return OpVerdict(op.op_id, "skipped", reason="its replay returned fewer outputs than were recorded")
@@ -245,15 +302,23 @@ class StatisticsChecker:
                 checks.add("nonfinite")
                 if not any(h[k][4] > 0 for h in honest_stats):
                     cause = self._overflow_cause(op, args, specs, judged[k][0])
-                    findings.append(("error", "nan", math.inf,
-                                     f"{out.nan + out.inf} NaN/Inf in its output from finite inputs, where an honest {out.dtype} "
-                                     f"replay on inputs drawn to their statistics stays finite{cause}"))
+                    findings.append(
+                        (
+                            "error",
+                            "nan",
+                            math.inf,
+                            f"{out.nan + out.inf} NaN/Inf in its output from finite inputs, where an honest {out.dtype} "
+                            f"replay on inputs drawn to their statistics stays finite{cause}",
+                        )
+                    )
                 continue
             # Pinned statistics.
             rms = out.norm / math.sqrt(numel) if out.norm else 0.0
             for index, name in enumerate(_STATS):
                 values = [g[k][index] for g in golden_stats]
-                if not all(math.isfinite(v) for v in values) or not all(math.isfinite(h[k][index]) for h in honest_stats):
+                if not all(math.isfinite(v) for v in values) or not all(
+                    math.isfinite(h[k][index]) for h in honest_stats
+                ):
                     continue
                 scale = abs(values[0]) if name in ("min", "max") and values[0] != 0 else max(abs(values[0]), rms)
                 if scale == 0 or max(abs(v - values[0]) for v in values) > _PIN * scale:
@@ -272,19 +337,33 @@ class StatisticsChecker:
                 unit = EPS.get(out.dtype, 0.0) * scale
                 floor = (s.floor if name in ("min", "max") else s.mean_floor) * unit
                 bar = max(s.margin * honest_dev, floor)
-                metrics[f"{name}_deviation"] = max(metrics.get(f"{name}_deviation", 0.0), deviation / unit if unit else 0.0)
+                metrics[f"{name}_deviation"] = max(
+                    metrics.get(f"{name}_deviation", 0.0), deviation / unit if unit else 0.0
+                )
                 if deviation > bar:
-                    findings.append(("error", "computation", deviation / bar if bar else math.inf,
-                                     f"its output's {name} {recorded[index]:.9g} should be {predicted:.9g} whatever its input "
-                                     f"values were (it is the same on every draw matching their statistics): off by "
-                                     f"{deviation / unit:.0f} rounding units of {out.dtype}, where an honest {out.dtype} "
-                                     "replay is "
-                                     f"off by {honest_dev / unit:.1f}"))
+                    findings.append(
+                        (
+                            "error",
+                            "computation",
+                            deviation / bar if bar else math.inf,
+                            f"its output's {name} {recorded[index]:.9g} should be {predicted:.9g} whatever its input "
+                            f"values were (it is the same on every draw matching their statistics): off by "
+                            f"{deviation / unit:.0f} rounding units of {out.dtype}, where an honest {out.dtype} "
+                            "replay is "
+                            f"off by {honest_dev / unit:.1f}",
+                        )
+                    )
                 elif deviation > max(s.warn_margin * honest_dev, floor):
-                    findings.append(("warning", "computation", deviation / bar if bar else 0.0,
-                                     f"its output's {name} is off by {deviation / unit:.1f} rounding units from what its input "
-                                     f"statistics pin it to ({predicted:.9g}), {deviation / max(honest_dev, 1e-300):.1f}x an "
-                                     f"honest replay"))
+                    findings.append(
+                        (
+                            "warning",
+                            "computation",
+                            deviation / bar if bar else 0.0,
+                            f"its output's {name} is off by {deviation / unit:.1f} rounding units from what its input "
+                            f"statistics pin it to ({predicted:.9g}), {deviation / max(honest_dev, 1e-300):.1f}x an "
+                            f"honest replay",
+                        )
+                    )
             # The precision grid.
             grid = self._grid_evidence(out, specs, honest_stats, k)
             if grid:
@@ -293,14 +372,22 @@ class StatisticsChecker:
             elif out.dtype in ("float32", "float64") and out.min != out.max:
                 checks.add("grid")
         if not findings and not checks - {"grid", "nonfinite"}:
-            tested = " (only that its output is on no coarser precision grid could be tested)" if "grid" in checks else ""
-            return OpVerdict(op.op_id, "skipped", reason="its statistics pin none of its outputs' numbers (they depend on "
-                             f"every input value){tested}: capture its region with data=\"tensors\" to check it")
+            tested = (
+                " (only that its output is on no coarser precision grid could be tested)" if "grid" in checks else ""
+            )
+            return OpVerdict(
+                op.op_id,
+                "skipped",
+                reason="its statistics pin none of its outputs' numbers (they depend on "
+                f'every input value){tested}: capture its region with data="tensors" to check it',
+            )
         dtype = judged[0][2].dtype
         deviations = [v for k, v in metrics.items() if k.endswith("_deviation")]
         if deviations:
             metrics["error_units"] = max(deviations)
-        verdict = OpVerdict(op.op_id, "pass", "statistics", dtype=dtype, metrics=metrics, checks=",".join(sorted(checks)))
+        verdict = OpVerdict(
+            op.op_id, "pass", "statistics", dtype=dtype, metrics=metrics, checks=",".join(sorted(checks))
+        )
         for status in ("error", "warning"):
             chosen = [f for f in findings if f[0] == status]
             if chosen:
@@ -329,13 +416,15 @@ class StatisticsChecker:
             if any(on_grid(h[k][0], grid) and on_grid(h[k][1], grid) for h in honest_stats):
                 continue  # an honest kernel lands there on these inputs too
             bits = {"float16": 13, "bfloat16": 16}[name] if out.dtype == "float32" else 42
-            return (f"its output's extremes ({out.min:.9g}, {out.max:.9g}) both lie on the {name} grid, as an op that "
-                    f"computes or rounds its result in {name} gives; an honest {out.dtype} kernel on inputs drawn to their "
-                    f"statistics does not, and lands there by chance once in 2^{2 * bits}")
+            return (
+                f"its output's extremes ({out.min:.9g}, {out.max:.9g}) both lie on the {name} grid, as an op that "
+                f"computes or rounds its result in {name} gives; an honest {out.dtype} kernel on inputs drawn to their "
+                f"statistics does not, and lands there by chance once in 2^{2 * bits}"
+            )
         return ""
 
     def _overflow_cause(self, op: RecordedOp, args: dict[str, Any], specs: list[TensorSpec], position: int) -> str:
-        """"; rounding its inputs to float16 reproduces it ..." when that is what makes NaN/Inf here."""
+        """ "; rounding its inputs to float16 reproduces it ..." when that is what makes NaN/Inf here."""
         floats = [spec for spec in specs if spec.dtype in ("float32", "float64")]
         if not floats:
             return ""
@@ -346,10 +435,15 @@ class StatisticsChecker:
         if found is None:
             return ""
         outs = returned_tensors(op.name, *found)
-        if position < len(outs) and isinstance(outs[position], torch.Tensor) and not bool(torch.isfinite(outs[position]).all()):
+        if (
+            position < len(outs)
+            and isinstance(outs[position], torch.Tensor)
+            and not bool(torch.isfinite(outs[position]).all())
+        ):
             largest = max(max(abs(spec.min), abs(spec.max)) for spec in floats)
-            return (f"; a replay on its inputs rounded to float16 reproduces it (inputs up to {largest:.3g}"
-                    + (", beyond float16's 65504)" if largest > 65504 else ")"))
+            return f"; a replay on its inputs rounded to float16 reproduces it (inputs up to {largest:.3g}" + (
+                ", beyond float16's 65504)" if largest > 65504 else ")"
+            )
         return ""
 
 
@@ -441,7 +535,9 @@ def _finite_part(spec: TensorSpec, m: int, generator: torch.Generator) -> torch.
     outside = (rest <= lo) | (rest >= hi)
     count = int(outside.sum())
     if count:
-        rest[outside] = lo + (hi - lo) * torch.rand(count, generator=generator, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)
+        rest[outside] = lo + (hi - lo) * torch.rand(count, generator=generator, dtype=torch.float64).clamp(
+            1e-9, 1 - 1e-9
+        )
     if not fixed:
         return rest
     return torch.cat([torch.tensor(fixed, dtype=torch.float64), rest])

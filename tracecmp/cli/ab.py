@@ -5,6 +5,7 @@ cannot be compared is two runs captured differently), into ``OUT/traces/bench`` 
 ``OUT/traces/target``; then ``tracecmp compare`` writes its tables and report to ``OUT``. Exit codes
 are compare's: 0 the runs agree, 1 a divergence was found, 2 bad input (or a run left no trace).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ def add_parser(subparsers: Any) -> None:
     add_capture_options(parser)
     parser.set_defaults(out="tracecmp-ab")
     parser.add_argument("--tol", metavar="SPEC", default="", help="tolerances, as for tracecmp compare")
-    parser.add_argument("--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared"
+    )
     parser.set_defaults(run=run)
 
 
@@ -51,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracecmp ab: recording the {name}: {shlex.join(command)}", file=sys.stderr, flush=True)
         status = subprocess.run(argv).returncode
         if status:
-            print(f"tracecmp ab: the {name} exited with status {status}; comparing what its trace holds", file=sys.stderr)
+            print(
+                f"tracecmp ab: the {name} exited with status {status}; comparing what its trace holds", file=sys.stderr
+            )
     compare = ["compare", str(paths["target"]), str(paths["bench"]), "-o", str(out)]
     compare += (["--tol", args.tol] if args.tol else []) + (["--strict"] if args.strict else [])
     return tracecmp_main(compare)

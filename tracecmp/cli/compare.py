@@ -3,6 +3,7 @@
 Exit codes follow ``diff``: 0 no divergence, 1 divergence found (with ``--strict`` also when
 something could not be paired or compared), 2 bad input or usage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,26 +30,50 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("target", help="trace folder of the run under suspicion (NPU, bf16, new kernel, ...)")
     parser.add_argument("bench", help="trace folder of the reference run")
     parser.add_argument("-o", "--out", metavar="OUT", help="folder for the tables (CSV) and the HTML report")
-    parser.add_argument("--exact", action="store_true", help="bitwise determinism check: any difference is a divergence")
-    parser.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
-                        help="re-run every target op on its recorded inputs in float64 to measure its own error "
-                        "(needs a target captured with data=\"tensors\"; default: whenever it has them)")
+    parser.add_argument(
+        "--exact", action="store_true", help="bitwise determinism check: any difference is a divergence"
+    )
+    parser.add_argument(
+        "--replay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="re-run every target op on its recorded inputs in float64 to measure its own error "
+        '(needs a target captured with data="tensors"; default: whenever it has them)',
+    )
     parser.add_argument("--steps", type=_int_list, metavar="S,S", help="compare only these steps")
     parser.add_argument("--ranks", type=_int_list, metavar="R,R", help="compare only these ranks")
-    parser.add_argument("--tol", metavar="SPEC", default="",
-                        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,downstream=32,'
-                        'replay_margin=4,replay_local=4,allow_tf32=0"')
+    parser.add_argument(
+        "--tol",
+        metavar="SPEC",
+        default="",
+        help='tolerances, e.g. "bf16=0.016:1e-5,fp32=1.3e-6:1e-5,margin=4,local=4,ambient=8,downstream=32,'
+        'replay_margin=4,replay_local=4,allow_tf32=0"',
+    )
     parser.add_argument("--xlsx", action="store_true", help="also write compare.xlsx (needs openpyxl)")
     parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")
-    parser.add_argument("--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared"
+    )
     parser.add_argument("--top", type=int, default=10, metavar="N", help="suspects shown in the summary (default 10)")
-    parser.add_argument("--workers", type=int, metavar="N",
-                        help="several ranks: compare them in N worker processes (default: one per rank, up to the "
-                        "CPUs; in this process for small traces)")
-    parser.add_argument("--max-memory", type=float, metavar="GB",
-                        help="several ranks: data memory each worker may use (default: physical memory / (workers + 1))")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar on stderr (default: on a terminal, for large traces)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="several ranks: compare them in N worker processes (default: one per rank, up to the "
+        "CPUs; in this process for small traces)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=float,
+        metavar="GB",
+        help="several ranks: data memory each worker may use (default: physical memory / (workers + 1))",
+    )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: on a terminal, for large traces)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -56,9 +81,18 @@ def run(args: argparse.Namespace) -> int:
     from tracecmp.comparison import Tolerances, compare
 
     tolerances = Tolerances.parse(args.tol) if args.tol else None
-    result = compare(args.target, args.bench, tolerances=tolerances, steps=args.steps, ranks=args.ranks,
-                     exact=args.exact, replay=args.replay, progress=args.progress, workers=args.workers,
-                     max_memory=int(args.max_memory * 2**30) if args.max_memory else None)
+    result = compare(
+        args.target,
+        args.bench,
+        tolerances=tolerances,
+        steps=args.steps,
+        ranks=args.ranks,
+        exact=args.exact,
+        replay=args.replay,
+        progress=args.progress,
+        workers=args.workers,
+        max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
+    )
     print(result.summary(top=args.top))
     selection = result.selection()
     if selection is not None:

@@ -1,4 +1,5 @@
 """``tracecmp demo``: capture, compare and report on a built-in model with an emulated fault."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "softmax-fp16: a softmax kernel computing in fp16.",
     )
     parser.add_argument("-o", "--out", default="tracecmp-demo", help="output folder (default: %(default)s)")
-    parser.add_argument("--fault", choices=FAULT_NAMES, default="fp16-matmul", help="emulated fault (default: %(default)s)")
+    parser.add_argument(
+        "--fault", choices=FAULT_NAMES, default="fp16-matmul", help="emulated fault (default: %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=2, help="training steps per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default: %(default)s)")
     parser.set_defaults(run=run)
@@ -44,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     elif d is None:
         print(f"Missed it: no divergence found, but the emulated fault is in {fault.module} ({fault.op}).")
     else:
-        print(f"Missed it: localized to {d.module or '<top>'}, but the emulated fault is in {fault.module} ({fault.op}).")
+        print(
+            f"Missed it: localized to {d.module or '<top>'}, but the emulated fault is in {fault.module} ({fault.op})."
+        )
     print(f"Report: {outcome.report}  (traces and CSV tables beside it; {time.perf_counter() - start:.1f} s)")
     return 0

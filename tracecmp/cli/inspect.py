@@ -1,4 +1,5 @@
 """``tracecmp inspect TRACE``: what a trace holds, in one screen."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,9 @@ def summarize(path: str | Path) -> str:
     lines.append(f"device    {', '.join(devices)}")
     versions = manifest.get("versions", {})
     lines.append("versions  " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
-    lines.append(f"format    {manifest.get('format')} v{manifest.get('format_version')}, created {manifest.get('created', '?')}")
+    lines.append(
+        f"format    {manifest.get('format')} v{manifest.get('format_version')}, created {manifest.get('created', '?')}"
+    )
     options = ", ".join(f"{k}={v}" for k, v in sorted(trace.options.items()))
     lines.append(f"options   {options or '-'}")
     lists = [trace.rank(r).manifest.get("info", {}).get("models") for r in trace.ranks]
@@ -75,9 +78,11 @@ def summarize(path: str | Path) -> str:
     infos = [trace.rank(r).manifest.get("info") or {} for r in trace.ranks]
     threads = sorted({info["threads"] for info in infos if isinstance(info.get("threads"), int)})
     if determinism:
-        lines.append(f"determin. torch deterministic algorithms {determinism.get('torch_deterministic_algorithms')}, "
-                     f"cuDNN deterministic {determinism.get('cudnn_deterministic')}"
-                     + (f", {'/'.join(map(str, threads))} intra-op threads" if threads else ""))
+        lines.append(
+            f"determin. torch deterministic algorithms {determinism.get('torch_deterministic_algorithms')}, "
+            f"cuDNN deterministic {determinism.get('cudnn_deterministic')}"
+            + (f", {'/'.join(map(str, threads))} intra-op threads" if threads else "")
+        )
     lines.append(f"size      {_human(_size(trace.path))} on disk")
     lines.append("")
     if ops.empty:
@@ -85,7 +90,9 @@ def summarize(path: str | Path) -> str:
         return "\n".join(lines)
 
     computed = ops[ops["kind"] != "source"]
-    lines.append(f"{len(computed):,} ops ({(computed['kind'] == 'view').sum():,} views), {len(tensors):,} tensor values")
+    lines.append(
+        f"{len(computed):,} ops ({(computed['kind'] == 'view').sum():,} views), {len(tensors):,} tensor values"
+    )
     table = pd.crosstab(computed["step"], computed["phase"], margins=True, margins_name="all")
     lines.append("ops per step and phase:")
     lines.extend("  " + row for row in table.to_string().splitlines())
@@ -103,7 +110,11 @@ def summarize(path: str | Path) -> str:
     kinds = sources.groupby("op").size()
     lines.append(
         f"sources:   {len(sources):,}"
-        + (" (" + ", ".join(f"{op.removeprefix('source.')} {n:,}" for op, n in kinds.items()) + ")" if len(kinds) else "")
+        + (
+            " (" + ", ".join(f"{op.removeprefix('source.')} {n:,}" for op, n in kinds.items()) + ")"
+            if len(kinds)
+            else ""
+        )
     )
 
     stats = tensors[tensors["has_stats"]]

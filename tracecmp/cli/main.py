@@ -5,6 +5,7 @@ Each subcommand module under :mod:`tracecmp.cli` exposes ``add_parser(subparsers
 2 trouble: bad input or usage (one line naming the file), and also a bug in tracecmp (with its
 traceback), since a crash must never read as "difference found" to a CI gate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,13 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (MemoryError, RecursionError) as exc:
         # The reader bounds what it parses; this is what is left (a table Arrow cannot hold).
-        print(f"tracecmp {args.command}: error: the input is too large or too deep to read ({type(exc).__name__})",
-              file=sys.stderr)
+        print(
+            f"tracecmp {args.command}: error: the input is too large or too deep to read ({type(exc).__name__})",
+            file=sys.stderr,
+        )
         return 2
     except Exception:  # noqa: BLE001 - a bug must not exit 1, which `compare` reserves for "diverged"
         traceback.print_exc()
-        print(f"tracecmp {args.command}: internal error (a bug in tracecmp; please report it with the traceback above)",
-              file=sys.stderr)
+        print(
+            f"tracecmp {args.command}: internal error (a bug in tracecmp; please report it with the traceback above)",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -1,4 +1,5 @@
 """``tracecmp overflow TRACE``: the first op whose finite inputs produced NaN/Inf."""
+
 from __future__ import annotations
 
 import argparse

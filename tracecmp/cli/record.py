@@ -14,6 +14,7 @@ Under torchrun either form works, each rank writing ``rank<R>/`` of one trace fo
     tracecmp record -o runs/bench -- torchrun --nproc-per-node 2 train.py
     torchrun --nproc-per-node 2 -m tracecmp record -o runs/bench -- train.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,34 +36,71 @@ Without -o the trace goes to $TRACECMP_DIR/<program>-<date>-<time> (TRACECMP_DIR
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "record", help="capture a program without editing it: tracecmp record -- python train.py",
-        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "record",
+        help="capture a program without editing it: tracecmp record -- python train.py",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_capture_options(parser)
-    parser.add_argument("--exit-after", action="store_true", help="end the program (status 0) once the last selected step is recorded")
+    parser.add_argument(
+        "--exit-after", action="store_true", help="end the program (status 0) once the last selected step is recorded"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing of tracecmp's own on stderr")
-    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="the program: python train.py ARGS, -m pkg.mod ARGS, torchrun ... train.py")
+    parser.add_argument(
+        "program",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="the program: python train.py ARGS, -m pkg.mod ARGS, torchrun ... train.py",
+    )
     parser.set_defaults(run=run)
 
 
 def add_capture_options(parser: argparse.ArgumentParser) -> None:
     """The options of a capture (shared with ``tracecmp ab``)."""
-    parser.add_argument("-o", "--out", help="trace folder (default: a new folder under $TRACECMP_DIR or ./tracecmp-traces)")
+    parser.add_argument(
+        "-o", "--out", help="trace folder (default: a new folder under $TRACECMP_DIR or ./tracecmp-traces)"
+    )
     parser.add_argument("-f", "--force", action="store_true", help="replace a trace already in the folder")
-    parser.add_argument("--steps", default="0,1", type=parse_steps,
-                        help="steps to record: 0,1 (default), 0-3, 2,5 or all; each optimizer.step() ends a step")
-    parser.add_argument("--data", choices=("stats", "tensors"), default="stats",
-                        help="stats: statistics of every tensor (default); tensors: also the tensors themselves")
+    parser.add_argument(
+        "--steps",
+        default="0,1",
+        type=parse_steps,
+        help="steps to record: 0,1 (default), 0-3, 2,5 or all; each optimizer.step() ends a step",
+    )
+    parser.add_argument(
+        "--data",
+        choices=("stats", "tensors"),
+        default="stats",
+        help="stats: statistics of every tensor (default); tensors: also the tensors themselves",
+    )
     parser.add_argument("--stack", action="store_true", help="keep each op's whole user stack")
-    parser.add_argument("--rng", choices=("device", "host"), default="device",
-                        help="host: random ops on an accelerator draw from the CPU generator (same numbers on every device)")
+    parser.add_argument(
+        "--rng",
+        choices=("device", "host"),
+        default="device",
+        help="host: random ops on an accelerator draw from the CPU generator (same numbers on every device)",
+    )
     parser.add_argument("--no-dropout", action="store_true", help="every dropout acts with p=0")
-    parser.add_argument("--overflow", choices=("record", "raise"), help="note (or stop at) the first op whose finite inputs gave NaN/Inf")
+    parser.add_argument(
+        "--overflow",
+        choices=("record", "raise"),
+        help="note (or stop at) the first op whose finite inputs gave NaN/Inf",
+    )
     parser.add_argument("--sync", action="store_true", help="every step is on disk when the next begins")
-    parser.add_argument("--flush-secs", type=float, default=1.0, metavar="S", help="hand steps to the writer every S seconds (default 1)")
-    parser.add_argument("--on-error", choices=("warn", "raise"), default="warn",
-                        help="when the trace cannot be written: warn and let the program go on (default), or stop it")
+    parser.add_argument(
+        "--flush-secs",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="hand steps to the writer every S seconds (default 1)",
+    )
+    parser.add_argument(
+        "--on-error",
+        choices=("warn", "raise"),
+        default="warn",
+        help="when the trace cannot be written: warn and let the program go on (default), or stop it",
+    )
 
 
 def parse_steps(text: str) -> frozenset[int] | None:
@@ -89,9 +127,16 @@ def parse_steps(text: str) -> frozenset[int] | None:
 def capture_options(args: argparse.Namespace) -> dict[str, Any]:
     """TraceCompare's keyword arguments from the parsed options."""
     return {
-        "steps": args.steps, "data": args.data, "stack": args.stack, "rng": args.rng,
-        "dropout": 0.0 if args.no_dropout else None, "overflow": args.overflow, "sync": args.sync,
-        "flush_secs": args.flush_secs, "overwrite": args.force, "on_error": args.on_error,
+        "steps": args.steps,
+        "data": args.data,
+        "stack": args.stack,
+        "rng": args.rng,
+        "dropout": 0.0 if args.no_dropout else None,
+        "overflow": args.overflow,
+        "sync": args.sync,
+        "flush_secs": args.flush_secs,
+        "overwrite": args.force,
+        "on_error": args.on_error,
     }
 
 
@@ -100,8 +145,14 @@ def options_argv(args: argparse.Namespace) -> list[str]:
     argv = ["-o", args.out] if args.out else []
     argv += ["--steps", "all" if args.steps is None else ",".join(map(str, sorted(args.steps)))]
     argv += ["--data", args.data, "--rng", args.rng, "--flush-secs", repr(args.flush_secs), "--on-error", args.on_error]
-    for flag, on in (("--force", args.force), ("--stack", args.stack), ("--no-dropout", args.no_dropout),
-                     ("--sync", args.sync), ("--exit-after", args.exit_after), ("--quiet", args.quiet)):
+    for flag, on in (
+        ("--force", args.force),
+        ("--stack", args.stack),
+        ("--no-dropout", args.no_dropout),
+        ("--sync", args.sync),
+        ("--exit-after", args.exit_after),
+        ("--quiet", args.quiet),
+    ):
         argv += [flag] if on else []
     return argv + (["--overflow", args.overflow] if args.overflow else [])
 
@@ -132,8 +183,13 @@ def run(args: argparse.Namespace) -> int:
         _exec(reexec_argv(program, own))
     if args.exit_after and args.steps is None:
         raise TracecmpError("--exit-after needs --steps: with every step recorded there is no last one")
-    recording = Recording(Path(args.out) if args.out else None, capture_options(args),
-                          exit_after=args.exit_after, quiet=args.quiet, program=program.describe())
+    recording = Recording(
+        Path(args.out) if args.out else None,
+        capture_options(args),
+        exit_after=args.exit_after,
+        quiet=args.quiet,
+        program=program.describe(),
+    )
     recording.check_folder()  # an existing trace or an unwritable folder: refused before the program runs
     recording.arm()
     outcome = run_program(program, recording.finish)

@@ -5,6 +5,7 @@ The package is the comparison stage; its entry point is the function :func:`trac
 >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
 >>> result.first_divergence                                  # doctest: +SKIP
 """
+
 from tracecmp.comparison.api import compare
 from tracecmp.comparison.result import CompareResult
 from tracecmp.comparison.tolerances import Tolerances

@@ -22,6 +22,7 @@ far) is no smaller, so the bound holds for it too; the unfused AMSGrad graph is 
 >>> round(adam_quotient_bound(0.9, 0.999, 1), 6)  # m / sqrt(v) = g / |g| after the first step
 3.162278
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,13 @@ def adam_quotient_bound(beta1: float, beta2: float, steps: float) -> float:
     return (1.0 - beta1) / math.sqrt(1.0 - beta2) * math.sqrt(geometric)
 
 
-def adam_update_bound(node: Node, index: int, producer: Mapping[int, tuple[Node, int]],
-                      view_base: Mapping[int, int], value_of: Callable[[int], float | None]) -> tuple[int, float] | None:
+def adam_update_bound(
+    node: Node,
+    index: int,
+    producer: Mapping[int, tuple[Node, int]],
+    view_base: Mapping[int, int],
+    value_of: Callable[[int], float | None],
+) -> tuple[int, float] | None:
     """(parameter tensor id, B) when output ``index`` of ``node`` is Adam's update of a parameter,
     ``p + value * m / (sqrt(v) / c + eps)``, with B bounding ``|value * m / (sqrt(v) / c + eps)|``
     element by element in any run; None when the node is not such an update.
@@ -105,8 +111,13 @@ def adam_update_bound(node: Node, index: int, producer: Mapping[int, tuple[Node,
         return None
     beta1, beta2 = 1.0 - weight, 1.0 - one_minus_beta2
     decayed = made(second[0][0], _MUL)  # v's previous value times beta2
-    if (decayed is None or not 0 <= beta1 < 1 or not 0 < beta2 < 1 or beta1 * beta1 >= beta2
-            or not math.isclose(decayed[1]("other", "scalar") or 0.0, beta2, rel_tol=1e-9)):
+    if (
+        decayed is None
+        or not 0 <= beta1 < 1
+        or not 0 < beta2 < 1
+        or beta1 * beta1 >= beta2
+        or not math.isclose(decayed[1]("other", "scalar") or 0.0, beta2, rel_tol=1e-9)
+    ):
         return None
     # The step number from the bias correction c = sqrt(1 - beta2^t); none (c = 1), or one that is
     # no whole number, leaves t unknown: the bound for any t.
@@ -130,7 +141,11 @@ def _fused_update_bound(node: Node, index: int, value_of: Callable[[int], float 
     if not isinstance(params, list) or not isinstance(steps, list) or len(params) != n or len(steps) != n:
         return None
     param, step = (entry.get("tensor") if isinstance(entry, dict) else None for entry in (params[index], steps[index]))
-    if not isinstance(param, int) or not isinstance(step, int) or not (0 <= param < len(inputs) and 0 <= step < len(inputs)):
+    if (
+        not isinstance(param, int)
+        or not isinstance(step, int)
+        or not (0 <= param < len(inputs) and 0 <= step < len(inputs))
+    ):
         return None
     t = value_of(inputs[step])
     if t is None or t < 1 or t != round(t) or not 0 <= beta1 < 1 or not 0 < beta2 < 1 or beta1 * beta1 >= beta2:

@@ -19,6 +19,7 @@ align in seconds.
 >>> align_sequences(["a", "b", "c"], ["a", "x", "b", "c"])
 [(0, 0), (1, 2), (2, 3)]
 """
+
 from __future__ import annotations
 
 import difflib
@@ -123,13 +124,17 @@ def node_keys(ops: pd.DataFrame, tensors: pd.DataFrame) -> list[tuple]:
     """Structural key of every node of ``ops`` (in row order): kind, op or source name, output shapes."""
     shape_of = dict(zip(tensors["tensor_id"].tolist(), (tuple(s) for s in tensors["shape"].tolist())))
     keys = []
-    for kind, op, name, outputs in zip(ops["kind"].tolist(), ops["op"].tolist(), ops["name"].tolist(), ops["outputs"].tolist()):
+    for kind, op, name, outputs in zip(
+        ops["kind"].tolist(), ops["op"].tolist(), ops["name"].tolist(), ops["outputs"].tolist()
+    ):
         shapes = tuple(shape_of.get(t) for t in outputs)
         keys.append((kind, name if kind == "source" and name else op, shapes))
     return keys
 
 
-def align_nodes(t_ops: pd.DataFrame, t_tensors: pd.DataFrame, b_ops: pd.DataFrame, b_tensors: pd.DataFrame) -> dict[int, int]:
+def align_nodes(
+    t_ops: pd.DataFrame, t_tensors: pd.DataFrame, b_ops: pd.DataFrame, b_tensors: pd.DataFrame
+) -> dict[int, int]:
     """``{target op_id: bench op_id}`` for one rank (see the module docstring for the passes)."""
     t_keys, b_keys = node_keys(t_ops, t_tensors), node_keys(b_ops, b_tensors)
     t_rows = _rows(t_ops, t_keys)
@@ -157,8 +162,17 @@ def align_nodes(t_ops: pd.DataFrame, t_tensors: pd.DataFrame, b_ops: pd.DataFram
 
 
 def _rows(ops: pd.DataFrame, keys: list[tuple]) -> list[tuple]:
-    return list(zip(ops["op_id"].tolist(), ops["step"].tolist(), ops["phase"].tolist(), ops["kind"].tolist(),
-                    ops["module"].tolist(), ops["name"].tolist(), keys))
+    return list(
+        zip(
+            ops["op_id"].tolist(),
+            ops["step"].tolist(),
+            ops["phase"].tolist(),
+            ops["kind"].tolist(),
+            ops["module"].tolist(),
+            ops["name"].tolist(),
+            keys,
+        )
+    )
 
 
 def _align_groups(t_rows: list[tuple], b_rows: list[tuple], scope, pairs: dict[int, int]) -> None:
@@ -197,8 +211,13 @@ def _align_groups(t_rows: list[tuple], b_rows: list[tuple], scope, pairs: dict[i
 #    in a scope joins that scope's region.
 # 4. Each linked group is a Region; its outputs get the bench tensors they stand for.
 
-_PASS_ARGS = {"mul": ("other", 1.0), "div": ("other", 1.0), "add": ("other", 0.0), "sub": ("other", 0.0),
-              "pow": ("exponent", 1.0)}
+_PASS_ARGS = {
+    "mul": ("other", 1.0),
+    "div": ("other", 1.0),
+    "add": ("other", 0.0),
+    "sub": ("other", 0.0),
+    "pow": ("exponent", 1.0),
+}
 _NEAR = 12  # ops between a one-sided change and the other side's compensating one (merge rule, step 3)
 
 
@@ -252,8 +271,14 @@ class SideGraph:
     shape: dict[int, tuple[int, ...]]
 
     @classmethod
-    def of(cls, ops: pd.DataFrame, inputs: list[list[int]], outputs: list[list[int]], tensors: pd.DataFrame,
-           base: Mapping[int, int]) -> "SideGraph":
+    def of(
+        cls,
+        ops: pd.DataFrame,
+        inputs: list[list[int]],
+        outputs: list[list[int]],
+        tensors: pd.DataFrame,
+        base: Mapping[int, int],
+    ) -> "SideGraph":
         """From a trace's ops (rows in execution order) with their id lists, and its tensors."""
         columns = [ops[c].tolist() for c in ("op_id", "step", "phase", "kind", "op", "module", "args", "inplace")]
         nodes: dict[int, _Node] = {}
@@ -265,8 +290,10 @@ class SideGraph:
                 producer[t] = op_id
             for t in ins:
                 consumers[t].append(op_id)
-        shapes = {t: tuple(int(d) for d in s) if s is not None else () for t, s in
-                  zip(tensors["tensor_id"].tolist(), tensors["shape"].tolist())}
+        shapes = {
+            t: tuple(int(d) for d in s) if s is not None else ()
+            for t, s in zip(tensors["tensor_id"].tolist(), tensors["shape"].tolist())
+        }
         numel = {t: math.prod(s) for t, s in shapes.items()}
         return cls(nodes, list(nodes), producer, dict(base), numel, consumers, shapes)
 
@@ -430,8 +457,9 @@ def _read_by_pairs_only(graph: SideGraph, op_id: int, paired: Mapping[int, int] 
     return bool(readers) and all(c in paired for c in readers)
 
 
-def _unpair_contradicted(t: SideGraph, b: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int],
-                         in_b: set[int]) -> None:
+def _unpair_contradicted(
+    t: SideGraph, b: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int], in_b: set[int]
+) -> None:
     """Undo pairs of pass-through ops that say one region-made target value is two different bench
     values, where the other route carries it to a paired computation and theirs never does.
 
@@ -483,8 +511,9 @@ def _reaches_computation(t: SideGraph, pairs: Mapping[int, int], start: int) -> 
     return False
 
 
-def _dissolve_chain(t: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int], in_b: set[int],
-                    start: int) -> None:
+def _dissolve_chain(
+    t: SideGraph, pairs: dict[int, int], corr: dict[int, int], in_t: set[int], in_b: set[int], start: int
+) -> None:
     """Unpair ``start`` and the paired pass-through ops that move its outputs on."""
     frontier = [start]
     while frontier:
@@ -510,8 +539,11 @@ def _broadcasts(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
     small, large = sorted((a, b), key=len)
     padded = (1,) * (len(large) - len(small)) + small
     stretched = any(x != y for x, y in zip(padded, large))
-    return stretched and all(x == y or x == 1 or y == 1 for x, y in zip(padded, large)) and (
-        all(x in (y, 1) for x, y in zip(padded, large)) or all(y in (x, 1) for x, y in zip(padded, large)))
+    return (
+        stretched
+        and all(x == y or x == 1 or y == 1 for x, y in zip(padded, large))
+        and (all(x in (y, 1) for x, y in zip(padded, large)) or all(y in (x, 1) for x, y in zip(padded, large)))
+    )
 
 
 def _consistent_pairs(t: SideGraph, b: SideGraph, pairs: dict[int, int]) -> dict[int, int]:
@@ -576,7 +608,12 @@ def _tensor_inputs(value: Any, inputs: list[int]) -> list[int]:
     items = value if isinstance(value, list) else [value]
     out = []
     for item in items:
-        if isinstance(item, dict) and set(item) == {"tensor"} and isinstance(item["tensor"], int) and item["tensor"] < len(inputs):
+        if (
+            isinstance(item, dict)
+            and set(item) == {"tensor"}
+            and isinstance(item["tensor"], int)
+            and item["tensor"] < len(inputs)
+        ):
             out.append(inputs[item["tensor"]])
     return out
 
@@ -594,7 +631,9 @@ def _versions(graph: SideGraph, ops: Iterable[int]) -> tuple[dict[int, int], dic
     return first, last
 
 
-def _final_versions(t: SideGraph, b: SideGraph, corr: Mapping[int, int], in_t: set[int], in_b: set[int]) -> list[tuple[int, int]]:
+def _final_versions(
+    t: SideGraph, b: SideGraph, corr: Mapping[int, int], in_t: set[int], in_b: set[int]
+) -> list[tuple[int, int]]:
     """(target tensor, bench tensor): the last versions of a tensor both sides' unpaired ops wrote
     in place and nothing read afterwards (a fused optimizer's parameters and moments)."""
     writers_t = [o for o in t.order if o in in_t and t.nodes[o].inplace]
@@ -616,8 +655,9 @@ def _final_versions(t: SideGraph, b: SideGraph, corr: Mapping[int, int], in_t: s
     return found
 
 
-def _join_residue(t: SideGraph, b: SideGraph, groups: _Union, in_t: set[int], in_b: set[int],
-                  linked: set[tuple[str, int]]) -> None:
+def _join_residue(
+    t: SideGraph, b: SideGraph, groups: _Union, in_t: set[int], in_b: set[int], linked: set[tuple[str, int]]
+) -> None:
     """Clusters no value of the other side meets (dead ends such as a ``detach`` nothing reads, a
     bench's ``.item()`` reads of its step counters) join the two-sided region of their (step,
     phase, module) scope, or else the other such clusters of the scope."""
@@ -650,8 +690,9 @@ def _join_residue(t: SideGraph, b: SideGraph, groups: _Union, in_t: set[int], in
             groups.union(roots[0], root)
 
 
-def _absorb_constants(t: SideGraph, b: SideGraph, pairs: dict[int, int], groups: _Union, in_t: set[int],
-                      in_b: set[int]) -> None:
+def _absorb_constants(
+    t: SideGraph, b: SideGraph, pairs: dict[int, int], groups: _Union, in_t: set[int], in_b: set[int]
+) -> None:
     """A pair that only feeds one region, on both sides, and either reads no tensor (a constant:
     ``scalar_tensor(-inf)`` against ``scalar_tensor(finfo.min)``) or was called with other
     arguments, is part of that region's computation: a key match, not a counterpart."""
@@ -675,8 +716,15 @@ def _absorb_constants(t: SideGraph, b: SideGraph, pairs: dict[int, int], groups:
 
 
 def _merge_compensating(
-    t: SideGraph, b: SideGraph, pairs: dict[int, int], groups: _Union, in_t: set[int], in_b: set[int],
-    one_t: Mapping[int, int], one_b: Mapping[tuple[int, int], int], meet: dict[int, int],
+    t: SideGraph,
+    b: SideGraph,
+    pairs: dict[int, int],
+    groups: _Union,
+    in_t: set[int],
+    in_b: set[int],
+    one_t: Mapping[int, int],
+    one_b: Mapping[tuple[int, int], int],
+    meet: dict[int, int],
 ) -> None:
     """Link a one-sided change of values with the other side's change that makes up for it within a
     few ops, and the pairs between them (step 3): the target scales q and k by sqrt(scale) where the
@@ -705,7 +753,11 @@ def _merge_compensating(
             for T in t.nodes[op_id].outputs:
                 for c in t.consumers.get(T, ()):
                     node = t.nodes[c]
-                    if (c in pairs or c in dissolved) and c not in previous and (node.step, node.phase) == (origin.step, origin.phase):
+                    if (
+                        (c in pairs or c in dissolved)
+                        and c not in previous
+                        and (node.step, node.phase) == (origin.step, origin.phase)
+                    ):
                         previous[c] = op_id
                         frontier.append((c, depth + 1))
         return previous
@@ -755,13 +807,24 @@ def _cluster_passes(graph: SideGraph, groups: _Union, key: tuple[str, int], memb
     """Whether every op of ``key``'s cluster only moves or casts values."""
     root = groups.find(key)
     side = key[0]
-    return all(is_pass_through(graph.nodes[o].op, graph.nodes[o].args, graph.nodes[o].kind)
-               for o in members if groups.find((side, o)) == root)
+    return all(
+        is_pass_through(graph.nodes[o].op, graph.nodes[o].args, graph.nodes[o].kind)
+        for o in members
+        if groups.find((side, o)) == root
+    )
 
 
 def _region(
-    region_id: int, rank: int, t: SideGraph, b: SideGraph, t_ops: list[int], b_ops: list[int],
-    corr: Mapping[int, int], meet: Mapping[int, int], one_t: Mapping[int, int], bench_to_target: Mapping[int, int],
+    region_id: int,
+    rank: int,
+    t: SideGraph,
+    b: SideGraph,
+    t_ops: list[int],
+    b_ops: list[int],
+    corr: Mapping[int, int],
+    meet: Mapping[int, int],
+    one_t: Mapping[int, int],
+    bench_to_target: Mapping[int, int],
 ) -> Region:
     set_b = set(b_ops)
     made_t = {x for o in t_ops for x in t.nodes[o].outputs}
@@ -794,14 +857,16 @@ def _region(
     computing_t = [o for o in t_ops if t.nodes[o].kind == "op"]
     computing_b = [o for o in b_ops if b.nodes[o].kind == "op"]
     passes = all(is_pass_through(t.nodes[o].op, t.nodes[o].args, t.nodes[o].kind) for o in t_ops) and all(
-        is_pass_through(b.nodes[o].op, b.nodes[o].args, b.nodes[o].kind) for o in b_ops)
+        is_pass_through(b.nodes[o].op, b.nodes[o].args, b.nodes[o].kind) for o in b_ops
+    )
     paired_in = [B for _, B in inputs if B is not None]
     if passes and not set_b and len(paired_in) == 1:
         # A cast or copy the bench lacks whose output nothing downstream reads (a loss cast for
         # logging): it stands for the value it was made from, the bench's own tensor.
         mapped = {T for T, _ in outputs}
-        outputs.extend((T, paired_in[0]) for o in t_ops for T in t.nodes[o].outputs
-                       if T not in mapped and t.nodes[o].kind == "op")
+        outputs.extend(
+            (T, paired_in[0]) for o in t_ops for T in t.nodes[o].outputs if T not in mapped and t.nodes[o].kind == "op"
+        )
     if passes:
         kind = "pass-through"
     elif t_ops and b_ops:
@@ -811,9 +876,18 @@ def _region(
     lead = t.nodes[t_ops[0]] if t_ops else b.nodes[b_ops[0]]
     modules = [t.nodes[o].module for o in (computing_t or t_ops)] or [b.nodes[o].module for o in (computing_b or b_ops)]
     return Region(
-        region_id=region_id, rank=rank, step=int(lead.step), phase=lead.phase, module=_common_module(modules), kind=kind,
-        target_ops=tuple(t_ops), bench_ops=tuple(b_ops), inputs=tuple(inputs), outputs=tuple(outputs),
-        target_names=tuple(t.nodes[o].op for o in t_ops), bench_names=tuple(b.nodes[o].op for o in b_ops),
+        region_id=region_id,
+        rank=rank,
+        step=int(lead.step),
+        phase=lead.phase,
+        module=_common_module(modules),
+        kind=kind,
+        target_ops=tuple(t_ops),
+        bench_ops=tuple(b_ops),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        target_names=tuple(t.nodes[o].op for o in t_ops),
+        bench_names=tuple(b.nodes[o].op for o in b_ops),
     )
 
 

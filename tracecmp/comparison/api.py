@@ -3,6 +3,7 @@ and the many-rank orchestrator (:mod:`tracecmp.comparison.ranks`).
 
 >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -63,10 +64,28 @@ def compare(
     else:
         raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
     if isinstance(target, (str, Path)) and isinstance(bench, (str, Path)) and _multi_rank(target, bench):
-        return compare_ranks(target, bench, ranks=ranks, workers=workers, max_memory=max_memory, progress=progress,
-                             tolerances=tol, steps=steps, exact=exact, replay=replay)
-    result = compare_traces(_as_trace(target, "target"), _as_trace(bench, "bench"), tolerances=tol, steps=steps,
-                            ranks=ranks, exact=exact, replay=replay, progress=progress)
+        return compare_ranks(
+            target,
+            bench,
+            ranks=ranks,
+            workers=workers,
+            max_memory=max_memory,
+            progress=progress,
+            tolerances=tol,
+            steps=steps,
+            exact=exact,
+            replay=replay,
+        )
+    result = compare_traces(
+        _as_trace(target, "target"),
+        _as_trace(bench, "bench"),
+        tolerances=tol,
+        steps=steps,
+        ranks=ranks,
+        exact=exact,
+        replay=replay,
+        progress=progress,
+    )
     if len(result.ranks) > 1:  # order the ranks' roots through their collectives
         attach_cross_rank(result)
     return result
@@ -74,6 +93,7 @@ def compare(
 
 def _multi_rank(target: str | Path, bench: str | Path) -> bool:
     """Whether either folder holds more than one rank (then :mod:`tracecmp.comparison.ranks` compares)."""
+
     def ranks(path: str | Path) -> int:
         root = Path(path)
         return sum(1 for p in root.glob("rank*") if p.is_dir() and p.name[4:].isdigit()) if root.is_dir() else 0

@@ -32,6 +32,7 @@ Until the alignment has fused regions of its own, :class:`Unit` is the minimal r
 >>> units = compiled_units(target.rank(0), bench.rank(0))   # doctest: +SKIP
 >>> units.members          # target op ids the alignment leaves out  # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,27 @@ from tracecmp.numerics.units import EPS, FP32_EPS, canonical_dtype
 from tracecmp.trace.compiled import GRAPH_LABEL, CompiledGraph, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.reader import RankTrace
 
-GRAPH_MODE_NOTE = (f"the target ran its compiled regions as {GRAPH_LABEL} (compiled=\"graph\"): its numbers inside "
-                   "them are eager kernels', not the compiled code's")
+GRAPH_MODE_NOTE = (
+    f'the target ran its compiled regions as {GRAPH_LABEL} (compiled="graph"): its numbers inside '
+    "them are eager kernels', not the compiled code's"
+)
 _PROPAGATION = 4.0  # how many times an input's error a region may pass on (localize's rule for unknown ops)
 # Ops that rearrange or copy a value without computing: a value they make stands for the eager op
 # that computed what they rearrange.
-_SAME_VALUES = ("aten.view.", "aten._unsafe_view.", "aten.permute.", "aten.t.", "aten.transpose.", "aten.reshape.",
-                "aten.expand.", "aten.squeeze.", "aten.unsqueeze.", "aten.alias.", "aten.clone.", "aten.contiguous.")
+_SAME_VALUES = (
+    "aten.view.",
+    "aten._unsafe_view.",
+    "aten.permute.",
+    "aten.t.",
+    "aten.transpose.",
+    "aten.reshape.",
+    "aten.expand.",
+    "aten.squeeze.",
+    "aten.unsqueeze.",
+    "aten.alias.",
+    "aten.clone.",
+    "aten.contiguous.",
+)
 
 
 @dataclass
@@ -74,8 +89,9 @@ class Unit:
     rounding: float | None = None  # a decomposition's rounding: its ops' honest replay errors, summed
     narrowed: str = ""  # the FX node a root was narrowed to, for its reason
 
-    def decide(self, node: Node, errors: tuple[float, float, float], ri: Any, tol: Tolerances,
-               lookup: Callable[[int], Any]) -> tuple[str, str, str]:
+    def decide(
+        self, node: Node, errors: tuple[float, float, float], ri: Any, tol: Tolerances, lookup: Callable[[int], Any]
+    ) -> tuple[str, str, str]:
         """Root kind, reason and deciding metric of the unit (the judged op ``node``), for localize.
 
         ``errors`` are localize's errors of the output it looked at; the unit looks at all of them.
@@ -97,10 +113,13 @@ class Unit:
         if self.own is not None:
             own, honest = self.own
             if own > max(tol.replay_margin * honest, tol.replay_local * unit):
-                return ("computation",
-                        f"its compiled code computes its graph wrongly: own error {own:.2e} against a float64 replay "
-                        f"of its recorded inputs, {own / max(honest, 1e-300):.0f}x what eager kernels make ({honest:.1e})"
-                        + self._narrowed(), "replay")
+                return (
+                    "computation",
+                    f"its compiled code computes its graph wrongly: own error {own:.2e} against a float64 replay "
+                    f"of its recorded inputs, {own / max(honest, 1e-300):.0f}x what eager kernels make ({honest:.1e})"
+                    + self._narrowed(),
+                    "replay",
+                )
             rounding = max(own, honest)
             how = f"its own rounding, {rounding:.1e} by a replay of its graph"
         elif self.rounding is not None:
@@ -111,9 +130,12 @@ class Unit:
             how = f"{tol.region_units:g} rounding units allowed a {self.kind} that no replay measured"
         bound = tol.margin * (carried + rounding) + floor
         if err > bound:
-            return ("computation",
-                    f"the {what} ({self.replaces}) differs from the eager ops it replaces by {err:.2e}, more than its "
-                    f"inputs carry in ({carried:.1e}) and {how}" + self._narrowed(), "region")
+            return (
+                "computation",
+                f"the {what} ({self.replaces}) differs from the eager ops it replaces by {err:.2e}, more than its "
+                f"inputs carry in ({carried:.1e}) and {how}" + self._narrowed(),
+                "region",
+            )
         return "", "", "region"
 
     def _dtype(self, node: Node, ri: Any) -> str:
@@ -164,12 +186,24 @@ def compiled_units(t_rank: RankTrace, steps: Iterable[int] | None = None) -> Com
             if call.op_id not in outputs_of:
                 continue
             entering = set(call.inputs)
-            members = frozenset(o for o in range(call.first_op, call.op_id)
-                                if o in kinds and not (kinds[o] == "source" and set(outputs_of[o]) <= entering))
+            members = frozenset(
+                o
+                for o in range(call.first_op, call.op_id)
+                if o in kinds and not (kinds[o] == "source" and set(outputs_of[o]) <= entering)
+            )
             names = _output_names(part, call)
             outputs = tuple((t, n) for t, n in zip(call.outputs, names) if t >= 0 and n)
-            unit = Unit("region", (call.op_id,), members, tuple(call.inputs), outputs, call, graph,
-                        _replaces(part, names), forward_call=forwards.get(call.forward))
+            unit = Unit(
+                "region",
+                (call.op_id,),
+                members,
+                tuple(call.inputs),
+                outputs,
+                call,
+                graph,
+                _replaces(part, names),
+                forward_call=forwards.get(call.forward),
+            )
             out.units.append(unit)
             out.members |= members
             out.by_judged[call.op_id] = unit
@@ -190,7 +224,9 @@ def compiled_units(t_rank: RankTrace, steps: Iterable[int] | None = None) -> Com
                     continue
                 out.node_ops.append((ops_of_node[-1], n, call))
                 out.members |= set(ops_of_node)
-        anchor = call.op_id if call.mode == "boundary" else min((o for ops in call.nodes.values() for o in ops), default=-1)
+        anchor = (
+            call.op_id if call.mode == "boundary" else min((o for ops in call.nodes.values() for o in ops), default=-1)
+        )
         if anchor in outputs_of:
             out.calls.append((call, graph, anchor))
     return out
@@ -202,7 +238,7 @@ def _output_names(part: GraphPart | None, call: RegionCall) -> list[str]:
         return [""] * len(call.outputs)
     entries = list(part.output.inputs)
     start = len(part.mutated) if call.part != "backward" else 0
-    names = entries[start:start + len(call.outputs)]
+    names = entries[start : start + len(call.outputs)]
     return names + [""] * (len(call.outputs) - len(names))
 
 
@@ -211,12 +247,20 @@ def _replaces(part: GraphPart | None, names: list[str]) -> str:
         return "graph unknown"
     computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem")]
     modules = sorted({n.module for n in computing if n.module})
-    return f"{len(computing)} nodes in {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''}" if modules else (
-        f"{len(computing)} nodes")
+    return (
+        f"{len(computing)} nodes in {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''}"
+        if modules
+        else (f"{len(computing)} nodes")
+    )
 
 
-def _decompositions(call: RegionCall, graph: CompiledGraph, part: GraphPart, outputs_of: Mapping[int, list[int]],
-                    inputs_of: Mapping[int, list[int]]) -> list[Unit]:
+def _decompositions(
+    call: RegionCall,
+    graph: CompiledGraph,
+    part: GraphPart,
+    outputs_of: Mapping[int, list[int]],
+    inputs_of: Mapping[int, list[int]],
+) -> list[Unit]:
     """Graph mode: the nodes each eager op was decomposed into, as units judged at their exits."""
     index = _PartIndex(part)
     by_name = index.by_name
@@ -245,13 +289,24 @@ def _decompositions(call: RegionCall, graph: CompiledGraph, part: GraphPart, out
             if op_id not in judged:
                 judged.append(op_id)
         if judged:
-            units.append(Unit("decomposition", tuple(judged), members, inputs, tuple(outputs), call, graph,
-                              f"{original} in {module or '<top>'}"))
+            units.append(
+                Unit(
+                    "decomposition",
+                    tuple(judged),
+                    members,
+                    inputs,
+                    tuple(outputs),
+                    call,
+                    graph,
+                    f"{original} in {module or '<top>'}",
+                )
+            )
     return units
 
 
-def _value_of(node: GraphNode, call: RegionCall, by_name: Mapping[str, GraphNode],
-              outputs_of: Mapping[int, list[int]]) -> tuple[int, int] | None:
+def _value_of(
+    node: GraphNode, call: RegionCall, by_name: Mapping[str, GraphNode], outputs_of: Mapping[int, list[int]]
+) -> tuple[int, int] | None:
     """(op id, tensor id) of the value a graph-mode node computed: its op's output, or a getitem's pick."""
     index = 0
     if node.op == "getitem":
@@ -286,8 +341,14 @@ class _PartIndex:
             seq = n.seq_nr
             if seq < 0:
                 op = (n.module, n.original or n.op)
-                seq = next((self._seq[u.name] for u in self.users[n.name]
-                            if self._seq[u.name] >= 0 and (u.module, u.original or u.op) == op), -1)
+                seq = next(
+                    (
+                        self._seq[u.name]
+                        for u in self.users[n.name]
+                        if self._seq[u.name] >= 0 and (u.module, u.original or u.op) == op
+                    ),
+                    -1,
+                )
             self._seq[n.name] = seq
         self._leaves: dict[str, bool] = {}
 
@@ -303,7 +364,8 @@ class _PartIndex:
             group = self.group(node)
             self._leaves[node.name] = any(
                 self.leaves_group(u) if u.op == "getitem" else (u.op == "output" or self.group(u) != group)
-                for u in self.users[node.name])
+                for u in self.users[node.name]
+            )
         return self._leaves[node.name]
 
     def output_index(self, name: str, group: tuple[str, str, int]) -> int | None:
@@ -338,8 +400,15 @@ class _PartIndex:
 class Pairing:
     """Finds the bench tensor a unit's node value stands for (see :func:`unit_partners`)."""
 
-    def __init__(self, units: CompiledUnits, t_ops: pd.DataFrame, t_ten: pd.DataFrame, b_ops: pd.DataFrame,
-                 b_ten: pd.DataFrame, b_base: Mapping[int, int]) -> None:
+    def __init__(
+        self,
+        units: CompiledUnits,
+        t_ops: pd.DataFrame,
+        t_ten: pd.DataFrame,
+        b_ops: pd.DataFrame,
+        b_ten: pd.DataFrame,
+        b_base: Mapping[int, int],
+    ) -> None:
         self.t_shape = dict(zip(t_ten["tensor_id"].tolist(), (tuple(s) for s in t_ten["shape"].tolist())))
         self.b_shape = dict(zip(b_ten["tensor_id"].tolist(), (tuple(s) for s in b_ten["shape"].tolist())))
         self.step_of = dict(zip(t_ops["op_id"].tolist(), t_ops["step"].tolist()))
@@ -355,12 +424,16 @@ class Pairing:
         self.b_inputs = dict(zip(b_ops["op_id"].tolist(), (list(i) for i in b_ops["inputs"].tolist())))
         self.b_sources = set(b_ops.loc[b_ops["kind"] == "source", "op_id"].tolist())
         self.b_kind = dict(zip(b_ops["op_id"].tolist(), b_ops["kind"].tolist()))
-        self.b_scope = dict(zip(b_ops["op_id"].tolist(), zip(b_ops["step"].tolist(), b_ops["phase"].tolist(),
-                                                              b_ops["module"].tolist())))
+        self.b_scope = dict(
+            zip(b_ops["op_id"].tolist(), zip(b_ops["step"].tolist(), b_ops["phase"].tolist(), b_ops["module"].tolist()))
+        )
         self.bench = _bench_groups(b_ops)
         self.anchor = {(call.first_op, call.part): anchor for call, _, anchor in units.calls}
-        self._parts = {(call.first_op, call.part): graph.parts[call.part] for call, graph, _ in units.calls
-                       if call.part in graph.parts}
+        self._parts = {
+            (call.first_op, call.part): graph.parts[call.part]
+            for call, graph, _ in units.calls
+            if call.part in graph.parts
+        }
         self._indexes: dict[tuple[int, str], _PartIndex] = {}
         self.ordinals = _ordinals(units, t_ops, self.step_of, self.phase_of, self.index)
 
@@ -374,8 +447,14 @@ class Pairing:
             self._indexes[key] = _PartIndex(part)
         return self._indexes[key]
 
-    def bench_tensor(self, unit: Unit, name: str, shape: tuple[int, ...],
-                     peers: list[tuple[str, tuple[int, ...], int | None]], tensor: int | None = None) -> int | None:
+    def bench_tensor(
+        self,
+        unit: Unit,
+        name: str,
+        shape: tuple[int, ...],
+        peers: list[tuple[str, tuple[int, ...], int | None]],
+        tensor: int | None = None,
+    ) -> int | None:
         """The bench tensor of node ``name``'s value (of ``shape``, the target's ``tensor`` when it
         has one), a view as the eager op made it (see :meth:`measured_as`); ``peers`` are the
         (node, shape, tensor) values of the unit being paired, which decide which of an eager op's
@@ -422,8 +501,9 @@ class Pairing:
             return bench
         return base if math.prod(self.b_shape.get(bench, (-1,))) == math.prod(self.b_shape.get(base, ())) else None
 
-    def _stands_for(self, unit: Unit, index: _PartIndex, name: str, shape: tuple[int, ...]
-                    ) -> tuple[GraphNode | None, list[int]]:
+    def _stands_for(
+        self, unit: Unit, index: _PartIndex, name: str, shape: tuple[int, ...]
+    ) -> tuple[GraphNode | None, list[int]]:
         """The node whose eager op a value stands for (itself, or through views and getitems the
         node that computed it) and that op's bench outputs of ``shape``."""
         node = index.by_name.get(name)
@@ -433,8 +513,12 @@ class Pairing:
             found = self._group_outputs(unit, node, shape)
             if not found:  # a reshape of what it computed: the same elements, as its statistics are
                 size = math.prod(shape)
-                found = [b for op in self._group(unit.call, node) for b in self.b_outputs.get(op, [])
-                         if math.prod(self.b_shape.get(b, (-1,))) == size]
+                found = [
+                    b
+                    for op in self._group(unit.call, node)
+                    for b in self.b_outputs.get(op, [])
+                    if math.prod(self.b_shape.get(b, (-1,))) == size
+                ]
         return node, found
 
     def _group_outputs(self, unit: Unit, node: GraphNode | None, shape: tuple[int, ...]) -> list[int]:
@@ -448,8 +532,9 @@ class Pairing:
             return []
         anchor = self.anchor.get((call.first_op, call.part))
         index = self.index(call)
-        module, op, seq = index.group(node) if index is not None else (node.module, node.original or node.op,
-                                                                        node.seq_nr)
+        module, op, seq = (
+            index.group(node) if index is not None else (node.module, node.original or node.op, node.seq_nr)
+        )
         key = (self.step_of.get(anchor), self.phase_of.get(anchor), module, op)
         ordinal = self.ordinals.get((call.first_op, call.part, module, op, seq))
         groups = self.bench.get(key, [])
@@ -471,8 +556,13 @@ class Pairing:
         used: set[int] = set()
         for op_id, node, call in units.node_ops:
             shapes = [self.t_shape.get(t) for t in self.t_outputs.get(op_id, [])]
-            fits = [b for b in self._group(call, node) if b not in used and self.b_op.get(b) == node.op
-                    and [self.b_shape.get(t) for t in self.b_outputs.get(b, [])] == shapes]
+            fits = [
+                b
+                for b in self._group(call, node)
+                if b not in used
+                and self.b_op.get(b) == node.op
+                and [self.b_shape.get(t) for t in self.b_outputs.get(b, [])] == shapes
+            ]
             # Of several (a backward's muls of one shape), the one called with the same arguments.
             same_args = [b for b in fits if self.b_args.get(b) == self.t_args.get(op_id)]
             chosen = (same_args or fits or [None])[0]
@@ -486,8 +576,12 @@ class Pairing:
         below): none of them is left unpaired by a compiled target. ``paired``: bench ops the
         alignment paired, which stay outside."""
         covered: set[int] = set()
-        grouped = {(u.call.first_op, u.call.part, n) for u in units.units if u.kind == "decomposition"
-                   for n in _member_nodes(u)}
+        grouped = {
+            (u.call.first_op, u.call.part, n)
+            for u in units.units
+            if u.kind == "decomposition"
+            for n in _member_nodes(u)
+        }
         region_scopes: set[tuple[Any, ...]] = set()
         for call, graph, anchor in units.calls:
             part = graph.parts.get(call.part)
@@ -500,8 +594,11 @@ class Pairing:
                     region_scopes.add((self.step_of.get(anchor), self.phase_of.get(anchor), n.module))
         # A region runs its modules whole: their unpaired eager ops are its (the matmuls a fused
         # attention kernel replaced).
-        covered |= {op for op, scope in self.b_scope.items() if scope in region_scopes and op not in paired
-                    and op not in self.b_sources}
+        covered |= {
+            op
+            for op, scope in self.b_scope.items()
+            if scope in region_scopes and op not in paired and op not in self.b_sources
+        }
         # Then the unpaired eager ops that read nothing but their values (the views a matmul makes,
         # the autograd engine's sums of the gradients a region's ops return), and the views only
         # they read (of the token ids, say).
@@ -511,11 +608,24 @@ class Pairing:
                 consumers[t].add(op)
         for _ in range(8):
             made = {b_base.get(b, b) for op in covered for b in self.b_outputs.get(op, [])}
-            grown = {op for op, ins in self.b_inputs.items() if op not in covered and op not in paired
-                     and op not in self.b_sources and ins and all(b_base.get(t, t) in made for t in ins)}
-            grown |= {op for op, outs in self.b_outputs.items() if op not in covered and op not in paired
-                      and self.b_kind.get(op) == "view" and outs
-                      and all(consumers.get(t) and consumers[t] <= covered for t in outs)}
+            grown = {
+                op
+                for op, ins in self.b_inputs.items()
+                if op not in covered
+                and op not in paired
+                and op not in self.b_sources
+                and ins
+                and all(b_base.get(t, t) in made for t in ins)
+            }
+            grown |= {
+                op
+                for op, outs in self.b_outputs.items()
+                if op not in covered
+                and op not in paired
+                and self.b_kind.get(op) == "view"
+                and outs
+                and all(consumers.get(t) and consumers[t] <= covered for t in outs)
+            }
             if not grown:
                 break
             covered |= grown
@@ -530,8 +640,14 @@ class Pairing:
         return best if rival == tensor and math.isfinite(_distance(mine, self.b_stats.get(best))) else None
 
 
-def unit_partners(units: CompiledUnits, t_ops: pd.DataFrame, t_ten: pd.DataFrame, b_ops: pd.DataFrame,
-                  b_ten: pd.DataFrame, b_base: Mapping[int, int]) -> dict[int, int]:
+def unit_partners(
+    units: CompiledUnits,
+    t_ops: pd.DataFrame,
+    t_ten: pd.DataFrame,
+    b_ops: pd.DataFrame,
+    b_ten: pd.DataFrame,
+    b_base: Mapping[int, int],
+) -> dict[int, int]:
     """``{target tensor id: bench tensor id}`` for the units' outputs, from node metadata.
 
     The bench candidates of a node are the outputs of the bench ops named after the eager op the
@@ -577,15 +693,29 @@ def covered_by_units(ri: Any, verdicts: dict[tuple[int, int], Any]) -> None:
         status = verdicts[(ri.rank, unit.judged[0])].status
         for member in unit.members:
             verdict = verdicts.get((ri.rank, member))
-            if verdict is not None and member not in ri.pairs and member not in ri.units and verdict.status == "unpaired":
+            if (
+                verdict is not None
+                and member not in ri.pairs
+                and member not in ri.units
+                and verdict.status == "unpaired"
+            ):
                 verdict.status = status
 
 
 def _stats(tensors: pd.DataFrame) -> dict[int, tuple[float, float, float, float]]:
     """``{tensor id: (min, max, mean, norm)}`` of the tensors that carry statistics."""
-    return {t: (lo, hi, mean, norm) for t, lo, hi, mean, norm, has in zip(
-        tensors["tensor_id"].tolist(), tensors["min"].tolist(), tensors["max"].tolist(), tensors["mean"].tolist(),
-        tensors["norm"].tolist(), tensors["has_stats"].tolist()) if has}
+    return {
+        t: (lo, hi, mean, norm)
+        for t, lo, hi, mean, norm, has in zip(
+            tensors["tensor_id"].tolist(),
+            tensors["min"].tolist(),
+            tensors["max"].tolist(),
+            tensors["mean"].tolist(),
+            tensors["norm"].tolist(),
+            tensors["has_stats"].tolist(),
+        )
+        if has
+    }
 
 
 def _distance(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> float:
@@ -618,8 +748,13 @@ def _bench_groups(b_ops: pd.DataFrame) -> dict[tuple, list[list[int]]]:
     groups: dict[tuple, list[list[int]]] = defaultdict(list)
     last: dict[tuple, int] = {}
     for op_id, step, phase, module, op, seq, kind in zip(
-        b_ops["op_id"].tolist(), b_ops["step"].tolist(), b_ops["phase"].tolist(), b_ops["module"].tolist(),
-        b_ops["op"].tolist(), b_ops["seq_nr"].tolist(), b_ops["kind"].tolist(),
+        b_ops["op_id"].tolist(),
+        b_ops["step"].tolist(),
+        b_ops["phase"].tolist(),
+        b_ops["module"].tolist(),
+        b_ops["op"].tolist(),
+        b_ops["seq_nr"].tolist(),
+        b_ops["kind"].tolist(),
     ):
         if kind == "source":
             continue
@@ -632,15 +767,25 @@ def _bench_groups(b_ops: pd.DataFrame) -> dict[tuple, list[list[int]]]:
     return groups
 
 
-def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, int], phase_of: Mapping[int, str],
-              index_of: Callable[[RegionCall], _PartIndex | None]) -> dict[tuple, int]:
+def _ordinals(
+    units: CompiledUnits,
+    t_ops: pd.DataFrame,
+    step_of: Mapping[int, int],
+    phase_of: Mapping[int, str],
+    index_of: Callable[[RegionCall], _PartIndex | None],
+) -> dict[tuple, int]:
     """Per (call, part, module, op, seq) node group: how many groups of that module and op came
     before it in its step and phase, counting the target's own eager ops and earlier calls' groups."""
     events: dict[tuple, list[tuple[int, int, tuple]]] = defaultdict(list)
     covered = units.members | set(units.by_judged)
-    for op_id, step, phase, module, op, kind in zip(t_ops["op_id"].tolist(), t_ops["step"].tolist(),
-                                                    t_ops["phase"].tolist(), t_ops["module"].tolist(),
-                                                    t_ops["op"].tolist(), t_ops["kind"].tolist()):
+    for op_id, step, phase, module, op, kind in zip(
+        t_ops["op_id"].tolist(),
+        t_ops["step"].tolist(),
+        t_ops["phase"].tolist(),
+        t_ops["module"].tolist(),
+        t_ops["op"].tolist(),
+        t_ops["kind"].tolist(),
+    ):
         if kind != "source" and op_id not in covered:
             events[(step, phase, module, op)].append((op_id, 0, ()))
     for call, graph, anchor in units.calls:
@@ -682,8 +827,15 @@ def _ordinals(units: CompiledUnits, t_ops: pd.DataFrame, step_of: Mapping[int, i
 _MISSING = object()
 
 
-def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pairing: Pairing,
-                measured: Mapping[int, Any], own_errors: Mapping[int, Any], tol: Tolerances) -> None:
+def judge_units(
+    units: CompiledUnits,
+    t_rank: RankTrace,
+    b_rank: RankTrace,
+    pairing: Pairing,
+    measured: Mapping[int, Any],
+    own_errors: Mapping[int, Any],
+    tol: Tolerances,
+) -> None:
     """Measure each unit's own rounding (the target holds tensors).
 
     A region's graph runs again from its recorded inputs: its own error against the float64
@@ -712,12 +864,19 @@ def judge_units(units: CompiledUnits, t_rank: RankTrace, b_rank: RankTrace, pair
                 _judge_region(unit, t_get, b_get, pairing, measured, tol)
             except Exception as exc:  # noqa: BLE001 - a graph this torch cannot run again is not replayed
                 unit.own = None
-                units.warnings.append(f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed "
-                                      f"({type(exc).__name__}: {exc})")
+                units.warnings.append(
+                    f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed ({type(exc).__name__}: {exc})"
+                )
 
 
-def _judge_region(unit: Unit, t_get: Callable[[int], Any], b_get: Callable[[int], Any] | None, pairing: Pairing,
-                  measured: Mapping[int, Any], tol: Tolerances) -> None:
+def _judge_region(
+    unit: Unit,
+    t_get: Callable[[int], Any],
+    b_get: Callable[[int], Any] | None,
+    pairing: Pairing,
+    measured: Mapping[int, Any],
+    tol: Tolerances,
+) -> None:
     from tracecmp.numerics.replay.measure import Scale
 
     part = unit.graph.parts.get(unit.call.part)
@@ -739,16 +898,26 @@ def _judge_region(unit: Unit, t_get: Callable[[int], Any], b_get: Callable[[int]
     if isinstance(outside, _BackwardInputs) and unit.forward_call is not None:
         # The values the forward saved depart first, if any node of the forward does.
         forward_unit = replace(unit, call=unit.forward_call, judged=(unit.forward_call.op_id,), outputs=())
-        found = _narrow(forward_unit, outside.forward_part, outside.forward(True), outside.forward(False), t_get, b_get,
-                        pairing, measured, tol)
+        found = _narrow(
+            forward_unit,
+            outside.forward_part,
+            outside.forward(True),
+            outside.forward(False),
+            t_get,
+            b_get,
+            pairing,
+            measured,
+            tol,
+        )
         if found:
             unit.narrowed = f"what its forward saved departs first: {found}"
             return
     unit.narrowed = _narrow(unit, part, ref, honest, t_get, b_get, pairing, measured, tol)
 
 
-def _region_inputs(unit: Unit, part: GraphPart, t_get: Callable[[int], Any], pairing: Pairing
-                   ) -> Callable[[str, bool], Any] | None:
+def _region_inputs(
+    unit: Unit, part: GraphPart, t_get: Callable[[int], Any], pairing: Pairing
+) -> Callable[[str, bool], Any] | None:
     """The recorded value of each placeholder of a region's graph part (a backward part's saved
     values come from replaying its forward the same way), or None when the call's inputs do not
     line up with the graph's."""
@@ -765,7 +934,7 @@ def _region_inputs(unit: Unit, part: GraphPart, t_get: Callable[[int], Any], pai
     fw_recorded = _recorded_by_node(unit.forward_call, t_get, pairing) if unit.forward_call is not None else {}
     fw_names = [n.name for n in forward.placeholders]
     tangents = [n for n in placeholders if n.startswith("tangents")]
-    grads = list(call.inputs[len(fw_names):])
+    grads = list(call.inputs[len(fw_names) :])
     if len(tangents) != len(grads) or len(call.inputs) < len(fw_names):
         return None
     fw_inputs = dict(zip(fw_names, call.inputs[: len(fw_names)]))
@@ -776,8 +945,14 @@ class _BackwardInputs:
     """A backward part's placeholders: the gradients it received, and what its forward saved,
     computed by replaying the forward from its recorded inputs (in the same precision)."""
 
-    def __init__(self, forward: GraphPart, fw_inputs: dict[str, int], tangents: dict[str, int],
-                 fw_recorded: Mapping[str, Any], t_get: Callable[[int], Any]) -> None:
+    def __init__(
+        self,
+        forward: GraphPart,
+        fw_inputs: dict[str, int],
+        tangents: dict[str, int],
+        fw_recorded: Mapping[str, Any],
+        t_get: Callable[[int], Any],
+    ) -> None:
         self.forward_part, self.fw_inputs, self.tangents = forward, fw_inputs, tangents
         self.fw_recorded, self.t_get = fw_recorded, t_get
         self._values: dict[bool, dict[str, Any]] = {}
@@ -785,8 +960,9 @@ class _BackwardInputs:
     def forward(self, golden: bool) -> dict[str, Any]:
         if golden not in self._values:
             inputs, get = self.fw_inputs, self.t_get
-            self._values[golden] = run_part(self.forward_part, lambda n, g: get(inputs[n]) if n in inputs else None,
-                                        self.fw_recorded, golden=golden)
+            self._values[golden] = run_part(
+                self.forward_part, lambda n, g: get(inputs[n]) if n in inputs else None, self.fw_recorded, golden=golden
+            )
         return self._values[golden]
 
     def __call__(self, name: str, golden: bool) -> Any:
@@ -795,8 +971,9 @@ class _BackwardInputs:
         return self.forward(golden).get(name)
 
 
-def run_part(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping[str, Any], *,
-         golden: bool) -> dict[str, Any]:
+def run_part(
+    part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping[str, Any], *, golden: bool
+) -> dict[str, Any]:
     """Every node of ``part`` run again: in float64 (``golden``), or in the recorded dtypes with
     eager kernels. Placeholders take ``outside(name, golden)``. A node that cannot run here (a
     custom op whose library is not loaded, a random op) takes what the compiled code recorded for
@@ -838,8 +1015,9 @@ def run_part(part: GraphPart, outside: Callable[[str, bool], Any], recorded: Map
             info = op_info(func)
             # A random op draws other numbers here, unless all it could draw is a dropout of 0
             # (attention kernels: random by schema, deterministic at dropout_p=0).
-            if arguments is not None and (not info.random or (info.dropout and all(
-                    not arguments.get(name, 0.0) for (_, name), _ in info.dropout))):
+            if arguments is not None and (
+                not info.random or (info.dropout and all(not arguments.get(name, 0.0) for (_, name), _ in info.dropout))
+            ):
                 call = decode_call(func, arguments, inputs, golden=golden)
         result = _MISSING
         if call is not None:
@@ -884,9 +1062,17 @@ def _excess(pair: tuple[float, float]) -> float:
     return own / honest if honest > 0 else (math.inf if own > 0 else 0.0)
 
 
-def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str, Any],
-            t_get: Callable[[int], Any], b_get: Callable[[int], Any] | None, pairing: Pairing,
-            measured: Mapping[int, Any], tol: Tolerances) -> str:
+def _narrow(
+    unit: Unit,
+    part: GraphPart,
+    ref: Mapping[str, Any],
+    honest: Mapping[str, Any],
+    t_get: Callable[[int], Any],
+    b_get: Callable[[int], Any] | None,
+    pairing: Pairing,
+    measured: Mapping[int, Any],
+    tol: Tolerances,
+) -> str:
     """The first FX node (graph order) where the region departs from what it should compute.
 
     Two ways to depart: the graph's own float64 value of the node differs from the bench's value
@@ -901,8 +1087,9 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
     if index is None:
         return ""
     computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
-    peers = [(n.name, tuple(_tensor(ref.get(n.name)).shape), None) for n in computing
-             if _tensor(ref.get(n.name)) is not None]
+    peers = [
+        (n.name, tuple(_tensor(ref.get(n.name)).shape), None) for n in computing if _tensor(ref.get(n.name)) is not None
+    ]
     wrong = _wrong_kernels(part, ref, honest, _recorded_by_node(unit.call, t_get, pairing), tol)
     by_name = index.by_name
     agreeing: set[str] = set()  # nodes whose value matched the bench's
@@ -915,8 +1102,10 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
         honest_error = scale.error(h)
         unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), FP32_EPS)
         if n.name in wrong:
-            return (f"narrowed to {_where(n)}: what the compiled code computed for it is off by {wrong[n.name]:.1e} "
-                    f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)")
+            return (
+                f"narrowed to {_where(n)}: what the compiled code computed for it is off by {wrong[n.name]:.1e} "
+                f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)"
+            )
         bench = pairing.bench_tensor(unit, n.name, tuple(r.shape), peers)
         if bench is None:
             unmatched.add(n.name)
@@ -931,15 +1120,20 @@ def _narrow(unit: Unit, part: GraphPart, ref: Mapping[str, Any], honest: Mapping
         cause = _unmatched_cause(n, by_name, unmatched, agreeing)
         eager = n.original or n.op
         if cause is not None:
-            return (f"narrowed to {_where(cause)}, which has no eager counterpart: the values it feeds ({n.name}) "
-                    f"differ from the bench's {eager} by {departure:.1e} (eager rounding {honest_error:.1e})")
-        return (f"narrowed to {_where(n)}: the graph's own value there differs from the bench's {eager} by "
-                f"{departure:.1e} (eager rounding {honest_error:.1e}): the graph computes something else from here")
+            return (
+                f"narrowed to {_where(cause)}, which has no eager counterpart: the values it feeds ({n.name}) "
+                f"differ from the bench's {eager} by {departure:.1e} (eager rounding {honest_error:.1e})"
+            )
+        return (
+            f"narrowed to {_where(n)}: the graph's own value there differs from the bench's {eager} by "
+            f"{departure:.1e} (eager rounding {honest_error:.1e}): the graph computes something else from here"
+        )
     return ""
 
 
-def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str, Any], recorded: Mapping[str, Any],
-                   tol: Tolerances) -> dict[str, float]:
+def _wrong_kernels(
+    part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str, Any], recorded: Mapping[str, Any], tol: Tolerances
+) -> dict[str, float]:
     """The nodes whose value the compiled code dispatched wrong (an extern kernel off by more than
     eager kernels are from a float64 replay), with the error of what was filed under them.
 
@@ -962,8 +1156,13 @@ def _wrong_kernels(part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str,
     departing: dict[str, list[str]] = defaultdict(list)  # op -> nodes whose filed value departs
     for n in part.nodes:
         value, r = _tensor(recorded.get(n.name)), _tensor(ref.get(n.name))
-        if (value is not None and r is not None and r.is_floating_point() and value.shape == r.shape
-                and not fits(value, n.name)):
+        if (
+            value is not None
+            and r is not None
+            and r.is_floating_point()
+            and value.shape == r.shape
+            and not fits(value, n.name)
+        ):
             departing[n.op].append(n.name)
     wrong: dict[str, float] = {}
     for names in departing.values():
@@ -988,8 +1187,9 @@ def _where(n: GraphNode) -> str:
     return f"FX node {n.name} ({n.op}, {n.module or '<top>'}{', ' + n.location if n.location else ''})"
 
 
-def _unmatched_cause(node: GraphNode, by_name: Mapping[str, GraphNode], unmatched: set[str], agreeing: set[str]
-                     ) -> GraphNode | None:
+def _unmatched_cause(
+    node: GraphNode, by_name: Mapping[str, GraphNode], unmatched: set[str], agreeing: set[str]
+) -> GraphNode | None:
     """The earliest node without an eager counterpart between ``node`` and the values upstream of
     it that still agreed with the bench (views and getitems are looked through)."""
     order = {name: i for i, name in enumerate(by_name)}

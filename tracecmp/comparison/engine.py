@@ -1,4 +1,5 @@
 """``compare``: load two traces, align them, measure every paired tensor, localize the roots."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,22 @@ from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
 from tracecmp.verdict.progress import Progress, shown
 
-_STAT_COLUMNS = ["tensor_id", "op_id", "index", "shape", "dtype", "has_stats", "min", "max", "mean", "norm",
-                 "nan_count", "inf_count", "checksum", "data_key"]
+_STAT_COLUMNS = [
+    "tensor_id",
+    "op_id",
+    "index",
+    "shape",
+    "dtype",
+    "has_stats",
+    "min",
+    "max",
+    "mean",
+    "norm",
+    "nan_count",
+    "inf_count",
+    "checksum",
+    "data_key",
+]
 _PROGRESS_NODES = 20_000
 # Regions whose computation a replay checks (casts and copies need none).
 _REPLAYED_REGIONS = ("fused", "rewritten", "extra")
@@ -86,9 +101,18 @@ def compare_traces(
     node_frames, tensor_frames, unpaired_frames = [], [], []
     compared_steps: set[int] = set()
     for r in common:
-        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, tol, wanted_steps, warnings, bar, False if exact else replay,
-                                 reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None,
-                                 sum(len(ri.regions) for ri in rank_inputs))
+        prepared = _prepare_rank(
+            t_trace.rank(r),
+            b_trace.rank(r),
+            r,
+            tol,
+            wanted_steps,
+            warnings,
+            bar,
+            False if exact else replay,
+            reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None,
+            sum(len(ri.regions) for ri in rank_inputs),
+        )
         if prepared is None:
             continue
         rank_input, t_ops, tensors, unpaired = prepared
@@ -99,10 +123,15 @@ def compare_traces(
         compared_steps.update(int(s) for s in t_ops["step"].unique())
     if not rank_inputs:
         bar.close()
-        raise CompareError("the traces have no step in common to compare" + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
-                           path=t_trace.path)
+        raise CompareError(
+            "the traces have no step in common to compare"
+            + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
+            path=t_trace.path,
+        )
     bar.update("localizing")
-    verdicts, roots, skipped, drifts = localize(rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n))
+    verdicts, roots, skipped, drifts = localize(
+        rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n)
+    )
     warnings.extend(str(drift) for drift in drifts if drift.undecided)
     bar.done = bar.total
     bar.update("done")
@@ -127,16 +156,36 @@ def compare_traces(
     suspects = sorted(roots, key=lambda d: -d.score)
     regions = [region for ri in rank_inputs for region in ri.regions.values()]
     result = CompareResult(
-        target=t_trace, bench=b_trace, first_divergence=first, suspects=suspects, nodes=nodes, tensors=tensors,
-        unpaired_bench=unpaired_bench, tolerances=tol, warnings=warnings, exact=exact, ranks=[ri.rank for ri in rank_inputs],
-        steps=sorted(compared_steps), regions=regions, skipped_steps=skipped, drifts=drifts,
+        target=t_trace,
+        bench=b_trace,
+        first_divergence=first,
+        suspects=suspects,
+        nodes=nodes,
+        tensors=tensors,
+        unpaired_bench=unpaired_bench,
+        tolerances=tol,
+        warnings=warnings,
+        exact=exact,
+        ranks=[ri.rank for ri in rank_inputs],
+        steps=sorted(compared_steps),
+        regions=regions,
+        skipped_steps=skipped,
+        drifts=drifts,
     )
     return result
 
 
 def _prepare_rank(
-    t_rank: RankTrace, b_rank: RankTrace, rank: int, tol: Tolerances, wanted_steps: set[int] | None,
-    warnings: list[str], bar: Progress, replay: bool | None, reduced: str | None, first_region: int = 0,
+    t_rank: RankTrace,
+    b_rank: RankTrace,
+    rank: int,
+    tol: Tolerances,
+    wanted_steps: set[int] | None,
+    warnings: list[str],
+    bar: Progress,
+    replay: bool | None,
+    reduced: str | None,
+    first_region: int = 0,
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
     t_ops, b_ops = t_rank.ops, b_rank.ops
     t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
@@ -184,8 +233,12 @@ def _prepare_rank(
         # Values inside a unit have no eager counterpart; its outputs pair by the graph's metadata,
         # or, where that finds nothing, through their consumers as any value does.
         leaving = {t for unit in units.units for t, _ in unit.outputs}
-        inside = {t for op_id, outs in zip(t_lists[0], t_lists[2])
-                  if op_id in units.members and op_id not in pairs for t in outs} - leaving
+        inside = {
+            t
+            for op_id, outs in zip(t_lists[0], t_lists[2])
+            if op_id in units.members and op_id not in pairs
+            for t in outs
+        } - leaving
         partner = {t: b for t, b in partner.items() if t not in inside}
         partner.update(pair_units(pairing, units))
     if units.graph_mode:
@@ -194,26 +247,33 @@ def _prepare_rank(
     bar.update(f"rank {rank}: measured", len(t_ops))
 
     own_float = t_ten["dtype"].map(is_float_dtype).to_numpy(bool)
-    own_nonfinite = (t_ten["has_stats"].to_numpy(bool) & ((t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)))
-    own = dict(zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist())))
+    own_nonfinite = t_ten["has_stats"].to_numpy(bool) & (
+        (t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)
+    )
+    own = dict(
+        zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist()))
+    )
     measured = _states(measured_frame, own)
     inf_only = _inf_only(t_ten)
     own_errors: dict[int, OwnError] = {}
     region_replays: dict[int, RegionReplay] = {}
     has_data = bool(t_ten["data_key"].astype(bool).any())
     if replay and not has_data:
-        warnings.append(f"rank {rank}: no replay: the target trace holds no tensors (capture it with data=\"tensors\")")
+        warnings.append(f'rank {rank}: no replay: the target trace holds no tensors (capture it with data="tensors")')
     elif (replay is None or replay) and has_data:
         bar.update(f"rank {rank}: replaying")
-        own_errors = replay_rank(t_rank, t_ops["op_id"].tolist(), reduced=reduced,
-                                 progress=lambda n: bar.update(f"rank {rank}: replaying"))
+        own_errors = replay_rank(
+            t_rank, t_ops["op_id"].tolist(), reduced=reduced, progress=lambda n: bar.update(f"rank {rank}: replaying")
+        )
         region_replays = replay_regions(t_rank, b_rank, [r for r in match.regions if r.kind in _REPLAYED_REGIONS])
     if units and pairing is not None:
         if has_data and replay is not False:
             judge_units(units, t_rank, b_rank, pairing, measured, own_errors, tol)
         else:
-            warnings.append(f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
-                            f"may add {tol.region_units:g} rounding units; capture it with data=\"tensors\" to measure them")
+            warnings.append(
+                f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
+                f'may add {tol.region_units:g} rounding units; capture it with data="tensors" to measure them'
+            )
         warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
 
     paired_bench = set(pairs.values()) | set(match.bench_member_of)
@@ -222,21 +282,48 @@ def _prepare_rank(
     unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
     unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     unpaired.insert(0, "rank", rank)
-    nodes = list(map(Node._make, zip(
-        t_ops["op_id"].tolist(), t_ops["step"].tolist(), t_ops["phase"].tolist(), t_ops["kind"].tolist(),
-        t_ops["op"].tolist(), t_ops["name"].tolist(), t_ops["module"].tolist(), t_ops["location"].tolist(),
-        t_ops["args"].tolist(), t_lists[1], t_lists[2],
-        _draws(t_ops), t_ops["stack"].tolist(),
-    )))
+    nodes = list(
+        map(
+            Node._make,
+            zip(
+                t_ops["op_id"].tolist(),
+                t_ops["step"].tolist(),
+                t_ops["phase"].tolist(),
+                t_ops["kind"].tolist(),
+                t_ops["op"].tolist(),
+                t_ops["name"].tolist(),
+                t_ops["module"].tolist(),
+                t_ops["location"].tolist(),
+                t_ops["args"].tolist(),
+                t_lists[1],
+                t_lists[2],
+                _draws(t_ops),
+                t_ops["stack"].tolist(),
+            ),
+        )
+    )
     region_ops, region_values = _region_context(match, t_graph, b_graph, t_ten, b_ten)
     rank_input = RankInput(
-        rank=rank, nodes=nodes, pairs=pairs, measured=measured, own=own, view_base=t_base,
-        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())), first_step=min(steps), own_errors=own_errors,
-        reduced_precision=reduced, regions={r.region_id: r for r in match.regions}, member_of=match.member_of,
-        bench_only=match.bench_only, region_ops=region_ops, region_values=region_values, region_replays=region_replays,
+        rank=rank,
+        nodes=nodes,
+        pairs=pairs,
+        measured=measured,
+        own=own,
+        view_base=t_base,
+        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())),
+        first_step=min(steps),
+        own_errors=own_errors,
+        reduced_precision=reduced,
+        regions={r.region_id: r for r in match.regions},
+        member_of=match.member_of,
+        bench_only=match.bench_only,
+        region_ops=region_ops,
+        region_values=region_values,
+        region_replays=region_replays,
         units=units.by_judged,
         bench_inputs={op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])},
-        bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())), partner=partner,
+        bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())),
+        partner=partner,
         inf_only=inf_only,
     )
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
@@ -248,7 +335,7 @@ def _prepare_rank(
 
 
 def _region_context(
-    match: RegionMatch, t_graph: SideGraph, b_graph: SideGraph, t_ten: pd.DataFrame, b_ten: pd.DataFrame,
+    match: RegionMatch, t_graph: SideGraph, b_graph: SideGraph, t_ten: pd.DataFrame, b_ten: pd.DataFrame
 ) -> tuple[dict[tuple[str, int], tuple[str, str, str, list[int], list[int]]], dict[tuple[str, int], TensorState]]:
     """What judging the regions needs of their members: each op (kind, name, args, inputs,
     outputs) and the recorded magnitudes of every tensor they read or make, per side."""
@@ -266,16 +353,31 @@ def _region_context(
         if not wanted[side]:
             continue
         rows = tensors[tensors["tensor_id"].isin(list(wanted[side])) & tensors["has_stats"].astype(bool)]
-        for tid, shape, dtype, lo, hi, mean, norm, nan, inf in zip(*(rows[c].tolist() for c in (
-                "tensor_id", "shape", "dtype", "min", "max", "mean", "norm", "nan_count", "inf_count"))):
+        for tid, shape, dtype, lo, hi, mean, norm, nan, inf in zip(
+            *(
+                rows[c].tolist()
+                for c in ("tensor_id", "shape", "dtype", "min", "max", "mean", "norm", "nan_count", "inf_count")
+            )
+        ):
             numel = int(np.prod(shape)) if shape is not None else 0
             finite = max(numel - int(nan) - int(inf), 1)
-            amax = max(abs(v) for v in (lo, hi) if v is not None and math.isfinite(v)) if any(
-                v is not None and math.isfinite(v) for v in (lo, hi)) else 0.0
+            amax = (
+                max(abs(v) for v in (lo, hi) if v is not None and math.isfinite(v))
+                if any(v is not None and math.isfinite(v) for v in (lo, hi))
+                else 0.0
+            )
             values[(side, int(tid))] = TensorState(
-                known=True, exact=True, amax=float(amax), rms=float(norm) / math.sqrt(finite) if norm is not None and math.isfinite(norm) else 0.0,
-                numel=numel, lo=_finite(lo), hi=_finite(hi), mean=_finite(mean), nonfinite=bool(nan or inf),
-                is_float=is_float_dtype(dtype), unit=eps_of(dtype),
+                known=True,
+                exact=True,
+                amax=float(amax),
+                rms=float(norm) / math.sqrt(finite) if norm is not None and math.isfinite(norm) else 0.0,
+                numel=numel,
+                lo=_finite(lo),
+                hi=_finite(hi),
+                mean=_finite(mean),
+                nonfinite=bool(nan or inf),
+                is_float=is_float_dtype(dtype),
+                unit=eps_of(dtype),
             )
     return ops, values
 
@@ -313,8 +415,12 @@ def _id_lists(rank: RankTrace, rows: np.ndarray) -> tuple[list[int], list[list[i
 
 
 def _tensor_partners(
-    t_lists: tuple[list[int], list[list[int]], list[list[int]]], b_lists: tuple[list[int], list[list[int]], list[list[int]]],
-    pairs: Mapping[int, int], t_base: Mapping[int, int], b_base: Mapping[int, int], region_outputs: Mapping[int, int],
+    t_lists: tuple[list[int], list[list[int]], list[list[int]]],
+    b_lists: tuple[list[int], list[list[int]], list[list[int]]],
+    pairs: Mapping[int, int],
+    t_base: Mapping[int, int],
+    b_base: Mapping[int, int],
+    region_outputs: Mapping[int, int],
 ) -> dict[int, int]:
     """``{target tensor id: bench tensor id}`` for non-view tensors.
 
@@ -340,11 +446,20 @@ def _measure(t_rank: RankTrace, b_rank: RankTrace, partner: Mapping[int, int], t
     """One row per target tensor with a bench partner: identity, both sides' stats, the metrics."""
     t_ten = t_rank.tensors[_STAT_COLUMNS]
     b_ten = b_rank.tensors[_STAT_COLUMNS].drop(columns=["op_id", "index"])
-    link = pd.DataFrame({"tensor_id": np.fromiter(partner.keys(), dtype=np.int64, count=len(partner)),
-                         "bench_tensor_id": np.fromiter(partner.values(), dtype=np.int64, count=len(partner))})
+    link = pd.DataFrame(
+        {
+            "tensor_id": np.fromiter(partner.keys(), dtype=np.int64, count=len(partner)),
+            "bench_tensor_id": np.fromiter(partner.values(), dtype=np.int64, count=len(partner)),
+        }
+    )
     frame = link.merge(t_ten, on="tensor_id", how="inner")
-    frame = frame.merge(b_ten.rename(columns=lambda c: c if c == "tensor_id" else c + "_b").rename(columns={"tensor_id": "bench_tensor_id"}),
-                        on="bench_tensor_id", how="inner")
+    frame = frame.merge(
+        b_ten.rename(columns=lambda c: c if c == "tensor_id" else c + "_b").rename(
+            columns={"tensor_id": "bench_tensor_id"}
+        ),
+        on="bench_tensor_id",
+        how="inner",
+    )
     frame = frame.sort_values("tensor_id", kind="stable").reset_index(drop=True)
     metrics = stat_metrics(frame, tol)
     frame = pd.concat([frame, metrics], axis=1)
@@ -365,29 +480,80 @@ def _states(frame: pd.DataFrame, own: Mapping[int, tuple[bool, bool, str]]) -> d
     if frame.empty:
         return states
     same = (frame["dtype"] == frame["bench_dtype"]).to_numpy(bool)
-    columns = [frame[c].tolist() for c in ("tensor_id", "exact", "e_ext", "e_sys", "e_rms", "amax", "rms", "numel",
-                                           "min_b", "max_b", "mean_b", "nonfinite_mismatch", "filled", "unit", "has_stats",
-                                           "has_stats_b")]
-    for (tid, exact, e_ext, e_sys, e_rms, amax, rms, numel, lo, hi, mean, nfm, filled, unit, has_t, has_b), same_dtype in zip(
-            zip(*columns), same):
+    columns = [
+        frame[c].tolist()
+        for c in (
+            "tensor_id",
+            "exact",
+            "e_ext",
+            "e_sys",
+            "e_rms",
+            "amax",
+            "rms",
+            "numel",
+            "min_b",
+            "max_b",
+            "mean_b",
+            "nonfinite_mismatch",
+            "filled",
+            "unit",
+            "has_stats",
+            "has_stats_b",
+        )
+    ]
+    for (
+        tid,
+        exact,
+        e_ext,
+        e_sys,
+        e_rms,
+        amax,
+        rms,
+        numel,
+        lo,
+        hi,
+        mean,
+        nfm,
+        filled,
+        unit,
+        has_t,
+        has_b,
+    ), same_dtype in zip(zip(*columns), same):
         if not (has_t and has_b):
             continue
         is_float, nonfinite, _ = own.get(tid, (True, False, ""))
         states[tid] = TensorState(
-            known=True, exact=bool(exact), e_ext=float(e_ext), e_sys=float(e_sys), e_rms=float(e_rms),
-            amax=float(amax), rms=float(rms), numel=int(numel), lo=_finite(lo), hi=_finite(hi), mean=_finite(mean),
-            nonfinite=bool(nonfinite), is_float=bool(is_float), measured=True, nonfinite_mismatch=bool(nfm),
-            unit=float(unit), same_dtype=bool(same_dtype), filled=bool(filled),
+            known=True,
+            exact=bool(exact),
+            e_ext=float(e_ext),
+            e_sys=float(e_sys),
+            e_rms=float(e_rms),
+            amax=float(amax),
+            rms=float(rms),
+            numel=int(numel),
+            lo=_finite(lo),
+            hi=_finite(hi),
+            mean=_finite(mean),
+            nonfinite=bool(nonfinite),
+            is_float=bool(is_float),
+            measured=True,
+            nonfinite_mismatch=bool(nfm),
+            unit=float(unit),
+            same_dtype=bool(same_dtype),
+            filled=bool(filled),
         )
     return states
 
 
 def _inf_only(t_ten: pd.DataFrame) -> dict[int, float]:
     """Target tensors holding Inf and no NaN (what overflow makes) -> the rms of their finite values."""
-    rows = t_ten[t_ten["has_stats"].to_numpy(bool) & (t_ten["inf_count"].to_numpy() > 0) & (t_ten["nan_count"].to_numpy() == 0)]
+    rows = t_ten[
+        t_ten["has_stats"].to_numpy(bool) & (t_ten["inf_count"].to_numpy() > 0) & (t_ten["nan_count"].to_numpy() == 0)
+    ]
     out: dict[int, float] = {}
-    for tid, shape, norm, infs in zip(rows["tensor_id"].tolist(), rows["shape"].tolist(), rows["norm"].tolist(),
-                                      rows["inf_count"].tolist()):
+    for tid, shape, norm, infs in zip(
+        rows["tensor_id"].tolist(), rows["shape"].tolist(), rows["norm"].tolist(), rows["inf_count"].tolist()
+    ):
         finite = math.prod(shape) - infs if shape is not None else 0
         out[tid] = float(norm) / math.sqrt(finite) if finite > 0 and norm is not None and math.isfinite(norm) else 0.0
     return out

@@ -19,6 +19,7 @@ With whole tensors in both traces: cosine similarity, max absolute error, max re
 a floor of ``rel_floor * rms`` for near-zero elements, RMSE, and the share of elements within 1/1000
 and 5/1000 relative error (the seeds' metrics); ``e_ext`` and ``e_rms`` then become exact.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,20 @@ from tracecmp.numerics.units import EPS, TINY, canonical_dtype
 from tracecmp.trace.saved import SavedTensors
 
 STAT_METRICS = (
-    "exact", "numel", "unit", "nonfinite_mismatch", "filled", "amax", "rms", "e_ext", "e_sys", "max_diff", "min_diff",
-    "mean_diff", "norm_rel_diff", "within_tol",
+    "exact",
+    "numel",
+    "unit",
+    "nonfinite_mismatch",
+    "filled",
+    "amax",
+    "rms",
+    "e_ext",
+    "e_sys",
+    "max_diff",
+    "min_diff",
+    "mean_diff",
+    "norm_rel_diff",
+    "within_tol",
 )
 # torch.finfo(dtype).max of bfloat16, float32 and float64: what a program fills a mask with
 # (``masked_fill(mask, finfo(dtype).min)``), each run its own dtype's. Elements at a fill are given,
@@ -44,7 +57,16 @@ FILLS = (3.3895313892515355e38, 3.4028234663852886e38, 1.7976931348623157e308)
 # A filled tensor's mean and norm, scaled to the bench's fill, differ by far less than this unless
 # an element is filled in one run and not in the other (then by at least 1 / numel).
 _FILL_PATTERN = 1e-12
-TENSOR_METRICS = ("cosine", "max_abs_err", "max_rel_err", "rmse", "e_rms", "within_1e-3", "within_5e-3", "seed_rule_fail")
+TENSOR_METRICS = (
+    "cosine",
+    "max_abs_err",
+    "max_rel_err",
+    "rmse",
+    "e_rms",
+    "within_1e-3",
+    "within_5e-3",
+    "seed_rule_fail",
+)
 
 
 def _eps(dtypes: pd.Series) -> np.ndarray:
@@ -94,8 +116,9 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     hi_fill = has & np.isin(np.abs(hi_t), fills) & np.isin(np.abs(hi_b), fills) & (np.sign(hi_t) == np.sign(hi_b))
     filled = lo_fill | hi_fill
     with np.errstate(invalid="ignore", divide="ignore"):
-        fill_scale = np.where(lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0),
-                              np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0))
+        fill_scale = np.where(
+            lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0), np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0)
+        )
     mean_t, norm_t = mean_t * fill_scale, norm_t * fill_scale
     nan_t, inf_t, nan_b, inf_b = col("nan_count"), col("inf_count"), col("nan_count_b"), col("inf_count_b")
     nonfinite_mismatch = has & ((nan_t != nan_b) | (inf_t != inf_b))
@@ -103,6 +126,7 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         fin_t = np.maximum(numel - nan_t - inf_t, 1.0)
         fin_b = np.maximum(numel_b - nan_b - inf_b, 1.0)
         rms_t, rms_b = norm_t / np.sqrt(fin_t), norm_b / np.sqrt(fin_b)
+
         # Infinite extremes say nothing about the finite values' error (the counts carry them):
         # an extreme is compared only where both runs' are finite, and magnitudes use finite ones.
         def finite_abs(v: np.ndarray) -> np.ndarray:
@@ -111,8 +135,12 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         amax = np.fmax(np.fmax(finite_abs(lo_t), finite_abs(hi_t)), np.fmax(finite_abs(lo_b), finite_abs(hi_b)))
         rms = np.fmax(rms_t, rms_b)
         amax = np.where(np.isnan(amax), rms, np.fmax(amax, rms))
-        max_diff = np.where(np.isfinite(hi_t) & np.isfinite(hi_b), np.abs(hi_t - hi_b), np.where(hi_t == hi_b, 0.0, np.nan))
-        min_diff = np.where(np.isfinite(lo_t) & np.isfinite(lo_b), np.abs(lo_t - lo_b), np.where(lo_t == lo_b, 0.0, np.nan))
+        max_diff = np.where(
+            np.isfinite(hi_t) & np.isfinite(hi_b), np.abs(hi_t - hi_b), np.where(hi_t == hi_b, 0.0, np.nan)
+        )
+        min_diff = np.where(
+            np.isfinite(lo_t) & np.isfinite(lo_b), np.abs(lo_t - lo_b), np.where(lo_t == lo_b, 0.0, np.nan)
+        )
         max_diff = np.where(hi_fill, 0.0, max_diff)
         min_diff = np.where(lo_fill, 0.0, min_diff)
         mean_diff = np.abs(mean_t - mean_b)
@@ -129,8 +157,12 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     # torch.testing's criterion |t - b| <= atol + rtol * |b|, applied to what statistics show.
     rtol_of = {d: tolerances.rtol(d) for d in canon}
     atol_of = {d: tolerances.atol(d) for d in canon}
-    rtol = np.maximum(pairs["dtype"].map(rtol_of).to_numpy(np.float64), pairs["dtype_b"].map(rtol_of).to_numpy(np.float64))
-    atol = np.maximum(pairs["dtype"].map(atol_of).to_numpy(np.float64), pairs["dtype_b"].map(atol_of).to_numpy(np.float64))
+    rtol = np.maximum(
+        pairs["dtype"].map(rtol_of).to_numpy(np.float64), pairs["dtype_b"].map(rtol_of).to_numpy(np.float64)
+    )
+    atol = np.maximum(
+        pairs["dtype"].map(atol_of).to_numpy(np.float64), pairs["dtype_b"].map(atol_of).to_numpy(np.float64)
+    )
     with np.errstate(invalid="ignore"):
         within = (np.nan_to_num(np.fmax(max_diff, min_diff), nan=0.0) <= atol + rtol * np.nan_to_num(amax, nan=0.0)) & (
             np.nan_to_num(mean_diff, nan=0.0) <= atol + rtol * np.nan_to_num(rms, nan=0.0)
@@ -176,8 +208,16 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
         t, b = torch.view_as_real(t.resolve_conj()), torch.view_as_real(b.resolve_conj())
     td, bd = t.detach().to(torch.float64).reshape(-1), b.detach().to(torch.float64).reshape(-1)
     if td.numel() == 0:
-        return {"cosine": 1.0, "max_abs_err": 0.0, "max_rel_err": 0.0, "rmse": 0.0, "e_rms": 0.0,
-                "within_1e-3": 1.0, "within_5e-3": 1.0, "seed_rule_fail": False}
+        return {
+            "cosine": 1.0,
+            "max_abs_err": 0.0,
+            "max_rel_err": 0.0,
+            "rmse": 0.0,
+            "e_rms": 0.0,
+            "within_1e-3": 1.0,
+            "within_5e-3": 1.0,
+            "seed_rule_fail": False,
+        }
     finite = torch.isfinite(td) & torch.isfinite(bd)
     td, bd = td[finite], bd[finite]
     big = td.abs() >= min(FILLS)
@@ -202,8 +242,10 @@ def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
     max_abs = float(diff.max())
     rmse = float(diff.square().mean().sqrt())
     # The seeds' rule (ptdbg/msprobe): wrong when (cos < 0.99 and max abs > 1e-3) or cos < 0.9 or max abs > 1.
-    fail = (cosine < tolerances.cosine_warn and max_abs > tolerances.max_abs_warn) or cosine < tolerances.cosine_fail or (
-        max_abs > tolerances.max_abs_fail
+    fail = (
+        (cosine < tolerances.cosine_warn and max_abs > tolerances.max_abs_warn)
+        or cosine < tolerances.cosine_fail
+        or (max_abs > tolerances.max_abs_fail)
     )
     return {
         "cosine": cosine,
@@ -229,7 +271,9 @@ def add_tensor_metrics(frame: pd.DataFrame, target: Any, bench: Any, tolerances:
         return frame
     rows = []
     with SavedTensors(target) as load_t, SavedTensors(bench) as load_b:
-        for index, key_t, key_b in zip(frame.index[saved], frame.loc[saved, "data_key"], frame.loc[saved, "data_key_b"]):
+        for index, key_t, key_b in zip(
+            frame.index[saved], frame.loc[saved, "data_key"], frame.loc[saved, "data_key_b"]
+        ):
             metrics = tensor_metrics(load_t.get(key_t), load_b.get(key_b), tolerances)
             if metrics:
                 rows.append((index, metrics))

@@ -21,6 +21,7 @@ ranks side by side.
 >>> result = tracecmp.compare("runs/target", "runs/bench", workers=4)   # doctest: +SKIP
 >>> print(result.job.summary())                                         # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import json
@@ -127,8 +128,10 @@ class JobReport:
             lines.append(f"  rank {line.rank:<3} {line.status:<12} {line.first:<{min(width, 70)}}  {line.source}{end}")
         if self.origin is not None:
             d = self.origin
-            lines.append(f"Born on rank {d.rank}: {d.op} in {d.module or '<top>'} ({d.phase}, step {d.step})"
-                         + (f" — {d.location}" if d.location else ""))
+            lines.append(
+                f"Born on rank {d.rank}: {d.op} in {d.module or '<top>'} ({d.phase}, step {d.step})"
+                + (f" — {d.location}" if d.location else "")
+            )
         for rank, path in sorted(self.paths.items()):
             lines.append(f"Path to rank {rank}: " + " -> ".join(_step_text(s) for s in _elide(path)))
         for note in self.layout:
@@ -140,15 +143,17 @@ class JobReport:
         from html import escape
 
         rows = "".join(
-            f"<tr class=\"{escape(line.status)}\"><td>{line.rank}</td><td>{escape(line.status)}</td><td>{escape(line.first)}</td>"
+            f'<tr class="{escape(line.status)}"><td>{line.rank}</td><td>{escape(line.status)}</td><td>{escape(line.first)}</td>'
             f"<td>{escape(line.source)}</td><td>{'yes' if line.complete else 'no: ' + escape(line.ended)}</td></tr>"
             for line in self.ranks
         )
-        parts = ['<h2 id="ranks">Ranks</h2>',
-                 '<p class="note">Each rank\'s first divergence, and where it came from: its own root, or another '
-                 "rank's, carried in by a collective.</p>",
-                 "<table><thead><tr><th>rank</th><th>status</th><th>first divergence</th><th>from</th>"
-                 f"<th>complete</th></tr></thead><tbody>{rows}</tbody></table>"]
+        parts = [
+            '<h2 id="ranks">Ranks</h2>',
+            '<p class="note">Each rank\'s first divergence, and where it came from: its own root, or another '
+            "rank's, carried in by a collective.</p>",
+            "<table><thead><tr><th>rank</th><th>status</th><th>first divergence</th><th>from</th>"
+            f"<th>complete</th></tr></thead><tbody>{rows}</tbody></table>",
+        ]
         for rank, path in sorted(self.paths.items()):
             steps = " &rarr; ".join(escape(_step_text(s)) for s in _elide(path))
             parts.append(f'<p class="note">Path to rank {rank}: {steps}</p>')
@@ -157,8 +162,9 @@ class JobReport:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per rank: status, first divergence, where it came from, completeness."""
-        return pd.DataFrame([vars(line) for line in self.ranks],
-                            columns=["rank", "status", "first", "source", "complete", "ended"])
+        return pd.DataFrame(
+            [vars(line) for line in self.ranks], columns=["rank", "status", "first", "source", "complete", "ended"]
+        )
 
 
 def _step_text(step: PathStep | None) -> str:
@@ -172,15 +178,18 @@ def _elide(path: list[PathStep], keep: int = 3) -> list[PathStep | None]:
     """The path with its middle elided when long: the root, the last steps before the collective."""
     if len(path) <= 2 * keep + 1:
         return list(path)
-    return [*path[:keep], None, *path[-keep - 1:]]
+    return [*path[:keep], None, *path[-keep - 1 :]]
 
 
 # ---- stage 1: one rank ------------------------------------------------------------------------
 
+
 def rank_outcome(result: Any, rank: int, t_rank: RankTrace) -> RankOutcome:
     """What the cross-rank pass needs of ``rank`` in a (single- or multi-rank) comparison result."""
     nodes = result.nodes[result.nodes["rank"] == rank].reset_index(drop=True)
-    tensors = result.tensors[result.tensors["rank"] == rank].reset_index(drop=True) if len(result.tensors) else result.tensors
+    tensors = (
+        result.tensors[result.tensors["rank"] == rank].reset_index(drop=True) if len(result.tensors) else result.tensors
+    )
     unpaired = result.unpaired_bench
     if len(unpaired) and "rank" in unpaired.columns:
         unpaired = unpaired[unpaired["rank"] == rank].reset_index(drop=True)
@@ -193,9 +202,18 @@ def rank_outcome(result: Any, rank: int, t_rank: RankTrace) -> RankOutcome:
         tail = ops.loc[ops["op_id"].idxmax()]
         last = f"step {int(tail['step'])}, {tail['phase']}, {tail['op']}"
     return RankOutcome(
-        rank=rank, nodes=nodes, tensors=tensors, unpaired=unpaired, roots=roots,
-        warnings=list(result.warnings), steps=list(result.steps), calls=calls, complete=t_rank.complete,
-        ended=_ended(t_rank), last=last, manifest=info,
+        rank=rank,
+        nodes=nodes,
+        tensors=tensors,
+        unpaired=unpaired,
+        roots=roots,
+        warnings=list(result.warnings),
+        steps=list(result.steps),
+        calls=calls,
+        complete=t_rank.complete,
+        ended=_ended(t_rank),
+        last=last,
+        manifest=info,
         skipped=[skip for skip in result.skipped_steps if skip.rank == rank],
     )
 
@@ -205,7 +223,9 @@ def _ended(t_rank: RankTrace) -> str:
     return "" if t_rank.complete else t_rank.ending()
 
 
-def _call_facts(calls: list[Collective], nodes: pd.DataFrame, ops: pd.DataFrame, tensors: pd.DataFrame) -> list[CallFacts]:
+def _call_facts(
+    calls: list[Collective], nodes: pd.DataFrame, ops: pd.DataFrame, tensors: pd.DataFrame
+) -> list[CallFacts]:
     if not calls:
         return []
     status = dict(zip(nodes["op_id"].tolist(), nodes["status"].tolist()))
@@ -258,13 +278,29 @@ def _call_facts(calls: list[Collective], nodes: pd.DataFrame, ops: pd.DataFrame,
         if sent_status in BAD:
             bad_sent = [t for t in call.sent if status.get(made_by(t) or -1) in BAD]
             path = to_root(bad_sent[0]) if bad_sent else ()
-        facts.append(CallFacts(call, root_kind.get(call.op_id, ""), sent_status, sent_error, received_status,
-                               received_error, path, _internal(call, ordered, inputs_of, kind_of, inplace, made_by)))
+        facts.append(
+            CallFacts(
+                call,
+                root_kind.get(call.op_id, ""),
+                sent_status,
+                sent_error,
+                received_status,
+                received_error,
+                path,
+                _internal(call, ordered, inputs_of, kind_of, inplace, made_by),
+            )
+        )
     return facts
 
 
-def _internal(call: Collective, ordered: list[int], inputs_of: Mapping[int, list[int]], kind_of: Mapping[int, str],
-              inplace: Mapping[int, bool], made_by: Any) -> tuple[int, ...]:
+def _internal(
+    call: Collective,
+    ordered: list[int],
+    inputs_of: Mapping[int, list[int]],
+    kind_of: Mapping[int, str],
+    inplace: Mapping[int, bool],
+    made_by: Any,
+) -> tuple[int, ...]:
     """Ops that are the collective's own completion rather than the program's: an in-place op that
     writes what it received before anything read it (gloo emulates a reduce-scatter so, copying the
     reduced shard in), and the sources and views that feed it and entered the trace after the call."""
@@ -272,7 +308,7 @@ def _internal(call: Collective, ordered: list[int], inputs_of: Mapping[int, list
     if not received:
         return ()
     start = ordered.index(call.op_id) + 1 if call.op_id in inputs_of else 0
-    for op in ordered[start:start + 8]:
+    for op in ordered[start : start + 8]:
         ins = inputs_of.get(op, [])
         if not ins or not received & set(ins):
             continue
@@ -354,20 +390,32 @@ def _in_worker(job: _Job, memory: int | None, folder: Path) -> RankOutcome:
 
     options = dict(job.options)
     if options.get("tolerances") is not None and dataclasses.is_dataclass(options["tolerances"]):
-        options["tolerances"] = {f.name: getattr(options["tolerances"], f.name)
-                                 for f in dataclasses.fields(options["tolerances"])}
+        options["tolerances"] = {
+            f.name: getattr(options["tolerances"], f.name) for f in dataclasses.fields(options["tolerances"])
+        }
     spec = {"target": job.target, "bench": job.bench, "rank": job.rank, "options": options, "max_memory": memory}
     job_file, out_file = folder / f"job-{job.rank}.json", folder / f"outcome-{job.rank}.pickle"
     job_file.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     done = subprocess.run(
-        [sys.executable, "-c", "from tracecmp.comparison.ranks import _worker_main; _worker_main()", str(job_file), str(out_file)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "from tracecmp.comparison.ranks import _worker_main; _worker_main()",
+            str(job_file),
+            str(out_file),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     if done.returncode == _OUT_OF_MEMORY:
         raise MemoryError(memory)
     if done.returncode != 0:
-        raise CompareError(f"rank {job.rank} could not be compared: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f'worker exit status {done.returncode}'}")
+        raise CompareError(
+            f"rank {job.rank} could not be compared: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f'worker exit status {done.returncode}'}"
+        )
     with open(out_file, "rb") as fh:
         return pickle.load(fh)
 
@@ -405,8 +453,14 @@ def default_memory(workers: int) -> int | None:
 
 
 def compare_ranks(
-    target: str | Path, bench: str | Path, *, ranks: Iterable[int] | None = None, workers: int | None = None,
-    max_memory: int | None = None, progress: bool | None = None, **options: Any,
+    target: str | Path,
+    bench: str | Path,
+    *,
+    ranks: Iterable[int] | None = None,
+    workers: int | None = None,
+    max_memory: int | None = None,
+    progress: bool | None = None,
+    **options: Any,
 ) -> Any:
     """Compare every rank of two multi-rank traces, in a process pool, then across ranks.
 
@@ -464,8 +518,10 @@ def compare_ranks(
                 try:
                     outcomes[rank] = future.result()
                 except MemoryError:
-                    failures.append(f"rank {rank} could not be compared: it needs more than the "
-                                    f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)")
+                    failures.append(
+                        f"rank {rank} could not be compared: it needs more than the "
+                        f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)"
+                    )
                 except CompareError as err:
                     failures.append(str(err).split(": ", 1)[-1] if str(err).startswith(str(t_path)) else str(err))
                 bar.update(advance=1)
@@ -481,12 +537,17 @@ def compare_ranks(
     target_trace = Trace(t_path, t_manifest, {r: load_rank(t_path / f"rank{r}") for r in sorted(needed)})
     bench_trace = Trace(b_path, b_manifest, {r: load_rank(b_path / f"rank{r}") for r in sorted(needed) if r in b_ranks})
     result = CompareResult(
-        target=target_trace, bench=bench_trace, first_divergence=None, suspects=[],
+        target=target_trace,
+        bench=bench_trace,
+        first_divergence=None,
+        suspects=[],
         nodes=pd.concat([o.nodes for o in outcomes.values()], ignore_index=True),
         tensors=pd.concat([o.tensors for o in outcomes.values()], ignore_index=True),
         unpaired_bench=pd.concat([o.unpaired for o in outcomes.values()], ignore_index=True),
         tolerances=options.get("tolerances") if hasattr(options.get("tolerances"), "replace") else _tolerances(options),
-        warnings=_dedupe(warnings), exact=bool(options.get("exact", False)), ranks=sorted(outcomes),
+        warnings=_dedupe(warnings),
+        exact=bool(options.get("exact", False)),
+        ranks=sorted(outcomes),
         steps=sorted({s for o in outcomes.values() for s in o.steps}),
         skipped_steps=sorted((k for o in outcomes.values() for k in o.skipped), key=lambda k: (k.step, k.rank)),
     )
@@ -516,9 +577,13 @@ def _dedupe(items: list[str]) -> list[str]:
 
 # ---- stage 2: across ranks --------------------------------------------------------------------
 
+
 def cross_rank(
-    outcomes: Mapping[int, RankOutcome], t_manifest: Mapping[str, Any] | None = None,
-    b_manifest: Mapping[str, Any] | None = None, t_ranks: Iterable[int] = (), b_ranks: Iterable[int] = (),
+    outcomes: Mapping[int, RankOutcome],
+    t_manifest: Mapping[str, Any] | None = None,
+    b_manifest: Mapping[str, Any] | None = None,
+    t_ranks: Iterable[int] = (),
+    b_ranks: Iterable[int] = (),
     b_rank_manifests: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> JobReport:
     """Order the ranks' roots through their collectives; find what each rank inherited and from whom."""
@@ -551,8 +616,10 @@ def cross_rank(
                 inherited[(r, call.op_id)] = (min(bad, key=lambda q: _origin_order(q, facts[q][key], when)), key)
             elif f.root_kind and others and f.sent_status not in BAD:
                 # Only rounding noise came in: a sum of several contributors' noise is noise too.
-                spread = max((facts[q][key].sent_error for q in others if facts[q][key].sent_error == facts[q][key].sent_error),
-                             default=math.nan)
+                spread = max(
+                    (facts[q][key].sent_error for q in others if facts[q][key].sent_error == facts[q][key].sent_error),
+                    default=math.nan,
+                )
                 if spread == spread and f.received_error <= max(_NOISE_SPREAD, len(call.ranks)) * max(spread, 1.0):
                     inherited[(r, call.op_id)] = (r, key)
     for (r, op), key in internal_of.items():
@@ -573,10 +640,17 @@ def cross_rank(
         first = _first_diverged(o)
         complete = o.complete
         if first is None:
-            status = ("incomplete" if not complete else
-                      "agrees" if o.nodes["status"].isin(["agrees", "noise"]).all() else "uncompared")
+            status = (
+                "incomplete"
+                if not complete
+                else "agrees"
+                if o.nodes["status"].isin(["agrees", "noise"]).all()
+                else "uncompared"
+            )
             text = "no divergence in what it holds" if not complete else ""
-            lines.append(RankLine(r, status, text, "", complete, "" if complete else f"{o.ended}; its last op: {o.last}"))
+            lines.append(
+                RankLine(r, status, text, "", complete, "" if complete else f"{o.ended}; its last op: {o.last}")
+            )
             continue
         op_id, text = first
         own = [d for d in own_roots[r] if (r, d.op_id) not in inherited]
@@ -592,11 +666,19 @@ def cross_rank(
         elif any(d.op_id == op_id for d in own_roots[r]):
             root = next(d for d in own_roots[r] if d.op_id == op_id)
             status, source = "root", f"own root ({root.kind})"
-        lines.append(RankLine(r, status, text, source, complete, "" if complete else f"{o.ended}; its last op: {o.last}"))
-    return JobReport(origin=origin, ranks=lines, paths=paths, inherited=inherited,
-                     layout=_layout(outcomes, t_manifest or {}, b_manifest or {}, list(t_ranks), list(b_ranks),
-                                    b_rank_manifests or {}),
-                     incomplete=[r for r, o in outcomes.items() if not o.complete])
+        lines.append(
+            RankLine(r, status, text, source, complete, "" if complete else f"{o.ended}; its last op: {o.last}")
+        )
+    return JobReport(
+        origin=origin,
+        ranks=lines,
+        paths=paths,
+        inherited=inherited,
+        layout=_layout(
+            outcomes, t_manifest or {}, b_manifest or {}, list(t_ranks), list(b_ranks), b_rank_manifests or {}
+        ),
+        incomplete=[r for r, o in outcomes.items() if not o.complete],
+    )
 
 
 def _origin_order(q: int, f: CallFacts, when: Any) -> tuple[int, ...]:
@@ -609,11 +691,19 @@ def _first_diverged(o: RankOutcome) -> tuple[int, str] | None:
         return None
     row = bad.loc[bad["op_id"].idxmin()]
     name = f" {row['name']}" if row["kind"] == "op" and str(row["op"]).startswith(("c10d", "_c10d")) else ""
-    return int(row["op_id"]), f"{row['op']}{name} in {row['module'] or '<top>'} ({row['phase']}, step {int(row['step'])})"
+    return int(
+        row["op_id"]
+    ), f"{row['op']}{name} in {row['module'] or '<top>'} ({row['phase']}, step {int(row['step'])})"
 
 
-def _path(rank: int, key: str, outcomes: Mapping[int, RankOutcome], facts: Mapping[int, Mapping[str, CallFacts]],
-          inherited: Mapping[tuple[int, int], tuple[int, str]], table: Mapping[str, Mapping[int, Collective]]) -> list[PathStep]:
+def _path(
+    rank: int,
+    key: str,
+    outcomes: Mapping[int, RankOutcome],
+    facts: Mapping[int, Mapping[str, CallFacts]],
+    inherited: Mapping[tuple[int, int], tuple[int, str]],
+    table: Mapping[str, Mapping[int, Collective]],
+) -> list[PathStep]:
     """From the root that started it to ``rank``'s receiving end of collective ``key``, hop by hop."""
     hops: list[list[PathStep]] = []
     seen = set()
@@ -629,7 +719,11 @@ def _path(rank: int, key: str, outcomes: Mapping[int, RankOutcome], facts: Mappi
             first = sender.path[0]
             role = "received" if (q, first) in inherited else "root" if first in roots else "first divergence"
             steps[0] = replace(steps[0], role=role)
-        steps.append(PathStep(q, sender.call.op_id, sender.call.op, sender.call.module, sender.call.phase, sender.call.step, "sent"))
+        steps.append(
+            PathStep(
+                q, sender.call.op_id, sender.call.op, sender.call.module, sender.call.phase, sender.call.step, "sent"
+            )
+        )
         steps.append(PathStep(r, call.op_id, call.op, call.module, call.phase, call.step, "received"))
         hops.append(steps)
         first = sender.path[0] if sender.path else None
@@ -648,14 +742,22 @@ def _step(rank: int, op_id: int, o: RankOutcome, role: str) -> PathStep:
     return PathStep(rank, op_id, str(row["op"]), str(row["module"]), str(row["phase"]), int(row["step"]), role)
 
 
-def _layout(outcomes: Mapping[int, RankOutcome], t_manifest: Mapping[str, Any], b_manifest: Mapping[str, Any],
-            t_ranks: list[int], b_ranks: list[int], b_rank_manifests: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def _layout(
+    outcomes: Mapping[int, RankOutcome],
+    t_manifest: Mapping[str, Any],
+    b_manifest: Mapping[str, Any],
+    t_ranks: list[int],
+    b_ranks: list[int],
+    b_rank_manifests: Mapping[int, Mapping[str, Any]],
+) -> list[str]:
     """What differs between the two jobs' shapes, said plainly."""
     notes = []
     t_world, b_world = t_manifest.get("world_size"), b_manifest.get("world_size")
     if t_world is not None and b_world is not None and t_world != b_world:
-        notes.append(f"world sizes differ: target ran on {t_world} ranks, bench on {b_world}; ranks are compared by "
-                     "number, which means the same work only where both split it alike")
+        notes.append(
+            f"world sizes differ: target ran on {t_world} ranks, bench on {b_world}; ranks are compared by "
+            "number, which means the same work only where both split it alike"
+        )
     if t_ranks and b_ranks and set(t_ranks) != set(b_ranks):
         only_t, only_b = sorted(set(t_ranks) - set(b_ranks)), sorted(set(b_ranks) - set(t_ranks))
         if only_t:
@@ -667,13 +769,16 @@ def _layout(outcomes: Mapping[int, RankOutcome], t_manifest: Mapping[str, Any], 
         b_info = b_rank_manifests.get(r, {}).get("info", {})
         b_groups = (b_info.get("process_groups") or {}) if isinstance(b_info, dict) else {}
         if t_groups and b_groups and t_groups != b_groups:
-            notes.append(f"rank {r}: process groups differ: target {json.dumps(t_groups, sort_keys=True)}, "
-                         f"bench {json.dumps(b_groups, sort_keys=True)}")
+            notes.append(
+                f"rank {r}: process groups differ: target {json.dumps(t_groups, sort_keys=True)}, "
+                f"bench {json.dumps(b_groups, sort_keys=True)}"
+            )
             break
     return notes
 
 
 # ---- the result ---------------------------------------------------------------------------------
+
 
 def apply(result: Any, report: JobReport, roots: list[Divergence]) -> None:
     """Put the cross-rank findings into ``result``: the job's first root, its suspects, the
@@ -687,9 +792,13 @@ def apply(result: Any, report: JobReport, roots: list[Divergence]) -> None:
         mask = pd.Series([h is not None for h in hits], index=result.nodes.index)
         result.nodes.loc[mask, "root_kind"] = ""
         result.nodes.loc[mask, "reason"] = [
-            (f"inherited: received through collective {h[1]} from rank {h[0]}" if h[0] != k[0]
-             else f"collective {h[1]}: only the contributors' rounding noise")
-            for h, k in zip(hits, keys) if h is not None
+            (
+                f"inherited: received through collective {h[1]} from rank {h[0]}"
+                if h[0] != k[0]
+                else f"collective {h[1]}: only the contributors' rounding noise"
+            )
+            for h, k in zip(hits, keys)
+            if h is not None
         ]
     for r in report.incomplete:
         line = next((x for x in report.ranks if x.rank == r), None)
@@ -708,5 +817,7 @@ def attach_cross_rank(result: Any) -> None:
     outcomes = {r: rank_outcome(result, r, result.target.rank(r)) for r in result.ranks}
     roots = [d for o in outcomes.values() for d in o.roots]
     b_manifests = {r: result.bench.rank(r).manifest for r in result.bench.ranks}
-    report = cross_rank(outcomes, result.target.manifest, result.bench.manifest, t_ranks, list(result.bench.ranks), b_manifests)
+    report = cross_rank(
+        outcomes, result.target.manifest, result.bench.manifest, t_ranks, list(result.bench.ranks), b_manifests
+    )
     apply(result, report, roots)

@@ -1,4 +1,5 @@
 """The outcome of a comparison: verdict, first divergence, suspects, per-node and per-tensor tables."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,27 @@ from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
 from tracecmp.verdict.records import Divergence, Drift, Region, SkippedStep, op_counts
 
-NODE_COLUMNS = ("rank", "op_id", "bench_op_id", "region", "step", "phase", "kind", "op", "name", "module", "location", "status",
-                "error", "introduced", "own_error", "honest_error", "metric", "root_kind", "reason")
+NODE_COLUMNS = (
+    "rank",
+    "op_id",
+    "bench_op_id",
+    "region",
+    "step",
+    "phase",
+    "kind",
+    "op",
+    "name",
+    "module",
+    "location",
+    "status",
+    "error",
+    "introduced",
+    "own_error",
+    "honest_error",
+    "metric",
+    "root_kind",
+    "reason",
+)
 
 
 @dataclass
@@ -59,7 +79,9 @@ class CompareResult:
         if self.first_divergence is not None or self.warnings_block_agreement:
             return False
         counted = self.nodes[self.nodes["kind"] != "view"]
-        return bool(len(counted)) and bool(counted["status"].isin(["agrees", "noise"]).all()) and self.unpaired_bench.empty
+        return (
+            bool(len(counted)) and bool(counted["status"].isin(["agrees", "noise"]).all()) and self.unpaired_bench.empty
+        )
 
     @property
     def warnings_block_agreement(self) -> bool:
@@ -75,7 +97,9 @@ class CompareResult:
             "paired": int(counted["bench_op_id"].notna().sum()),
             "in regions": int(counted["region"].notna().sum()) if "region" in counted.columns else 0,
             "unpaired target": int(status.get("unpaired", 0)),
-            "unpaired bench": int(len(self.unpaired_bench[self.unpaired_bench["kind"] != "view"])) if len(self.unpaired_bench) else 0,
+            "unpaired bench": int(len(self.unpaired_bench[self.unpaired_bench["kind"] != "view"]))
+            if len(self.unpaired_bench)
+            else 0,
             **{name: int(status.get(name, 0)) for name in ("agrees", "noise", "uncompared", "diverged", "nan")},
             "roots": len(self.suspects),
         }
@@ -105,21 +129,36 @@ class CompareResult:
         lines = [self.verdict()]
         d = self.first_divergence
         if d is not None:
-            lines += ["", "First divergence:", f"  op        {d.op}", f"  module    {d.module or '<top>'}",
-                      f"  phase     {d.phase}, step {d.step}" + (f", rank {d.rank}" if d.rank else ""),
-                      f"  location  {d.location or '?'}", f"  kind      {d.kind}", f"  reason    {d.reason}"]
+            lines += [
+                "",
+                "First divergence:",
+                f"  op        {d.op}",
+                f"  module    {d.module or '<top>'}",
+                f"  phase     {d.phase}, step {d.step}" + (f", rank {d.rank}" if d.rank else ""),
+                f"  location  {d.location or '?'}",
+                f"  kind      {d.kind}",
+                f"  reason    {d.reason}",
+            ]
             if d.metrics:
                 lines.append("  metrics   " + ", ".join(f"{k}={_fmt(v)}" for k, v in d.metrics.items()))
         if self.suspects:
-            lines += ["", f"Suspects ({len(self.suspects)} root{'s' if len(self.suspects) != 1 else ''}, by introduced error):"]
+            lines += [
+                "",
+                f"Suspects ({len(self.suspects)} root{'s' if len(self.suspects) != 1 else ''}, by introduced error):",
+            ]
             ranked = sorted(self.suspects, key=lambda s: -s.score)[:top]
             width = max(len(s.op) for s in ranked)
             for i, s in enumerate(ranked, 1):
-                lines.append(f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
-                             f"{s.kind:<11} score {_fmt(s.score)}")
+                lines.append(
+                    f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
+                    f"{s.kind:<11} score {_fmt(s.score)}"
+                )
         if self.skipped_steps:
-            lines += ["", "Loss scaler: the target's skipped updates the bench made, on overflows it caught (the "
-                          "scaler at work, not faults):"]
+            lines += [
+                "",
+                "Loss scaler: the target's skipped updates the bench made, on overflows it caught (the "
+                "scaler at work, not faults):",
+            ]
             for skip in self.skipped_steps:
                 lines.append(f"  {skip}")
                 if skip.overflows:
@@ -131,16 +170,23 @@ class CompareResult:
         lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in counts.items())]
         if self.regions:
             kinds = pd.Series([r.kind for r in self.regions]).value_counts()
-            lines.append("Regions (ops matched as groups, judged at their boundary): "
-                         + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + " (regions.csv)")
+            lines.append(
+                "Regions (ops matched as groups, judged at their boundary): "
+                + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+                + " (regions.csv)"
+            )
         replayed = int(self.nodes["own_error"].notna().sum()) if "own_error" in self.nodes else 0
         if replayed:
             computing = int((self.nodes["kind"] == "op").sum())
-            lines.append(f"Replay: {replayed} of {computing} ops re-run on their recorded inputs in float64 "
-                         "(own error in nodes.csv: own_error, honest_error)")
+            lines.append(
+                f"Replay: {replayed} of {computing} ops re-run on their recorded inputs in float64 "
+                "(own error in nodes.csv: own_error, honest_error)"
+            )
         elif counts.get("noise") and not self.exact:
-            lines.append(f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
-                         'that noise cannot be told apart from statistics: capture the target with data="tensors"')
+            lines.append(
+                f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
+                'that noise cannot be told apart from statistics: capture the target with data="tensors"'
+            )
         if self.job is not None:
             lines += ["", self.job.summary()]
         for w in self.warnings:
@@ -152,7 +198,9 @@ class CompareResult:
         d = self.first_divergence
         mode = "bitwise " if self.exact else ""
         if d is not None:
-            where = f"{d.op} in {d.module or '<top>'} ({d.phase}, step {d.step}{', rank ' + str(d.rank) if d.rank else ''})"
+            where = (
+                f"{d.op} in {d.module or '<top>'} ({d.phase}, step {d.step}{', rank ' + str(d.rank) if d.rank else ''})"
+            )
             return f"DIVERGED: {mode}first divergence at {where}" + (f" — {d.location}" if d.location else "")
         if self.agrees:
             if self.exact:
@@ -162,13 +210,17 @@ class CompareResult:
                 return "AGREE: no op diverges beyond rounding noise"
             # Agreement after a drift is weaker: say so in the line people read, not only below.
             rank = f", rank {drift.rank}" if drift.rank else ""
-            return (f"AGREE: no op diverges beyond rounding noise; from op {drift.op_id} ({drift.op}, step {drift.step}{rank}) "
-                    f"the runs drifted apart by {drift.error:.0%}, and statistics see a later fault only where it is larger")
+            return (
+                f"AGREE: no op diverges beyond rounding noise; from op {drift.op_id} ({drift.op}, step {drift.step}{rank}) "
+                f"the runs drifted apart by {drift.error:.0%}, and statistics see a later fault only where it is larger"
+            )
         if self.skipped_steps:
             steps = sorted({skip.step for skip in self.skipped_steps})
             named = ", ".join(map(str, steps))
-            return (f"NO ROOT: the target's loss scaler skipped the update of step{'s' if len(steps) > 1 else ''} {named} on "
-                    "overflows the bench did not have; what follows from parameters the bench moved is inherited")
+            return (
+                f"NO ROOT: the target's loss scaler skipped the update of step{'s' if len(steps) > 1 else ''} {named} on "
+                "overflows the bench did not have; what follows from parameters the bench moved is inherited"
+            )
         c = self.counts()
         gaps = []
         if c["unpaired target"] or c["unpaired bench"]:
@@ -181,7 +233,11 @@ class CompareResult:
             gaps.append(f"{c['uncompared']} nodes uncompared")
         if self.warnings_block_agreement:
             gaps.append("see the warnings")
-        return "INCOMPLETE: no divergence found among what could be compared (" + "; ".join(gaps or ["nothing compared"]) + ")"
+        return (
+            "INCOMPLETE: no divergence found among what could be compared ("
+            + "; ".join(gaps or ["nothing compared"])
+            + ")"
+        )
 
     def regions_frame(self) -> pd.DataFrame:
         """One row per region (:class:`tracecmp.verdict.records.Region`): what it is, its ops on
@@ -189,8 +245,22 @@ class CompareResult:
 
         >>> result.regions_frame()[["region", "kind", "target_ops", "bench_ops", "status"]]  # doctest: +SKIP
         """
-        columns = ["rank", "region", "step", "phase", "module", "kind", "status", "root", "target_ops", "bench_ops",
-                   "target_op_ids", "bench_op_ids", "inputs", "outputs"]
+        columns = [
+            "rank",
+            "region",
+            "step",
+            "phase",
+            "module",
+            "kind",
+            "status",
+            "root",
+            "target_ops",
+            "bench_ops",
+            "target_op_ids",
+            "bench_op_ids",
+            "inputs",
+            "outputs",
+        ]
         status = {}
         if len(self.nodes) and "region" in self.nodes.columns:
             members = self.nodes[self.nodes["region"].notna()]
@@ -198,15 +268,24 @@ class CompareResult:
         roots = {d.region for d in self.suspects if d.region is not None}
         rows = []
         for r in self.regions:
-            rows.append({
-                "rank": r.rank, "region": r.region_id, "step": r.step, "phase": r.phase, "module": r.module,
-                "kind": r.kind, "status": status.get(r.region_id, "" if r.target_ops else "bench-only"),
-                "root": r.region_id in roots, "target_ops": op_counts(r.target_names, views=not _computes(r.target_names)),
-                "bench_ops": op_counts(r.bench_names, views=not _computes(r.bench_names)),
-                "target_op_ids": " ".join(map(str, r.target_ops)), "bench_op_ids": " ".join(map(str, r.bench_ops)),
-                "inputs": " ".join(f"{'-' if t is None else t}:{'-' if b is None else b}" for t, b in r.inputs),
-                "outputs": " ".join(f"{t}:{b}" for t, b in r.outputs),
-            })
+            rows.append(
+                {
+                    "rank": r.rank,
+                    "region": r.region_id,
+                    "step": r.step,
+                    "phase": r.phase,
+                    "module": r.module,
+                    "kind": r.kind,
+                    "status": status.get(r.region_id, "" if r.target_ops else "bench-only"),
+                    "root": r.region_id in roots,
+                    "target_ops": op_counts(r.target_names, views=not _computes(r.target_names)),
+                    "bench_ops": op_counts(r.bench_names, views=not _computes(r.bench_names)),
+                    "target_op_ids": " ".join(map(str, r.target_ops)),
+                    "bench_op_ids": " ".join(map(str, r.bench_ops)),
+                    "inputs": " ".join(f"{'-' if t is None else t}:{'-' if b is None else b}" for t, b in r.inputs),
+                    "outputs": " ".join(f"{t}:{b}" for t, b in r.outputs),
+                }
+            )
         return pd.DataFrame(rows, columns=columns)
 
     def write_tables(self, out_dir: str | Path, *, xlsx: bool = False) -> list[Path]:
@@ -217,8 +296,13 @@ class CompareResult:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TracecmpError(f"cannot create output folder: {exc.strerror}", path=out) from exc
-        tables = {"nodes": self.nodes, "tensors": self.tensors, "suspects": self.suspects_frame(),
-                  "unpaired_bench": self.unpaired_bench, "regions": self.regions_frame()}
+        tables = {
+            "nodes": self.nodes,
+            "tensors": self.tensors,
+            "suspects": self.suspects_frame(),
+            "unpaired_bench": self.unpaired_bench,
+            "regions": self.regions_frame(),
+        }
         if self.job is not None:
             tables["ranks"] = self.job.to_frame()
         paths = []
@@ -243,7 +327,20 @@ class CompareResult:
 
     def suspects_frame(self) -> pd.DataFrame:
         """The suspects as a table, first divergence first, then by score."""
-        columns = ["rank", "op_id", "bench_op_id", "region", "step", "phase", "op", "module", "location", "kind", "score", "reason"]
+        columns = [
+            "rank",
+            "op_id",
+            "bench_op_id",
+            "region",
+            "step",
+            "phase",
+            "op",
+            "module",
+            "location",
+            "kind",
+            "score",
+            "reason",
+        ]
         rows = [{c: getattr(s, c) for c in columns} for s in self.suspects]
         return pd.DataFrame(rows, columns=columns)
 

@@ -11,6 +11,7 @@ The *rounding unit* of a dtype is its machine epsilon (``torch.finfo(dtype).eps`
 expressed in these units so that a bf16 run and an fp32 run are judged on the same scale. When the
 two runs hold a tensor in different dtypes the coarser dtype's unit is used.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ TORCH_TESTING_TOLERANCES: dict[str, tuple[float, float]] = {
     "complex64": (1.3e-6, 1e-5),
     "complex128": (1e-7, 1e-7),
 }
+
 
 @dataclass(frozen=True)
 class Tolerances:
@@ -78,7 +80,16 @@ class Tolerances:
     allow_tf32: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("margin", "local", "ambient", "downstream", "rel_floor", "replay_margin", "replay_local", "region_units"):
+        for name in (
+            "margin",
+            "local",
+            "ambient",
+            "downstream",
+            "rel_floor",
+            "replay_margin",
+            "replay_local",
+            "region_units",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise CompareError(f"tolerance {name} must be a finite non-negative number, got {value!r}")
@@ -119,7 +130,20 @@ class Tolerances:
             if not sep:
                 raise CompareError(f"bad tolerance {item!r}: expected NAME=VALUE")
             try:
-                if key in ("margin", "local", "ambient", "downstream", "rel_floor", "replay_margin", "replay_local", "region_units", "cosine_warn", "cosine_fail", "max_abs_warn", "max_abs_fail"):
+                if key in (
+                    "margin",
+                    "local",
+                    "ambient",
+                    "downstream",
+                    "rel_floor",
+                    "replay_margin",
+                    "replay_local",
+                    "region_units",
+                    "cosine_warn",
+                    "cosine_fail",
+                    "max_abs_warn",
+                    "max_abs_fail",
+                ):
                     scalars[key] = float(value)
                 elif key == "allow_tf32":
                     flag = value.strip().lower()

@@ -9,6 +9,7 @@ therefore whose error) it shows.
 >>> g = build_graph(tracecmp.load("runs/bench").rank(0), step=0)   # doctest: +SKIP
 >>> [g.nodes[n]["op"] for n in g.predecessors(42)]                 # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -87,8 +88,11 @@ def build_graph(rank_trace: RankTrace, step: int | None = None, *, rank: int | N
     if step is not None:
         edges = edges[edges["producer"].isin(graph)]
     for producer, consumer, tid, shape, dtype in zip(
-        edges["producer"].tolist(), edges["consumer"].tolist(), edges["tensor_id"].tolist(),
-        edges["shape"].tolist(), edges["dtype"].tolist(),
+        edges["producer"].tolist(),
+        edges["consumer"].tolist(),
+        edges["tensor_id"].tolist(),
+        edges["shape"].tolist(),
+        edges["dtype"].tolist(),
     ):
         data: dict[str, Any] | None = graph.get_edge_data(producer, consumer)
         if data is None:

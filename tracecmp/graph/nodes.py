@@ -4,6 +4,7 @@ measured state against the bench. Ids, names and numbers, never tensors.
 >>> Node(7, 0, "forward", "op", "aten.gelu.default", "gelu", "mlp.act", "train.py:42", "{}", [3], [8], False, "").module
 'mlp.act'
 """
+
 from __future__ import annotations
 
 import math

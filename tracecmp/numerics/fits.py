@@ -10,6 +10,7 @@ rank and says, per op, how closely it reproduces that op's calls. Both judges ho
 >>> model_fits(own, {0: "aten.mm.default", 1: "aten.mm.default", 2: "aten.mm.default"})
 {'aten.mm.default': ModelFit(model=0, misfit=1.5, members=3)}
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

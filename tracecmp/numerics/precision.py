@@ -4,6 +4,7 @@ A float32 matmul may run at reduced precision (TF32 on GPUs, HF32 on NPUs, bf16 
 ``torch.set_float32_matmul_precision("medium")``); both judges then hold such calls to that
 precision's rounding, not float32's.
 """
+
 from __future__ import annotations
 
 from tracecmp.trace.reader import Trace

@@ -8,6 +8,7 @@ conforming device gives bit for bit.
 >>> [name for name, _ in REDUCED_MODELS["tf32"]]
 ['to nearest even', 'toward zero', 'to nearest, ties away']
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -25,12 +26,15 @@ def reduced_models(name: str, inputs: list[torch.Tensor], reduced: str | None) -
     cls = classify(name)
     if not cls.precision_variable:
         return []
-    positions = [i for i, x in enumerate(inputs) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands)]
+    positions = [
+        i for i, x in enumerate(inputs) if x.dtype == torch.float32 and (not cls.operands or i in cls.operands)
+    ]
     if not positions:
         return []
-    return [[_laid_out_as(x, rounding(x)) if i in positions else x for i, x in enumerate(inputs)]
-            for _, rounding in REDUCED_MODELS[reduced]]
-
+    return [
+        [_laid_out_as(x, rounding(x)) if i in positions else x for i, x in enumerate(inputs)]
+        for _, rounding in REDUCED_MODELS[reduced]
+    ]
 
 
 def _laid_out_as(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -41,14 +45,16 @@ def _laid_out_as(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 # One correctly rounded IEEE 754 operation per element (alpha, when given, must be 1): on every
 # conforming device these give the same bits.
 _BASIC_OPS = frozenset(
-    [f"aten.{name}.{overload}" for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
-     for overload in ("Tensor", "Scalar")] + ["aten.sqrt.default", "aten.sqrt_.default"]
+    [
+        f"aten.{name}.{overload}"
+        for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
+        for overload in ("Tensor", "Scalar")
+    ]
+    + ["aten.sqrt.default", "aten.sqrt_.default"]
 )
-
 
 
 def correctly_rounded(name: str, args: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
@@ -65,13 +71,11 @@ def correctly_rounded(name: str, args: dict[str, Any], inputs: list[torch.Tensor
     return not any(bool(((x != 0) & (x.abs() < tiny)).any()) for x in floats)
 
 
-
 def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to TF32's 10-bit mantissa, to nearest even, on the bit pattern (finite values only)."""
     bits = x.contiguous().view(torch.int32)
     rounded = ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
     return torch.where(torch.isfinite(x), rounded, x)
-
 
 
 def _round_tf32_away(x: torch.Tensor) -> torch.Tensor:
@@ -81,16 +85,13 @@ def _round_tf32_away(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x)
 
 
-
 def _truncate_tf32(x: torch.Tensor) -> torch.Tensor:
     """``x`` with the 13 mantissa bits TF32 lacks cleared (round toward zero), as some hardware feeds its units."""
     return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
 
 
-
 def _round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
-
 
 
 def _truncate_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +99,17 @@ def _truncate_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, (bits & ~0xFFFF).view(torch.float32))
 
 
-
 # The ways a float32 matmul/conv may round its inputs at reduced precision, TF32 ("high") or
 # bf16 ("medium"): the first is the honest replay; the others are tried only to find which one
 # a run used (OwnError.fits).
 REDUCED_MODELS: dict[str, tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...]] = {
-    "tf32": (("to nearest even", _round_tf32), ("toward zero", _truncate_tf32), ("to nearest, ties away", _round_tf32_away)),
+    "tf32": (
+        ("to nearest even", _round_tf32),
+        ("toward zero", _truncate_tf32),
+        ("to nearest, ties away", _round_tf32_away),
+    ),
     "bf16": (("to nearest even", _round_bf16), ("toward zero", _truncate_bf16)),
 }
-
 
 
 FP32_UNIT = float(torch.finfo(torch.float32).eps)

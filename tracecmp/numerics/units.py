@@ -7,6 +7,7 @@ run and an fp32 run are judged on the same scale.
 >>> eps_of("bf16"), REDUCED_EPS["tf32"]
 (0.0078125, 0.0009765625)
 """
+
 from __future__ import annotations
 
 EPS: dict[str, float] = {
@@ -33,9 +34,15 @@ TF32_EPS = 2.0**-10
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 
 _ALIASES = {
-    "fp64": "float64", "double": "float64", "f64": "float64",
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "fp16": "float16", "half": "float16", "f16": "float16",
+    "fp64": "float64",
+    "double": "float64",
+    "f64": "float64",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
     "bf16": "bfloat16",
 }
 

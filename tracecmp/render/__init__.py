@@ -6,6 +6,7 @@ Compare's report is :mod:`tracecmp.render.html`, check's :mod:`tracecmp.render.c
 >>> write_report(tracecmp.compare("runs/target", "runs/bench"), "out")  # doctest: +SKIP
 PosixPath('out/report.html')
 """
+
 from tracecmp.render.html import write_report
 from tracecmp.render.subgraph import render_subgraph
 

@@ -9,6 +9,7 @@ font; text is fitted to the width the layout measured for it.
 >>> to_svg(layout("digraph { a -> b; }"))[:4]
 '<svg'
 """
+
 from __future__ import annotations
 
 import io
@@ -48,7 +49,11 @@ def _num(value: float) -> str:
 def _svg_shape(shape: Shape) -> str:
     stroke = (
         f' stroke="{shape.stroke}" stroke-width="{_num(shape.width)}"'
-        + (f' stroke-dasharray="{",".join(_num(d * max(shape.width, 1.0)) for d in _DASHES[shape.dash])}"' if shape.dash else "")
+        + (
+            f' stroke-dasharray="{",".join(_num(d * max(shape.width, 1.0)) for d in _DASHES[shape.dash])}"'
+            if shape.dash
+            else ""
+        )
         if shape.stroke
         else ' stroke="none"'
     )
@@ -59,8 +64,9 @@ def _svg_shape(shape: Shape) -> str:
         if shape.kind == "ellipse":
             body = f'<ellipse cx="{_num((x0 + x1) / 2)}" cy="{_num((y0 + y1) / 2)}" rx="{_num((x1 - x0) / 2)}" ry="{_num((y1 - y0) / 2)}"'
         else:
-            body = (f'<rect x="{_num(x0)}" y="{_num(y0)}" width="{_num(x1 - x0)}" height="{_num(y1 - y0)}"'
-                    + (f' rx="{_num(shape.radius)}"' if shape.radius else ""))
+            body = f'<rect x="{_num(x0)}" y="{_num(y0)}" width="{_num(x1 - x0)}" height="{_num(y1 - y0)}"' + (
+                f' rx="{_num(shape.radius)}"' if shape.radius else ""
+            )
         return f"{body}{fill}{stroke}>{title}</{shape.kind}>" if title else f"{body}{fill}{stroke}/>"
     if shape.kind == "path":
         p = shape.points
@@ -73,14 +79,16 @@ def _svg_shape(shape: Shape) -> str:
         points = " ".join(f"{_num(x)},{_num(y)}" for x, y in shape.points)
         return f'<polygon points="{points}"{fill}{stroke}/>'
     if shape.kind == "text":
-        (x, y), = shape.points
+        ((x, y),) = shape.points
         weight = ' font-weight="bold"' if shape.bold else ""
         # The layout measured Helvetica; where the browser falls back to a wider font, textLength
         # keeps the text inside the box it was given.
         length = text_width(shape.text, shape.size, shape.bold)
-        return (f'<text x="{_num(x)}" y="{_num(y)}" font-family="{_FONT_FAMILY}" font-size="{_num(shape.size)}"'
-                f'{weight} fill="{shape.fill or "#000000"}" textLength="{_num(length)}" lengthAdjust="spacingAndGlyphs"'
-                f' xml:space="preserve">{escape(shape.text)}</text>')
+        return (
+            f'<text x="{_num(x)}" y="{_num(y)}" font-family="{_FONT_FAMILY}" font-size="{_num(shape.size)}"'
+            f'{weight} fill="{shape.fill or "#000000"}" textLength="{_num(length)}" lengthAdjust="spacingAndGlyphs"'
+            f' xml:space="preserve">{escape(shape.text)}</text>'
+        )
     raise TracecmpError(f"cannot draw a {shape.kind!r}")
 
 
@@ -199,7 +207,7 @@ def to_png(drawing: Drawing, scale: float = 1.5, supersample: int = 2) -> bytes:
         elif shape.kind == "polygon":
             pen.polygon(pts(shape.points), fill=shape.fill, outline=shape.stroke)
         elif shape.kind == "text":
-            (x, y), = shape.points
+            ((x, y),) = shape.points
             want = text_width(shape.text, shape.size, shape.bold) * k
             px = max(4, round(shape.size * k))
             font = _font(px, shape.bold)

@@ -6,6 +6,7 @@ agreement (error 0) sits on a band below the axis and NaN/Inf on a band above it
 disappears from a log scale. Long runs are thinned to the largest error per pixel column and
 phase, which keeps every spike a person would look for.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ def _thin(points: pd.DataFrame, columns: int, keep: int | None) -> pd.DataFrame:
     return picked.drop(columns=["_bin", "_sev"]).sort_values("x")
 
 
-def error_chart(nodes: pd.DataFrame, root: int | None = None, rank: int = 0, width: int = 1100, height: int = 340) -> str:
+def error_chart(
+    nodes: pd.DataFrame, root: int | None = None, rank: int = 0, width: int = 1100, height: int = 340
+) -> str:
     """SVG text of the error chart for one rank of ``result.nodes`` (ops only; views and sources skipped).
 
     >>> svg = error_chart(result.nodes, root=result.first_divergence.op_id)  # doctest: +SKIP

@@ -5,6 +5,7 @@ first erring op with its source line and stack, the graph around it, the own err
 along the run, the ranked suspects, the modules, the ops that could not be judged and why, and
 the capture filter for a re-run with tensors around the suspects.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,11 +34,18 @@ REPORT_NAME = "check.html"
 PICTURE_NAME = "check.svg"
 # compare's legend and labels, as check says them.
 _WORDS = (
-    (">agrees<", ">pass<"), (">noise<", ">warning<"), (">diverged<", ">error<"), (">unpaired<", ">—<"),
-    ("FIRST DIVERGENCE", "FIRST ERROR"), ("LARGEST ERROR", "LARGEST OWN ERROR"),
-    ("err: output error in rounding units (u) of its dtype; own: what the op added itself",
-     "err: own error against a float64 replay of its inputs, in rounding units (u) of its dtype"),
-    ("First divergence:", "First erring op:"), ("No divergence: the runs agree", "No op errs"),
+    (">agrees<", ">pass<"),
+    (">noise<", ">warning<"),
+    (">diverged<", ">error<"),
+    (">unpaired<", ">—<"),
+    ("FIRST DIVERGENCE", "FIRST ERROR"),
+    ("LARGEST ERROR", "LARGEST OWN ERROR"),
+    (
+        "err: output error in rounding units (u) of its dtype; own: what the op added itself",
+        "err: own error against a float64 replay of its inputs, in rounding units (u) of its dtype",
+    ),
+    ("First divergence:", "First erring op:"),
+    ("No divergence: the runs agree", "No op errs"),
     ("Could not compare: no divergence found, but not everything was compared", "No op errs among those judged"),
 )
 
@@ -108,20 +116,32 @@ def _modules_html(result: Any) -> str:
     for row in table.itertuples():
         worst = "" if _nan(row.max_introduced) else format_number(row.max_introduced)
         rows.append(
-            f"<tr><td><code>{escape(row.module or '<top>')}</code></td><td class=\"num\">{row.ops}</td>"
+            f'<tr><td><code>{escape(row.module or "<top>")}</code></td><td class="num">{row.ops}</td>'
             f'<td class="num">{row.diverged}</td><td class="num">{worst}</td>'
             f"<td>{escape(row.introduced_by)}</td><td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
-    return table_html("modules-table", [("module", False), ("ops", True), ("erring ops", True),
-                                         ("worst (x the standard)", True), ("by", False), ("first erring op", False)], rows)
+    return table_html(
+        "modules-table",
+        [
+            ("module", False),
+            ("ops", True),
+            ("erring ops", True),
+            ("worst (x the standard)", True),
+            ("by", False),
+            ("first erring op", False),
+        ],
+        rows,
+    )
 
 
 def _skipped_html(result: Any) -> str:
     table = result.skipped()
     if table.empty:
         return '<p class="note">Every op was judged.</p>'
-    rows = (f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td><td><code>{escape(row.names)}</code></td></tr>'
-            for row in table.itertuples())
+    rows = (
+        f'<tr><td class="num">{row.ops}</td><td>{escape(row.reason)}</td><td><code>{escape(row.names)}</code></td></tr>'
+        for row in table.itertuples()
+    )
     return table_html("skipped-table", [("ops", True), ("why skipped", False), ("ops such as", False)], rows)
 
 
@@ -143,17 +163,27 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     warnings = "".join(f'<div class="warn">Warning: {escape(w)}</div>' for w in result.warnings)
     notes = "".join(f"<li>{escape(n)}</li>" for n in result.notes)
     selection = result.selection()
-    rerun = (f"<h2 id=\"rerun\">Re-run with tensors around the suspects</h2><p class=\"note\">Statistics for every op, whole "
-             f"tensors only where it matters; then check again.</p><pre>{escape(selection.code(str(result.trace.path)))}</pre>"
-             if selection is not None else "")
+    rerun = (
+        f'<h2 id="rerun">Re-run with tensors around the suspects</h2><p class="note">Statistics for every op, whole '
+        f"tensors only where it matters; then check again.</p><pre>{escape(selection.code(str(result.trace.path)))}</pre>"
+        if selection is not None
+        else ""
+    )
     render_nodes = result.render_nodes()
     focus_rank = result.first_error.rank if result.first_error is not None else (result.ranks[0] if result.ranks else 0)
-    chart = _words(error_chart(render_nodes, root=result.first_error.op_id if result.first_error else None, rank=focus_rank))
+    chart = _words(
+        error_chart(render_nodes, root=result.first_error.op_id if result.first_error else None, rank=focus_rank)
+    )
     chart = chart.replace("first divergence:", "first error:")
     chart = chart.replace("output error (rounding units, log)", "own error (rounding units, log)")
-    summary = summary_html("tracecmp check", f"trace: <code>{escape(str(result.trace.path))}</code> · evidence: "
-                           f"{escape(result.evidence)}", css, sentence, warnings,
-                           counts_html(counts, {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""}))
+    summary = summary_html(
+        "tracecmp check",
+        f"trace: <code>{escape(str(result.trace.path))}</code> · evidence: {escape(result.evidence)}",
+        css,
+        sentence,
+        warnings,
+        counts_html(counts, {"error": "bad", "skipped": "bad" if counts.get("skipped") else ""}),
+    )
     body = f"""{summary}
 <h2 id="first-error">First erring op</h2>
 {_first_html(result)}

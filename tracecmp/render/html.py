@@ -6,6 +6,7 @@ the error along the network, the ranked suspects, the modules that introduced er
 counts behind the verdict. Check's report (:mod:`tracecmp.render.check_report`) is built from the
 same pieces.
 """
+
 from __future__ import annotations
 
 import math
@@ -168,18 +169,24 @@ def _first_divergence_html(result: Any) -> str:
         ("kind", escape(d.kind)),
         ("error introduced", f"{format_number(d.score)} rounding units"),
         ("metrics", metrics),
-        ("node", f"target op {d.op_id}" + (f", bench op {d.bench_op_id}" if d.bench_op_id is not None else ", no bench counterpart")),
+        (
+            "node",
+            f"target op {d.op_id}"
+            + (f", bench op {d.bench_op_id}" if d.bench_op_id is not None else ", no bench counterpart"),
+        ),
     ]
     region = next((r for r in getattr(result, "regions", ()) if r.region_id == d.region), None)
     if region is not None:
-        rows[-1] = ("region", f"{escape(region.describe())}: target <code>{escape(op_counts(region.target_names, views=True))}</code>"
-                              f" against bench <code>{escape(op_counts(region.bench_names, views=True) or 'nothing')}</code>")
+        rows[-1] = (
+            "region",
+            f"{escape(region.describe())}: target <code>{escape(op_counts(region.target_names, views=True))}</code>"
+            f" against bench <code>{escape(op_counts(region.bench_names, views=True) or 'nothing')}</code>",
+        )
     return first_html(rows, d.stack)
 
 
 def _compare_cells(d: Divergence) -> str:
-    return (f'<td>{escape(d.kind)}</td>'
-            f'<td class="num" data-sort="{_sort_value(d.score)}">{format_number(d.score)}</td>')
+    return f'<td>{escape(d.kind)}</td><td class="num" data-sort="{_sort_value(d.score)}">{format_number(d.score)}</td>'
 
 
 def _regions_html(result: Any) -> str:
@@ -196,8 +203,19 @@ def _regions_html(result: Any) -> str:
             f"<td><code>{escape(row.target_ops or '—')}</code></td><td><code>{escape(row.bench_ops or '—')}</code></td>"
             f"<td>{escape(str(row.status))}{' (root)' if row.root else ''}</td></tr>"
         )
-    return table_html("regions-table", [("region", True), ("kind", False), ("module", False), ("phase", False),
-                                         ("target ops", False), ("bench ops", False), ("status", False)], rows)
+    return table_html(
+        "regions-table",
+        [
+            ("region", True),
+            ("kind", False),
+            ("module", False),
+            ("phase", False),
+            ("target ops", False),
+            ("bench ops", False),
+            ("status", False),
+        ],
+        rows,
+    )
 
 
 def _modules_html(result: Any) -> str:
@@ -226,9 +244,19 @@ def _modules_html(result: Any) -> str:
             f'<td class="num" data-sort="{_sort_value(row.max_error)}">{format_number(row.max_error)}</td>'
             f"<td><code>{escape(row.first_diverged)}</code></td></tr>"
         )
-    return table_html("modules-table", [("module", False), ("ops", True), ("diverged ops", True),
-                                         ("max error introduced", True), ("by", False), ("max output error", True),
-                                         ("first diverged op", False)], rows)
+    return table_html(
+        "modules-table",
+        [
+            ("module", False),
+            ("ops", True),
+            ("diverged ops", True),
+            ("max error introduced", True),
+            ("by", False),
+            ("max output error", True),
+            ("first diverged op", False),
+        ],
+        rows,
+    )
 
 
 def _counts_with_replay(result: Any) -> dict[str, int]:
@@ -243,10 +271,14 @@ def _counts_with_replay(result: Any) -> dict[str, int]:
 
 def counts_html(counts: dict[str, int], css: dict[str, str]) -> str:
     """The row of count boxes at the top of a report; ``css`` classes a box by its name ("bad", "nan")."""
-    return '<div class="counts">' + "".join(
-        f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
-        for name, value in counts.items()
-    ) + "</div>"
+    return (
+        '<div class="counts">'
+        + "".join(
+            f'<div class="count {css.get(name, "")}"><b>{value}</b><span>{escape(name)}</span></div>'
+            for name, value in counts.items()
+        )
+        + "</div>"
+    )
 
 
 def _compare_counts_html(counts: dict[str, int]) -> str:
@@ -291,11 +323,21 @@ def write_report(result: Any, out_dir: str | Path, *, depth: int = 2, max_nodes:
     warnings_html = "".join(f'<div class="warn">Warning: {escape(note)}</div>' for note in result.warnings)
     warnings_html += "".join(
         f'<div class="warn">Loss scaler skipped {escape(str(skip))}. {escape(skip.overflows[0].reason if skip.overflows else "")}</div>'
-        for skip in getattr(result, "skipped_steps", ()))
-    warnings_html += "".join(f'<div class="warn">Drift: {escape(str(drift))}</div>'
-                             for drift in getattr(result, "drifts", ()) if not drift.undecided)
-    summary = summary_html("tracecmp report", _run_line(result), css_class, sentence, warnings_html,
-                           _compare_counts_html(_counts_with_replay(result)))
+        for skip in getattr(result, "skipped_steps", ())
+    )
+    warnings_html += "".join(
+        f'<div class="warn">Drift: {escape(str(drift))}</div>'
+        for drift in getattr(result, "drifts", ())
+        if not drift.undecided
+    )
+    summary = summary_html(
+        "tracecmp report",
+        _run_line(result),
+        css_class,
+        sentence,
+        warnings_html,
+        _compare_counts_html(_counts_with_replay(result)),
+    )
     body = f"""{summary}
 <h2 id="first-divergence">First divergence</h2>
 {_first_divergence_html(result)}
@@ -310,8 +352,15 @@ Shaded stretches are backward and optimizer ops; hover a point for its op.</p>
 <div class="figure">{error_chart(result.nodes, root=chart_root, rank=focus.rank)}</div>
 <h2 id="suspects">Suspects</h2>
 <p class="note">Ranked root causes (click a header to sort).</p>
-{suspects_html(result.suspects or [], result.first_divergence, "No suspects.",
-               [("kind", False), ("error introduced", True)], _compare_cells)}
+{
+        suspects_html(
+            result.suspects or [],
+            result.first_divergence,
+            "No suspects.",
+            [("kind", False), ("error introduced", True)],
+            _compare_cells,
+        )
+    }
 <h2 id="regions">Regions</h2>
 <p class="note">Ops that pair only as groups: a fused op against its decomposition, another decomposition of the
 same values, casts or copies one side makes alone. Each is compared at its boundary, never inside; in the picture a
@@ -365,11 +414,20 @@ def first_html(rows: Sequence[tuple[str, str]], stack: str) -> str:
 def table_html(table_id: str, headers: Sequence[tuple[str, bool]], rows: Iterable[str]) -> str:
     """A table sortable by clicking a header; ``headers`` are (name, numeric), ``rows`` whole ``<tr>``s."""
     head = "".join(f'<th data-type="num">{name}</th>' if numeric else f"<th>{name}</th>" for name, numeric in headers)
-    return f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>' + "".join(rows) + "</tbody></table>"
+    return (
+        f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>'
+        + "".join(rows)
+        + "</tbody></table>"
+    )
 
 
-def suspects_html(suspects: Sequence[Divergence], first: Divergence | None, empty: str,
-                  columns: Sequence[tuple[str, bool]], cells: Callable[[Divergence], str]) -> str:
+def suspects_html(
+    suspects: Sequence[Divergence],
+    first: Divergence | None,
+    empty: str,
+    columns: Sequence[tuple[str, bool]],
+    cells: Callable[[Divergence], str],
+) -> str:
     """The ranked suspects, the first one highlighted: where each is, the verdict's own ``columns``
     (filled by ``cells``), why and its source line; ``empty`` (a note) where there is none."""
     if not suspects:
@@ -384,8 +442,16 @@ def suspects_html(suspects: Sequence[Divergence], first: Divergence | None, empt
             f'<td class="num" data-sort="{d.step}">{d.step}</td>{cells(d)}'
             f"<td>{escape(d.reason)}</td><td><code>{escape(d.location)}</code></td></tr>"
         )
-    headers = [("#", True), ("op", False), ("module", False), ("phase", False), ("step", True), *columns,
-               ("why", False), ("source line", False)]
+    headers = [
+        ("#", True),
+        ("op", False),
+        ("module", False),
+        ("phase", False),
+        ("step", True),
+        *columns,
+        ("why", False),
+        ("source line", False),
+    ]
     return table_html("suspects-table", headers, rows)
 
 

@@ -6,6 +6,7 @@ with the view ops; the region within ``depth`` producer and consumer hops of the
 by ``max_nodes`` (nearest and worst nodes first) and whatever does not fit is summarized as
 "+N more" nodes. Nodes sit in graphviz clusters by module and are coloured by status.
 """
+
 from __future__ import annotations
 
 import math
@@ -180,7 +181,7 @@ class _NodeInfo:
         return "", ""
 
     def nonfinite(self, op_id: int) -> str:
-        """"3 Inf, 1 NaN" for the node's first output as recorded, "" when finite or unknown."""
+        """ "3 Inf, 1 NaN" for the node's first output as recorded, "" when finite or unknown."""
         _, _, nan, inf = self.outputs.get(op_id, ("", "", 0, 0))
         return ", ".join(f"{count} {name}" for count, name in ((inf, "Inf"), (nan, "NaN")) if count)
 
@@ -208,7 +209,9 @@ def _first_outputs(result: Any, rank: int) -> dict[int, tuple[str, str, int, int
     inf = first["inf_count"] if "inf_count" in first.columns else pd.Series(0, index=first.index)
     return {
         int(op_id): (format_shape(shape), str(dtype), int(n), int(i))
-        for op_id, shape, dtype, n, i in zip(first["op_id"], first["shape"], first["dtype"], nan.fillna(0), inf.fillna(0))
+        for op_id, shape, dtype, n, i in zip(
+            first["op_id"], first["shape"], first["dtype"], nan.fillna(0), inf.fillna(0)
+        )
     }
 
 
@@ -223,7 +226,11 @@ def find_focus(result: Any) -> Focus:
         return Focus(d.rank, d.step, d.op_id, title, d.reason)
     nodes = result.nodes
     agrees = bool(result.agrees)
-    verdict = "No divergence: the runs agree" if agrees else "Could not compare: no divergence found, but not everything was compared"
+    verdict = (
+        "No divergence: the runs agree"
+        if agrees
+        else "Could not compare: no divergence found, but not everything was compared"
+    )
     errors = pd.to_numeric(nodes["error"], errors="coerce") if "error" in nodes.columns else pd.Series(dtype=float)
     candidates = nodes[(errors > 0) & (nodes.get("kind", "op") != "view")] if len(nodes) else nodes
     if candidates.empty:
@@ -311,7 +318,11 @@ def select(result: Any, depth: int = 2, max_nodes: int = 60) -> Selection:
     # A root that is a region is drawn with all its ops (the picture's box around them).
     region = info.get(root, "region")
     if region is not None:
-        members = info.rows.index[info.rows["region"].eq(region).fillna(False).to_numpy(bool)] if "region" in info.rows.columns else []
+        members = (
+            info.rows.index[info.rows["region"].eq(region).fillna(False).to_numpy(bool)]
+            if "region" in info.rows.columns
+            else []
+        )
         for member in members:
             member = int(member)
             if member != root and member in graph and not info.is_view(member) and member not in distance:
@@ -505,7 +516,7 @@ def build_dot(result: Any, depth: int = 2, max_nodes: int = 60) -> str:
     lines = [
         "digraph divergence {",
         f'  graph [rankdir=TB, labelloc=t, labeljust=l, fontname="{_FONT}", fontsize=12, nodesep=0.25, '
-        f'ranksep=0.35, newrank=true, label={_legend(sel.focus)}];',
+        f"ranksep=0.35, newrank=true, label={_legend(sel.focus)}];",
         f'  node [fontname="{_FONT}", fontsize=10, margin="0.12,0.05"];',
         f'  edge [fontname="{_FONT}", fontsize=8, fontcolor="#555555", color="#666666", arrowsize=0.6];',
     ]
@@ -556,7 +567,7 @@ def build_dot(result: Any, depth: int = 2, max_nodes: int = 60) -> str:
         lines.append(
             f'{pad}  label="{_dot_escape(module)}"; style="rounded,filled"; fillcolor="{fill}"; '
             f'color="{_ROOT_COLOR if module == root_module else ("#555555" if bold else "#aaaaaa")}"; '
-            f'penwidth={2 if module == root_module else 1}; fontsize=10;'
+            f"penwidth={2 if module == root_module else 1}; fontsize=10;"
             + (' fontcolor="' + _ROOT_COLOR + '";' if module == root_module else "")
         )
         for statement in by_module.get(module, []):
@@ -585,15 +596,22 @@ def _region_cluster(region: Any, statements: list[str], is_root: bool) -> str:
     it stands against (tracecmp.verdict.records.Region)."""
     counter = next(_REGION_BOXES)
     bench = op_counts(region.bench_names, limit=6) or (
-        f"views only ({op_counts(region.bench_names, views=True, limit=6)})" if region.bench_names else "nothing (target-only ops)")
+        f"views only ({op_counts(region.bench_names, views=True, limit=6)})"
+        if region.bench_names
+        else "nothing (target-only ops)"
+    )
     title = f"region {region.region_id} · {region.kind}"
-    note = (f'region{region.region_id}_{counter} [shape=note, style="filled", fillcolor="#ffffff", color="#999999", '
-            f'fontsize=8, label="{_dot_escape("bench: " + bench)}"];')
+    note = (
+        f'region{region.region_id}_{counter} [shape=note, style="filled", fillcolor="#ffffff", color="#999999", '
+        f'fontsize=8, label="{_dot_escape("bench: " + bench)}"];'
+    )
     color = _ROOT_COLOR if is_root else "#6a51a3"
     body = "\n".join(["  " + st for st in statements] + ["  " + note])
-    return (f"subgraph cluster_region{region.region_id}_{counter} {{\n"
-            f'  label="{_dot_escape(title)}"; style="dashed,rounded"; color="{color}"; penwidth=2; fontsize=10; '
-            f'fontcolor="{color}";\n{body}\n}}')
+    return (
+        f"subgraph cluster_region{region.region_id}_{counter} {{\n"
+        f'  label="{_dot_escape(title)}"; style="dashed,rounded"; color="{color}"; penwidth=2; fontsize=10; '
+        f'fontcolor="{color}";\n{body}\n}}'
+    )
 
 
 _REGION_BOXES = iter(range(1 << 62))
@@ -630,7 +648,9 @@ def render_subgraph(result: Any, path: str | Path, depth: int = 2, max_nodes: in
 
 def _check_format(path: Path) -> None:
     if path.suffix.lower().lstrip(".") not in FORMATS:
-        raise TracecmpError(f"cannot render to {path.suffix or 'a file without suffix'}: use .svg, .png or .dot", path=path)
+        raise TracecmpError(
+            f"cannot render to {path.suffix or 'a file without suffix'}: use .svg, .png or .dot", path=path
+        )
 
 
 def write_picture(dot_text: str, path: str | Path) -> Path:

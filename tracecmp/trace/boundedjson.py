@@ -12,6 +12,7 @@ treat unparseable text as unreadable need no new case.
 Traceback (most recent call last):
 ValueError: JSON nested 100 levels deep (at most 64 are read)
 """
+
 from __future__ import annotations
 
 import json

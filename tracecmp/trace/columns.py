@@ -18,6 +18,7 @@ nothing new to scan.
 >>> list(cols.rows(1)), len(cols)
 ([(4, ())], 2)
 """
+
 from __future__ import annotations
 
 import array
@@ -280,7 +281,9 @@ class Columns:
                 lengths = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(bytes(parts[index + 1]))])
                 offsets = pa.concat_arrays([pa.array([0], type=pa.int32()), pc.cumulative_sum(lengths)])
                 if offsets[-1].as_py() != len(part):
-                    raise ValueError(f"row buffers out of step: column {field.name!r} holds {len(part)} items, not {offsets[-1]}")
+                    raise ValueError(
+                        f"row buffers out of step: column {field.name!r} holds {len(part)} items, not {offsets[-1]}"
+                    )
                 values = pa.Array.from_buffers(pa.int64(), len(part), [None, pa.py_buffer(bytes(part))])
                 arrays.append(pa.ListArray.from_arrays(offsets, values, type=field.type))
             else:

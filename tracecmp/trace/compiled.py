@@ -37,6 +37,7 @@ incoming gradients.
 >>> record.graphs["g0"].backend
 'inductor'
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -70,20 +71,34 @@ class GraphNode:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "op": self.op, "inputs": list(self.inputs), "args": self.args, "module": self.module,
-            "location": self.location, "seq_nr": self.seq_nr, "original": self.original,
-            "shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes), "recomputed": self.recomputed,
+            "name": self.name,
+            "op": self.op,
+            "inputs": list(self.inputs),
+            "args": self.args,
+            "module": self.module,
+            "location": self.location,
+            "seq_nr": self.seq_nr,
+            "original": self.original,
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": list(self.dtypes),
+            "recomputed": self.recomputed,
         }
 
     @classmethod
     def from_json(cls, raw: Any) -> GraphNode:
         _need(raw, dict, "graph node")
         return cls(
-            name=_str(raw, "name"), op=_str(raw, "op"), inputs=tuple(_strs(raw.get("inputs", []), "node inputs")),
-            args=_str(raw, "args", "{}"), module=_str(raw, "module", ""), location=_str(raw, "location", ""),
-            seq_nr=_int(raw, "seq_nr", -1), original=_str(raw, "original", ""),
+            name=_str(raw, "name"),
+            op=_str(raw, "op"),
+            inputs=tuple(_strs(raw.get("inputs", []), "node inputs")),
+            args=_str(raw, "args", "{}"),
+            module=_str(raw, "module", ""),
+            location=_str(raw, "location", ""),
+            seq_nr=_int(raw, "seq_nr", -1),
+            original=_str(raw, "original", ""),
             shapes=tuple(tuple(_ints(s, "shape")) for s in _list(raw.get("shapes", []), "shapes")),
-            dtypes=tuple(_strs(raw.get("dtypes", []), "dtypes")), recomputed=raw.get("recomputed") is True,
+            dtypes=tuple(_strs(raw.get("dtypes", []), "dtypes")),
+            recomputed=raw.get("recomputed") is True,
         )
 
 
@@ -110,8 +125,12 @@ class GraphPart:
         return next((n for n in reversed(self.nodes) if n.op == "output"), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "nodes": [n.to_json() for n in self.nodes], "mutated": list(self.mutated),
-                "user_outputs": self.user_outputs}
+        return {
+            "kind": self.kind,
+            "nodes": [n.to_json() for n in self.nodes],
+            "mutated": list(self.mutated),
+            "user_outputs": self.user_outputs,
+        }
 
     @classmethod
     def from_json(cls, raw: Any) -> GraphPart:
@@ -119,8 +138,12 @@ class GraphPart:
         kind = _str(raw, "kind")
         if kind not in PARTS:
             raise _error(f"unknown graph part {kind!r}")
-        return cls(kind, tuple(GraphNode.from_json(n) for n in _list(raw.get("nodes"), "nodes")),
-                   tuple(_ints(raw.get("mutated", []), "mutated")), _int(raw, "user_outputs", 0))
+        return cls(
+            kind,
+            tuple(GraphNode.from_json(n) for n in _list(raw.get("nodes"), "nodes")),
+            tuple(_ints(raw.get("mutated", []), "mutated")),
+            _int(raw, "user_outputs", 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -137,9 +160,16 @@ class CompiledGraph:
     note: str = ""  # why parts are missing, when they are
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "compile_id": self.compile_id, "backend": self.backend, "code": self.code,
-                "module": self.module, "inputs": list(self.inputs), "parts": {k: p.to_json() for k, p in self.parts.items()},
-                "note": self.note}
+        return {
+            "id": self.id,
+            "compile_id": self.compile_id,
+            "backend": self.backend,
+            "code": self.code,
+            "module": self.module,
+            "inputs": list(self.inputs),
+            "parts": {k: p.to_json() for k, p in self.parts.items()},
+            "note": self.note,
+        }
 
     @classmethod
     def from_json(cls, raw: Any) -> CompiledGraph:
@@ -147,9 +177,14 @@ class CompiledGraph:
         parts = raw.get("parts", {})
         _need(parts, dict, "graph parts")
         return cls(
-            id=_str(raw, "id"), compile_id=_str(raw, "compile_id", ""), backend=_str(raw, "backend", ""),
-            code=_str(raw, "code", ""), module=_str(raw, "module", ""), inputs=tuple(_strs(raw.get("inputs", []), "inputs")),
-            parts={str(k): GraphPart.from_json(v) for k, v in parts.items()}, note=_str(raw, "note", ""),
+            id=_str(raw, "id"),
+            compile_id=_str(raw, "compile_id", ""),
+            backend=_str(raw, "backend", ""),
+            code=_str(raw, "code", ""),
+            module=_str(raw, "module", ""),
+            inputs=tuple(_strs(raw.get("inputs", []), "inputs")),
+            parts={str(k): GraphPart.from_json(v) for k, v in parts.items()},
+            note=_str(raw, "note", ""),
         )
 
 
@@ -173,9 +208,19 @@ class RegionCall:
         return self.first_op <= op_id <= self.last_op
 
     def to_json(self) -> dict[str, Any]:
-        return {"graph": self.graph, "part": self.part, "mode": self.mode, "step": self.step, "op_id": self.op_id,
-                "first_op": self.first_op, "last_op": self.last_op, "inputs": list(self.inputs),
-                "outputs": list(self.outputs), "forward": self.forward, "nodes": {k: list(v) for k, v in self.nodes.items()}}
+        return {
+            "graph": self.graph,
+            "part": self.part,
+            "mode": self.mode,
+            "step": self.step,
+            "op_id": self.op_id,
+            "first_op": self.first_op,
+            "last_op": self.last_op,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "forward": self.forward,
+            "nodes": {k: list(v) for k, v in self.nodes.items()},
+        }
 
     @classmethod
     def from_json(cls, raw: Any) -> RegionCall:
@@ -186,9 +231,16 @@ class RegionCall:
         nodes = raw.get("nodes", {})
         _need(nodes, dict, "region call nodes")
         return cls(
-            graph=_str(raw, "graph"), part=part, mode=mode, step=_int(raw, "step", 0), op_id=_int(raw, "op_id", -1),
-            first_op=_int(raw, "first_op"), last_op=_int(raw, "last_op"), inputs=tuple(_ints(raw.get("inputs", []), "inputs")),
-            outputs=tuple(_ints(raw.get("outputs", []), "outputs")), forward=_int(raw, "forward", -1),
+            graph=_str(raw, "graph"),
+            part=part,
+            mode=mode,
+            step=_int(raw, "step", 0),
+            op_id=_int(raw, "op_id", -1),
+            first_op=_int(raw, "first_op"),
+            last_op=_int(raw, "last_op"),
+            inputs=tuple(_ints(raw.get("inputs", []), "inputs")),
+            outputs=tuple(_ints(raw.get("outputs", []), "outputs")),
+            forward=_int(raw, "forward", -1),
             nodes={str(k): tuple(_ints(v, "node ops")) for k, v in nodes.items()},
         )
 

@@ -15,6 +15,7 @@ the same epoch on different ranks are concurrent.
 >>> Epochs(calls[1], job_order(calls)).of(9)
 0
 """
+
 from __future__ import annotations
 
 import bisect
@@ -82,13 +83,28 @@ def collectives(ops: pd.DataFrame, rank: int) -> list[Collective]:
         inputs, outputs = [int(t) for t in row.inputs], [int(t) for t in row.outputs]
         sent = tuple(inputs[i] for i in meta.get("sent", []) if isinstance(i, int) and 0 <= i < len(inputs))
         received = tuple(outputs[i] for i in meta.get("received", []) if isinstance(i, int) and 0 <= i < len(outputs))
-        found.append(Collective(
-            rank=rank, op_id=int(row.op_id), key=str(row.name), kind=str(meta.get("kind", "")),
-            ranks=tuple(int(r) for r in meta.get("ranks", []) if isinstance(r, int)), group=str(meta.get("group", "")),
-            reduce=meta.get("reduce"), root=_int(meta.get("root")), src=_int(meta.get("src")), dst=_int(meta.get("dst")),
-            sent=sent, received=received, op=str(row.op), step=int(row.step), phase=str(row.phase),
-            module=str(row.module), location=str(row.location), bucket=_int(meta.get("bucket")),
-        ))
+        found.append(
+            Collective(
+                rank=rank,
+                op_id=int(row.op_id),
+                key=str(row.name),
+                kind=str(meta.get("kind", "")),
+                ranks=tuple(int(r) for r in meta.get("ranks", []) if isinstance(r, int)),
+                group=str(meta.get("group", "")),
+                reduce=meta.get("reduce"),
+                root=_int(meta.get("root")),
+                src=_int(meta.get("src")),
+                dst=_int(meta.get("dst")),
+                sent=sent,
+                received=received,
+                op=str(row.op),
+                step=int(row.step),
+                phase=str(row.phase),
+                module=str(row.module),
+                location=str(row.location),
+                bucket=_int(meta.get("bucket")),
+            )
+        )
     return found
 
 
@@ -112,8 +128,11 @@ def job_order(calls: Mapping[int, list[Collective]]) -> dict[str, int]:
     total = len(holders)
     while len(order) < total:
         heads = {rank: queues[rank][position[rank]] for rank in queues if position[rank] < len(queues[rank])}
-        ready = [key for key in dict.fromkeys(heads.values())
-                 if all(heads.get(r) == key for r in holders[key] if position[r] < len(queues[r]))]
+        ready = [
+            key
+            for key in dict.fromkeys(heads.values())
+            if all(heads.get(r) == key for r in holders[key] if position[r] < len(queues[r]))
+        ]
         key = min(ready, key=lambda k: min(r for r in holders[k])) if ready else heads[min(heads)]
         order[key] = len(order)
         for rank in queues:

@@ -1,4 +1,5 @@
 """Reading a trace folder back, validating everything before anything is trusted."""
+
 from __future__ import annotations
 
 import zlib
@@ -75,11 +76,20 @@ def _is_int(value: Any) -> bool:
 
 # What the fields every reader of a manifest uses must hold (absent is always allowed).
 _RUN_FIELDS: dict[str, tuple[type, ...]] = {
-    "options": (dict,), "versions": (dict,), "world_size": (int,), "device": (str,), "created": (str,),
-    "seed_all": (dict, type(None)), "determinism": (dict, type(None)),
+    "options": (dict,),
+    "versions": (dict,),
+    "world_size": (int,),
+    "device": (str,),
+    "created": (str,),
+    "seed_all": (dict, type(None)),
+    "determinism": (dict, type(None)),
 }
 _RANK_FIELDS: dict[str, tuple[type, ...]] = {
-    "rank": (int,), "world_size": (int,), "device": (str,), "complete": (bool,), "info": (dict,),
+    "rank": (int,),
+    "world_size": (int,),
+    "device": (str,),
+    "complete": (bool,),
+    "info": (dict,),
     "stopped": (dict, type(None)),
 }
 
@@ -131,7 +141,7 @@ def kept_steps(steps: Iterable[int], stopped: Mapping[str, Any] | None) -> str:
         return f"steps {step_ranges(numbers)}" if numbers else "no step"
     last = stopped.get("last_step")
     whole = [s for s in numbers if _is_int(last) and s <= last]
-    partial = numbers[len(whole):]
+    partial = numbers[len(whole) :]
     kept = f"{_steps_word(whole)} {step_ranges(whole)} whole" if whole else "no whole step"
     return kept + (f", {_steps_word(partial)} {step_ranges(partial)} in part" if partial else "")
 
@@ -298,11 +308,15 @@ def _chunk_records(folder: Path, manifest: dict[str, Any]) -> list[dict[str, Any
     for index in range(len(numbered)):  # ordered by number: chunk-100000 comes after chunk-99999
         if index not in numbered:
             path = folder / numbered[min(k for k in numbered if k > index)]
-            raise TraceFormatError(f"chunk records are not numbered 0..N-1 ({chunk_record_name(index)} is missing)", path=path)
+            raise TraceFormatError(
+                f"chunk records are not numbered 0..N-1 ({chunk_record_name(index)} is missing)", path=path
+            )
         path = folder / numbered[index]
         record = _read_manifest(path, "chunk record")
         if record.get("index") != index:
-            raise TraceFormatError(f"chunk record says index {str(record.get('index'))[:40]!r}, expected {index}", path=path)
+            raise TraceFormatError(
+                f"chunk record says index {str(record.get('index'))[:40]!r}, expected {index}", path=path
+            )
         _check_record(record, path)
         records.append(record)
     return records
@@ -341,13 +355,17 @@ def load_rank(folder: Path) -> RankTrace:
         tensors_table = _read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA)
         rows = chunk["rows"]
         if (ops_table.num_rows, tensors_table.num_rows) != (rows.get("ops"), rows.get("tensors")):
-            raise TraceFormatError("chunk tables hold other row counts than its record", path=folder / chunk_record_name(index))
+            raise TraceFormatError(
+                "chunk tables hold other row counts than its record", path=folder / chunk_record_name(index)
+            )
         ops_parts.append(ops_table)
         tensor_parts.append(tensors_table)
         if "data" in chunk:
             data_files[index] = _check_file(folder, chunk["data"], "data")
         if "compiled" in chunk:
-            compiled_parts.append(_read_json(_check_file(folder, chunk["compiled"], "compiled"), "compiled-regions record"))
+            compiled_parts.append(
+                _read_json(_check_file(folder, chunk["compiled"], "compiled"), "compiled-regions record")
+            )
     ops = pa.concat_tables(ops_parts) if ops_parts else OPS_SCHEMA.empty_table()
     tensors = pa.concat_tables(tensor_parts) if tensor_parts else TENSORS_SCHEMA.empty_table()
     _check_references(folder, ops, tensors)
@@ -451,7 +469,9 @@ def load(path: str | Path) -> Trace:
         if number.isascii() and number.isdigit() and folder.is_dir():
             rank_trace = load_rank(folder)
             if rank_trace.rank != int(number):
-                raise TraceFormatError(f"rank manifest says rank {rank_trace.rank}, its folder rank {number}", path=folder)
+                raise TraceFormatError(
+                    f"rank manifest says rank {rank_trace.rank}, its folder rank {number}", path=folder
+                )
             ranks[int(number)] = rank_trace
     if not ranks:
         raise TraceFormatError("trace holds no rank folders (rank0/ ...)", path=root)

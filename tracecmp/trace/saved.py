@@ -12,6 +12,7 @@ restricted with ``only=`` may also save, in a later chunk, the value of a tensor
 earlier chunk holds (the input of a selected op, produced before it): :meth:`SavedTensors.keys`
 finds those from the files' headers.
 """
+
 from __future__ import annotations
 
 import struct
@@ -26,8 +27,15 @@ from tracecmp.trace.reader import RankTrace
 from tracecmp.trace.schema import MEMORY_ORDER_KEY
 
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 _HEADER_LIMIT = 100 << 20  # safetensors' own bound on a header
@@ -74,7 +82,9 @@ class DataFile:
         try:
             orders = boundedjson.loads(text.encode() if isinstance(text, str) else b"", max_bytes=_HEADER_LIMIT)
         except ValueError as exc:
-            raise TraceFormatError(f"the saved tensors' memory orders are not valid JSON ({exc})", path=self.path) from exc
+            raise TraceFormatError(
+                f"the saved tensors' memory orders are not valid JSON ({exc})", path=self.path
+            ) from exc
         if not isinstance(orders, dict) or not all(
             isinstance(order, list) and sorted(order) == list(range(len(order))) and all(type(d) is int for d in order)
             for order in orders.values()
@@ -89,8 +99,11 @@ class DataFile:
         dtype = _DTYPES.get(str(entry.get("dtype")))
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if (
-            not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)
+            not isinstance(shape, list)
+            or not all(isinstance(n, int) and n >= 0 for n in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(n, int) for n in offsets)
         ):
             raise TraceFormatError(f"tensor {key!r} has a malformed header entry", path=self.path)
         if dtype is None:
@@ -115,8 +128,9 @@ class DataFile:
         if order is None:
             return tensor
         if len(order) != tensor.dim():
-            raise TraceFormatError(f"tensor {key!r} has a memory order of {len(order)} dimensions for "
-                                   f"{tensor.dim()}", path=self.path)
+            raise TraceFormatError(
+                f"tensor {key!r} has a memory order of {len(order)} dimensions for {tensor.dim()}", path=self.path
+            )
         inverse = sorted(range(len(order)), key=order.__getitem__)
         return tensor.permute(order).contiguous().permute(inverse)
 

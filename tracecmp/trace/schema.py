@@ -21,6 +21,7 @@ producer -> consumer edges are a join. An in-place op consumes the old version o
 writes and produces a new id (``inplace`` is true); a view op produces a tensor whose ``view_of``
 names its base and carries no statistics.
 """
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -86,6 +87,7 @@ TENSORS_SCHEMA = pa.schema(
         ("data_key", pa.string()),  # key in the chunk's safetensors file, "" if not saved
     ]
 )
+
 
 def chunk_record_name(index: int) -> str:
     """File name of chunk ``index``'s commit record."""

@@ -1,4 +1,5 @@
 """Crash-safe chunked writer of a trace folder (see :mod:`tracecmp.trace.schema`)."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,15 @@ def _fsync_dir(path: Path) -> None:
 # safetensors' names of the dtypes a chunk streams itself; a chunk holding any other dtype
 # (complex, float8 ...) goes through ``safetensors.torch.save`` instead.
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 
@@ -303,8 +311,12 @@ class RankWriter:
         index = self.chunks
         if steps is None:
             steps = pc.unique(ops.column("step")).to_pylist()
-        names = (f"ops-{index:05d}.parquet", f"tensors-{index:05d}.parquet", f"data-{index:05d}.safetensors",
-                 f"compiled-{index:05d}.json")
+        names = (
+            f"ops-{index:05d}.parquet",
+            f"tensors-{index:05d}.parquet",
+            f"data-{index:05d}.safetensors",
+            f"compiled-{index:05d}.json",
+        )
         try:
             entry: dict[str, Any] = {
                 "format": FORMAT_NAME,
@@ -320,8 +332,12 @@ class RankWriter:
                 if parts is None:
                     from safetensors.torch import save
 
-                    parts = [save({k: t.detach().to("cpu").contiguous() for k, t in data.items()},
-                                  metadata=_memory_orders(data) or None)]
+                    parts = [
+                        save(
+                            {k: t.detach().to("cpu").contiguous() for k, t in data.items()},
+                            metadata=_memory_orders(data) or None,
+                        )
+                    ]
                 entry["data"] = self._commit(names[2], parts)
             if compiled:
                 text = json.dumps(compiled, separators=(",", ":"), allow_nan=False).encode()

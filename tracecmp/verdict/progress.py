@@ -1,4 +1,5 @@
 """The one-line progress bar on stderr that compare, the many-rank compare and check draw."""
+
 from __future__ import annotations
 
 import sys
@@ -20,8 +21,17 @@ class Progress:
     before the time. With ``unit`` ("ranks") the line ends in the count done instead ("1/2 ranks").
     """
 
-    def __init__(self, command: str, enabled: bool, total: int, *, label_width: int = 28, time_width: int = 5,
-                 rate: str = "", unit: str = "") -> None:
+    def __init__(
+        self,
+        command: str,
+        enabled: bool,
+        total: int,
+        *,
+        label_width: int = 28,
+        time_width: int = 5,
+        rate: str = "",
+        unit: str = "",
+    ) -> None:
         self.command, self.enabled = command, enabled
         self.total, self.done = max(total, 1), 0
         self.label_width, self.time_width, self.rate, self.unit = label_width, time_width, rate, unit

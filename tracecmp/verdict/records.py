@@ -2,6 +2,7 @@
 
 They hold ids, names and numbers, never tensors, so a result can be built by hand in tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -100,17 +101,28 @@ class Drift:
     undecided: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        where = (f"rank {self.rank}: the runs drifted apart from op {self.op_id} on ({self.op} in {self.module or '<top>'}, "
-                 f"{self.phase}, step {self.step}: its max/min differ by {self.error:.0%} within what its inputs carried)")
+        where = (
+            f"rank {self.rank}: the runs drifted apart from op {self.op_id} on ({self.op} in {self.module or '<top>'}, "
+            f"{self.phase}, step {self.step}: its max/min differ by {self.error:.0%} within what its inputs carried)"
+        )
         if not self.undecided:
-            return (f"{where}; beyond it statistics see a fault only where it is larger than that drift: capture the "
-                    'target with data="tensors" to judge every op by replay')
+            return (
+                f"{where}; beyond it statistics see a fault only where it is larger than that drift: capture the "
+                'target with data="tensors" to judge every op by replay'
+            )
         one = len(self.undecided) == 1
-        many = "1 later op that statistics would name as a root cannot be told from that drift and is" if one else (
-            f"{len(self.undecided)} later ops that statistics would name as roots cannot be told from that drift and are")
-        return (f"{where}; {many} left uncompared "
-                f"(op {', '.join(map(str, self.undecided[:5]))}{', ...' if len(self.undecided) > 5 else ''}): "
-                'capture the target with data="tensors" to judge them by replay')
+        many = (
+            "1 later op that statistics would name as a root cannot be told from that drift and is"
+            if one
+            else (
+                f"{len(self.undecided)} later ops that statistics would name as roots cannot be told from that drift and are"
+            )
+        )
+        return (
+            f"{where}; {many} left uncompared "
+            f"(op {', '.join(map(str, self.undecided[:5]))}{', ...' if len(self.undecided) > 5 else ''}): "
+            'capture the target with data="tensors" to judge them by replay'
+        )
 
 
 # What a region is (see :class:`Region`).
@@ -163,6 +175,7 @@ class Region:
 
     def describe(self) -> str:
         """One line: what kind of region, how many ops on each side, where."""
+
         def count(n: int, side: str) -> str:
             return f"{n} {side} op{'s' if n != 1 else ''}"
 
@@ -171,8 +184,27 @@ class Region:
 
 
 # Ops that only re-label or alias values; left out of a region's summary unless it has nothing else.
-VIEW_OPS = frozenset({"view", "transpose", "expand", "permute", "t", "alias", "detach", "unsqueeze", "squeeze", "slice",
-                      "select", "split", "as_strided", "_reshape_alias", "unbind", "reshape", "narrow"})
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "transpose",
+        "expand",
+        "permute",
+        "t",
+        "alias",
+        "detach",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "as_strided",
+        "_reshape_alias",
+        "unbind",
+        "reshape",
+        "narrow",
+    }
+)
 
 
 def op_counts(names: Iterable[str], *, views: bool = False, limit: int | None = None) -> str:

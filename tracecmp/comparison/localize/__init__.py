@@ -28,6 +28,7 @@ structure root. Error reaching a node only through an input that is already NaN,
 index or mask, or through an input whose error is unknown is never blamed on it. The first root in
 execution order is the first divergence; all roots, ranked by introduced error, are the suspects.
 """
+
 from __future__ import annotations
 
 from tracecmp.comparison.localize.records import NodeVerdict, RankInput

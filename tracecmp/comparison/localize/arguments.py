@@ -1,6 +1,7 @@
 """Non-tensor arguments as evidence: a paired node whose arguments differ (GELU's approximation,
 an eps), and constants whose difference is only a dtype's rounding of the same number.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,15 +17,50 @@ from tracecmp.numerics.units import TINY
 from tracecmp.trace import boundedjson
 
 # Non-tensor arguments that legitimately differ between a target and a bench run.
-_IGNORED_ARGS = {"dtype", "device", "layout", "pin_memory", "memory_format", "non_blocking", "copy",
-                 "requires_grad", "stride", "size_hint", "generator", "out_dtype", "cudnn_enabled", "benchmark",
-                 "deterministic", "allow_tf32", "grad_input_mask"}
+_IGNORED_ARGS = {
+    "dtype",
+    "device",
+    "layout",
+    "pin_memory",
+    "memory_format",
+    "non_blocking",
+    "copy",
+    "requires_grad",
+    "stride",
+    "size_hint",
+    "generator",
+    "out_dtype",
+    "cudnn_enabled",
+    "benchmark",
+    "deterministic",
+    "allow_tf32",
+    "grad_input_mask",
+}
 
 
-
-_DTYPE_WORDS = {"float16", "float32", "float64", "bfloat16", "half", "float", "double", "int64", "int32", "bool",
-                "uint8", "int8", "int16", "complex64", "complex128", "cpu", "cuda", "npu", "xpu", "mps", "meta"}
-
+_DTYPE_WORDS = {
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "half",
+    "float",
+    "double",
+    "int64",
+    "int32",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "complex64",
+    "complex128",
+    "cpu",
+    "cuda",
+    "npu",
+    "xpu",
+    "mps",
+    "meta",
+}
 
 
 def _norm_args(text: str) -> Any:
@@ -53,7 +89,6 @@ def _norm_args(text: str) -> Any:
     return clean(value)
 
 
-
 def class_for_call(cls: OpClass, op: str, args: str) -> OpClass:
     """``cls`` with the input rules this call's recorded arguments decide (:func:`for_call`)."""
     try:
@@ -61,7 +96,6 @@ def class_for_call(cls: OpClass, op: str, args: str) -> OpClass:
     except (TypeError, ValueError):
         return cls
     return for_call(cls, op, parsed) if isinstance(parsed, dict) else cls
-
 
 
 @lru_cache(maxsize=1024)
@@ -87,7 +121,6 @@ def _schema_defaults(op: str) -> dict[str, Any]:
     return defaults
 
 
-
 @lru_cache(maxsize=1)
 def _dtype_constants() -> dict[float, frozenset[str]]:
     """Values that are a property of a floating dtype (``torch.finfo``: min, max, eps, tiny and the
@@ -104,11 +137,15 @@ def _dtype_constants() -> dict[float, frozenset[str]]:
     table: dict[float, set[str]] = defaultdict(set)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         info = torch.finfo(dtype)
-        for name, value in (("max", info.max), ("eps", info.eps), ("tiny", info.tiny), ("subnormal", info.tiny * info.eps)):
+        for name, value in (
+            ("max", info.max),
+            ("eps", info.eps),
+            ("tiny", info.tiny),
+            ("subnormal", info.tiny * info.eps),
+        ):
             table[float(f"{value:.9g}")].add(name)
             table[float(f"{-value:.9g}")].add("-" + name)
     return {value: frozenset(names) for value, names in table.items()}
-
 
 
 def _same_argument(x: Any, y: Any) -> bool:
@@ -125,14 +162,12 @@ def _same_argument(x: Any, y: Any) -> bool:
     return False
 
 
-
 def _dtype_constant_args(t_args: str, b_args: str) -> bool:
     """The arguments differ only by properties of each run's own dtype (see :func:`_same_argument`)."""
     if t_args == b_args or not b_args:
         return False
     a, b = _norm_args(t_args), _norm_args(b_args)
     return a != b and _same_argument(a, b)
-
 
 
 def _constant_pairs(x: Any, y: Any) -> Iterable[tuple[float, float]]:
@@ -148,9 +183,14 @@ def _constant_pairs(x: Any, y: Any) -> Iterable[tuple[float, float]]:
             yield from _constant_pairs(x[key], y[key])
 
 
-
-def constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, ins: list[tuple[int, TensorState]],
-                    rstd: TensorState | None) -> tuple[float, float, float]:
+def constant_shift(
+    cls: OpClass,
+    t_args: str,
+    b_args: str,
+    out: TensorState,
+    ins: list[tuple[int, TensorState]],
+    rstd: TensorState | None,
+) -> tuple[float, float, float]:
     """Error (ext, sys, rms channels) the output shows because each run took its own dtype's constant.
 
     ``finfo(dtype).eps`` added to a norm, ``finfo(dtype).min`` filling a mask: the same argument,
@@ -170,8 +210,7 @@ def constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, ins
         if cls.kind == "normalize":
             # 1/sqrt(var + eps): relative error up to half the shift over the variance
             x = ins[0][1] if ins else None
-            var = 1.0 / rstd.rms ** 2 if rstd is not None and rstd.rms > 0 else (
-                x.spread ** 2 if x is not None else 0.0)
+            var = 1.0 / rstd.rms**2 if rstd is not None and rstd.rms > 0 else (x.spread**2 if x is not None else 0.0)
             rel = min(CAP, 0.5 * shift / max(var, TINY))
             ext, sys_, env = ext + rel, sys_ + rel, env + rel
         elif cls.kind in ("product", "exp", "other"):
@@ -182,11 +221,9 @@ def constant_shift(cls: OpClass, t_args: str, b_args: str, out: TensorState, ins
     return ext, sys_, env
 
 
-
 def _is_fill(value: float) -> bool:
     """``finfo(dtype).min`` or ``max`` of bfloat16, float32 or float64, as arguments record it."""
     return any(abs(value) == float(f"{fill:.9g}") or abs(value) == fill for fill in FILLS)
-
 
 
 def arg_difference(t_args: str, b_args: str, op: str = "") -> str:
@@ -229,7 +266,6 @@ def arg_difference(t_args: str, b_args: str, op: str = "") -> str:
             if not _same_argument(x, y):
                 return f"argument {index}: {x!r} vs {y!r}"
     return f"{t_args} vs {b_args}"
-
 
 
 def structure_note(op_id: int, inputs: list[int], ri: RankInput) -> str:

@@ -1,6 +1,7 @@
 """Calibration on this comparison: what each op and dtype typically introduces (the ambient noise
 of a bf16 or TF32 run), what a tensor passes on, and how a run computes its matmuls.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,17 +22,13 @@ from tracecmp.numerics.fits import FIT_MEMBERS, quantile75
 _CARRY = 2.0  # a measurement is trusted to be at most this many times below the inputs' prediction
 
 
-
 _CARRY_SYS = 4.0  # the same for norm/mean differences
-
 
 
 M_MIN = 2.0  # with calibration: the smallest margin over the predicted error ...
 
 
-
 M_RATIO = 3.0  # ... else this many times the typical observed/predicted ratio of the op in this run
-
 
 
 def carried_error(out: TensorState, x: tuple[float, float, float], typical: tuple[float, float] = (0.0, 0.0)) -> None:
@@ -74,7 +71,6 @@ def carried_error(out: TensorState, x: tuple[float, float, float], typical: tupl
         out.c_ext, out.c_sys = max(out.c_ext, floor[0]), max(out.c_sys, floor[1])
 
 
-
 @cache
 def layer_site(module: str) -> str:
     """A module path with its layer numbers taken out: where one line of a model's code runs in
@@ -86,14 +82,12 @@ def layer_site(module: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "#", module)
 
 
-
 def made_by(made: tuple[tuple, int] | None) -> str:
     """What made an input, for :class:`TypicalRatio`'s sites: its op, or "state" for a parameter
     or buffer (a source, or what the optimizer last wrote into it), the same in every step."""
     if made is None or made[0][3] == "source" or made[0][2] == "optimizer":
         return "state"
     return made[0][4]
-
 
 
 class TypicalRatio:
@@ -137,9 +131,9 @@ class TypicalRatio:
         return medians
 
 
-
-def at_finite_scale(out: TensorState, e: tuple[float, float, float],
-                     x: tuple[float, float, float]) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+def at_finite_scale(
+    out: TensorState, e: tuple[float, float, float], x: tuple[float, float, float]
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """A filled output's measured and predicted errors relative to its largest finite element, the
     scale its op computed at, rather than to the fill (whose 3e38 would make any error vanish).
 
@@ -160,9 +154,9 @@ def at_finite_scale(out: TensorState, e: tuple[float, float, float],
     return (e[0] * scale, math.nan, math.nan), (x[0] * scale, x[1], x[2])
 
 
-
-def carry_factors(out: TensorState, x: tuple[float, float, float], ins: list[tuple[int, TensorState]],
-                   cls: OpClass) -> None:
+def carry_factors(
+    out: TensorState, x: tuple[float, float, float], ins: list[tuple[int, TensorState]], cls: OpClass
+) -> None:
     """An elementwise product of several full-size factors passes on at least the relative error
     its factors' extremes show, as relative errors of a product add (within its prediction).
 
@@ -178,8 +172,9 @@ def carry_factors(out: TensorState, x: tuple[float, float, float], ins: list[tup
     out.c_ext = max(out.c_ext, floor)
 
 
-
-def ambient_noise(judged: list[JudgedNode | None], nodes: list[Node], tol: Tolerances) -> dict[Any, tuple[tuple[float, ...], ...]]:
+def ambient_noise(
+    judged: list[JudgedNode | None], nodes: list[Node], tol: Tolerances
+) -> dict[Any, tuple[tuple[float, ...], ...]]:
     """Per (op, dtype) and per (class, dtype), per channel, over this comparison: the median error
     introduced (rounding units), the median ratio of output error to predicted input error, and
     how far that ratio reaches among the group's calls.
@@ -202,8 +197,12 @@ def ambient_noise(judged: list[JudgedNode | None], nodes: list[Node], tol: Toler
         if j is None or not j.judgeable or nodes[j.index][3] != "op":
             continue
         for role, es, xs, fs in j.parts or (("", j.e, j.x, j.f1),):
-            intro = tuple(max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(es, xs, fs))
-            ratio = tuple(e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(es, xs))
+            intro = tuple(
+                max(0.0, e - x) / f if not math.isnan(e) and math.isfinite(x) else 0.0 for e, x, f in zip(es, xs, fs)
+            )
+            ratio = tuple(
+                e / x if not math.isnan(e) and math.isfinite(x) and x > 0 else math.nan for e, x in zip(es, xs)
+            )
             # the ratio where it decides: an error beyond the node's own rounding (else 0, left out)
             beyond = tuple(r if e > tol.local * j.lam * f else 0.0 for r, e, f in zip(ratio, es, fs))
             by_group[group_key(j.group, role)].append((intro, ratio, beyond))
@@ -225,19 +224,15 @@ def ambient_noise(judged: list[JudgedNode | None], nodes: list[Node], tol: Toler
     return out
 
 
-
 def group_key(group: tuple[str, str], role: str) -> tuple[str, ...]:
     """The calibration group of one output: ``(op or class, dtype)``, and its role where it has one."""
     return (*group, role) if role else group
 
 
-
 _TAIL_MIN_CALLS = 8  # fewer calls say too little about a spread
 
 
-
 _TAIL_SAFETY = 2.0
-
 
 
 # The upper tail is fitted through these quantiles of the log ratios: high enough that a group's
@@ -246,9 +241,7 @@ _TAIL_SAFETY = 2.0
 _TAIL_QUANTILES = (0.75, 0.9)
 
 
-
 _TAIL_Z = (0.6745, 1.2816)  # the standard normal's quantiles at those levels
-
 
 
 def tail_ratio(ratios: np.ndarray, accumulates: bool) -> float:
@@ -283,13 +276,10 @@ def tail_ratio(ratios: np.ndarray, accumulates: bool) -> float:
     return min(whole, max(upper, second))
 
 
-
 TF32_LAM_MIN = 0.25  # a TF32 call's threshold never drops below one TF32 unit (times its condition)
 
 
-
 _TF32_SPREAD_MIN = 8  # calls needed to learn how far a run's TF32 matmuls stray
-
 
 
 def tf32_spread_of(judged: list[JudgedNode | None]) -> tuple[float, ...] | None:
@@ -301,19 +291,20 @@ def tf32_spread_of(judged: list[JudgedNode | None]) -> tuple[float, ...] | None:
         return None
     spread = []
     for c in range(3):
-        values = sorted(max(0.0, e - x) / f for j in rows for e, x, f in [(j.e[c], j.x[c], j.f1[c])]
-                        if not math.isnan(e) and math.isfinite(x) and f > 0)
+        values = sorted(
+            max(0.0, e - x) / f
+            for j in rows
+            for e, x, f in [(j.e[c], j.x[c], j.f1[c])]
+            if not math.isnan(e) and math.isfinite(x) and f > 0
+        )
         spread.append(values[int(0.9 * (len(values) - 1))] if len(values) >= _TF32_SPREAD_MIN else math.nan)
     return tuple(spread)
-
 
 
 _BITWISE_MEMBERS = 3  # calls of an op its replay must give bit for bit before any other call must too
 
 
-
 _BITWISE_RANK = 8  # informative calls a rank needs before they speak for ops with fewer calls of their own
-
 
 
 def ops_reproduced_bitwise(ri: RankInput) -> dict[str, tuple[int, bool]]:
@@ -351,12 +342,14 @@ def ops_reproduced_bitwise(ri: RankInput) -> dict[str, tuple[int, bool]]:
     return held
 
 
-
 def accumulation_bounds_hold(ri: RankInput) -> bool:
     """Whether this rank's reduced-precision matmul/conv calls are reproduced within their
     accumulation bounds by some rounding of their operands (most of them, at least three): then
     the device's arithmetic is known, and a call no rounding reproduces is wrong."""
     names = {node.op_id: node.op for node in ri.nodes}
-    best = [min(own.bounds) for op_id, own in ri.own_errors.items()
-            if own.bounds and own.dtype == "float32" and classify(names.get(op_id, "")).precision_variable]
+    best = [
+        min(own.bounds)
+        for op_id, own in ri.own_errors.items()
+        if own.bounds and own.dtype == "float32" and classify(names.get(op_id, "")).precision_variable
+    ]
     return len(best) >= FIT_MEMBERS and quantile75(best) <= 1.0

@@ -1,6 +1,7 @@
 """Deciding a node: root or not, and of which kind, from its measured error against its prediction
 and calibration, its arguments, and its replay where the trace holds tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,21 @@ from tracecmp.numerics.units import EPS, FP32_EPS, REDUCED_EPS, TINY
 
 
 def decide_node(
-    j: JudgedNode, node: Node, ri: RankInput, tol: Tolerances, bitwise: bool, exact_matmul: bool,
-    ambient: Mapping[Any, tuple[tuple[float, ...], ...]], exact_mode: bool, lookup: Any, channels: tuple[str, ...],
-    fits: Mapping[str, ModelFit], bounds_hold: bool = False, tf32_spread: tuple[float, ...] | None = None,
-    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None, tainted: bool = False,
+    j: JudgedNode,
+    node: Node,
+    ri: RankInput,
+    tol: Tolerances,
+    bitwise: bool,
+    exact_matmul: bool,
+    ambient: Mapping[Any, tuple[tuple[float, ...], ...]],
+    exact_mode: bool,
+    lookup: Any,
+    channels: tuple[str, ...],
+    fits: Mapping[str, ModelFit],
+    bounds_hold: bool = False,
+    tf32_spread: tuple[float, ...] | None = None,
+    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
+    tainted: bool = False,
 ) -> Decision:
     """Root kind ('' when not a root), the one-line reason, the deciding metric's name, the
     output that decided, as an index into ``j.parts`` (-1 where the op's outputs have no roles),
@@ -41,8 +53,12 @@ def decide_node(
     if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
-            return Decision("nan", "NaN/Inf appear in its output although every input is finite (the bench's is not)",
-                             "nan_count", -1)
+            return Decision(
+                "nan",
+                "NaN/Inf appear in its output although every input is finite (the bench's is not)",
+                "nan_count",
+                -1,
+            )
     if j.outputs_exact:
         return Decision("", "", "checksum", -1)
     unit = ri.units.get(op_id)
@@ -99,7 +115,13 @@ def decide_node(
         if replayed:
             return Decision("computation", replayed, "replay", -1, True)
         return Decision("", "", channels[channel], -1)
-    if not strict and not replayed and kind == "op" and not random and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul):
+    if (
+        not strict
+        and not replayed
+        and kind == "op"
+        and not random
+        and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul)
+    ):
         # Its inputs already differ from the bench's, and a replay of the op on its own recorded
         # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
         # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
@@ -111,24 +133,29 @@ def decide_node(
         return Decision("source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part)
     if random:
         agree = " while its inputs agree" if j.inputs_exact else ""
-        reason = (f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
-                  "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
-                  'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off')
+        reason = (
+            f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
+            "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
+            'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'
+        )
         return Decision("random", reason, channels[channel], part)
     structure = structure_note(op_id, inputs, ri)
     if bench_op is None:
-        return Decision("structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel],
-                         part)
+        return Decision(
+            "structure", f"target-only op (no bench partner) changes the values: {what}", channels[channel], part
+        )
     if structure:
         return Decision("structure", f"{structure}; {what}", channels[channel], part)
     if j.inputs_exact:
         reason = f"output differs ({what}) while every input agrees bitwise"
     else:
         ratio = e / max(x, TINY)
-        reason = f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})" if x > 0 else (
-            f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
+        reason = (
+            f"output error {e:.2e} ({channels[channel]}) is {ratio:.0f}x what its inputs carried in ({x:.1e})"
+            if x > 0
+            else (f"output error {e:.2e} ({channels[channel]}) beyond rounding while its inputs agree")
+        )
     return Decision("computation", reason, channels[channel], part, bool(replayed))
-
 
 
 def _reproduced(own: OwnError | None, j: JudgedNode, ri: RankInput, exact_matmul: bool) -> bool:
@@ -140,7 +167,6 @@ def _reproduced(own: OwnError | None, j: JudgedNode, ri: RankInput, exact_matmul
     if ri.reduced_precision and own.bounds and _reduced_matmul(own, j, exact_matmul, ri.reduced_precision):
         return min(own.bounds) <= 1.0
     return not own.misrounded and (own.honest > 0 or own.error == 0)
-
 
 
 def _replay_excess(own: OwnError, j: JudgedNode, tol: Tolerances, exact_matmul: bool, reduced: str | None) -> float:
@@ -165,7 +191,6 @@ def _replay_excess(own: OwnError, j: JudgedNode, tol: Tolerances, exact_matmul: 
     return own.error / max(tol.replay_margin * own.honest, floor)
 
 
-
 def _misfit_excess(own: OwnError, fit: ModelFit, tol: Tolerances) -> float:
     """How far a reduced-precision matmul/conv call strays from the rounding that reproduces the
     run's other calls of its op (``fit``), beyond ``replay_margin`` times their typical misfit:
@@ -175,15 +200,19 @@ def _misfit_excess(own: OwnError, fit: ModelFit, tol: Tolerances) -> float:
     return own.fits[fit.model] / (tol.replay_margin * fit.misfit)
 
 
-
 def _reduced_matmul(own: OwnError, j: JudgedNode, exact_matmul: bool, reduced: str | None) -> bool:
     return bool(j.cls.precision_variable and reduced and own.dtype == "float32" and not exact_matmul)
 
 
-
 def replayed_root(
-    j: JudgedNode, node: Node, ri: RankInput, tol: Tolerances, exact_matmul: bool, fit: ModelFit | None,
-    bounds_hold: bool = False, bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
+    j: JudgedNode,
+    node: Node,
+    ri: RankInput,
+    tol: Tolerances,
+    exact_matmul: bool,
+    fit: ModelFit | None,
+    bounds_hold: bool = False,
+    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
 ) -> str:
     """The reason this op is a root by replay, or "" (not replayed, or within an honest kernel's error).
 
@@ -199,9 +228,11 @@ def replayed_root(
     reduced_call = bool(reduced and _reduced_matmul(own, j, exact_matmul, reduced))
     if reduced_call and fit is not None and _misfit_excess(own, fit, tol) > 1.0:
         how = REDUCED_MODELS[reduced][fit.model][0]
-        return (f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
-                f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
-                f"of {node.op} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+        return (
+            f"its output lies {own.fits[fit.model]:.0f} float32 accumulation errors from a replay of its recorded "
+            f"inputs rounded to {reduced} ({how}), a replay that matches this run's other {fit.members - 1} calls "
+            f"of {node.op} to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})"
+        )
     # Bit-for-bit evidence outranks the accumulation bound, where it is the op's own: when a replay
     # gives the run's other calls of this matmul exactly, the device rounds (which operands, which
     # way, the bias added where) as that replay does, and this call should match too. The rank's
@@ -212,24 +243,31 @@ def replayed_root(
     if reduced_call and own.bounds and min(own.bounds) <= 1.0:
         return ""  # a float32 sum of its rounded operands' products gives this: noise, even as the only call
     if reduced_call and own.bounds and bounds_hold:
-        return (f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
-                f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
-                f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})")
+        return (
+            f"its output lies {min(own.bounds):.3g}x the accumulation bound (from K, the operands' sizes and "
+            f"float32's unit) away from every replay of its recorded inputs: rounded to {reduced} to nearest and "
+            f"toward zero, and in float32 (own error {own.error:.2e}, an honest kernel's {own.honest:.1e})"
+        )
     if same_cpu and not own.bitwise:
         return _not_reproduced(own, reduced if reduced_call else None, same_cpu)
     if _replay_excess(own, j, tol, exact_matmul, reduced) > 1.0:
         if own.misrounded:
-            return (f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
-                    f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})")
+            return (
+                f"its output is not the correctly rounded {own.dtype} result of its recorded inputs, which every "
+                f"IEEE 754 device gives (own error {own.error:.2e}, a replay in {own.dtype}: {own.honest:.2e})"
+            )
         if own.honest == 0:
             return f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {own.dtype} computes exactly"
-        return (f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
-                f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})")
+        return (
+            f"own error {own.error:.2e} against a float64 replay of its recorded inputs is "
+            f"{own.error / own.honest:.0f}x what a replay in {own.dtype} makes ({own.honest:.1e})"
+        )
     return ""
-
 
 
 def _not_reproduced(own: Any, reduced: str | None, calls: int) -> str:
     how = f"rounded to {reduced} " if reduced else ""
-    return (f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
-            f"other calls bit for bit ({calls} of them: the run computed as this CPU does; own error {own.error:.2e})")
+    return (
+        f"its output differs from a replay in {own.dtype} on its recorded inputs {how}which gives this run's "
+        f"other calls bit for bit ({calls} of them: the run computed as this CPU does; own error {own.error:.2e})"
+    )

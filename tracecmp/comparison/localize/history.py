@@ -1,6 +1,7 @@
 """What happened in the run around a node: drift between the runs, values Python read (readouts
 that decide arguments and control flow), overflow, and steps a loss scaler skipped.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,28 +23,31 @@ from tracecmp.verdict.records import Divergence, SkippedStep
 _DRIFT = 0.2
 
 
-
 _DRIFT_MIN_NUMEL = 1 << 16  # extremes of fewer values scatter too much to say so
-
 
 
 def is_exact(s: TensorState | None) -> bool:
     return s is not None and s.exact
 
 
-
 def drift_of(outputs: Iterable[TensorState | None]) -> float:
     """The largest measured max/min difference among an op's large float outputs beyond ``_DRIFT``, else 0."""
-    errors = [s.e_ext for s in outputs if s is not None and s.measured and s.is_float and not s.nonfinite
-              and s.numel >= _DRIFT_MIN_NUMEL and s.e_ext > _DRIFT]
+    errors = [
+        s.e_ext
+        for s in outputs
+        if s is not None
+        and s.measured
+        and s.is_float
+        and not s.nonfinite
+        and s.numel >= _DRIFT_MIN_NUMEL
+        and s.e_ext > _DRIFT
+    ]
     return max(errors, default=0.0)
-
 
 
 # What a program's Python code decides: the arguments it passes, which ops it runs, the values it
 # creates tensors from, its random draws, and the batches and parameters it feeds.
 _PYTHON_KINDS = ("argument", "structure", "random", "source")
-
 
 
 def follows_python(d: Divergence, python_from: int, python_step: int, exact_in: set[int], rank: int) -> bool:
@@ -59,9 +63,13 @@ def follows_python(d: Divergence, python_from: int, python_step: int, exact_in: 
     return decided or d.step > python_step
 
 
-
-def scaler_skips(ri: RankInput, roots: list[tuple[Node, Divergence]], verdicts: dict[int, NodeVerdict],
-                  lookup: Callable[[int], TensorState | None], python_from: int | None) -> list[SkippedStep]:
+def scaler_skips(
+    ri: RankInput,
+    roots: list[tuple[Node, Divergence]],
+    verdicts: dict[int, NodeVerdict],
+    lookup: Callable[[int], TensorState | None],
+    python_from: int | None,
+) -> list[SkippedStep]:
     """Take out of ``roots`` the overflows a loss scaler caught, as the steps it skipped.
 
     A backward NaN/Inf root is caught when a later check of its step (:func:`is_overflow_check`)
@@ -93,9 +101,11 @@ def scaler_skips(ri: RankInput, roots: list[tuple[Node, Divergence]], verdicts: 
         verdicts[d.op_id].reason = reason
         caught[check[0]].append(replace(d, reason=reason))
     roots[:] = kept
-    return [SkippedStep(rank=ri.rank, step=int(c[1]), check_op_id=int(c[0]), overflows=tuple(caught[c[0]]))
-            for c in checks if c[0] in caught]
-
+    return [
+        SkippedStep(rank=ri.rank, step=int(c[1]), check_op_id=int(c[0]), overflows=tuple(caught[c[0]]))
+        for c in checks
+        if c[0] in caught
+    ]
 
 
 def _found_overflow(node: Node, ri: RankInput) -> bool:
@@ -105,9 +115,7 @@ def _found_overflow(node: Node, ri: RankInput) -> bool:
     return found is not None and found.numel == 1 and not found.exact and found.lo == found.hi == 0.0
 
 
-
 _OVERFLOW_NEAR = 0.5  # inherited inputs: the largest finite values expected within this factor of the dtype's largest
-
 
 
 def _overflow(node: Node, ri: RankInput, lookup: Callable[[int], TensorState | None], inherited: bool) -> str:
@@ -129,10 +137,11 @@ def _overflow(node: Node, ri: RankInput, lookup: Callable[[int], TensorState | N
         # the largest of n values of this rms, if they were normal: their tail is where the Inf are
         reach = ri.inf_only[tid] * math.sqrt(2.0 * math.log(max(s.numel, 2)))
         if reach >= _OVERFLOW_NEAR * top:
-            return (f"{dtype} overflow of inherited values: the target's own finite values (rms {ri.inf_only[tid]:.3g}) "
-                    f"reach near {dtype}'s largest {top:.6g}")
+            return (
+                f"{dtype} overflow of inherited values: the target's own finite values (rms {ri.inf_only[tid]:.3g}) "
+                f"reach near {dtype}'s largest {top:.6g}"
+            )
     return ""
-
 
 
 @lru_cache(maxsize=None)
@@ -147,13 +156,11 @@ def _float_range(dtype: str) -> tuple[float, float]:
     return float(info.max), float(info.eps)
 
 
-
 def readout_status(input_status: str) -> str:
     """A readout's status from its input's: the same where judged, never a root of its own."""
     if input_status in ("agrees", "noise", "uncompared"):
         return input_status
     return "diverged" if input_status in ("diverged", "nan") else "uncompared"
-
 
 
 def crossed_pairs(ri: RankInput) -> set[int]:

@@ -1,6 +1,7 @@
 """Predictions: the error a node's outputs would show if the op itself were exact, from its inputs'
 errors and the op's propagation class (condition factors from the bench's magnitudes).
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,14 +18,12 @@ from tracecmp.numerics.units import TF32_EPS, TINY
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
 
 
-
 def _inverse_factor(s: TensorState) -> float:
     """max|x| / min|x| of the bench values (CAP when they cross zero): how 1/x amplifies relative error."""
     if s.lo <= 0.0 <= s.hi:
         return CAP
     small = min(abs(s.lo), abs(s.hi))
     return min(CAP, max(1.0, max(abs(s.lo), abs(s.hi)) / max(small, TINY)))
-
 
 
 def _norm_condition(x: TensorState, rstd: TensorState | None) -> float:
@@ -37,9 +36,9 @@ def _norm_condition(x: TensorState, rstd: TensorState | None) -> float:
     return min(CAP, max(1.0, kappa))
 
 
-
-def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorState]], out: TensorState,
-                        rstd: TensorState | None) -> tuple[float, float, float, float]:
+def _normalize_expected(
+    cls: OpClass, role: str, ins: list[tuple[int, TensorState]], out: TensorState, rstd: TensorState | None
+) -> tuple[float, float, float, float]:
     """The prediction (ext, sys, rms channels, and the sys channel's random envelope before
     averaging) for one output of a normalization op (see ``_NORM_OUTPUTS`` in opclass).
 
@@ -96,9 +95,14 @@ def _normalize_expected(cls: OpClass, role: str, ins: list[tuple[int, TensorStat
     return ext, sys_, env, env_sys
 
 
-
-def predicted_error(cls: OpClass, name: str, ins: list[tuple[int, TensorState]], out: TensorState, role: str = "",
-              rstd: TensorState | None = None) -> tuple[float, float, float]:
+def predicted_error(
+    cls: OpClass,
+    name: str,
+    ins: list[tuple[int, TensorState]],
+    out: TensorState,
+    role: str = "",
+    rstd: TensorState | None = None,
+) -> tuple[float, float, float]:
     """Error (ext, sys, rms channels) the output would show if the op were exact and only inputs were off.
 
     ``role`` is what the output is among the op's outputs (normalization ops), ``rstd`` the
@@ -195,15 +199,21 @@ def predicted_error(cls: OpClass, name: str, ins: list[tuple[int, TensorState]],
     return ext, sys_ + env_sys / math.sqrt(neff), env
 
 
-
-def within_adam_bound(x: tuple[float, float, float], node: Node, position: int,
-                       producer: Mapping[int, tuple[tuple, int]], lookup: Callable[[int], TensorState | None],
-                       view_base: Mapping[int, int], out: TensorState) -> tuple[float, float, float]:
+def within_adam_bound(
+    x: tuple[float, float, float],
+    node: Node,
+    position: int,
+    producer: Mapping[int, tuple[tuple, int]],
+    lookup: Callable[[int], TensorState | None],
+    view_base: Mapping[int, int],
+    out: TensorState,
+) -> tuple[float, float, float]:
     """``x`` for an output of Adam's parameter update, no larger than what Adam's arithmetic allows
     (comparison/adam.py): the parameter's own error plus twice the largest step either run can
     take, element by element. The division's rule alone predicts the whole parameter's range where
     a gradient was zero and the denominator is eps; that hid a 5% fault in GPT-2's next lookup of
     its positional table, whose untouched rows hold its extremes."""
+
     def step_count(tid: int) -> float | None:
         s = lookup(tid)
         return s.mean if s is not None and s.exact and s.numel == 1 and math.isfinite(s.mean) else None
@@ -222,7 +232,6 @@ def within_adam_bound(x: tuple[float, float, float], node: Node, position: int,
     return (min(x[0], adam[0]), min(x[1], adam[1]), min(x[2], adam[2]))
 
 
-
 def _operands(cls: OpClass, ins: list[tuple[int, TensorState]]) -> list[tuple[int, TensorState]]:
     """The inputs a matmul/conv multiplies: by position when known (attention's query, key and
     value, and more in its backward), else the two largest."""
@@ -231,17 +240,13 @@ def _operands(cls: OpClass, ins: list[tuple[int, TensorState]]) -> list[tuple[in
     return sorted(ins, key=lambda p: p[1].numel, reverse=True)[:2]
 
 
-
 _KAPPA_CAP = 1e12  # a sum of terms that cancel exactly has no bound; one of its units is then all it shows
-
 
 
 STRICT_KAPPA = 16.0  # above this condition factor a sum's bitwise change needs magnitude to count
 
 
-
 _VIEW = 2.0  # a view shows part of its base: its largest error may sit away from the base's extremes
-
 
 
 def through_view(s: TensorState | None) -> TensorState | None:
@@ -253,12 +258,10 @@ def through_view(s: TensorState | None) -> TensorState | None:
     return seen
 
 
-
 def contracts_nonzero(cls: OpClass, ins: list[tuple[int, TensorState]]) -> bool:
     """Both operands of a matmul/conv are non-zero (a product with zeros is exact at any precision)."""
     operands = _operands(cls, ins)
     return len(operands) >= 2 and all(s.amax > 0 for _, s in operands)
-
 
 
 # Tuning constants (set on the fault-injection benchmark's kept traces, see benchmarks/localization).
@@ -289,16 +292,13 @@ def local_kappa(cls: OpClass, ins: list[tuple[int, TensorState]], out: TensorSta
     return 1.0
 
 
-
 # Rounding bias of an op that applies one constant to every element, in units of its dtype, is up
 # to _ROUNDING_BIAS * sqrt(unit) = 2 * 2^(-p/2) for p mantissa bits (bf16 0.18, fp16 0.06): over
 # the 2^p mantissas the rounding errors of x * c do not cancel (measured over random constants).
 _ROUNDING_BIAS = 2.0
 
 
-
 _ONE_MAGNITUDE = 0.9  # rms / max |x| above which a tensor's values count as one magnitude
-
 
 
 def averaged_rounding(unit: float, out: TensorState, tf32: bool) -> float:
@@ -316,7 +316,6 @@ def averaged_rounding(unit: float, out: TensorState, tf32: bool) -> float:
     neff = max(out.numel * (out.rms / out.amax) ** 2, 1.0) if out.amax > 0 else 1.0
     bias = 1.0 if out.rms >= _ONE_MAGNITUDE * out.amax else _ROUNDING_BIAS * math.sqrt(out.unit)
     return max(unit / math.sqrt(neff), out.unit * bias)
-
 
 
 def within_tf32(j: JudgedNode, node: Node, lookup: Callable[[int], TensorState | None], tol: Tolerances) -> bool:

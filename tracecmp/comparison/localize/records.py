@@ -1,6 +1,7 @@
 """What localize reads and writes: a rank's nodes and tensor states in (:class:`RankInput`), a
 verdict per node out (:class:`NodeVerdict`), and the judged form of a node between the stages.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,10 +17,6 @@ PROGRESS_EVERY = 10_000
 
 
 CAP = 1e6  # largest amplification any op is credited with; beyond that a node is simply not judged
-
-
-
-
 
 
 @dataclass
@@ -54,12 +51,16 @@ class RankInput:
     # Regions (tracecmp.comparison.align.find_regions): judged at their boundary, see judge_region.
     regions: Mapping[int, Region] = field(default_factory=dict)  # region id -> region
     member_of: Mapping[int, int] = field(default_factory=dict)  # target op id -> region id
-    bench_only: Mapping[tuple[int, int], int] = field(default_factory=dict)  # (target op, input position) -> bench-only region
+    bench_only: Mapping[tuple[int, int], int] = field(
+        default_factory=dict
+    )  # (target op, input position) -> bench-only region
     # (side "t"/"b", op id) -> (kind, op, args, inputs, outputs) of every region member
     region_ops: Mapping[tuple[str, int], tuple[str, str, str, list[int], list[int]]] = field(default_factory=dict)
     # (side, tensor id) -> the recorded magnitudes (no error) of each tensor region members read or made
     region_values: Mapping[tuple[str, int], TensorState] = field(default_factory=dict)
-    region_replays: Mapping[int, RegionReplay] = field(default_factory=dict)  # region id -> its replay (numerics.replay)
+    region_replays: Mapping[int, RegionReplay] = field(
+        default_factory=dict
+    )  # region id -> its replay (numerics.replay)
     # Ops judged for a compiled unit as a whole (comparison/compiled.py): op id -> its Unit, whose
     # decide() replaces the rules below for them.
     units: Mapping[int, Any] = field(default_factory=dict)
@@ -92,7 +93,9 @@ class JudgedNode:
     kappa_local: float  # condition factor of the op's own rounding (sums whose terms cancel)
     # Outputs with a role of their own (a normalization's input gradient, its weight and bias
     # gradients ...): (role, e, x, f1) each, judged against the same output of the op's other calls.
-    parts: tuple[tuple[str, tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]], ...] = ()
+    parts: tuple[
+        tuple[str, tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]], ...
+    ] = ()
 
 
 def metric_dict(j: JudgedNode, part: int = -1) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Regions (a fused op against the bench ops it replaces, a rewrite, an extra op) judged at their
 boundary like an op, and their roots.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,7 +42,6 @@ class _RegionJudged:
     given: bool = False  # a member was handed a NaN/Inf as an argument
 
 
-
 def past_bench_cast(s: TensorState | None, ri: RankInput, region_id: int | None) -> TensorState | None:
     """The error an input shows against what the bench op really reads when a bench-only cast
     (autocast's ``_to_copy``) sits between: the input's own, plus that dtype's rounding."""
@@ -60,7 +60,6 @@ def past_bench_cast(s: TensorState | None, ri: RankInput, region_id: int | None)
     return seen
 
 
-
 def _region_made(ri: RankInput, region: Region, side: str) -> list[tuple[tuple[str, int], TensorState]]:
     ops = region.bench_ops if side == "b" else region.target_ops
     out = []
@@ -75,9 +74,13 @@ def _region_made(ri: RankInput, region: Region, side: str) -> list[tuple[tuple[s
     return out
 
 
-
-def judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances,
-                  exact_matmul: bool = False) -> _RegionJudged:
+def judge_region(
+    region: Region,
+    ri: RankInput,
+    lookup: Callable[[int], TensorState | None],
+    tol: Tolerances,
+    exact_matmul: bool = False,
+) -> _RegionJudged:
     """Pass-1 numbers of a region: its outputs' error, what its inputs carried in, its honest budget."""
     base = ri.view_base
     outputs = []
@@ -89,8 +92,11 @@ def judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorSt
     unknown = any(s is None or not s.known for _, s in ins)
     known = [s for _, s in ins if s is not None and not s.uninit]
     judged = _RegionJudged(
-        region, judgeable=bool(outputs) and not unknown, inputs_exact=not unknown and all(s.exact for s in known),
-        outputs=outputs, inputs_finite=not any(s.nonfinite for s in known),
+        region,
+        judgeable=bool(outputs) and not unknown,
+        inputs_exact=not unknown and all(s.exact for s in known),
+        outputs=outputs,
+        inputs_finite=not any(s.nonfinite for s in known),
         given=region_given(region, ri),
     )
     if any(s.nonfinite_mismatch for s in known) or any(not s.exact for s in known if not s.is_float):
@@ -104,8 +110,14 @@ def judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorSt
             continue  # NaN/Inf the program handed in, which differ from the bench's: no statistic reads through them
         x, r = predicted.get(T, ((math.inf,) * 3, (math.inf,) * 3))
         e = (m.e_ext, m.e_sys, m.e_rms)
-        ratio = max(((ec - tol.margin * xc) / max(tol.local * rc, TINY) for ec, xc, rc in zip(e, x, r)
-                     if not math.isnan(ec) and math.isfinite(xc)), default=-math.inf)
+        ratio = max(
+            (
+                (ec - tol.margin * xc) / max(tol.local * rc, TINY)
+                for ec, xc, rc in zip(e, x, r)
+                if not math.isnan(ec) and math.isfinite(xc)
+            ),
+            default=-math.inf,
+        )
         if ratio > best:
             best, judged.e, judged.x, judged.r, judged.worst = ratio, e, x, r, T
     if judged.worst is None:
@@ -113,25 +125,35 @@ def judge_region(region: Region, ri: RankInput, lookup: Callable[[int], TensorSt
     return judged
 
 
-
 def region_given(region: Region, ri: RankInput) -> bool:
-    return any(given_nonfinite(ri.region_ops[(side, o)][2]) for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
-               for o in ops if (side, o) in ri.region_ops)
-
+    return any(
+        given_nonfinite(ri.region_ops[(side, o)][2])
+        for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+        for o in ops
+        if (side, o) in ri.region_ops
+    )
 
 
 def _region_prediction(
-    region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], tol: Tolerances, exact_matmul: bool = False,
+    region: Region,
+    ri: RankInput,
+    lookup: Callable[[int], TensorState | None],
+    tol: Tolerances,
+    exact_matmul: bool = False,
 ) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:
     """Per target output of ``region``: (inherited error, honest rounding budget) per channel."""
     # The side that spells the computation out in more ops (the decomposition) models it best.
-    computing = {side: sum(1 for o in ops if ri.region_ops.get((side, o), ("",))[0] == "op")
-                 for side, ops in (("t", region.target_ops), ("b", region.bench_ops))}
+    computing = {
+        side: sum(1 for o in ops if ri.region_ops.get((side, o), ("",))[0] == "op")
+        for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+    }
     side = "b" if computing["b"] >= computing["t"] and computing["b"] else "t"
     ops = region.bench_ops if side == "b" else region.target_ops
     base = ri.view_base
     # The region's output dtypes: a fused kernel rounds at least to them, whatever the bench used.
-    floor = max((ri.measured[base.get(T, T)].unit for T, _ in region.outputs if base.get(T, T) in ri.measured), default=0.0)
+    floor = max(
+        (ri.measured[base.get(T, T)].unit for T, _ in region.outputs if base.get(T, T) in ri.measured), default=0.0
+    )
     inherited: dict[int, TensorState] = {}
     budget: dict[int, TensorState] = {}
     for T, B in region.inputs:
@@ -174,9 +196,17 @@ def _region_prediction(
                 budget[tid] = _with_error(out, (0.0,) * 3)
                 continue
             x = predicted_error(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
-            carried = predicted_error(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            carried = (
+                predicted_error(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+            )
             unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
-            if cls.precision_variable and tol.allow_tf32 and not exact_matmul and 0 < unit <= FP32_EPS and contracts_nonzero(cls, float_x):
+            if (
+                cls.precision_variable
+                and tol.allow_tf32
+                and not exact_matmul
+                and 0 < unit <= FP32_EPS
+                and contracts_nonzero(cls, float_x)
+            ):
                 unit, lam, tf32 = TF32_EPS, 0.5, True
             fresh = unit * lam * (local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
             own = (fresh, averaged_rounding(fresh, out, tf32), fresh)
@@ -187,10 +217,11 @@ def _region_prediction(
         key = B if side == "b" else T
         if key in inherited and key in budget:
             x, r = inherited[key], budget[key]
-            result[T] = ((x.e_ext, x.e_sys, x.e_rms if not math.isnan(x.e_rms) else x.e_ext),
-                         (r.e_ext, r.e_sys, r.e_rms if not math.isnan(r.e_rms) else r.e_ext))
+            result[T] = (
+                (x.e_ext, x.e_sys, x.e_rms if not math.isnan(x.e_rms) else x.e_ext),
+                (r.e_ext, r.e_sys, r.e_rms if not math.isnan(r.e_rms) else r.e_ext),
+            )
     return result
-
 
 
 def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None) -> TensorState:
@@ -202,10 +233,13 @@ def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None)
     return out
 
 
-
 def region_roots(
-    ri: RankInput, judged: Mapping[int, _RegionJudged], verdicts: dict[int, NodeVerdict], tol: Tolerances,
-    exact_matmul: bool, roots: list[tuple[Node, Divergence]],
+    ri: RankInput,
+    judged: Mapping[int, _RegionJudged],
+    verdicts: dict[int, NodeVerdict],
+    tol: Tolerances,
+    exact_matmul: bool,
+    roots: list[tuple[Node, Divergence]],
 ) -> set[int]:
     """Decide every judged region (and replay roots among target members); returns the root regions."""
     nodes = {node.op_id: node for node in ri.nodes if node.op_id in ri.member_of}
@@ -224,17 +258,32 @@ def region_roots(
         if own is None or node.kind != "op" or region_id in root_regions:
             continue
         cls = classify(node.op)
-        probe = JudgedNode(0, op_id, (node.op, own.dtype), cls, False, False, False, (0.0,) * 3, (0.0,) * 3, (1.0,) * 3,
-                        1.0, False, True, True, 1.0)
+        probe = JudgedNode(
+            0,
+            op_id,
+            (node.op, own.dtype),
+            cls,
+            False,
+            False,
+            False,
+            (0.0,) * 3,
+            (0.0,) * 3,
+            (1.0,) * 3,
+            1.0,
+            False,
+            True,
+            True,
+            1.0,
+        )
         reason = replayed_root(probe, node, ri, tol, exact_matmul, None)
         if not reason:
             continue
         root_regions.add(region_id)
         score = own.error / EPS.get(own.dtype, FP32_EPS)
-        _add_region_root(ri, ri.regions[region_id], nodes, verdicts, roots, op_id, "computation", reason, score, None,
-                         own=own)
+        _add_region_root(
+            ri, ri.regions[region_id], nodes, verdicts, roots, op_id, "computation", reason, score, None, own=own
+        )
     return root_regions
-
 
 
 def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[str, str, int | None, float]:
@@ -243,28 +292,44 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
     name = _region_name(region)
     worst_nan = [(T, s) for T, s in j.outputs if s.nonfinite and s.nonfinite_mismatch]
     if worst_nan and j.inputs_finite and not j.given:
-        return ("nan", f"NaN/Inf appear in the output of {name} although every input is finite (the bench's is not)",
-                _producer(ri, region, worst_nan[0][0]), math.inf)
+        return (
+            "nan",
+            f"NaN/Inf appear in the output of {name} although every input is finite (the bench's is not)",
+            _producer(ri, region, worst_nan[0][0]),
+            math.inf,
+        )
     if not j.outputs or all(s.exact for _, s in j.outputs):
         return "", "", None, 0.0
     replay = ri.region_replays.get(region.region_id)
     if replay is not None:
         unit = EPS.get(replay.dtype, FP32_EPS)
         if replay.sides_differ > _SIDES_DIFFER:
-            return ("computation", f"{name}: the target's ops and the bench's compute different functions: on the "
-                    f"target's recorded inputs their float64 replays differ by {replay.sides_differ:.2e}",
-                    _producer(ri, region, replay.output), replay.sides_differ / unit)
+            return (
+                "computation",
+                f"{name}: the target's ops and the bench's compute different functions: on the "
+                f"target's recorded inputs their float64 replays differ by {replay.sides_differ:.2e}",
+                _producer(ri, region, replay.output),
+                replay.sides_differ / unit,
+            )
         excess = replay.error / max(tol.replay_margin * replay.honest, tol.replay_local * unit)
         if excess > 1.0:
             against = "its own ops" if replay.reference == "target" else "the bench's ops"
-            return ("computation", f"{name}: own error {replay.error:.2e} against a float64 replay of {against} on "
-                    f"its recorded inputs is {replay.error / max(replay.honest, TINY):.0f}x what an honest replay "
-                    f"makes ({replay.honest:.1e})", _producer(ri, region, replay.output), replay.error / unit)
+            return (
+                "computation",
+                f"{name}: own error {replay.error:.2e} against a float64 replay of {against} on "
+                f"its recorded inputs is {replay.error / max(replay.honest, TINY):.0f}x what an honest replay "
+                f"makes ({replay.honest:.1e})",
+                _producer(ri, region, replay.output),
+                replay.error / unit,
+            )
     if not j.judgeable:
         return "", "", None, 0.0
     channels = ("max/min", "norm/mean", "rms")
-    excess = [((e - tol.margin * x) / max(tol.local * r, TINY), c, e, x)
-              for c, (e, x, r) in enumerate(zip(j.e, j.x, j.r)) if not math.isnan(e) and math.isfinite(x)]
+    excess = [
+        ((e - tol.margin * x) / max(tol.local * r, TINY), c, e, x)
+        for c, (e, x, r) in enumerate(zip(j.e, j.x, j.r))
+        if not math.isnan(e) and math.isfinite(x)
+    ]
     if not excess:
         return "", "", None, 0.0
     score, c, e, x = max(excess)
@@ -280,15 +345,15 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
     elif x > 0:
         reason = f"{name}: output error {e:.2e} ({channels[c]}) is {e / x:.0f}x what its inputs carried in ({x:.1e})"
     else:
-        reason = f"{name}: output error {e:.2e} ({channels[c]}) beyond an honest implementation's rounding ({j.r[c]:.1e})"
+        reason = (
+            f"{name}: output error {e:.2e} ({channels[c]}) beyond an honest implementation's rounding ({j.r[c]:.1e})"
+        )
     return "computation", reason, _producer(ri, region, j.worst), (e - x) / unit
-
 
 
 # Two float64 replays of the same function by different ops differ by float64 rounding times the
 # computation's condition (1e-13 for attention); a different eps or scale moves them by 1e-7 or more.
 _SIDES_DIFFER = 1e-9
-
 
 
 def _region_name(region: Region) -> str:
@@ -304,7 +369,6 @@ def _region_name(region: Region) -> str:
     return f"region {region.region_id} ({region.kind}: {ops(region.target_names)} against the bench's {ops(region.bench_names)})"
 
 
-
 def _producer(ri: RankInput, region: Region, tid: int | None) -> int | None:
     """The target op that made ``tid`` (or the region's one computing op)."""
     computing = [o for o in region.target_ops if ri.region_ops.get(("t", o), ("",))[0] == "op"]
@@ -317,11 +381,18 @@ def _producer(ri: RankInput, region: Region, tid: int | None) -> int | None:
     return computing[-1] if computing else (region.target_ops[-1] if region.target_ops else None)
 
 
-
 def _add_region_root(
-    ri: RankInput, region: Region, nodes: Mapping[int, tuple], verdicts: dict[int, NodeVerdict],
-    roots: list[tuple[Node, Divergence]], op_id: int | None, kind: str, reason: str, score: float,
-    j: _RegionJudged | None, own: OwnError | None = None,
+    ri: RankInput,
+    region: Region,
+    nodes: Mapping[int, tuple],
+    verdicts: dict[int, NodeVerdict],
+    roots: list[tuple[Node, Divergence]],
+    op_id: int | None,
+    kind: str,
+    reason: str,
+    score: float,
+    j: _RegionJudged | None,
+    own: OwnError | None = None,
 ) -> None:
     if op_id is None or op_id not in nodes:
         return
@@ -343,15 +414,32 @@ def _add_region_root(
     verdict.root_kind, verdict.reason, verdict.metrics = kind, reason, metrics
     verdict.introduced = score
     bench_op = region.bench_ops[-1] if region.bench_ops else None
-    roots.append(((int(step), int(op_id), ri.rank), Divergence(
-        op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
-        bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=kind, reason=reason,
-        score=float(score), metrics=metrics, stack=stack, region=region.region_id,
-    )))
+    roots.append(
+        (
+            (int(step), int(op_id), ri.rank),
+            Divergence(
+                op=op,
+                module=module,
+                phase=phase,
+                step=int(step),
+                location=location,
+                op_id=int(op_id),
+                bench_op_id=None if bench_op is None else int(bench_op),
+                rank=ri.rank,
+                kind=kind,
+                reason=reason,
+                score=float(score),
+                metrics=metrics,
+                stack=stack,
+                region=region.region_id,
+            ),
+        )
+    )
 
 
-
-def region_status_of(region: Region, j: _RegionJudged | None, root: bool, lookup: Callable[[int], TensorState | None]) -> str:
+def region_status_of(
+    region: Region, j: _RegionJudged | None, root: bool, lookup: Callable[[int], TensorState | None]
+) -> str:
     if j is None or not j.outputs:
         return "uncompared"
     states = [s for _, s in j.outputs]

@@ -3,6 +3,7 @@ carried in; roots, suspects and the first divergence come out of it.
 
 >>> verdicts, roots, skipped, drifts = localize([rank_input], Tolerances())   # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import math
@@ -58,7 +59,10 @@ from tracecmp.verdict.records import Divergence, Drift, SkippedStep
 
 
 def localize(
-    ranks: Iterable[RankInput], tolerances: Tolerances, *, exact: bool = False,
+    ranks: Iterable[RankInput],
+    tolerances: Tolerances,
+    *,
+    exact: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[dict[tuple[int, int], NodeVerdict], list[Divergence], list[SkippedStep], list[Drift]]:
     """Verdicts for every target node (keyed by (rank, op_id)), the roots, earliest first, the
@@ -81,7 +85,6 @@ def localize(
     return verdicts, [d for _, d in roots], sorted(skipped, key=lambda k: (k.step, k.rank)), drifts
 
 
-
 def _localize_rank(
     ri: RankInput, tol: Tolerances, exact_mode: bool, progress: Callable[[int], None] | None = None
 ) -> tuple[dict[int, NodeVerdict], list[tuple[Node, Divergence]], list[SkippedStep], Drift | None]:
@@ -102,7 +105,6 @@ def _localize_rank(
     # Target ops of regions where some member, on either side, was handed a NaN/Inf.
     given_regions = {o for region in ri.regions.values() if region_given(region, ri) for o in region.target_ops}
     typical = TypicalRatio()
-
 
     # ---- pass 1: measure, propagate, compute what each node introduced -------------------------
     for index, node in enumerate(ri.nodes):
@@ -130,7 +132,9 @@ def _localize_rank(
             ins_all = [(pos, past_bench_cast(s, ri, ri.bench_only.get((op_id, pos)))) for pos, s in ins_all]
         # Inputs whose values the op never reads (nll_loss_backward's log-probs) count for nothing.
         ins = [(pos, s) for pos, s in ins_all if s is not None and not s.uninit and cls.input_rule(pos) != "ignore"]
-        unknown_input = any(s is None and cls.input_rule(pos) != "ignore" for pos, s in ins_all) or any(not s.known for _, s in ins)
+        unknown_input = any(s is None and cls.input_rule(pos) != "ignore" for pos, s in ins_all) or any(
+            not s.known for _, s in ins
+        )
         float_ins = [(pos, s) for pos, s in ins if s.is_float]
         discrete_changed = any(not s.exact for _, s in ins if not s.is_float)
         inputs_exact = not unknown_input and all(s.exact for _, s in ins)
@@ -155,9 +159,12 @@ def _localize_rank(
                 is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
                 # No partner: carry the inputs' error through (an extra copy, a fused op's piece).
                 worst = max((s for _, s in float_ins), key=lambda s: s.level, default=None)
-                est = TensorState(known=not unknown_input and worst is not None or (not ins and not inputs),
-                                  exact=inputs_exact and (kind != "source" or op_id in ri.member_of), nonfinite=nonfinite,
-                                  is_float=is_float)
+                est = TensorState(
+                    known=not unknown_input and worst is not None or (not ins and not inputs),
+                    exact=inputs_exact and (kind != "source" or op_id in ri.member_of),
+                    nonfinite=nonfinite,
+                    is_float=is_float,
+                )
                 if worst is not None:
                     est.e_ext, est.e_sys, est.e_rms = worst.e_ext, worst.e_sys, worst.e_rms
                     est.c_ext, est.c_sys, est.c_rms = worst.c_ext, worst.c_sys, worst.c_rms
@@ -189,13 +196,22 @@ def _localize_rank(
         outputs_exact = all(s.exact for s in out_states)
         # Sources after the first step may be parameters the optimizer already moved: their error
         # can be inherited, so only inputs and first-step sources are judged.
-        source_inherited = kind == "source" and op != "source.input" and first_nonexact is not None and (
-            first_nonexact < op_id and step > ri.first_step
+        source_inherited = (
+            kind == "source"
+            and op != "source.input"
+            and first_nonexact is not None
+            and (first_nonexact < op_id and step > ri.first_step)
         )
         # NaN/Inf reaching a node make its statistics say nothing about its own arithmetic.
         nonfinite_in = any(s.nonfinite_mismatch for _, s in ins)
-        judgeable = (not unknown_input and not discrete_changed and not source_inherited and not nonfinite_in
-                     and cls.kind != "uninit" and kind != "view")
+        judgeable = (
+            not unknown_input
+            and not discrete_changed
+            and not source_inherited
+            and not nonfinite_in
+            and cls.kind != "uninit"
+            and kind != "view"
+        )
         if cls.kind == "select" and not inputs_exact:
             judgeable = False  # comparisons, rounding, argmax: a changed input may change anything
         bench_args = ri.bench_args.get(ri.pairs.get(op_id, -1), "")
@@ -214,8 +230,11 @@ def _localize_rank(
         parts = []
         dtype = ri.own.get(outputs[0], (True, False, ""))[2] if outputs else ""
         # This call's site among the op's calls (see TypicalRatio); each output adds its role.
-        site = (op, dtype, phase, layer_site(module),
-                tuple(made_by(producer.get(base.get(t, t))) for t in inputs)) if judgeable else ()
+        site = (
+            (op, dtype, phase, layer_site(module), tuple(made_by(producer.get(base.get(t, t))) for t in inputs))
+            if judgeable
+            else ()
+        )
         for out, role, position in zip(out_states, roles, positions):
             if not out.is_float:
                 e = (0.0 if out.exact else 1.0, 0.0, math.nan)
@@ -223,7 +242,12 @@ def _localize_rank(
                 f1 = (1.0, 1.0, 1.0)
             else:
                 unit = out.unit
-                if cls.precision_variable and tol.allow_tf32 and 0 < unit <= FP32_EPS and contracts_nonzero(cls, float_ins):
+                if (
+                    cls.precision_variable
+                    and tol.allow_tf32
+                    and 0 < unit <= FP32_EPS
+                    and contracts_nonzero(cls, float_ins)
+                ):
                     # TF32 rounding, not accumulation order, then sets the local error.
                     unit, lam, uses_tf32 = TF32_EPS, 0.5, True
                 kappa_local = local_kappa(cls, float_ins, out, role) if cls.accumulates else 1.0
@@ -232,14 +256,20 @@ def _localize_rank(
                 averaged = averaged_rounding(unit, out, uses_tf32)
                 f1 = (max(unit, TINY), max(averaged, TINY), max(unit, TINY))
                 e = (out.e_ext, out.e_sys, out.e_rms)
-                x = predicted_error(cls, base_name(op), float_ins, out, role, rstd) if judgeable else (math.inf, math.inf, math.inf)
+                x = (
+                    predicted_error(cls, base_name(op), float_ins, out, role, rstd)
+                    if judgeable
+                    else (math.inf, math.inf, math.inf)
+                )
                 if judgeable and base_name(op) in ADAM_UPDATES:
                     x = within_adam_bound(x, node, position, producer, lookup, base, out)
                 if judgeable and kind != "source":
                     # full(finfo(dtype).min), x + finfo(dtype).eps: each run took its own dtype's number
                     shift = constant_shift(cls, args, bench_args, out, float_ins, rstd)
                     x = (x[0] + shift[0], x[1] + shift[1], x[2] + shift[2])
-                nontrivial = nontrivial or (out.amax > 0 and (cls.kind != "contract" or contracts_nonzero(cls, float_ins)))
+                nontrivial = nontrivial or (
+                    out.amax > 0 and (cls.kind != "contract" or contracts_nonzero(cls, float_ins))
+                )
                 if judgeable:
                     carried_error(out, x, typical.median((*site, role)))
                     if kind == "op":
@@ -248,19 +278,40 @@ def _localize_rank(
                         carry_factors(out, x, float_ins, cls)
                 if out.filled:
                     e, x = at_finite_scale(out, e, x)
-            ratio = max(((ec - xc) / fc if math.isfinite(xc) else ec / fc) for ec, xc, fc in zip(e, x, f1) if not math.isnan(ec))
+            ratio = max(
+                ((ec - xc) / fc if math.isfinite(xc) else ec / fc) for ec, xc, fc in zip(e, x, f1) if not math.isnan(ec)
+            )
             if role and out.is_float:
                 parts.append((role, e, x, f1))
             if ratio > best_ratio:
                 best_ratio, best_e, best_x, best_f1, best_kappa = ratio, e, x, f1, kappa_local
         error = max((ec / fc for ec, fc in zip(best_e, best_f1) if not math.isnan(ec)), default=math.nan)
         verdict.error = float(error)
-        intro = [max(0.0, ec - xc) / fc if not math.isnan(ec) and math.isfinite(xc) else 0.0
-                 for ec, xc, fc in zip(best_e, best_x, best_f1)]
+        intro = [
+            max(0.0, ec - xc) / fc if not math.isnan(ec) and math.isfinite(xc) else 0.0
+            for ec, xc, fc in zip(best_e, best_x, best_f1)
+        ]
         verdict.introduced = float(max(intro)) if judgeable else 0.0
-        judged.append(JudgedNode(index, op_id, (op, dtype), cls, judgeable, inputs_exact, outputs_exact, best_e, best_x,
-                              best_f1, lam, uses_tf32, all(s.same_dtype for s in out_states), nontrivial, best_kappa,
-                              tuple(parts)))
+        judged.append(
+            JudgedNode(
+                index,
+                op_id,
+                (op, dtype),
+                cls,
+                judgeable,
+                inputs_exact,
+                outputs_exact,
+                best_e,
+                best_x,
+                best_f1,
+                lam,
+                uses_tf32,
+                all(s.same_dtype for s in out_states),
+                nontrivial,
+                best_kappa,
+                tuple(parts),
+            )
+        )
 
     for op_id, region_id in ri.member_of.items():
         verdicts[op_id].region = region_id
@@ -268,15 +319,20 @@ def _localize_rank(
     # ---- pass 2: regime and ambient calibration ---------------------------------------------
     # Compiled units round like whole graphs, not like single ops: they set neither regime nor calibration.
     own_rules = [j if j is None or j.op_id not in ri.units else None for j in judged]
-    exact_input_nodes = [j for j in own_rules if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"]
+    exact_input_nodes = [
+        j for j in own_rules if j is not None and j.judgeable and j.inputs_exact and j.cls.kind != "factory"
+    ]
     # Matmuls/convs allowed to run at TF32 have their own rule and do not decide the regime.
     differing = sum(1 for j in exact_input_nodes if not j.outputs_exact and not j.uses_tf32)
     bitwise = exact_mode or differing <= max(2, 0.01 * len(exact_input_nodes))
     # A matmul/conv that turned identical, non-zero inputs into identical outputs shows that this
     # target does not run them at reduced (TF32) precision.
     exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
-    region_judged = {region_id: judge_region(region, ri, lookup, tol, exact_matmul)
-                     for region_id, region in ri.regions.items() if region.target_ops}
+    region_judged = {
+        region_id: judge_region(region, ri, lookup, tol, exact_matmul)
+        for region_id, region in ri.regions.items()
+        if region.target_ops
+    }
     ambient = ambient_noise(own_rules, ri.nodes, tol) if not exact_mode else {}
     names = {node.op_id: node.op for node in ri.nodes}
     fits = model_fits(ri.own_errors, names) if ri.reduced_precision and not exact_matmul else {}
@@ -293,9 +349,23 @@ def _localize_rank(
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
-        root_kind, reason, deciding, part, confirmed = decide_node(j, node, ri, tol, bitwise, exact_matmul, ambient, exact_mode,
-                                                               lookup, channels, fits, bounds_hold, tf32_spread, bitwise_ops,
-                                                               tainted_in)
+        root_kind, reason, deciding, part, confirmed = decide_node(
+            j,
+            node,
+            ri,
+            tol,
+            bitwise,
+            exact_matmul,
+            ambient,
+            exact_mode,
+            lookup,
+            channels,
+            fits,
+            bounds_hold,
+            tf32_spread,
+            bitwise_ops,
+            tainted_in,
+        )
         verdict.metric = deciding
         if not root_kind:
             return
@@ -315,12 +385,22 @@ def _localize_rank(
             # outranks every root of a few units.
             verdict.introduced = math.inf
         divergence = Divergence(
-            op=op, module=module, phase=phase, step=int(step), location=location, op_id=int(op_id),
-            bench_op_id=None if bench_op is None else int(bench_op), rank=ri.rank, kind=root_kind, reason=reason,
-            score=float(verdict.introduced if not math.isnan(verdict.introduced) else 0.0), metrics=verdict.metrics,
+            op=op,
+            module=module,
+            phase=phase,
+            step=int(step),
+            location=location,
+            op_id=int(op_id),
+            bench_op_id=None if bench_op is None else int(bench_op),
+            rank=ri.rank,
+            kind=root_kind,
+            reason=reason,
+            score=float(verdict.introduced if not math.isnan(verdict.introduced) else 0.0),
+            metrics=verdict.metrics,
             stack=stack,
         )
         roots.append(((int(step), int(op_id), ri.rank), divergence))
+
     root_regions = region_roots(ri, region_judged, verdicts, tol, exact_matmul, roots)
 
     python_from: int | None = None  # the first op that read a root's error into Python (``.item()``) ...
@@ -351,22 +431,33 @@ def _localize_rank(
             far, made = drifted.get(base.get(t, t), (0.0, step))
             if far and not is_exact(lookup(t)):
                 drift_in = max(drift_in, far if made >= step else min(far, step_drift[int(step)]))
-        if drift is not None and kind == "source" and op != "source.input" and step > drift[0][1] and not all(
-                map(is_exact, map(lookup, outputs))):
+        if (
+            drift is not None
+            and kind == "source"
+            and op != "source.input"
+            and step > drift[0][1]
+            and not all(map(is_exact, map(lookup, outputs)))
+        ):
             drift_in = max(drift_in, step_drift[int(step)])
         if j is not None:
             judge(j, node, tainted_in)
             verdict = verdicts[op_id]
-            if (drift_in and verdict.root_kind == "computation" and op_id not in replayed
-                    and max((e for e in j.e if not math.isnan(e)), default=0.0) <= drift_in):
+            if (
+                drift_in
+                and verdict.root_kind == "computation"
+                and op_id not in replayed
+                and max((e for e in j.e if not math.isnan(e)), default=0.0) <= drift_in
+            ):
                 # Its inputs drifted apart: what their statistics say bounds their error from below
                 # only, far below the drift itself, so a root of no more error than the drift is
                 # as likely the drift's. A larger one stands out from it.
                 undecided.append(roots.pop()[1])
                 verdict.root_kind = ""
                 assert drift is not None
-                verdict.reason = (f"computed from values that drifted apart from op {drift[0][0]} on; statistics cannot tell "
-                                  f"a fault here from that drift: {verdict.reason}")
+                verdict.reason = (
+                    f"computed from values that drifted apart from op {drift[0][0]} on; statistics cannot tell "
+                    f"a fault here from that drift: {verdict.reason}"
+                )
         if not (kind == "view" and all(t in base for t in outputs)):
             for t in outputs:
                 s = state.get(t) if t not in base else None
@@ -380,8 +471,11 @@ def _localize_rank(
     if python_from is not None:
         nodes_by_id = {node.op_id: node for node in ri.nodes}
         exact_in = {j.op_id for j in judged if j is not None and j.inputs_exact}
-        exact_in.update(op for op, region_id in ri.member_of.items()
-                        if region_id in region_judged and region_judged[region_id].inputs_exact)
+        exact_in.update(
+            op
+            for op, region_id in ri.member_of.items()
+            if region_id in region_judged and region_judged[region_id].inputs_exact
+        )
 
         def inherited(d: Divergence) -> bool:
             """Whether ``d`` follows Python's reading of a root; then it is diverged, no root."""
@@ -389,8 +483,10 @@ def _localize_rank(
                 return False
             verdict = verdicts[d.op_id]  # the reason says where from
             verdict.root_kind = ""
-            verdict.reason = (f"follows op {python_from}, which read a diverged value into Python (.item()); "
-                              f"what the program decided from it may differ: {d.reason}")
+            verdict.reason = (
+                f"follows op {python_from}, which read a diverged value into Python (.item()); "
+                f"what the program decided from it may differ: {d.reason}"
+            )
             for t in nodes_by_id[d.op_id][10]:  # a root taken back for the drift did not taint yet
                 s = state.get(t)
                 if s is not None and not s.exact:
@@ -413,8 +509,9 @@ def _localize_rank(
         if region_id is not None:
             # Members share their region's status; a root region taints what it makes.
             if region_id not in region_status:
-                region_status[region_id] = region_status_of(ri.regions[region_id], region_judged.get(region_id),
-                                                          region_id in root_regions, lookup)
+                region_status[region_id] = region_status_of(
+                    ri.regions[region_id], region_judged.get(region_id), region_id in root_regions, lookup
+                )
             tainted = region_id in root_regions or region_status[region_id] == "diverged"
             for t in outputs:
                 s = state.get(base.get(t, t))
@@ -455,6 +552,14 @@ def _localize_rank(
     found = None
     if drift is not None:
         (op_id, step, phase, _, op, _, module, *_), error = drift
-        found = Drift(rank=ri.rank, op_id=op_id, step=int(step), phase=phase, op=op, module=module, error=error,
-                      undecided=tuple(d.op_id for d in undecided))
+        found = Drift(
+            rank=ri.rank,
+            op_id=op_id,
+            step=int(step),
+            phase=phase,
+            op=op,
+            module=module,
+            error=error,
+            undecided=tuple(d.op_id for d in undecided),
+        )
     return verdicts, roots, skipped, found

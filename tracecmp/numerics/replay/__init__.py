@@ -46,6 +46,7 @@ worker processes, each opening the trace itself.
 >>> own[42].error, own[42].honest                            # doctest: +SKIP
 (1.0e-06, 3.1e-08)
 """
+
 from __future__ import annotations
 
 from tracecmp.numerics.replay.calls import register_reference, static_skip_reason

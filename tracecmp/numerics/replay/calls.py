@@ -3,6 +3,7 @@ list element), whether it can be replayed at all, and running it on given inputs
 
 >>> register_reference("npu.fast_gelu.default", lambda x: torch.nn.functional.gelu(x, approximate="tanh"))  # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -16,13 +17,10 @@ from tracecmp.numerics.replay.records import Call, RecordedOp
 _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten._empty")
 
 
-
 _COLLECTIVES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 
 
-
 _REFERENCES: dict[str, Callable[..., Any]] = {}
-
 
 
 def register_reference(name: str, reference: Callable[..., Any]) -> None:
@@ -40,13 +38,11 @@ def register_reference(name: str, reference: Callable[..., Any]) -> None:
     _REFERENCES[name] = reference
 
 
-
 def _has_cpu_kernel(func: Any) -> bool:
     try:
         return bool(torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), "CPU"))
     except (AttributeError, RuntimeError):
         return True  # no way to ask: let the call decide
-
 
 
 def static_skip_reason(op: RecordedOp) -> str:
@@ -76,7 +72,6 @@ def static_skip_reason(op: RecordedOp) -> str:
     return ""
 
 
-
 def _opaque(value: Any) -> str:
     if isinstance(value, str) and value.startswith("<"):
         return value
@@ -85,7 +80,6 @@ def _opaque(value: Any) -> str:
     if isinstance(value, list):
         return next((o for o in map(_opaque, value) if o), "")
     return ""
-
 
 
 def calls_of(op: RecordedOp, args: dict[str, Any]) -> list[Call]:
@@ -99,8 +93,13 @@ def calls_of(op: RecordedOp, args: dict[str, Any]) -> list[Call]:
     schema = getattr(func, "_schema", None)
     if schema is None:
         return whole
-    lists = {a.name: len(args[a.name]) for a in schema.arguments
-             if a.name in args and isinstance(args[a.name], list) and str(a.real_type).startswith(("List[", "Optional[List["))}
+    lists = {
+        a.name: len(args[a.name])
+        for a in schema.arguments
+        if a.name in args
+        and isinstance(args[a.name], list)
+        and str(a.real_type).startswith(("List[", "Optional[List["))
+    }
     lengths = {n for n in lists.values() if n}
     if len(lengths) != 1:
         return whole
@@ -135,8 +134,10 @@ def calls_of(op: RecordedOp, args: dict[str, Any]) -> list[Call]:
             return value
 
         try:
-            sub = {name: (pick([value[i]]) if name in lists and lists[name] == count else pick(value))
-                   for name, value in args.items()}
+            sub = {
+                name: (pick([value[i]]) if name in lists and lists[name] == count else pick(value))
+                for name, value in args.items()
+            }
         except ValueError:
             return whole
         outputs, offset = [], 0
@@ -148,9 +149,7 @@ def calls_of(op: RecordedOp, args: dict[str, Any]) -> list[Call]:
     return calls
 
 
-
 _LAST_ERROR: list[str] = [""]  # the message of the latest call that raised (for the skip reason)
-
 
 
 def last_error() -> str:
@@ -158,8 +157,9 @@ def last_error() -> str:
     return f" ({text})" if text else ""
 
 
-
-def invoke(name: str, recorded: dict[str, Any], inputs: list[torch.Tensor], *, golden: bool) -> tuple[Any, tuple, dict] | None:
+def invoke(
+    name: str, recorded: dict[str, Any], inputs: list[torch.Tensor], *, golden: bool
+) -> tuple[Any, tuple, dict] | None:
     """Run op ``name`` with ``recorded`` arguments on ``inputs``; ``golden`` promotes floating
     values to float64. Returns (result, args, kwargs) so written arguments can be read back, or None."""
     func = resolve(name)
@@ -181,12 +181,12 @@ def invoke(name: str, recorded: dict[str, Any], inputs: list[torch.Tensor], *, g
     return result, tuple(args), kwargs
 
 
-
 _HALVES = (torch.float16, torch.bfloat16)
 
 
-
-def _invoke_widened(func: Any, target: Any, recorded: dict[str, Any], inputs: list[torch.Tensor]) -> tuple[Any, tuple, dict] | None:
+def _invoke_widened(
+    func: Any, target: Any, recorded: dict[str, Any], inputs: list[torch.Tensor]
+) -> tuple[Any, tuple, dict] | None:
     """An honest float16/bfloat16 kernel where this CPU has none (torch 2.1 lacks float16 matmul
     and softmax, for one): the op computed in float32 on the recorded inputs and each output
     rounded once to the dtype the op gives (read from its meta kernel), which is what such kernels
@@ -194,7 +194,9 @@ def _invoke_widened(func: Any, target: Any, recorded: dict[str, Any], inputs: li
     from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
     def meta(v: Any) -> Any:
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+        return (
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+        )
 
     wide = [t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALVES else t for t in inputs]
     low = decode_call(func, recorded, inputs, golden=False)
@@ -212,8 +214,10 @@ def _invoke_widened(func: Any, target: Any, recorded: dict[str, Any], inputs: li
     flat, spec = tree_flatten(result)
     if len(expected) != len(flat):
         return None
-    rounded = [v.to(m.dtype) if isinstance(v, torch.Tensor) and isinstance(m, torch.Tensor) else v
-               for v, m in zip(flat, expected)]
+    rounded = [
+        v.to(m.dtype) if isinstance(v, torch.Tensor) and isinstance(m, torch.Tensor) else v
+        for v, m in zip(flat, expected)
+    ]
     # Arguments the op wrote (in-place, out=) go back to their recorded dtypes too.
     back = {id(w): t.dtype for w, t in zip(wide, inputs) if isinstance(t, torch.Tensor) and w is not t}
 
@@ -221,7 +225,6 @@ def _invoke_widened(func: Any, target: Any, recorded: dict[str, Any], inputs: li
         return v.to(back[id(v)]) if isinstance(v, torch.Tensor) and id(v) in back else v
 
     return tree_unflatten(rounded, spec), tuple(tree_map(narrow, tuple(args))), tree_map(narrow, kwargs)
-
 
 
 def returned_tensors(name: str, result: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ in pieces for large outputs, and the bound on what float32 accumulation of produ
 >>> errors_against(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0], dtype=torch.float64))
 (0.0, 0.0)
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ class Detail:
         self.max_ulps = self.honest_max_ulps = 0.0
         self.beyond = self.honest_beyond = 0  # counts
 
-    def add(self, recorded: torch.Tensor, honest: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, bound: float) -> None:
+    def add(
+        self, recorded: torch.Tensor, honest: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, bound: float
+    ) -> None:
         """Count in the elements of ``recorded`` and ``honest`` (or of one piece of them) against
         ``ref``, the float64 reference of the same elements (``finite``: where it is finite)."""
         spacing = _ulp(ref, recorded.dtype)
@@ -58,11 +61,16 @@ class Detail:
 
     def fields(self) -> dict[str, Any]:
         total = max(self.elements, 1)
-        return {"nonfinite": self.nonfinite, "honest_nonfinite": self.honest_nonfinite, "max_ulps": self.max_ulps,
-                "honest_max_ulps": self.honest_max_ulps, "beyond": self.beyond / total,
-                "honest_beyond": self.honest_beyond / total, "elements": self.elements,
-                "integer_mismatch": self.integer_mismatch}
-
+        return {
+            "nonfinite": self.nonfinite,
+            "honest_nonfinite": self.honest_nonfinite,
+            "max_ulps": self.max_ulps,
+            "honest_max_ulps": self.honest_max_ulps,
+            "beyond": self.beyond / total,
+            "honest_beyond": self.honest_beyond / total,
+            "elements": self.elements,
+            "integer_mismatch": self.integer_mismatch,
+        }
 
 
 def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -71,7 +79,6 @@ def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     magnitude = ref.abs().nan_to_num_(nan=finfo.tiny, posinf=finfo.tiny).clamp_(min=finfo.tiny)
     _, exponent = torch.frexp(magnitude)
     return torch.ldexp(magnitude.fill_(finfo.eps), exponent.sub_(1))
-
 
 
 def combine(op_id: int, parts: list[OwnError]) -> OwnError:
@@ -86,14 +93,24 @@ def combine(op_id: int, parts: list[OwnError]) -> OwnError:
     elements = sum(p.elements for p in parts)
     share = (lambda f: sum(getattr(p, f) * p.elements for p in parts) / elements) if elements else (lambda f: 0.0)
     return OwnError(
-        op_id, worst.error, worst.honest, worst.dtype, misrounded=any(p.misrounded for p in parts), fits=fits,
-        bounds=bounds, bitwise=all(p.bitwise for p in parts), informative=any(p.informative for p in parts),
-        nonfinite=sum(p.nonfinite for p in parts), honest_nonfinite=sum(p.honest_nonfinite for p in parts),
-        max_ulps=max(p.max_ulps for p in parts), honest_max_ulps=max(p.honest_max_ulps for p in parts),
-        beyond=share("beyond"), honest_beyond=share("honest_beyond"), elements=elements,
+        op_id,
+        worst.error,
+        worst.honest,
+        worst.dtype,
+        misrounded=any(p.misrounded for p in parts),
+        fits=fits,
+        bounds=bounds,
+        bitwise=all(p.bitwise for p in parts),
+        informative=any(p.informative for p in parts),
+        nonfinite=sum(p.nonfinite for p in parts),
+        honest_nonfinite=sum(p.honest_nonfinite for p in parts),
+        max_ulps=max(p.max_ulps for p in parts),
+        honest_max_ulps=max(p.honest_max_ulps for p in parts),
+        beyond=share("beyond"),
+        honest_beyond=share("honest_beyond"),
+        elements=elements,
         integer_mismatch=sum(p.integer_mismatch for p in parts),
     )
-
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -118,20 +135,43 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
 
 
-
 # Ops whose every output element is a sum of products of one element of each operand (a bias
 # added in): replayed on the operands' absolute values they give the sum of the terms' sizes,
 # and on ones the number of terms.
-_SUMS_OF_PRODUCTS = frozenset({
-    "mm", "bmm", "addmm", "addmm_", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "outer",
-    "ger", "einsum", "tensordot", "convolution", "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d",
-    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-})
+_SUMS_OF_PRODUCTS = frozenset(
+    {
+        "mm",
+        "bmm",
+        "addmm",
+        "addmm_",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "outer",
+        "ger",
+        "einsum",
+        "tensordot",
+        "convolution",
+        "_convolution",
+        "convolution_backward",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+    }
+)
 
 
-
-def bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
-                recorded: list[tuple[int, torch.Tensor | None]]) -> tuple[float, ...]:
+def bound_fits(
+    name: str, args: dict[str, Any], sets: list[list[torch.Tensor]], recorded: list[tuple[int, torch.Tensor | None]]
+) -> tuple[float, ...]:
     """Per input set (each rounding of the operands, then the operands as they are): the largest
     ratio, over the recorded outputs' elements, of the distance from a float64 replay on that set
     to :func:`_accumulation_bound`. () where the op is not a sum of products or a replay fails.
@@ -154,7 +194,11 @@ def bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
             if max(position, 0) >= min(len(exact_out), len(size_out), len(counts)):
                 return ()
             center = exact_out[position]
-            if value.shape != center.shape or counts[position].shape != center.shape or size_out[position].shape != center.shape:
+            if (
+                value.shape != center.shape
+                or counts[position].shape != center.shape
+                or size_out[position].shape != center.shape
+            ):
                 return ()
             flat = [t.reshape(-1) for t in (counts[position], size_out[position], center, value)]
             for start in range(0, center.numel(), _PIECE_ELEMENTS):
@@ -173,7 +217,6 @@ def bound_fits(name: str, args: dict[str, Any], sets: list[list[torch.Tensor]],
     return tuple(fits)
 
 
-
 def _accumulation_bound(count: torch.Tensor, size: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """How far a float32 result may lie from the exact sum of ``count`` products whose sizes add up
     to ``size``, whatever order and blocking a device sums them in: gamma(n) * size with gamma(n)
@@ -184,7 +227,6 @@ def _accumulation_bound(count: torch.Tensor, size: torch.Tensor, exact: torch.Te
     unit = 2.0 * FP32_UNIT
     gamma = (n * unit) / (1.0 - (n * unit).clamp_max(0.5))
     return gamma * size.abs() + FP32_UNIT * exact.abs()
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +259,6 @@ class Scale:
         return _relative(value.detach(), middle, finite, self.amax, self.norm, bool(finite.all()))
 
 
-
 # A pointwise call over more elements than this gets its float64 reference in pieces of this many
 # elements, and any output larger than this is measured in such pieces: the float64 copies and
 # the measurement's temporaries are then a piece's, not the output's. A multiple of every
@@ -225,10 +266,8 @@ class Scale:
 _PIECE_ELEMENTS = 1 << 21
 
 
-
 # Elementwise ops that torch does not tag pointwise.
 _ELEMENTWISE = frozenset({"aten._to_copy.default", "aten.copy.default", "aten.copy_.default"})
-
 
 
 @lru_cache(maxsize=None)
@@ -252,8 +291,9 @@ def _pointwise(name: str) -> bool:
     return any(torch.Tag.pointwise in getattr(getattr(single, o), "tags", ()) for o in overloads)
 
 
-
-def piece_spans(name: str, inputs: Sequence[torch.Tensor], shapes: Sequence[Sequence[int] | None]) -> list[tuple[int, int]] | None:
+def piece_spans(
+    name: str, inputs: Sequence[torch.Tensor], shapes: Sequence[Sequence[int] | None]
+) -> list[tuple[int, int]] | None:
     """The flat ranges to make a call's float64 reference in, one at a time (see
     ``_PIECE_ELEMENTS``), or None to make it whole: a pointwise op whose outputs all have one
     shape and more elements than a piece, and whose inputs have that shape, dense in one memory
@@ -275,7 +315,6 @@ def piece_spans(name: str, inputs: Sequence[torch.Tensor], shapes: Sequence[Sequ
     return [(start, min(start + _PIECE_ELEMENTS, count)) for start in range(0, count, _PIECE_ELEMENTS)]
 
 
-
 def shared_order(inputs: Sequence[torch.Tensor]) -> list[int] | None:
     """The memory order of a call's first non-scalar input (None: logical order). Pieces run over
     memory in that order, where every input is laid out alike (a channels-last activation and its
@@ -283,10 +322,8 @@ def shared_order(inputs: Sequence[torch.Tensor]) -> list[int] | None:
     return next((memory_order(x) for x in inputs if x.dim()), None)
 
 
-
 def _in_order(x: torch.Tensor, order: list[int] | None) -> torch.Tensor:
     return x.permute(order) if order is not None else x
-
 
 
 def _flat(x: torch.Tensor, order: list[int] | None) -> torch.Tensor:
@@ -294,20 +331,21 @@ def _flat(x: torch.Tensor, order: list[int] | None) -> torch.Tensor:
     return _in_order(x, order).reshape(-1)
 
 
-
-def pieces_of(inputs: Sequence[torch.Tensor], span: tuple[int, int], order: list[int] | None = None) -> list[torch.Tensor]:
+def pieces_of(
+    inputs: Sequence[torch.Tensor], span: tuple[int, int], order: list[int] | None = None
+) -> list[torch.Tensor]:
     """The elements ``span`` of each input, flattened in ``order`` (scalars whole)."""
     start, stop = span
     return [_flat(x, order)[start:stop] if x.dim() else x for x in inputs]
 
 
-
-def run_outputs(name: str, args: dict[str, Any], inputs: list[torch.Tensor], *, golden: bool) -> list[torch.Tensor] | None:
+def run_outputs(
+    name: str, args: dict[str, Any], inputs: list[torch.Tensor], *, golden: bool
+) -> list[torch.Tensor] | None:
     """A call's outputs in capture's order (see :func:`invoke`), or None when it cannot run. The
     arguments it was called with go: a float64 replay's copies of inputs it does not return with them."""
     found = invoke(name, args, inputs, golden=golden)
     return None if found is None else returned_tensors(name, *found)
-
 
 
 class Reference:
@@ -315,8 +353,12 @@ class Reference:
     pointwise call (``call``: its name, arguments, recorded inputs, spans, and which output;
     ``value`` is then the first piece), its elements in memory ``order`` (None: logical)."""
 
-    def __init__(self, value: torch.Tensor, call: tuple[str, dict[str, Any], list[torch.Tensor], list[tuple[int, int]], int] | None = None,
-                 order: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        value: torch.Tensor,
+        call: tuple[str, dict[str, Any], list[torch.Tensor], list[tuple[int, int]], int] | None = None,
+        order: list[int] | None = None,
+    ) -> None:
         self.value = value
         self.call = call
         self.order = order
@@ -325,8 +367,10 @@ class Reference:
     def split(self, tensors: Sequence[Any]) -> None:
         """Measure a whole reference in pieces where it and ``tensors`` are large and contiguous."""
         count = self.value.numel()
-        if self.call is None and count > _PIECE_ELEMENTS and all(
-            isinstance(t, torch.Tensor) and t.is_contiguous() for t in (self.value, *tensors)
+        if (
+            self.call is None
+            and count > _PIECE_ELEMENTS
+            and all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in (self.value, *tensors))
         ):
             self.spans = [(start, min(start + _PIECE_ELEMENTS, count)) for start in range(0, count, _PIECE_ELEMENTS)]
 
@@ -344,7 +388,6 @@ class Reference:
         if made is None or position >= len(made) or made[position].shape != (spans[index][1] - spans[index][0],):
             return None
         return made[position]
-
 
 
 class Gauge:
@@ -367,9 +410,15 @@ class Gauge:
         for distance, ok in zip(self.from_replays, usable):
             distance.infinite = not ok
         self.unit.infinite = accumulated is not None and not (
-            isinstance(accumulated, torch.Tensor) and accumulated.shape == recorded.shape)
-        reference.split([recorded, *(r for r, ok in zip(replays, usable) if ok),
-                         *([accumulated] if accumulated is not None and not self.unit.infinite else [])])
+            isinstance(accumulated, torch.Tensor) and accumulated.shape == recorded.shape
+        )
+        reference.split(
+            [
+                recorded,
+                *(r for r, ok in zip(replays, usable) if ok),
+                *([accumulated] if accumulated is not None and not self.unit.infinite else []),
+            ]
+        )
         self.flat: dict[int, torch.Tensor] = {}  # flattened tensors (views where contiguous), for pieces
 
     def _piece(self, value: Any, span: tuple[int, int] | None) -> Any:
@@ -378,7 +427,7 @@ class Gauge:
         flat = self.flat.get(id(value))
         if flat is None:
             flat = self.flat[id(value)] = _flat(value, self.reference.order)
-        return flat[span[0]:span[1]]
+        return flat[span[0] : span[1]]
 
     def _pieces(self) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor | None]]:
         spans = self.reference.spans
@@ -414,8 +463,13 @@ class Gauge:
         """(the recorded output's relative error, the honest replay's)."""
         amax, norm = self.size.total()
         error, honest = self.own.relative(amax, norm), self.from_reference[0].relative(amax, norm)
-        if error > 0 and honest == 0 and self.recorded.is_floating_point() and all(
-            ref is not None and _only_flushed(self._piece(self.recorded, span), ref) for span, ref in self._pieces()
+        if (
+            error > 0
+            and honest == 0
+            and self.recorded.is_floating_point()
+            and all(
+                ref is not None and _only_flushed(self._piece(self.recorded, span), ref) for span, ref in self._pieces()
+            )
         ):
             error = 0.0
         return error, honest
@@ -435,15 +489,12 @@ class Gauge:
         return [d.relative(amax, norm) for d in self.from_replays]
 
 
-
 def excess(error: float, honest: float) -> float:
     return error / honest if honest > 0 else (math.inf if error > 0 else 0.0)
 
 
-
 def is_float(dtype: str) -> bool:
     return dtype in ("float32", "float64", "float16", "bfloat16")
-
 
 
 def errors_against(recorded: torch.Tensor, honest: Any, reference: Any) -> tuple[float, float] | None:
@@ -451,7 +502,6 @@ def errors_against(recorded: torch.Tensor, honest: Any, reference: Any) -> tuple
     if not comparable(recorded, honest, reference):
         return None
     return errors_on(recorded, honest, Scale.of(reference))
-
 
 
 def comparable(recorded: torch.Tensor, honest: Any, reference: Any, piece: int | None = None) -> bool:
@@ -464,13 +514,11 @@ def comparable(recorded: torch.Tensor, honest: Any, reference: Any, piece: int |
     return recorded.shape == reference.shape == honest.shape
 
 
-
 def errors_on(recorded: torch.Tensor, honest: torch.Tensor, scale: Scale) -> tuple[float, float]:
     error, honest_error = scale.error(recorded), scale.error(honest)
     if error > 0 and honest_error == 0 and recorded.is_floating_point() and _only_flushed(recorded, scale.ref):
         error = 0.0
     return error, honest_error
-
 
 
 def _only_flushed(recorded: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -482,14 +530,18 @@ def _only_flushed(recorded: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((out[differs] == 0) & (ref[differs].abs() < torch.finfo(recorded.dtype).tiny)).all())
 
 
-
-def _relative(value: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor, scale: float, norm: float,
-              all_finite: bool | None = None) -> float:
+def _relative(
+    value: torch.Tensor,
+    ref: torch.Tensor,
+    finite: torch.Tensor,
+    scale: float,
+    norm: float,
+    all_finite: bool | None = None,
+) -> float:
     """``max(max|v - ref| / max|ref|, ||v - ref|| / ||ref||)`` over the reference's finite
     positions; inf when NaN/Inf sit where the reference has none (or differ from its own).
     One float64 copy of ``value`` is made and worked on in place."""
     return _Distance().add(value, ref, finite, all_finite).relative(scale, norm)
-
 
 
 def _total_norm(norms: list[float]) -> float:
@@ -497,7 +549,6 @@ def _total_norm(norms: list[float]) -> float:
     if not norms:
         return 0.0
     return norms[0] if len(norms) == 1 else math.hypot(*norms)
-
 
 
 class _Size:
@@ -522,7 +573,6 @@ class _Size:
         return self.amax, _total_norm(self.norms) if self.amax > 0 else 0.0
 
 
-
 class _Distance:
     """How far a value lies from a center (the float64 reference, or a replay), added piece by
     piece over the center's finite positions: the largest difference and the norm of the
@@ -535,7 +585,9 @@ class _Distance:
         self.norms: list[float] = []
         self.infinite = False
 
-    def add(self, value: torch.Tensor, center: torch.Tensor, finite: torch.Tensor, all_finite: bool | None = None) -> _Distance:
+    def add(
+        self, value: torch.Tensor, center: torch.Tensor, finite: torch.Tensor, all_finite: bool | None = None
+    ) -> _Distance:
         if self.infinite:
             return self
         out = value.to(torch.float64, copy=True)

@@ -4,6 +4,7 @@ and what a replay found (:class:`OwnError`, :class:`Skipped`).
 >>> Skipped(7, "random op: a replay would draw other numbers").data_missing
 False
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ from tracecmp.trace import boundedjson
 
 # Per-element bound of ``OwnError.beyond``: units in the last place (ulp) of the recorded dtype.
 ELEMENT_ULPS: dict[str, float] = {"float64": 4.0, "float32": 4.0, "bfloat16": 1.0, "float16": 1.0}
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,6 @@ class OwnError:
     integer_mismatch: int = 0  # elements of integer/bool outputs that differ from the honest replay
 
 
-
 @dataclass(frozen=True, slots=True)
 class Skipped:
     """An op that was not replayed, and why (never to be read as "correct")."""
@@ -66,7 +65,6 @@ class Skipped:
     op_id: int
     reason: str
     data_missing: bool = False  # the trace did not save its inputs or outputs (statistics may still judge it)
-
 
 
 @dataclass(slots=True)
@@ -98,7 +96,6 @@ class RecordedOp:
         return self.random and draws_random(self.name, self.arguments())
 
 
-
 @dataclass(frozen=True, slots=True)
 class Call:
     """One call to replay: an op, or one list element of a ``_foreach_*`` op."""
@@ -107,7 +104,6 @@ class Call:
     args: dict[str, Any]  # recorded arguments, tensors as {"tensor": i} into ``inputs``
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
-
 
 
 def iter_ops(rank: Any, op_ids: Iterable[int] | None = None) -> Iterator[RecordedOp]:

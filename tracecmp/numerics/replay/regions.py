@@ -3,6 +3,7 @@ on its recorded inputs, and whether the two sides compute the same function.
 
 >>> found = replay_regions(target_rank, bench_rank, regions)   # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,6 @@ class RegionReplay:
     sides_differ: float = math.nan
 
 
-
 def replay_regions(target: Any, bench: Any | None, regions: Iterable[Any]) -> dict[int, RegionReplay]:
     """Replays of ``regions`` (tracecmp.verdict.records.Region) on the target's recorded inputs,
     by region id (see :class:`RegionReplay`); regions neither side can run are absent. ``bench``
@@ -47,13 +47,12 @@ def replay_regions(target: Any, bench: Any | None, regions: Iterable[Any]) -> di
     (3.1e-08, 2.9e-08, 1.2e-16)
     """
     found: dict[int, RegionReplay] = {}
-    with _Chain(target) as t_side, (_Chain(bench) if bench is not None else _NoChain()) as b_side:
+    with _Chain(target) as t_side, _Chain(bench) if bench is not None else _NoChain() as b_side:
         for region in regions:
             replay = _replay_region(t_side, b_side, region)
             if replay is not None:
                 found[region.region_id] = replay
     return found
-
 
 
 def _replay_region(t_side: _Chain, b_side: _Chain | _NoChain, region: Any) -> RegionReplay | None:
@@ -77,7 +76,9 @@ def _replay_region(t_side: _Chain, b_side: _Chain | _NoChain, region: Any) -> Re
                     fed[B] = value
         if len(fed) == len({B for _, B in region.inputs if B is not None}):
             # The bench's own dtypes: the target's values (bf16, say) cast to what the bench read.
-            fed_cast = {B: v.to(b_side.dtype(B)) if b_side.dtype(B) and v.is_floating_point() else v for B, v in fed.items()}
+            fed_cast = {
+                B: v.to(b_side.dtype(B)) if b_side.dtype(B) and v.is_floating_point() else v for B, v in fed.items()
+            }
             golden_b = b_side.run(region.bench_ops, fed_cast, [B for _, B in outputs], golden=True)
             if golden_b is not None and golden_t is None:
                 honest_b = b_side.run(region.bench_ops, fed_cast, [B for _, B in outputs], golden=False)
@@ -112,21 +113,24 @@ def _replay_region(t_side: _Chain, b_side: _Chain | _NoChain, region: Any) -> Re
     return RegionReplay(worst.error, worst.honest, worst.dtype, worst.output, worst.reference, differ)
 
 
-
 def _same_inputs(t_side: _Chain, b_side: _Chain, region: Any) -> bool:
     """Both sides' ops read the same floating values from outside the region. A fused attention
     backward reads the forward's output and log-sum-exp where the eager chain reads the saved
     probabilities: both are rounded intermediates, and their float64 replays differ by that
     rounding whatever the functions."""
+
     def read(chain: _Chain, ops: Iterable[int]) -> set[int]:
         made = {t for o in ops for t in chain.ops[o].outputs}
-        return {t for o in ops for t in chain.ops[o].inputs
-                if t not in made and is_float(chain.info.get(t, (0, 0, "", -1, ""))[2])}
+        return {
+            t
+            for o in ops
+            for t in chain.ops[o].inputs
+            if t not in made and is_float(chain.info.get(t, (0, 0, "", -1, ""))[2])
+        }
 
     partner = {T: B for T, B in region.inputs if T is not None and B is not None}
     t_read, b_read = read(t_side, region.target_ops), read(b_side, region.bench_ops)
     return all(T in partner for T in t_read) and {partner[T] for T in t_read} == b_read
-
 
 
 class _Chain:
@@ -153,7 +157,9 @@ class _Chain:
         value = getattr(torch, name, None) if name else None
         return value if isinstance(value, torch.dtype) else None
 
-    def run(self, op_ids: Iterable[int], given: Mapping[int, torch.Tensor], wanted: list[int], *, golden: bool) -> dict[int, torch.Tensor] | None:
+    def run(
+        self, op_ids: Iterable[int], given: Mapping[int, torch.Tensor], wanted: list[int], *, golden: bool
+    ) -> dict[int, torch.Tensor] | None:
         """The values of ``wanted`` after running ``op_ids`` in order on ``given`` (in float64 with
         ``golden``, else in the recorded dtypes); None when an op cannot run (it draws random
         numbers, takes an opaque argument, or the CPU has no kernel for it)."""
@@ -186,7 +192,6 @@ class _Chain:
             store.update(zip(op.outputs, produced))
         out = {t: store[t] for t in wanted if t in store}
         return out if len(out) == len(wanted) else None
-
 
 
 class _NoChain:

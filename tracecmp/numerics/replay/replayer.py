@@ -4,6 +4,7 @@ their recorded dtypes, streaming inputs from the trace with a bounded cache.
 >>> with Replayer(tracecmp.load("runs/target").rank(0)) as replayer:   # doctest: +SKIP
 ...     replayer.replay(42)
 """
+
 from __future__ import annotations
 
 import math
@@ -38,19 +39,16 @@ from tracecmp.trace.saved import SavedTensors
 CACHE_BYTES = 256 << 20  # recent recorded values kept while walking (the next op mostly reads them)
 
 
-
 _RESHAPING_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten._reshape_alias.default")
 
 
-
 # Ops that return views of their input without declaring it (capture records their outputs as values).
-_UNSAFE_VIEWS = frozenset({"aten.unsafe_split.Tensor", "aten.unsafe_split_with_sizes.default",
-                           "aten.unsafe_chunk.default"})
-
+_UNSAFE_VIEWS = frozenset(
+    {"aten.unsafe_split.Tensor", "aten.unsafe_split_with_sizes.default", "aten.unsafe_chunk.default"}
+)
 
 
 _VIEW_DEPTH = 64  # views of views rebuilt from their base at most this deep (then: not replayed)
-
 
 
 class Replayer:
@@ -70,8 +68,13 @@ class Replayer:
     """
 
     def __init__(
-        self, rank: Any, *, reduced: str | None = None, detail: Mapping[str, float] | None = None,
-        cache_bytes: int = CACHE_BYTES, small_on_one_thread: bool = False,
+        self,
+        rank: Any,
+        *,
+        reduced: str | None = None,
+        detail: Mapping[str, float] | None = None,
+        cache_bytes: int = CACHE_BYTES,
+        small_on_one_thread: bool = False,
     ) -> None:
         if reduced not in (None, *REDUCED_MODELS):
             raise ValueError(f"reduced must be None or one of {sorted(REDUCED_MODELS)}, not {reduced!r}")
@@ -88,8 +91,12 @@ class Replayer:
         self.saved = SavedTensors(rank)
         keys = self.saved.keys()
         tensors = rank.tensors_table.select(["tensor_id", "op_id", "index", "dtype", "view_of", "shape"]).to_pydict()
-        self.sizes: dict[int, int] = {t: math.prod(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])}
-        self.shapes: dict[int, tuple[int, ...]] = {t: tuple(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])}
+        self.sizes: dict[int, int] = {
+            t: math.prod(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])
+        }
+        self.shapes: dict[int, tuple[int, ...]] = {
+            t: tuple(shape or ()) for t, shape in zip(tensors["tensor_id"], tensors["shape"])
+        }
         # tensor id -> (producer op, output index, dtype, base tensor id or -1, data key or "")
         self.info: dict[int, tuple[int, int, str, int, str]] = {
             t: (op, idx, dtype, -1 if view is None else view, keys.get(t, ""))
@@ -102,7 +109,13 @@ class Replayer:
         self.ops: dict[int, RecordedOp] = {
             o: RecordedOp(o, k, n, a or "{}", list(i or ()), list(out or ()), bool(r))
             for o, k, n, a, i, out, r in zip(
-                table["op_id"], table["kind"], table["op"], table["args"], table["inputs"], table["outputs"], table["random"]
+                table["op_id"],
+                table["kind"],
+                table["op"],
+                table["args"],
+                table["inputs"],
+                table["outputs"],
+                table["random"],
             )
         }
         self._cache: OrderedDict[int, torch.Tensor | None] = OrderedDict()
@@ -257,7 +270,9 @@ class Replayer:
         out = {}
         for name in SCRATCH_NAMES.intersection(args):
             ref = args[name]
-            if not (isinstance(ref, dict) and isinstance(ref.get("tensor"), int) and 0 <= ref["tensor"] < len(op.inputs)):
+            if not (
+                isinstance(ref, dict) and isinstance(ref.get("tensor"), int) and 0 <= ref["tensor"] < len(op.inputs)
+            ):
                 continue
             tid = op.inputs[ref["tensor"]]
             row = self.info.get(tid)
@@ -271,8 +286,10 @@ class Replayer:
         the cache and the op's recorded values fit in the cache's limit together (the cache gets
         what the op leaves), so that the cache never adds to the peak of a large op. Returns the
         bytes of the op's recorded values."""
-        need = sum(self.sizes.get(t, 0) * _ITEM_BYTES.get(self.info.get(t, (0, 0, "", -1, ""))[2], 8)
-                   for t in (*op.inputs, *op.outputs))
+        need = sum(
+            self.sizes.get(t, 0) * _ITEM_BYTES.get(self.info.get(t, (0, 0, "", -1, ""))[2], 8)
+            for t in (*op.inputs, *op.outputs)
+        )
         if self._cache_bytes + need > self._cache_limit:
             reads = set(op.inputs)
             for tid in [t for t in self._cache if t not in reads]:
@@ -389,8 +406,12 @@ class Replayer:
             else:
                 assert reference is not None
                 pieces = Reference(reference[position])
-            gauge = Gauge(recorded, [r[position] for r in replays], accumulated[position] if accumulated is not None else None,
-                           pieces)
+            gauge = Gauge(
+                recorded,
+                [r[position] for r in replays],
+                accumulated[position] if accumulated is not None else None,
+                pieces,
+            )
             failed = gauge.run(detail, self.detail.get(info[tid][2], 4.0) if self.detail is not None else 0.0)
             if failed:
                 return failed
@@ -422,22 +443,50 @@ class Replayer:
         if worst is None:
             return None
         extra = detail.fields() if detail is not None else {}
-        del reference, first, made, honest, replays, alternatives, accumulated  # measured: the bound makes its own replays
-        bounds = bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating]) if models else ()
-        return OwnError(worst.op_id, worst.error, worst.honest, worst.dtype, misrounded=misrounded, fits=tuple(fits),
-                        bounds=bounds, bitwise=bitwise and bool(floating), informative=not basic and worst.honest > 0,
-                        **extra)
+        del (
+            reference,
+            first,
+            made,
+            honest,
+            replays,
+            alternatives,
+            accumulated,
+        )  # measured: the bound makes its own replays
+        bounds = (
+            bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating])
+            if models
+            else ()
+        )
+        return OwnError(
+            worst.op_id,
+            worst.error,
+            worst.honest,
+            worst.dtype,
+            misrounded=misrounded,
+            fits=tuple(fits),
+            bounds=bounds,
+            bitwise=bitwise and bool(floating),
+            informative=not basic and worst.honest > 0,
+            **extra,
+        )
 
 
-
-_ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-               "uint8": 1, "bool": 1}
-
+_ITEM_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 # Before and after an op whose recorded values take this much, freed memory goes back to the system (see below).
 _TRIM_BYTES = 16 << 20
-
 
 
 def _release_freed_memory() -> None:
@@ -461,16 +510,13 @@ def _release_freed_memory() -> None:
         trim(0)
 
 
-
 _MALLOC_TRIM: list[Any] = [None]  # glibc's malloc_trim, once looked up (False where there is none)
-
 
 
 # Below this many elements check runs an op on one thread: its work is too small to split, and
 # entering a parallel region costs more than the op (far more when the cores are busy, as OpenMP's
 # threads wait for each other). Above it, torch's intra-op threads serve the one big op.
 _PARALLEL_ELEMENTS = 1 << 20
-
 
 
 @contextmanager

@@ -3,6 +3,7 @@ the trace themselves.
 
 >>> own = replay_rank(tracecmp.load("runs/target").rank(0))   # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,13 @@ from tracecmp.numerics.rounding import REDUCED_MODELS
 _PROGRESS_EVERY = 1000
 
 
-
 def replay_rank(
-    rank: Any, op_ids: Iterable[int] | None = None, *, reduced: str | None = None,
-    progress: Callable[[int], None] | None = None, workers: int = 1,
+    rank: Any,
+    op_ids: Iterable[int] | None = None,
+    *,
+    reduced: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    workers: int = 1,
 ) -> dict[int, OwnError]:
     """Own errors of the ops ``op_ids`` (default: all) of a :class:`~tracecmp.trace.reader.RankTrace`.
 
@@ -35,11 +39,16 @@ def replay_rank(
     return {op_id: own for op_id, own in found.items() if isinstance(own, OwnError)}
 
 
-
 def replay_ops(
-    rank: Any, op_ids: Iterable[int] | None = None, *, reduced: str | None = None,
-    detail: Mapping[str, float] | None = None, progress: Callable[[int], None] | None = None,
-    workers: int | None = 1, cache_bytes: int = CACHE_BYTES, small_on_one_thread: bool = False,
+    rank: Any,
+    op_ids: Iterable[int] | None = None,
+    *,
+    reduced: str | None = None,
+    detail: Mapping[str, float] | None = None,
+    progress: Callable[[int], None] | None = None,
+    workers: int | None = 1,
+    cache_bytes: int = CACHE_BYTES,
+    small_on_one_thread: bool = False,
 ) -> dict[int, OwnError | Skipped]:
     """Replay the computing ops ``op_ids`` (default: all) of a rank: ``{op_id: OwnError | Skipped}``.
 
@@ -60,11 +69,24 @@ def replay_ops(
     if workers is None:
         workers = auto_workers(len(wanted))
     if workers > 1 and len(wanted) > 1 and rank.manifest.get("chunks"):
-        options = {"reduced": reduced, "detail": None if detail is None else dict(detail), "cache_bytes": cache_bytes,
-                   "small_on_one_thread": small_on_one_thread}
-        return run_in_workers(rank, wanted, "tracecmp.numerics.replay.replayer:Replayer.replay", options, workers=workers, progress=progress)
+        options = {
+            "reduced": reduced,
+            "detail": None if detail is None else dict(detail),
+            "cache_bytes": cache_bytes,
+            "small_on_one_thread": small_on_one_thread,
+        }
+        return run_in_workers(
+            rank,
+            wanted,
+            "tracecmp.numerics.replay.replayer:Replayer.replay",
+            options,
+            workers=workers,
+            progress=progress,
+        )
     results: dict[int, OwnError | Skipped] = {}
-    with Replayer(rank, reduced=reduced, detail=detail, cache_bytes=cache_bytes, small_on_one_thread=small_on_one_thread) as replayer:
+    with Replayer(
+        rank, reduced=reduced, detail=detail, cache_bytes=cache_bytes, small_on_one_thread=small_on_one_thread
+    ) as replayer:
         if not replayer.has_data:
             return {}
         done = 0
@@ -78,9 +100,7 @@ def replay_ops(
     return results
 
 
-
 _WORKER_MIN_OPS = 4000  # below this many ops, starting worker processes costs more than it saves
-
 
 
 def auto_workers(ops: int) -> int:
@@ -94,16 +114,19 @@ def auto_workers(ops: int) -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
-
 def _rank_files(rank: Any) -> dict[str, Any]:
     """What a worker needs to open the rank itself: its folder, table files and data files."""
     folder = Path(rank.path)
     chunks = rank.manifest.get("chunks") or []
     ops = [str(folder / c["ops"]["file"]) for c in chunks if isinstance(c.get("ops"), dict)]
     tensors = [str(folder / c["tensors"]["file"]) for c in chunks if isinstance(c.get("tensors"), dict)]
-    return {"path": str(folder), "rank": int(rank.rank), "ops": ops, "tensors": tensors,
-            "data": {int(k): str(v) for k, v in rank.data_files.items()}}
-
+    return {
+        "path": str(folder),
+        "rank": int(rank.rank),
+        "ops": ops,
+        "tensors": tensors,
+        "data": {int(k): str(v) for k, v in rank.data_files.items()},
+    }
 
 
 class _WorkerRank:
@@ -121,19 +144,19 @@ class _WorkerRank:
         self.data_files = {int(k): Path(v) for k, v in files["data"].items()}
         ops_columns = [c for c in OPS_SCHEMA.names if c not in ("stack", "location", "name")]
         ops_schema = pa.schema([OPS_SCHEMA.field(c) for c in ops_columns])
-        self.ops_table = pa.concat_tables([pq.read_table(p, columns=ops_columns).cast(ops_schema) for p in files["ops"]])
-        self.tensors_table = pa.concat_tables([pq.read_table(p).select(TENSORS_SCHEMA.names).cast(TENSORS_SCHEMA)
-                                               for p in files["tensors"]])
-
+        self.ops_table = pa.concat_tables(
+            [pq.read_table(p, columns=ops_columns).cast(ops_schema) for p in files["ops"]]
+        )
+        self.tensors_table = pa.concat_tables(
+            [pq.read_table(p).select(TENSORS_SCHEMA.names).cast(TENSORS_SCHEMA) for p in files["tensors"]]
+        )
 
 
 _WORKER: dict[str, Any] = {}
 
 
-
 def _worker_init(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
-
 
 
 def _worker_run(files: Mapping[str, Any], job: str, options: Mapping[str, Any], op_ids: list[int]) -> list[Any] | str:
@@ -157,9 +180,13 @@ def _worker_run(files: Mapping[str, Any], job: str, options: Mapping[str, Any], 
         return str(exc)
 
 
-
 def run_in_workers(
-    rank: Any, op_ids: list[int], job: str, options: Mapping[str, Any], *, workers: int,
+    rank: Any,
+    op_ids: list[int],
+    job: str,
+    options: Mapping[str, Any],
+    *,
+    workers: int,
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, Any]:
     """``{op_id: job(op_id)}`` computed by ``workers`` processes, each opening the rank itself.
@@ -180,7 +207,9 @@ def run_in_workers(
     threads = max(1, torch.get_num_threads() // workers)
     results: dict[int, Any] = {}
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=context, initializer=_worker_init, initargs=(threads,)
+    ) as pool:
         pending = {pool.submit(_worker_run, files, job, dict(options), part): part for part in parts}
         try:
             while pending:

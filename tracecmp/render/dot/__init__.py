@@ -10,6 +10,7 @@ out in layers (:mod:`.sugiyama`) into a display list (:mod:`.drawing`) that
 >>> [group.kind for group in drawing.groups]
 ['edge', 'node', 'node']
 """
+
 from tracecmp.render.dot.drawing import Drawing
 from tracecmp.render.dot.labels import text_width
 from tracecmp.render.dot.parse import Cluster, Html, parse_dot

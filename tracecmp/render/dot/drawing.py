@@ -1,6 +1,7 @@
 """The display list a layout produces (:class:`Drawing` of :class:`Group` s of :class:`Shape` s),
 and labels turned into shapes; :mod:`tracecmp.render.canvas` writes it as SVG or PNG.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,8 +76,15 @@ def _emit_table(table: Table, x: float, y: float, out: list[Shape]) -> None:
             cells = [(widths[0], cells[0][1])]
         for cell, (w, _) in zip(row, cells):
             if cell.bgcolor or cell.border:
-                out.append(Shape("rect", [(left, top), (left + w, top + height)], fill=cell.bgcolor,
-                                 stroke=cell.color if cell.border else None, width=cell.border or 1.0))
+                out.append(
+                    Shape(
+                        "rect",
+                        [(left, top), (left + w, top + height)],
+                        fill=cell.bgcolor,
+                        stroke=cell.color if cell.border else None,
+                        width=cell.border or 1.0,
+                    )
+                )
             inner = cell.padding + cell.border
             cw, ch = cell.content.size()
             offset = {"left": 0.0, "right": w - 2 * inner - cw}.get(cell.align, (w - 2 * inner - cw) / 2)

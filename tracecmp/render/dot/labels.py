@@ -1,4 +1,5 @@
 """Labels: their text and styles (plain DOT text or HTML-like tables), and their sizes in points."""
+
 from __future__ import annotations
 
 import re
@@ -83,8 +84,10 @@ class Table:
 
     def size(self) -> tuple[float, float]:
         widths, heights = self.grid()
-        return (sum(widths) + self.spacing * (len(widths) + 1) + 2 * self.border,
-                sum(heights) + self.spacing * (len(heights) + 1) + 2 * self.border)
+        return (
+            sum(widths) + self.spacing * (len(widths) + 1) + 2 * self.border,
+            sum(heights) + self.spacing * (len(heights) + 1) + 2 * self.border,
+        )
 
     def cell_size(self, cell: Cell) -> tuple[float, float]:
         w, h = cell.content.size()
@@ -93,7 +96,11 @@ class Table:
 
     def grid(self) -> tuple[list[float], list[float]]:
         # Every row is one cell wide in tracecmp's legends except the key row: columns stay per row.
-        widths = [max((sum(self.cell_size(c)[0] for c in row) + self.spacing * (len(row) - 1)) for row in self.rows)] if self.rows else [0.0]
+        widths = (
+            [max((sum(self.cell_size(c)[0] for c in row) + self.spacing * (len(row) - 1)) for row in self.rows)]
+            if self.rows
+            else [0.0]
+        )
         heights = [max((self.cell_size(c)[1] for c in row), default=0.0) for row in self.rows]
         return widths, heights
 
@@ -126,7 +133,9 @@ class _LabelParser(HTMLParser):
             if a.get("align"):
                 self.blocks[-1].align = a["align"].lower()
         elif tag == "table":
-            self.stack.append(Table([], float(a.get("cellspacing", 2)), float(a.get("border", 1)), float(a.get("cellpadding", 2))))
+            self.stack.append(
+                Table([], float(a.get("cellspacing", 2)), float(a.get("border", 1)), float(a.get("cellpadding", 2)))
+            )
         elif tag == "tr":
             row: list[Cell] = []
             table = self.stack[-1]
@@ -135,9 +144,14 @@ class _LabelParser(HTMLParser):
             self.stack.append(row)
         elif tag == "td":
             table = next(t for t in reversed(self.stack) if isinstance(t, Table))
-            cell = Cell(TextBlock([[]], a.get("align", "center").lower()), a.get("bgcolor"),
-                        float(a.get("border", table.border)), a.get("color", "#000000"),
-                        a.get("align", "center").lower(), float(a.get("cellpadding", table.padding)))
+            cell = Cell(
+                TextBlock([[]], a.get("align", "center").lower()),
+                a.get("bgcolor"),
+                float(a.get("border", table.border)),
+                a.get("color", "#000000"),
+                a.get("align", "center").lower(),
+                float(a.get("cellpadding", table.padding)),
+            )
             row = self.stack[-1]
             if isinstance(row, list):
                 row.append(cell)

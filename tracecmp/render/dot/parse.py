@@ -1,6 +1,7 @@
 """Reading DOT text into plain records: the subset tracecmp writes (nodes, edges, nested ``cluster``
 subgraphs, attributes, HTML-like and plain labels); ports and ``strict`` are ignored.
 """
+
 from __future__ import annotations
 
 import re
@@ -50,7 +51,7 @@ def _tokens(text: str) -> list[str | tuple[str, str]]:
     while pos < len(text):
         match = _TOKEN.match(text, pos)
         if match is None:
-            raise TracecmpError(f"DOT text: cannot read {text[pos:pos + 30]!r}")
+            raise TracecmpError(f"DOT text: cannot read {text[pos : pos + 30]!r}")
         pos = match.end()
         if match.group("arrow") or match.group("punct"):
             out.append(match.group(0))
@@ -65,7 +66,7 @@ def _tokens(text: str) -> list[str | tuple[str, str]]:
                 end += 1
             if depth:
                 raise TracecmpError("the DOT text has an unterminated HTML label")
-            out.append(("id", Html(text[pos:end - 1])))
+            out.append(("id", Html(text[pos : end - 1])))
             pos = end
     return out
 
@@ -121,7 +122,9 @@ def parse_dot(text: str) -> DotGraph:
             cluster.nodes.append(name)
         nodes[name].update(attrs)
 
-    def body(cluster: Cluster, own: dict[str, str], node_defaults: dict[str, str], edge_defaults: dict[str, str]) -> None:
+    def body(
+        cluster: Cluster, own: dict[str, str], node_defaults: dict[str, str], edge_defaults: dict[str, str]
+    ) -> None:
         node_defaults, edge_defaults = dict(node_defaults), dict(edge_defaults)
         take("{")
         while peek() != "}":

@@ -6,6 +6,7 @@ sibling clusters in one order on every rank (fewest crossings kept); x coordinat
 quadratic placement under separation constraints, with each cluster a rectangle that nothing else
 enters. Then y coordinates, and the :class:`~tracecmp.render.dot.drawing.Drawing`.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -427,13 +428,23 @@ class _Layout:
         bottom_offset: dict[str, float] = {}
         for cluster in sorted(clusters, key=lambda c: -c.depth):
             lo, hi = self.span[id(cluster)]
-            inner = max((top_offset[c.name] for c in cluster.children if self._holds_nodes(c) and self.span[id(c)][0] == lo), default=0.0)
+            inner = max(
+                (top_offset[c.name] for c in cluster.children if self._holds_nodes(c) and self.span[id(c)][0] == lo),
+                default=0.0,
+            )
             top_offset[cluster.name] = inner + label_height[cluster.name] + _CLUSTER_PAD
             above[lo] = max(above[lo], top_offset[cluster.name])
-            inner = max((bottom_offset[c.name] for c in cluster.children if self._holds_nodes(c) and self.span[id(c)][1] == hi), default=0.0)
+            inner = max(
+                (bottom_offset[c.name] for c in cluster.children if self._holds_nodes(c) and self.span[id(c)][1] == hi),
+                default=0.0,
+            )
             bottom_offset[cluster.name] = inner + _CLUSTER_PAD
             below[hi] = max(below[hi], bottom_offset[cluster.name])
-        graph_label = parse_label(self.g.attrs["label"], self.font, self.g.attrs.get("fontcolor", "#000000")) if self.g.attrs.get("label") else None
+        graph_label = (
+            parse_label(self.g.attrs["label"], self.font, self.g.attrs.get("fontcolor", "#000000"))
+            if self.g.attrs.get("label")
+            else None
+        )
         margin = 8.0
         gw, gh = graph_label.size() if graph_label is not None else (0.0, 0.0)
         y = margin + (gh + 8.0 if graph_label is not None else 0.0)
@@ -450,7 +461,9 @@ class _Layout:
             heights.append(height)
             y += height + below[r]
         groups: list[Group] = []
-        width = max([i.x + i.right for i in self.items.values()] + [b for _, b in self.bounds.values()] + [gw], default=0.0)
+        width = max(
+            [i.x + i.right for i in self.items.values()] + [b for _, b in self.bounds.values()] + [gw], default=0.0
+        )
         shift = margin
         for cluster in sorted(clusters, key=lambda c: c.depth):
             left, right = self.bounds[cluster.name]
@@ -461,13 +474,17 @@ class _Layout:
             styles = _styles(attrs)
             shapes: list[Shape] = []
             groups.append(Group("cluster", cluster.name, shapes))
-            shapes.append(Shape(
-                "rect", [(left + shift, top), (right + shift, bottom)],
-                fill=attrs.get("fillcolor") if "filled" in styles else None,
-                stroke=attrs.get("color", "#000000"), width=_float(attrs, "penwidth", 1.0),
-                dash="dashed" if "dashed" in styles else "dotted" if "dotted" in styles else "",
-                radius=6.0 if "rounded" in styles else 0.0,
-            ))
+            shapes.append(
+                Shape(
+                    "rect",
+                    [(left + shift, top), (right + shift, bottom)],
+                    fill=attrs.get("fillcolor") if "filled" in styles else None,
+                    stroke=attrs.get("color", "#000000"),
+                    width=_float(attrs, "penwidth", 1.0),
+                    dash="dashed" if "dashed" in styles else "dotted" if "dotted" in styles else "",
+                    radius=6.0 if "rounded" in styles else 0.0,
+                )
+            )
             label = self.cluster_label(cluster)
             emit_block(label, left + shift + _CLUSTER_PAD, top + 3.0, label.size()[0], shapes)
         for tail, head, attrs, chain in self.chains:
@@ -478,7 +495,9 @@ class _Layout:
             legend: list[Shape] = []
             emit_block(graph_label, margin, margin, gw, legend)
             groups.insert(0, Group("graph", "legend", legend))
-        return Drawing(max(width + 2 * margin, gw + 2 * margin), y + margin, groups, self.g.attrs.get("bgcolor", "#ffffff"))
+        return Drawing(
+            max(width + 2 * margin, gw + 2 * margin), y + margin, groups, self.g.attrs.get("bgcolor", "#ffffff")
+        )
 
     def _node(self, name: str, attrs: dict[str, str], centers: list[float], shift: float) -> list[Shape]:
         item = self.items[name]
@@ -530,7 +549,15 @@ class _Layout:
         pen = _float(attrs, "penwidth", 1.0)
         out = [Shape("path", path, stroke=color, width=pen, dash=dash)]
         half = arrow * 0.35
-        out.append(Shape("polygon", [(x1, y1), (end[0] - half, end[1]), (end[0] + half, end[1])], fill=color, stroke=color, width=pen))
+        out.append(
+            Shape(
+                "polygon",
+                [(x1, y1), (end[0] - half, end[1]), (end[0] + half, end[1])],
+                fill=color,
+                stroke=color,
+                width=pen,
+            )
+        )
         for k, item in zip(chain, items):
             if item.kind == "label":
                 label = self.labels[k]
@@ -558,7 +585,9 @@ def _topological(count: int, outgoing: dict[int, list[tuple[int, float]]]) -> li
     return order
 
 
-def _satisfy(desired: list[float], weight: list[float], topo: list[int], incoming: dict[int, list[tuple[int, float]]]) -> list[float]:
+def _satisfy(
+    desired: list[float], weight: list[float], topo: list[int], incoming: dict[int, list[tuple[int, float]]]
+) -> list[float]:
     """Positions as close to ``desired`` (weighted least squares) as the constraints allow, by
     merging blocks left to right (Dwyer, Marriott, Stuckey: "Fast node overlap removal", satisfy)."""
     block = list(range(len(desired)))  # variable -> its block id
