@@ -21,7 +21,7 @@ import torch
 import tracecmp
 from tests.compile_models import FAULTS, ScaleNode, TinyGPT, tiny_batch
 from tracecmp._compat import TORCH_VERSION
-from tracecmp.comparison import compiled as compiled_compare
+from tracecmp.comparison.compiled import judge as compiled_judge
 
 # Compiled regions are recorded from torch 2.2 on, and the model's custom GELU needs 2.4.
 pytestmark = pytest.mark.skipif(TORCH_VERSION < (2, 4), reason="custom ops inside compiled regions need torch 2.4")
@@ -73,13 +73,13 @@ def test_a_clean_region_has_no_root_and_nothing_to_narrow(
     heads: Heads, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     narrowed: list[str] = []
-    narrow = compiled_compare._narrow
+    narrow = compiled_judge.narrow_region
 
     def recording(*args: Any, **kwargs: Any) -> str:
         narrowed.append(narrow(*args, **kwargs))
         return narrowed[-1]
 
-    monkeypatch.setattr(compiled_compare, "_narrow", recording)
+    monkeypatch.setattr(compiled_judge, "narrow_region", recording)
     target = heads.trace(tmp_path / "b", compiled="boundary", data="tensors")
     result = tracecmp.compare(target, heads.bench)
     assert result.first_divergence is None, result.first_divergence

@@ -70,7 +70,6 @@ KNOWN: dict[str, set[str]] = {
         "comparison.align._region",
         "comparison.align.find_regions",
         "comparison.api.compare",
-        "comparison.compiled._narrow",
         "comparison.engine._prepare_rank",
         "comparison.engine.compare_traces",
         "comparison.localize.decide.decide_node",

@@ -418,7 +418,7 @@ def test_a_region_returning_q_k_v_is_not_compared_with_the_projection_they_view(
 def test_a_replay_takes_the_sizes_a_backward_reads_from_its_forward() -> None:
     # Under dynamic shapes a backward graph's placeholders include sizes its forward saved
     # (``sym_size_int``); nodes sized by them run, and so does every node after them.
-    from tracecmp.comparison.compiled import run_part
+    from tracecmp.comparison.compiled.narrow import run_part
 
     nodes = (
         GraphNode("sym_size_int", "placeholder"),

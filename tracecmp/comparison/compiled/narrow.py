@@ -1,0 +1,299 @@
+"""Narrowing a compiled region that is a root to the first FX node that departs.
+
+The replay's value of every FX node is compared with the bench's value of the eager op that
+node stands for (a graph that computes something else than the eager program: a custom op, a
+pass that changed a node), and with what the compiled code dispatched for that node (a wrong
+kernel: an extern kernel that misbehaves). The first node that departs is named, with its module
+and source line. In graph mode every node is an op of the trace and localize names it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from tracecmp.aten.args import decode_call
+from tracecmp.aten.schema import VIEW, op_info, resolve
+from tracecmp.comparison.compiled.pairing import Pairing
+from tracecmp.comparison.compiled.units import PROPAGATION, Unit
+from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.numerics.replay.measure import Scale
+from tracecmp.numerics.units import EPS, FP32_EPS, canonical_dtype
+from tracecmp.trace.compiled import GraphNode, GraphPart, RegionCall
+
+_MISSING = object()
+
+
+def run_part(
+    part: GraphPart, outside: Callable[[str, bool], Any], recorded: Mapping[str, Any], *, golden: bool
+) -> dict[str, Any]:
+    """Every node of ``part`` run again: in float64 (``golden``), or in the recorded dtypes with
+    eager kernels. Placeholders take ``outside(name, golden)``. A node that cannot run here (a
+    custom op whose library is not loaded, a random op) takes what the compiled code recorded for
+    it, when it recorded something; else it, and everything after it that needs it, is missing."""
+    import torch
+
+    env: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in env:
+            value = outside(name, golden)
+            if isinstance(value, torch.Tensor):
+                env[name] = value.to(torch.float64) if golden and value.is_floating_point() else value.clone()
+            elif isinstance(value, (int, float)):  # a size the forward saved for a backward of dynamic shape
+                env[name] = value
+            else:
+                env[name] = _MISSING
+        return env[name]
+
+    for n in part.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        inputs = [get(i) for i in n.inputs]
+        if any(v is _MISSING for v in inputs):
+            env[n.name] = _MISSING
+            continue
+        if n.op == "getitem":
+            index = json.loads(n.args).get("index", 0)
+            source = inputs[0] if inputs else _MISSING
+            env[n.name] = source[index] if isinstance(source, (list, tuple)) and index < len(source) else _MISSING
+            continue
+        func = resolve(n.op)
+        call = None
+        if func is not None and hasattr(func, "_schema"):
+            arguments = _with_sizes(json.loads(n.args), get)
+            info = op_info(func)
+            # A random op draws other numbers here, unless all it could draw is a dropout of 0
+            # (attention kernels: random by schema, deterministic at dropout_p=0).
+            if arguments is not None and (
+                not info.random or (info.dropout and all(not arguments.get(name, 0.0) for (_, name), _ in info.dropout))
+            ):
+                call = decode_call(func, arguments, inputs, golden=golden)
+        result = _MISSING
+        if call is not None:
+            try:
+                with torch.no_grad():
+                    result = func(*call[0], **call[1])
+            except Exception:  # noqa: BLE001 - a node that will not run here is not replayed
+                result = _MISSING
+        if result is _MISSING and isinstance(recorded.get(n.name), torch.Tensor):
+            value = recorded[n.name]
+            result = value.to(torch.float64) if golden and value.is_floating_point() else value.clone()
+        env[n.name] = result
+    return env
+
+
+def _with_sizes(value: Any, size_of: Callable[[str], Any]) -> Any:
+    """Recorded arguments with the symbolic sizes capture named (``"<node sym_size_int>"``) set to
+    the values those nodes (or the placeholders a backward reads them from) took in this replay,
+    as ``size_of(name)`` gives them; None when one is unknown."""
+    if isinstance(value, str) and value.startswith("<node ") and value.endswith(">"):
+        size = size_of(value[6:-1])
+        return size if isinstance(size, (int, float)) and not isinstance(size, bool) else None
+    if isinstance(value, list):
+        items = [_with_sizes(v, size_of) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value)) else items
+    if isinstance(value, dict):
+        if "tensor" in value or "complex" in value:
+            return value
+        items = {k: _with_sizes(v, size_of) for k, v in value.items()}
+        return None if any(items[k] is None and value[k] is not None for k in value) else items
+    return value
+
+
+def as_tensor(value: Any) -> Any:
+    import torch
+
+    return value if isinstance(value, torch.Tensor) else None
+
+
+@dataclass(frozen=True)
+class PartReplay:
+    """A region's graph part and its values run again from its recorded inputs: in float64
+    (``ref``) and in the recorded dtypes with eager kernels (``honest``), by node name."""
+
+    part: GraphPart
+    ref: Mapping[str, Any]
+    honest: Mapping[str, Any]
+
+
+def narrow_region(
+    unit: Unit,
+    replay: PartReplay,
+    t_get: Callable[[int], Any],
+    b_get: Callable[[int], Any] | None,
+    pairing: Pairing,
+    measured: Mapping[int, Any],
+    tol: Tolerances,
+) -> str:
+    """The first FX node (graph order) where the region departs from what it should compute.
+
+    Two ways to depart: the graph's own float64 value of the node differs from the bench's value
+    of the eager op it stands for (the graph computes something else: a custom op, a pass that
+    changed a node), or what the compiled code dispatched for the node (an extern kernel) differs
+    from that float64 value by more than eager kernels do (a wrong kernel).
+    """
+    part, ref, honest = replay.part, replay.ref, replay.honest
+    carried = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
+    index = pairing.index(unit.call)
+    if index is None:
+        return ""
+    computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
+    peers = [
+        (n.name, tuple(as_tensor(ref.get(n.name)).shape), None)
+        for n in computing
+        if as_tensor(ref.get(n.name)) is not None
+    ]
+    wrong = _wrong_kernels(part, ref, honest, recorded_by_node(unit.call, t_get, pairing), tol)
+    by_name = index.by_name
+    agreeing: set[str] = set()  # nodes whose value matched the bench's
+    unmatched: set[str] = set()  # computing nodes with no eager counterpart (a custom op, a fused pattern)
+    for n in computing:
+        r, h = as_tensor(ref.get(n.name)), as_tensor(honest.get(n.name))
+        if r is None or h is None or not r.is_floating_point() or _is_view(n.op):
+            continue
+        scale = Scale.of(r)
+        honest_error = scale.error(h)
+        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), FP32_EPS)
+        if n.name in wrong:
+            return (
+                f"narrowed to {_where(n)}: what the compiled code computed for it is off by {wrong[n.name]:.1e} "
+                f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)"
+            )
+        bench = pairing.bench_tensor(unit, n.name, tuple(r.shape), peers)
+        if bench is None:
+            unmatched.add(n.name)
+            continue
+        departure = _departure(r, bench, b_get, pairing)
+        if departure is None:
+            continue
+        bound = tol.margin * (carried * PROPAGATION + honest_error) + tol.local * unit_eps
+        if departure <= bound:
+            agreeing.add(n.name)
+            continue
+        cause = _unmatched_cause(n, by_name, unmatched, agreeing)
+        eager = n.original or n.op
+        if cause is not None:
+            return (
+                f"narrowed to {_where(cause)}, which has no eager counterpart: the values it feeds ({n.name}) "
+                f"differ from the bench's {eager} by {departure:.1e} (eager rounding {honest_error:.1e})"
+            )
+        return (
+            f"narrowed to {_where(n)}: the graph's own value there differs from the bench's {eager} by "
+            f"{departure:.1e} (eager rounding {honest_error:.1e}): the graph computes something else from here"
+        )
+    return ""
+
+
+def _wrong_kernels(
+    part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str, Any], recorded: Mapping[str, Any], tol: Tolerances
+) -> dict[str, float]:
+    """The nodes whose value the compiled code dispatched wrong (an extern kernel off by more than
+    eager kernels are from a float64 replay), with the error of what was filed under them.
+
+    Capture files a region's dispatched ops under its nodes in dispatch order, and inductor may run
+    the extern kernels of one op in another order than its graph's (the four matmuls of an
+    attention's backward): a value that departs from the node it was filed under but fits another
+    departing node of the same op and shape is that node's, and neither is wrong. A node is wrong
+    when no departing value of its op fits it.
+    """
+
+    def fits(value: Any, name: str) -> bool:
+        r, h = as_tensor(ref.get(name)), as_tensor(honest.get(name))
+        if r is None or h is None or value.shape != r.shape:
+            return False
+        unit_eps = EPS.get(canonical_dtype(str(h.dtype).removeprefix("torch.")), FP32_EPS)
+        scale = Scale.of(r)
+        return scale.error(value) <= max(tol.replay_margin * scale.error(h), tol.replay_local * unit_eps)
+
+    departing: dict[str, list[str]] = defaultdict(list)  # op -> nodes whose filed value departs
+    for n in part.nodes:
+        value, r = as_tensor(recorded.get(n.name)), as_tensor(ref.get(n.name))
+        if (
+            value is not None
+            and r is not None
+            and r.is_floating_point()
+            and value.shape == r.shape
+            and not fits(value, n.name)
+        ):
+            departing[n.op].append(n.name)
+    wrong: dict[str, float] = {}
+    for names in departing.values():
+        for name in names:
+            if not any(fits(recorded[other], name) for other in names if other != name):
+                wrong[name] = Scale.of(ref[name]).error(recorded[name])
+    return wrong
+
+
+def _is_view(op: str) -> bool:
+    """Whether ``op`` returns views of its inputs (it computes nothing to compare)."""
+    func = resolve(op) if op.count(".") >= 2 else None
+    if func is None or not hasattr(func, "_schema"):
+        return False
+    returns = op_info(func).returns
+    return bool(returns) and all(kind == VIEW for kind, _ in returns)
+
+
+def _where(n: GraphNode) -> str:
+    return f"FX node {n.name} ({n.op}, {n.module or '<top>'}{', ' + n.location if n.location else ''})"
+
+
+def _unmatched_cause(
+    node: GraphNode, by_name: Mapping[str, GraphNode], unmatched: set[str], agreeing: set[str]
+) -> GraphNode | None:
+    """The earliest node without an eager counterpart between ``node`` and the values upstream of
+    it that still agreed with the bench (views and getitems are looked through)."""
+    order = {name: i for i, name in enumerate(by_name)}
+    found: list[str] = []
+    todo, seen = list(node.inputs), set(node.inputs)
+    while todo:
+        name = todo.pop()
+        if name in agreeing or name not in by_name:
+            continue
+        if name in unmatched:
+            found.append(name)
+        other = by_name[name]
+        if other.op == "placeholder":
+            continue
+        for i in other.inputs:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return by_name[min(found, key=order.__getitem__)] if found else None
+
+
+def recorded_by_node(call: RegionCall, t_get: Callable[[int], Any], pairing: Pairing) -> dict[str, Any]:
+    """What the compiled code dispatched for a node (boundary mode), by node name: its last op's
+    first output, read from the trace."""
+    out: dict[str, Any] = {}
+    for name, ops in call.nodes.items():
+        outputs = pairing.t_outputs.get(ops[-1]) if ops else None
+        if outputs:
+            out[name] = t_get(outputs[0])
+    return out
+
+
+def _departure(ref: Any, bench_tensor: int, b_get: Callable[[int], Any] | None, pairing: Pairing) -> float | None:
+    """How far the bench's value lies from the float64 reference ``ref`` (relative): from whole
+    tensors when the bench has them, else from its statistics (lower bounds, as metrics.py's)."""
+    if b_get is not None:
+        value = b_get(bench_tensor)
+        if value is not None and value.shape == ref.shape:
+            return Scale.of(ref).error(value)
+    measured = pairing.measured_as(bench_tensor)
+    stats = pairing.b_stats.get(measured) if measured is not None else None
+    if stats is None:
+        return None
+    lo, hi, mean, norm = stats
+    r = ref.detach().to("cpu")
+    if not bool(r.isfinite().all()) or r.numel() == 0:
+        return None
+    amax = max(float(r.abs().max()), abs(lo), abs(hi), 1e-300)
+    n = r.numel()
+    rms = max(float(r.norm()) / math.sqrt(n), abs(norm) / math.sqrt(n), 1e-300)
+    ext = max(abs(float(r.max()) - hi), abs(float(r.min()) - lo)) / amax
+    sys_ = max(abs(float(r.norm()) - norm) / math.sqrt(n), abs(float(r.mean()) - mean)) / rms
+    return max(ext, sys_)
