@@ -75,7 +75,6 @@ KNOWN: dict[str, set[str]] = {
         "comparison.localize.decide.decide_node",
         "comparison.localize.predict.predicted_error",
         "comparison.localize.regions._add_region_root",
-        "comparison.localize.walk._localize_rank",
         "comparison.metrics.stat_metrics",
         "comparison.ranks.compare_ranks",
         "comparison.ranks.cross_rank",
