@@ -11,7 +11,7 @@ from tracecmp.aten.opclass import given_nonfinite
 from tracecmp.comparison.localize.arguments import arg_difference, structure_note
 from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN, group_key
 from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
-from tracecmp.comparison.localize.records import Decision, JudgedNode, RankInput
+from tracecmp.comparison.localize.records import Decision, JudgedNode, RankContext, RankInput
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node
 from tracecmp.numerics.fits import ModelFit
@@ -20,23 +20,7 @@ from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.numerics.units import EPS, FP32_EPS, REDUCED_EPS, TINY
 
 
-def decide_node(
-    j: JudgedNode,
-    node: Node,
-    ri: RankInput,
-    tol: Tolerances,
-    bitwise: bool,
-    exact_matmul: bool,
-    ambient: Mapping[Any, tuple[tuple[float, ...], ...]],
-    exact_mode: bool,
-    lookup: Any,
-    channels: tuple[str, ...],
-    fits: Mapping[str, ModelFit],
-    bounds_hold: bool = False,
-    tf32_spread: tuple[float, ...] | None = None,
-    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None,
-    tainted: bool = False,
-) -> Decision:
+def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = False) -> Decision:
     """Root kind ('' when not a root), the one-line reason, the deciding metric's name, the
     output that decided, as an index into ``j.parts`` (-1 where the op's outputs have no roles),
     and whether a replay of the op on its own recorded inputs confirms it as a root.
@@ -45,6 +29,7 @@ def decide_node(
     its statistics bound it from below only (its largest element may sit anywhere, its spread is
     unknown), so the node's own share must exceed ``tol.downstream`` times the prediction.
     """
+    ri, tol, lookup, channels = ctx.ri, ctx.tol, ctx.lookup, ctx.channels
     op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
     outs = [ri.measured.get(t) for t in outputs]
     outs = [s for s in outs if s is not None]
@@ -74,12 +59,36 @@ def decide_node(
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
         return Decision("", "", "nan_count", -1)
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
-    replayed = replayed_root(j, node, ri, tol, exact_matmul, fits.get(op), bounds_hold, bitwise_ops)
+    replayed = replayed_root(j, node, ri, tol, ctx.exact_matmul, ctx.fits.get(op), ctx.bounds_hold, ctx.bitwise_ops)
     if not j.judgeable:
         return Decision("computation", replayed, "replay", -1, True) if replayed else Decision("", "", deciding, -1)
-    # Which channel of which output is furthest beyond what the inputs explain.
+    score, channel, e, x, _, part = _furthest_excess(j, ctx, tainted)
+    strict = _strict(j, node, ctx)
+    if not (strict or score > 1.0):
+        if replayed:
+            return Decision("computation", replayed, "replay", -1, True)
+        return Decision("", "", channels[channel], -1)
+    if (
+        not strict
+        and not replayed
+        and kind == "op"
+        and not random
+        and _reproduced(ri.own_errors.get(op_id), j, ri, ctx.exact_matmul)
+    ):
+        # Its inputs already differ from the bench's, and a replay of the op on its own recorded
+        # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
+        # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
+        # replay decides; the statistics only estimated.
+        return Decision("", "", "replay", -1)
+    return _root(j, node, ctx, (channel, e, x, part), replayed)
+
+
+def _furthest_excess(j: JudgedNode, ctx: RankContext, tainted: bool) -> tuple[float, int, float, float, float, int]:
+    """Which channel of which output is furthest beyond what the inputs explain: (score, channel,
+    error, prediction, threshold, part); a score over 1 is beyond."""
+    tol, ambient, tf32_spread = ctx.tol, ctx.ambient, ctx.tf32_spread
     excess = []
-    tf32 = j.uses_tf32 and not exact_matmul
+    tf32 = j.uses_tf32 and not ctx.exact_matmul
     for part, (role, es, xs, fs) in enumerate(j.parts) if j.parts else [(-1, ("", j.e, j.x, j.f1))]:
         amb = ambient.get(group_key(j.group, role)) or ambient.get(group_key((j.cls.kind, j.group[1]), role))
         for c, (e, x, f) in enumerate(zip(es, xs, fs)):
@@ -99,34 +108,34 @@ def decide_node(
             if tainted:
                 margin = max(margin, tol.downstream)
             excess.append(((e - margin * x) / max(threshold, TINY), c, e, x, threshold, part))
-    score, channel, e, x, threshold, part = max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0, -1)
+    return max(excess) if excess else (-math.inf, 0, 0.0, 0.0, 0.0, -1)
+
+
+def _strict(j: JudgedNode, node: Node, ctx: RankContext) -> bool:
+    """Whether any difference at all makes the node a root (the bitwise rule)."""
+    exact_mode = ctx.exact_mode
+    tf32 = j.uses_tf32 and not ctx.exact_matmul
     # Identical inputs, identical dtypes, and identical inputs elsewhere giving identical outputs:
     # then any difference is this op's own doing, however small. A float32 matmul/conv may still
     # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
     # A call TF32 rounding of its own operands can explain (from their statistics: K and sizes,
     # at most) is not held to the bitwise rule, even its op's only call; one beyond that can't be TF32.
-    tf32_like = tf32 and within_tf32(j, node, lookup, tol)
-    strict = exact_mode or (bitwise and j.inputs_exact and j.same_dtype and not tf32_like)
+    tf32_like = tf32 and within_tf32(j, node, ctx.lookup, ctx.tol)
+    strict = exact_mode or (ctx.bitwise and j.inputs_exact and j.same_dtype and not tf32_like)
     if strict and not exact_mode and j.kappa_local > STRICT_KAPPA:
         # A sum whose terms cancel moves by many of its own units when merely reordered (thread
         # counts, atomics), which the rest of a deterministic run says nothing about.
         strict = any(e > f for e, f in zip(j.e, j.f1) if not math.isnan(e))
-    if not (strict or score > 1.0):
-        if replayed:
-            return Decision("computation", replayed, "replay", -1, True)
-        return Decision("", "", channels[channel], -1)
-    if (
-        not strict
-        and not replayed
-        and kind == "op"
-        and not random
-        and _reproduced(ri.own_errors.get(op_id), j, ri, exact_matmul)
-    ):
-        # Its inputs already differ from the bench's, and a replay of the op on its own recorded
-        # inputs finds it as exact as an honest kernel: the output's error is the inputs' error,
-        # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
-        # replay decides; the statistics only estimated.
-        return Decision("", "", "replay", -1)
+    return strict
+
+
+def _root(j: JudgedNode, node: Node, ctx: RankContext, found: tuple[int, float, float, int], replayed: str) -> Decision:
+    """The root's kind and reason, from ``found``: the deciding channel, its error and prediction,
+    and the output that decided."""
+    ri, channels = ctx.ri, ctx.channels
+    op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
+    channel, e, x, part = found
+    bench_op = ri.pairs.get(op_id)
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
         label = op.removeprefix("source.")

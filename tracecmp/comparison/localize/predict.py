@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from tracecmp.aten.opclass import OpClass, is_copy
@@ -95,6 +96,19 @@ def _normalize_expected(
     return ext, sys_, env, env_sys
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What :func:`predicted_error` knows of the output before it weighs each input."""
+
+    out: TensorState
+    amax_o: float  # the output's largest magnitude, at least TINY
+    rms_o: float  # its RMS, at least TINY
+    unary: bool  # a single full-size input decides the output's extremes
+    full: list[int]  # positions of the full-size inputs
+    contract_pair: set[int]  # positions of a contraction's two operands
+    kappa_contract: float  # a two-operand contraction's condition factor
+
+
 def predicted_error(
     cls: OpClass,
     name: str,
@@ -134,69 +148,84 @@ def predicted_error(
     # moved: no fresh random realization to allow for in the norm/mean channel.
     linear = unary and (name in _LINEAR_UNARY or is_copy(name)) and all(s.numel == 1 for p, s in ins if p not in full)
     env_sys = 0.0
+    shape = _Shape(out, amax_o, rms_o, unary, full, contract_pair, kappa_contract)
     for pos, s in ins:
         rule = cls.input_rule(pos)
         if rule == "ignore":
             continue
         lvl = s.level
-        abs_err = lvl * s.rms
         env_before = env
-        if rule == "add":
-            ext += s.c_ext * s.amax / amax_o
-            sys_ += s.c_sys * s.rms / rms_o
-            env += abs_err / rms_o
-        elif rule == "selector":
-            # Only elements whose sign the error flips change: a fraction ~ the relative error
-            # (Gaussian-like values: 0.8 x), each moving the norm and mean by about its own size.
-            ext += 1.0 if not s.exact else 0.0
-            sys_ += s.mix_level
-            env += s.mix_level
-        elif rule == "exp" or kind == "exp":
-            lip = cls.lipschitz if kind == "exp" else 1.0
-            ext += lip * abs_err
-            sys_ += lip * s.c_sys * s.rms
-            env += lip * abs_err
-        elif kind in ("copy", "lipschitz") or (kind == "contract" and pos not in contract_pair):
-            lip = cls.lipschitz
-            # With several full-size inputs (a weight plus its update) the output's extremes sit
-            # where another input decides them, so they carry this input's error at some element,
-            # up to the tail of its error spread (Gaussian: sqrt(2 ln n) of its RMS), not its RMS.
-            tail = 1.0 if unary or s.numel <= 1 else math.sqrt(2.0 * math.log(s.numel))
-            ext += lip * tail * abs_err / amax_o
-            sys_ += lip * s.c_sys * s.rms / rms_o
-            env += lip * abs_err / rms_o
-        elif kind == "product":
-            kappa = _inverse_factor(s) if pos in cls.inverse_inputs else cls.lipschitz
-            if name.startswith("pow") or name == "square":
-                kappa *= 2.0
-            ext += kappa * (s.c_ext if (unary and pos in full) or s.numel == 1 else lvl)
-            sys_ += kappa * s.c_sys
-            env += kappa * lvl
-        elif kind == "reduce":
-            # A mean moves by at most the largest input error (|d mean| <= max |d x|), a sum of K
-            # terms by sqrt(K) of it for independent errors; relative to the output that is an
-            # absolute-error rule, and a relative one (condition factor) for the same error spread.
-            k = max(s.numel / max(out.numel, 1), 1.0)
-            lip = 1.0 if cls.mean_like else math.sqrt(k)
-            kappa = s.rms / (math.sqrt(k) * rms_o) if cls.mean_like else math.sqrt(k) * s.rms / rms_o
-            kappa = min(CAP, max(1.0, kappa))
-            mix = s.mix_level
-            ext += max(kappa * mix, lip * abs_err / amax_o)
-            sys_ += max(kappa * s.c_sys, lip * s.c_sys * s.rms / rms_o)
-            env += max(kappa * mix, lip * abs_err / rms_o)
-        else:
-            if kind == "contract":
-                kappa = kappa_contract
-            else:  # other: unknown semantics, be generous both ways
-                kappa = 4.0
-            mix = max(lvl, abs_err / amax_o, abs_err / rms_o) if kind == "other" else s.mix_level
-            ext += kappa * mix
-            sys_ += kappa * s.c_sys
-            env += kappa * mix
+        d_ext, d_sys, d_env = _input_share(cls, name, rule, pos, s, shape)
+        ext += d_ext
+        sys_ += d_sys
+        env += d_env
         # The norm/mean channel's random envelope, from the typical (not the worst) error level.
         if not (linear and pos in full) and lvl > 0:
             env_sys += (env - env_before) * min(1.0, s.mix_level / lvl)
     return ext, sys_ + env_sys / math.sqrt(neff), env
+
+
+def _input_share(
+    cls: OpClass, name: str, rule: str, pos: int, s: TensorState, shape: _Shape
+) -> tuple[float, float, float]:
+    """What one input's error adds to the output's (ext, sys, env) under the op's rule for it."""
+    kind, amax_o, rms_o, out = cls.kind, shape.amax_o, shape.rms_o, shape.out
+    unary, full, contract_pair, kappa_contract = shape.unary, shape.full, shape.contract_pair, shape.kappa_contract
+    lvl = s.level
+    abs_err = lvl * s.rms
+    if rule == "add":
+        ext = s.c_ext * s.amax / amax_o
+        sys_ = s.c_sys * s.rms / rms_o
+        env = abs_err / rms_o
+    elif rule == "selector":
+        # Only elements whose sign the error flips change: a fraction ~ the relative error
+        # (Gaussian-like values: 0.8 x), each moving the norm and mean by about its own size.
+        ext = 1.0 if not s.exact else 0.0
+        sys_ = s.mix_level
+        env = s.mix_level
+    elif rule == "exp" or kind == "exp":
+        lip = cls.lipschitz if kind == "exp" else 1.0
+        ext = lip * abs_err
+        sys_ = lip * s.c_sys * s.rms
+        env = lip * abs_err
+    elif kind in ("copy", "lipschitz") or (kind == "contract" and pos not in contract_pair):
+        lip = cls.lipschitz
+        # With several full-size inputs (a weight plus its update) the output's extremes sit
+        # where another input decides them, so they carry this input's error at some element,
+        # up to the tail of its error spread (Gaussian: sqrt(2 ln n) of its RMS), not its RMS.
+        tail = 1.0 if unary or s.numel <= 1 else math.sqrt(2.0 * math.log(s.numel))
+        ext = lip * tail * abs_err / amax_o
+        sys_ = lip * s.c_sys * s.rms / rms_o
+        env = lip * abs_err / rms_o
+    elif kind == "product":
+        kappa = _inverse_factor(s) if pos in cls.inverse_inputs else cls.lipschitz
+        if name.startswith("pow") or name == "square":
+            kappa *= 2.0
+        ext = kappa * (s.c_ext if (unary and pos in full) or s.numel == 1 else lvl)
+        sys_ = kappa * s.c_sys
+        env = kappa * lvl
+    elif kind == "reduce":
+        # A mean moves by at most the largest input error (|d mean| <= max |d x|), a sum of K
+        # terms by sqrt(K) of it for independent errors; relative to the output that is an
+        # absolute-error rule, and a relative one (condition factor) for the same error spread.
+        k = max(s.numel / max(out.numel, 1), 1.0)
+        lip = 1.0 if cls.mean_like else math.sqrt(k)
+        kappa = s.rms / (math.sqrt(k) * rms_o) if cls.mean_like else math.sqrt(k) * s.rms / rms_o
+        kappa = min(CAP, max(1.0, kappa))
+        mix = s.mix_level
+        ext = max(kappa * mix, lip * abs_err / amax_o)
+        sys_ = max(kappa * s.c_sys, lip * s.c_sys * s.rms / rms_o)
+        env = max(kappa * mix, lip * abs_err / rms_o)
+    else:
+        if kind == "contract":
+            kappa = kappa_contract
+        else:  # other: unknown semantics, be generous both ways
+            kappa = 4.0
+        mix = max(lvl, abs_err / amax_o, abs_err / rms_o) if kind == "other" else s.mix_level
+        ext = kappa * mix
+        sys_ = kappa * s.c_sys
+        env = kappa * mix
+    return ext, sys_, env
 
 
 def within_adam_bound(

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from tracecmp.aten.opclass import OpClass
+from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node, TensorState
+from tracecmp.numerics.fits import ModelFit
 from tracecmp.numerics.replay import OwnError, RegionReplay
 from tracecmp.verdict.records import Region
 
@@ -96,6 +98,26 @@ class JudgedNode:
     parts: tuple[
         tuple[str, tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]], ...
     ] = ()
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What deciding any of a rank's nodes needs besides the node: its regime and calibration,
+    found once per rank after pass 1."""
+
+    ri: RankInput
+    tol: Tolerances
+    bitwise: bool  # the rank reproduces ops bitwise where their inputs agree
+    exact_matmul: bool  # a matmul/conv gave identical outputs: the target does not run them at TF32
+    ambient: Mapping[Any, tuple[tuple[float, ...], ...]]  # group key -> ambient noise (calibrate.ambient_noise)
+    exact_mode: bool
+    lookup: Callable[[int], TensorState | None]  # tensor id -> its state, through its view base
+    channels: tuple[str, ...]
+    fits: Mapping[str, ModelFit]  # op -> the reduced-precision rounding that reproduces its calls
+    bounds_hold: bool = False  # the rank's reduced-precision calls lie within the accumulation bound
+    tf32_spread: tuple[float, ...] | None = None  # per channel, how far its TF32 calls stray (calibrate)
+    # op -> (the calls that speak for its replay giving it bit for bit, whether they are its own)
+    bitwise_ops: Mapping[str, tuple[int, bool]] | None = None
 
 
 def metric_dict(j: JudgedNode, part: int = -1) -> dict[str, float]:

@@ -233,6 +233,19 @@ def _with_error(s: TensorState, e: tuple[float, ...], exact: bool | None = None)
     return out
 
 
+@dataclass(frozen=True)
+class _RegionRoot:
+    """A root found in a region: the target op named for it, its kind, reason and score (rounding
+    units), and what shows it: the region's boundary, or the op's own replay."""
+
+    op_id: int | None
+    kind: str
+    reason: str
+    score: float
+    j: _RegionJudged | None
+    own: OwnError | None = None
+
+
 def region_roots(
     ri: RankInput,
     judged: Mapping[int, _RegionJudged],
@@ -250,7 +263,7 @@ def region_roots(
         if not kind:
             continue
         root_regions.add(region_id)
-        _add_region_root(ri, region, nodes, verdicts, roots, op_id, kind, reason, score, j)
+        _add_region_root(ri, region, nodes, verdicts, roots, _RegionRoot(op_id, kind, reason, score, j))
     # A member op whose own replay is far from an honest kernel's is named itself.
     for op_id, node in nodes.items():
         own = ri.own_errors.get(op_id)
@@ -280,9 +293,8 @@ def region_roots(
             continue
         root_regions.add(region_id)
         score = own.error / EPS.get(own.dtype, FP32_EPS)
-        _add_region_root(
-            ri, ri.regions[region_id], nodes, verdicts, roots, op_id, "computation", reason, score, None, own=own
-        )
+        found = _RegionRoot(op_id, "computation", reason, score, None, own=own)
+        _add_region_root(ri, ri.regions[region_id], nodes, verdicts, roots, found)
     return root_regions
 
 
@@ -387,13 +399,10 @@ def _add_region_root(
     nodes: Mapping[int, tuple],
     verdicts: dict[int, NodeVerdict],
     roots: list[tuple[Node, Divergence]],
-    op_id: int | None,
-    kind: str,
-    reason: str,
-    score: float,
-    j: _RegionJudged | None,
-    own: OwnError | None = None,
+    found: _RegionRoot,
 ) -> None:
+    """Names the root ``found`` in its verdict and adds it to ``roots``."""
+    op_id, kind, reason, score, j, own = found.op_id, found.kind, found.reason, found.score, found.j, found.own
     if op_id is None or op_id not in nodes:
         return
     op_id_, step, phase, node_kind, op, name, module, location, args, inputs, outputs, random, stack = nodes[op_id]

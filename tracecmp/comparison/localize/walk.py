@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_readout, takes_call_args
 from tracecmp.comparison.adam import ADAM_UPDATES
@@ -43,7 +43,14 @@ from tracecmp.comparison.localize.predict import (
     through_view,
     within_adam_bound,
 )
-from tracecmp.comparison.localize.records import PROGRESS_EVERY, JudgedNode, NodeVerdict, RankInput, metric_dict
+from tracecmp.comparison.localize.records import (
+    PROGRESS_EVERY,
+    JudgedNode,
+    NodeVerdict,
+    RankContext,
+    RankInput,
+    metric_dict,
+)
 from tracecmp.comparison.localize.regions import (
     judge_region,
     past_bench_cast,
@@ -135,6 +142,14 @@ class RankWalk:
     and Python's readouts of diverged values), pass 3 gives every node its status."""
 
     channels = ("max/min", "norm/mean", "rms")
+    # Found by the stages after pass 1:
+    ctx: RankContext  # the regime and calibration every node is decided with
+    region_judged: dict[int, Any]  # region id -> its boundary judged (regions.judge_region)
+    own_drift: dict[int, float]  # op id -> how far apart its outputs drifted (history.drift_of)
+    step_drift: dict[int, float]  # step -> the most any of its ops drifted
+    undecided_set: set[int]  # op ids of the roots taken back for the drift
+    producer_status: dict[int, str]  # tensor id (view bases) -> its producer's status
+    region_status: dict[int, str]  # region id -> its members' status
 
     def __init__(
         self, ri: RankInput, tol: Tolerances, exact_mode: bool, progress: Callable[[int], None] | None = None
@@ -189,7 +204,7 @@ class RankWalk:
 
         # ---- pass 2: regime and ambient calibration ---------------------------------------------
         self._calibrate()
-        root_regions = region_roots(ri, self.region_judged, self.verdicts, self.tol, self.exact_matmul, self.roots)
+        root_regions = region_roots(ri, self.region_judged, self.verdicts, self.tol, self.ctx.exact_matmul, self.roots)
         self._judge_all()
         if self.python_from is not None:
             self._follow_python()
@@ -460,22 +475,35 @@ class RankWalk:
         ]
         # Matmuls/convs allowed to run at TF32 have their own rule and do not decide the regime.
         differing = sum(1 for j in exact_input_nodes if not j.outputs_exact and not j.uses_tf32)
-        self.bitwise = exact_mode or differing <= max(2, 0.01 * len(exact_input_nodes))
+        bitwise = exact_mode or differing <= max(2, 0.01 * len(exact_input_nodes))
         # A matmul/conv that turned identical, non-zero inputs into identical outputs shows that this
         # target does not run them at reduced (TF32) precision.
         exact_matmul = any(j.cls.precision_variable and j.outputs_exact and j.nontrivial for j in exact_input_nodes)
-        self.exact_matmul = exact_matmul
         self.region_judged = {
             region_id: judge_region(region, ri, self.lookup, tol, exact_matmul)
             for region_id, region in ri.regions.items()
             if region.target_ops
         }
-        self.ambient = ambient_noise(own_rules, ri.nodes, tol) if not exact_mode else {}
+        ambient = ambient_noise(own_rules, ri.nodes, tol) if not exact_mode else {}
         names = {node.op_id: node.op for node in ri.nodes}
-        self.fits = model_fits(ri.own_errors, names) if ri.reduced_precision and not exact_matmul else {}
-        self.bounds_hold = accumulation_bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
-        self.tf32_spread = tf32_spread_of(own_rules) if not exact_matmul else None
-        self.bitwise_ops = ops_reproduced_bitwise(ri)
+        fits = model_fits(ri.own_errors, names) if ri.reduced_precision and not exact_matmul else {}
+        bounds_hold = accumulation_bounds_hold(ri) if ri.reduced_precision and not exact_matmul else False
+        tf32_spread = tf32_spread_of(own_rules) if not exact_matmul else None
+        bitwise_ops = ops_reproduced_bitwise(ri)
+        self.ctx = RankContext(
+            ri,
+            tol,
+            bitwise,
+            exact_matmul,
+            ambient,
+            exact_mode,
+            self.lookup,
+            self.channels,
+            fits,
+            bounds_hold,
+            tf32_spread,
+            bitwise_ops,
+        )
 
     def _judge(self, j: JudgedNode, node: Node, tainted_in: bool) -> None:
         """Decides the node; a root goes into its verdict and ``self.roots``."""
@@ -483,23 +511,7 @@ class RankWalk:
         op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
         verdict = self.verdicts[op_id]
         bench_op = ri.pairs.get(op_id)
-        root_kind, reason, deciding, part, confirmed = decide_node(
-            j,
-            node,
-            ri,
-            self.tol,
-            self.bitwise,
-            self.exact_matmul,
-            self.ambient,
-            self.exact_mode,
-            self.lookup,
-            self.channels,
-            self.fits,
-            self.bounds_hold,
-            self.tf32_spread,
-            self.bitwise_ops,
-            tainted_in,
-        )
+        root_kind, reason, deciding, part, confirmed = decide_node(j, node, self.ctx, tainted_in)
         verdict.metric = deciding
         if not root_kind:
             return
@@ -539,7 +551,7 @@ class RankWalk:
         """Judges every node in order, following taint from roots and drift between the runs."""
         ri = self.ri
         self.own_drift = {node.op_id: drift_of(ri.measured.get(t) for t in node.outputs) for node in ri.nodes}
-        self.step_drift: dict[int, float] = defaultdict(float)
+        self.step_drift = defaultdict(float)
         for node in ri.nodes:
             self.step_drift[int(node.step)] = max(self.step_drift[int(node.step)], self.own_drift[node.op_id])
         for node, j in zip(ri.nodes, self.judged):
@@ -656,8 +668,8 @@ class RankWalk:
     def _statuses(self, root_regions: set[int]) -> None:
         """Every node's status."""
         self.undecided_set = {d.op_id for d in self.undecided}
-        self.producer_status: dict[int, str] = {}
-        self.region_status: dict[int, str] = {}
+        self.producer_status = {}
+        self.region_status = {}
         for node in self.ri.nodes:
             region_id = self.ri.member_of.get(node.op_id)
             if region_id is not None:
