@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -18,7 +19,7 @@ from tracecmp.comparison.compiled import (
     judge_units,
     pair_units,
 )
-from tracecmp.comparison.localize import RankInput, localize
+from tracecmp.comparison.localize import NodeVerdict, RankInput, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances
@@ -31,6 +32,9 @@ from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
 from tracecmp.verdict.progress import Progress, shown
+
+if TYPE_CHECKING:
+    from tracecmp.comparison.compiled import CompiledUnits
 
 _STAT_COLUMNS = [
     "tensor_id",
@@ -51,6 +55,18 @@ _STAT_COLUMNS = [
 _PROGRESS_NODES = 20_000
 # Regions whose computation a replay checks (casts and copies need none).
 _REPLAYED_REGIONS = ("fused", "rewritten", "extra")
+
+
+@dataclass(frozen=True)
+class _RankRun:
+    """What every rank of one comparison is prepared with."""
+
+    tol: Tolerances
+    wanted_steps: set[int] | None
+    warnings: list[str]  # the comparison's warnings, appended to
+    bar: Progress
+    replay: bool | None
+    reduced: str | None  # the precision float32 matmul may run at, where it may run reduced
 
 
 def compare_traces(
@@ -76,6 +92,58 @@ def compare_traces(
     if tol.allow_tf32 is None:
         tol = tol.replace(allow_tf32=reduced_precision_possible(t_trace) or reduced_precision_possible(b_trace))
     warnings: list[str] = []
+    common = _common_ranks(t_trace, b_trace, ranks, warnings)
+    total = sum(len(t_trace.rank(r).ops_table) for r in common)
+    run = _RankRun(
+        tol=tol,
+        wanted_steps=None if steps is None else {int(s) for s in steps},
+        warnings=warnings,
+        bar=Progress("compare", shown(progress, total > _PROGRESS_NODES), total * 3),
+        replay=False if exact else replay,
+        reduced=reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None,
+    )
+    rank_inputs, node_frames, tensor_frames, unpaired_frames, compared_steps = _prepare_ranks(
+        t_trace, b_trace, common, run
+    )
+    bar = run.bar
+    bar.update("localizing")
+    verdicts, roots, skipped, drifts = localize(
+        rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n)
+    )
+    warnings.extend(str(drift) for drift in drifts if drift.undecided)
+    bar.done = bar.total
+    bar.update("done")
+    bar.close()
+
+    for ri in rank_inputs:
+        covered_by_units(ri, verdicts)
+    nodes = _node_table(node_frames, rank_inputs, verdicts)
+    first = roots[0] if roots else None
+    suspects = sorted(roots, key=lambda d: -d.score)
+    regions = [region for ri in rank_inputs for region in ri.regions.values()]
+    result = CompareResult(
+        target=t_trace,
+        bench=b_trace,
+        first_divergence=first,
+        suspects=suspects,
+        nodes=nodes,
+        tensors=_tensor_table(tensor_frames, nodes),
+        unpaired_bench=pd.concat(unpaired_frames, ignore_index=True),
+        tolerances=tol,
+        warnings=warnings,
+        exact=exact,
+        ranks=[ri.rank for ri in rank_inputs],
+        steps=sorted(compared_steps),
+        regions=regions,
+        skipped_steps=skipped,
+        drifts=drifts,
+    )
+    return result
+
+
+def _common_ranks(t_trace: Trace, b_trace: Trace, ranks: Iterable[int] | None, warnings: list[str]) -> list[int]:
+    """The ranks both traces hold (among ``ranks`` where given), warning of the others and of an
+    unfinished capture; a :class:`CompareError` where there is none."""
     wanted_ranks = set(ranks) if ranks is not None else None
     common = sorted(set(t_trace.ranks) & set(b_trace.ranks))
     if wanted_ranks is not None:
@@ -93,26 +161,19 @@ def compare_traces(
         raise CompareError(
             f"no common rank to compare (target ranks {t_trace.ranks}, bench ranks {b_trace.ranks})", path=t_trace.path
         )
-    wanted_steps = None if steps is None else {int(s) for s in steps}
-    total = sum(len(t_trace.rank(r).ops_table) for r in common)
-    bar = Progress("compare", shown(progress, total > _PROGRESS_NODES), total * 3)
+    return common
 
+
+def _prepare_ranks(
+    t_trace: Trace, b_trace: Trace, common: list[int], run: _RankRun
+) -> tuple[list[RankInput], list[pd.DataFrame], list[pd.DataFrame], list[pd.DataFrame], set[int]]:
+    """Every common rank prepared (:func:`_prepare_rank`): the localizer's inputs, the node, tensor
+    and unpaired bench frames, and the steps compared; a :class:`CompareError` where no step is."""
     rank_inputs: list[RankInput] = []
     node_frames, tensor_frames, unpaired_frames = [], [], []
     compared_steps: set[int] = set()
     for r in common:
-        prepared = _prepare_rank(
-            t_trace.rank(r),
-            b_trace.rank(r),
-            r,
-            tol,
-            wanted_steps,
-            warnings,
-            bar,
-            False if exact else replay,
-            reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None,
-            sum(len(ri.regions) for ri in rank_inputs),
-        )
+        prepared = _prepare_rank(t_trace.rank(r), b_trace.rank(r), r, run, sum(len(ri.regions) for ri in rank_inputs))
         if prepared is None:
             continue
         rank_input, t_ops, tensors, unpaired = prepared
@@ -122,23 +183,19 @@ def compare_traces(
         unpaired_frames.append(unpaired)
         compared_steps.update(int(s) for s in t_ops["step"].unique())
     if not rank_inputs:
-        bar.close()
+        run.bar.close()
         raise CompareError(
             "the traces have no step in common to compare"
-            + (f" among steps {sorted(wanted_steps)}" if wanted_steps else ""),
+            + (f" among steps {sorted(run.wanted_steps)}" if run.wanted_steps else ""),
             path=t_trace.path,
         )
-    bar.update("localizing")
-    verdicts, roots, skipped, drifts = localize(
-        rank_inputs, tol, exact=exact, progress=lambda n: bar.update("localizing", n)
-    )
-    warnings.extend(str(drift) for drift in drifts if drift.undecided)
-    bar.done = bar.total
-    bar.update("done")
-    bar.close()
+    return rank_inputs, node_frames, tensor_frames, unpaired_frames, compared_steps
 
-    for ri in rank_inputs:
-        covered_by_units(ri, verdicts)
+
+def _node_table(
+    node_frames: list[pd.DataFrame], rank_inputs: list[RankInput], verdicts: Mapping[tuple[int, int], NodeVerdict]
+) -> pd.DataFrame:
+    """The result's node table: the ranks' node frames with their verdicts and own errors."""
     nodes = pd.concat(node_frames, ignore_index=True)
     keys = list(zip(nodes["rank"].tolist(), nodes["op_id"].tolist()))
     for column in ("status", "error", "introduced", "metric", "root_kind", "reason"):
@@ -146,70 +203,30 @@ def compare_traces(
     own_errors = {(ri.rank, op): own for ri in rank_inputs for op, own in ri.own_errors.items()}
     nodes["own_error"] = [own_errors[k].error if k in own_errors else math.nan for k in keys]
     nodes["honest_error"] = [own_errors[k].honest if k in own_errors else math.nan for k in keys]
-    nodes = nodes[list(NODE_COLUMNS)]
+    return nodes[list(NODE_COLUMNS)]
+
+
+def _tensor_table(tensor_frames: list[pd.DataFrame], nodes: pd.DataFrame) -> pd.DataFrame:
+    """The result's tensor table: the ranks' measured tensors with their producer's status."""
     tensors = pd.concat(tensor_frames, ignore_index=True)
     if len(tensors):
+        keys = zip(nodes["rank"].tolist(), nodes["op_id"].tolist())
         status = dict(zip(keys, nodes["status"].tolist()))
         tensors.insert(len(tensors.columns), "status", [status.get(k) for k in zip(tensors["rank"], tensors["op_id"])])
-    unpaired_bench = pd.concat(unpaired_frames, ignore_index=True)
-    first = roots[0] if roots else None
-    suspects = sorted(roots, key=lambda d: -d.score)
-    regions = [region for ri in rank_inputs for region in ri.regions.values()]
-    result = CompareResult(
-        target=t_trace,
-        bench=b_trace,
-        first_divergence=first,
-        suspects=suspects,
-        nodes=nodes,
-        tensors=tensors,
-        unpaired_bench=unpaired_bench,
-        tolerances=tol,
-        warnings=warnings,
-        exact=exact,
-        ranks=[ri.rank for ri in rank_inputs],
-        steps=sorted(compared_steps),
-        regions=regions,
-        skipped_steps=skipped,
-        drifts=drifts,
-    )
-    return result
+    return tensors
 
 
 def _prepare_rank(
-    t_rank: RankTrace,
-    b_rank: RankTrace,
-    rank: int,
-    tol: Tolerances,
-    wanted_steps: set[int] | None,
-    warnings: list[str],
-    bar: Progress,
-    replay: bool | None,
-    reduced: str | None,
-    first_region: int = 0,
+    t_rank: RankTrace, b_rank: RankTrace, rank: int, run: _RankRun, first_region: int = 0
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
-    t_ops, b_ops = t_rank.ops, b_rank.ops
-    t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
-    steps = t_steps & b_steps
-    if wanted_steps is not None:
-        steps &= wanted_steps
-    for name, own, other in (("target", t_steps, b_steps), ("bench", b_steps, t_steps)):
-        only = sorted(own - other)
-        if only and (wanted_steps is None or set(only) & wanted_steps):
-            warnings.append(f"rank {rank}: step(s) {only} exist only in the {name} trace")
-    if not steps:
+    """One rank aligned and measured: the localizer's input, the node frame, the measured tensors
+    and the unpaired bench ops; None where the rank has no step to compare."""
+    rank_ops = _rank_ops(t_rank, b_rank, rank, run)
+    if rank_ops is None:
         return None
-    if steps != t_steps:
-        t_ops = t_ops[t_ops["step"].isin(steps)]
-    if steps != b_steps:
-        b_ops = b_ops[b_ops["step"].isin(steps)]
-    t_ops = t_ops.sort_values("op_id", kind="stable")
-    b_ops = b_ops.sort_values("op_id", kind="stable")
-    # Row positions in the Arrow tables, to read the id lists from Arrow's buffers (much faster).
-    t_lists = _id_lists(t_rank, t_ops.index.to_numpy())
-    b_lists = _id_lists(b_rank, b_ops.index.to_numpy())
-    t_ops, b_ops = t_ops.reset_index(drop=True), b_ops.reset_index(drop=True)
+    steps, t_ops, b_ops, t_lists, b_lists = rank_ops
     t_ten, b_ten = t_rank.tensors, b_rank.tensors
-    bar.update(f"rank {rank}: aligning")
+    run.bar.update(f"rank {rank}: aligning")
     # Compiled regions replace eager ops as a whole: their insides are left out of the alignment.
     units = compiled_units(t_rank, steps)
     pairs = align_nodes(t_ops[~t_ops["op_id"].isin(units.members)] if units else t_ops, t_ten, b_ops, b_ten)
@@ -226,63 +243,159 @@ def _prepare_rank(
     else:
         match = find_regions(t_graph, b_graph, pairs, rank, first_region)
     pairs = match.pairs
-    bar.update(f"rank {rank}: measuring", len(t_ops))
+    run.bar.update(f"rank {rank}: measuring", len(t_ops))
 
     partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, match.partners)
     if pairing is not None:
-        # Values inside a unit have no eager counterpart; its outputs pair by the graph's metadata,
-        # or, where that finds nothing, through their consumers as any value does.
-        leaving = {t for unit in units.units for t, _ in unit.outputs}
-        inside = {
-            t
-            for op_id, outs in zip(t_lists[0], t_lists[2])
-            if op_id in units.members and op_id not in pairs
-            for t in outs
-        } - leaving
-        partner = {t: b for t, b in partner.items() if t not in inside}
-        partner.update(pair_units(pairing, units))
+        partner = _unit_partners(partner, pairing, units, t_lists, pairs)
     if units.graph_mode:
-        warnings.append(f"rank {rank}: {GRAPH_MODE_NOTE}")
-    measured_frame = _measure(t_rank, b_rank, partner, tol)
-    bar.update(f"rank {rank}: measured", len(t_ops))
+        run.warnings.append(f"rank {rank}: {GRAPH_MODE_NOTE}")
+    measured_frame = _measure(t_rank, b_rank, partner, run.tol)
+    run.bar.update(f"rank {rank}: measured", len(t_ops))
 
+    own = _own_facts(t_ten)
+    measured = _states(measured_frame, own)
+    inf_only = _inf_only(t_ten)
+    own_errors, region_replays, has_data = _replay(t_rank, b_rank, t_ops["op_id"].tolist(), match, rank, run)
+    if units and pairing is not None:
+        if has_data and run.replay is not False:
+            judge_units(units, t_rank, b_rank, pairing, measured, own_errors, run.tol)
+        else:
+            run.warnings.append(
+                f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
+                f'may add {run.tol.region_units:g} rounding units; capture it with data="tensors" to measure them'
+            )
+        run.warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
+
+    unpaired = _unpaired_bench(b_ops, match, pairing, units, b_base, rank)
+    region_ops, region_values = _region_context(match, t_graph, b_graph, t_ten, b_ten)
+    rank_input = RankInput(
+        rank=rank,
+        nodes=_nodes(t_ops, t_lists),
+        pairs=pairs,
+        measured=measured,
+        own=own,
+        view_base=t_base,
+        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())),
+        first_step=min(steps),
+        own_errors=own_errors,
+        reduced_precision=run.reduced,
+        regions={r.region_id: r for r in match.regions},
+        member_of=match.member_of,
+        bench_only=match.bench_only,
+        region_ops=region_ops,
+        region_values=region_values,
+        region_replays=region_replays,
+        units=units.by_judged,
+        bench_inputs={op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])},
+        bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())),
+        partner=partner,
+        inf_only=inf_only,
+    )
+    measured_frame.insert(0, "rank", rank)
+    return rank_input, _node_frame(t_ops, rank, pairs, match.member_of), measured_frame, unpaired
+
+
+_IdLists = tuple[list[int], list[list[int]], list[list[int]]]
+
+
+def _rank_ops(
+    t_rank: RankTrace, b_rank: RankTrace, rank: int, run: _RankRun
+) -> tuple[set[int], pd.DataFrame, pd.DataFrame, _IdLists, _IdLists] | None:
+    """Both sides' ops on the steps to compare, in op id order, with their id lists (:func:`_id_lists`),
+    warning of steps only one side holds; None where no step is left."""
+    t_ops, b_ops = t_rank.ops, b_rank.ops
+    t_steps, b_steps = set(t_ops["step"].unique().tolist()), set(b_ops["step"].unique().tolist())
+    steps = t_steps & b_steps
+    wanted_steps = run.wanted_steps
+    if wanted_steps is not None:
+        steps &= wanted_steps
+    for name, own, other in (("target", t_steps, b_steps), ("bench", b_steps, t_steps)):
+        only = sorted(own - other)
+        if only and (wanted_steps is None or set(only) & wanted_steps):
+            run.warnings.append(f"rank {rank}: step(s) {only} exist only in the {name} trace")
+    if not steps:
+        return None
+    if steps != t_steps:
+        t_ops = t_ops[t_ops["step"].isin(steps)]
+    if steps != b_steps:
+        b_ops = b_ops[b_ops["step"].isin(steps)]
+    t_ops = t_ops.sort_values("op_id", kind="stable")
+    b_ops = b_ops.sort_values("op_id", kind="stable")
+    # Row positions in the Arrow tables, to read the id lists from Arrow's buffers (much faster).
+    t_lists = _id_lists(t_rank, t_ops.index.to_numpy())
+    b_lists = _id_lists(b_rank, b_ops.index.to_numpy())
+    return steps, t_ops.reset_index(drop=True), b_ops.reset_index(drop=True), t_lists, b_lists
+
+
+def _unit_partners(
+    partner: dict[int, int], pairing: Pairing, units: CompiledUnits, t_lists: _IdLists, pairs: Mapping[int, int]
+) -> dict[int, int]:
+    """``partner`` with the compiled units' values: those inside a unit left out, its outputs paired."""
+    # Values inside a unit have no eager counterpart; its outputs pair by the graph's metadata,
+    # or, where that finds nothing, through their consumers as any value does.
+    leaving = {t for unit in units.units for t, _ in unit.outputs}
+    inside = {
+        t for op_id, outs in zip(t_lists[0], t_lists[2]) if op_id in units.members and op_id not in pairs for t in outs
+    } - leaving
+    partner = {t: b for t, b in partner.items() if t not in inside}
+    partner.update(pair_units(pairing, units))
+    return partner
+
+
+def _own_facts(t_ten: pd.DataFrame) -> dict[int, tuple[bool, bool, str]]:
+    """Per target tensor: whether it is a float, whether it holds NaN or Inf, its dtype."""
     own_float = t_ten["dtype"].map(is_float_dtype).to_numpy(bool)
     own_nonfinite = t_ten["has_stats"].to_numpy(bool) & (
         (t_ten["nan_count"].to_numpy() > 0) | (t_ten["inf_count"].to_numpy() > 0)
     )
-    own = dict(
+    return dict(
         zip(t_ten["tensor_id"].tolist(), zip(own_float.tolist(), own_nonfinite.tolist(), t_ten["dtype"].tolist()))
     )
-    measured = _states(measured_frame, own)
-    inf_only = _inf_only(t_ten)
+
+
+def _replay(
+    t_rank: RankTrace, b_rank: RankTrace, op_ids: list[int], match: RegionMatch, rank: int, run: _RankRun
+) -> tuple[dict[int, OwnError], dict[int, RegionReplay], bool]:
+    """The target's ops and regions replayed where asked and possible: their own errors, the
+    regions' replays, and whether the target holds tensors to replay from."""
     own_errors: dict[int, OwnError] = {}
     region_replays: dict[int, RegionReplay] = {}
-    has_data = bool(t_ten["data_key"].astype(bool).any())
-    if replay and not has_data:
-        warnings.append(f'rank {rank}: no replay: the target trace holds no tensors (capture it with data="tensors")')
-    elif (replay is None or replay) and has_data:
-        bar.update(f"rank {rank}: replaying")
+    has_data = bool(t_rank.tensors["data_key"].astype(bool).any())
+    if run.replay and not has_data:
+        run.warnings.append(
+            f'rank {rank}: no replay: the target trace holds no tensors (capture it with data="tensors")'
+        )
+    elif (run.replay is None or run.replay) and has_data:
+        run.bar.update(f"rank {rank}: replaying")
         own_errors = replay_rank(
-            t_rank, t_ops["op_id"].tolist(), reduced=reduced, progress=lambda n: bar.update(f"rank {rank}: replaying")
+            t_rank, op_ids, reduced=run.reduced, progress=lambda n: run.bar.update(f"rank {rank}: replaying")
         )
         region_replays = replay_regions(t_rank, b_rank, [r for r in match.regions if r.kind in _REPLAYED_REGIONS])
-    if units and pairing is not None:
-        if has_data and replay is not False:
-            judge_units(units, t_rank, b_rank, pairing, measured, own_errors, tol)
-        else:
-            warnings.append(
-                f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
-                f'may add {tol.region_units:g} rounding units; capture it with data="tensors" to measure them'
-            )
-        warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
+    return own_errors, region_replays, has_data
 
-    paired_bench = set(pairs.values()) | set(match.bench_member_of)
+
+def _unpaired_bench(
+    b_ops: pd.DataFrame,
+    match: RegionMatch,
+    pairing: Pairing | None,
+    units: CompiledUnits,
+    b_base: Mapping[int, int],
+    rank: int,
+) -> pd.DataFrame:
+    """The bench ops nothing in the target pairs with, nor a region or compiled unit stands for."""
+    paired_bench = set(match.pairs.values()) | set(match.bench_member_of)
     if pairing is not None:
         paired_bench |= pairing.covered_bench(units, b_base, paired_bench)  # the eager ops compiled regions replace
     unpaired_mask = ~b_ops["op_id"].isin(paired_bench)
     unpaired = b_ops.loc[unpaired_mask, ["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     unpaired.insert(0, "rank", rank)
-    nodes = list(
+    return unpaired
+
+
+def _nodes(t_ops: pd.DataFrame, t_lists: _IdLists) -> list[Node]:
+    """The target's ops as graph nodes."""
+    return list(
         map(
             Node._make,
             zip(
@@ -302,36 +415,15 @@ def _prepare_rank(
             ),
         )
     )
-    region_ops, region_values = _region_context(match, t_graph, b_graph, t_ten, b_ten)
-    rank_input = RankInput(
-        rank=rank,
-        nodes=nodes,
-        pairs=pairs,
-        measured=measured,
-        own=own,
-        view_base=t_base,
-        bench_args=dict(zip(b_ops["op_id"].tolist(), b_ops["args"].tolist())),
-        first_step=min(steps),
-        own_errors=own_errors,
-        reduced_precision=reduced,
-        regions={r.region_id: r for r in match.regions},
-        member_of=match.member_of,
-        bench_only=match.bench_only,
-        region_ops=region_ops,
-        region_values=region_values,
-        region_replays=region_replays,
-        units=units.by_judged,
-        bench_inputs={op: [b_base.get(t, t) for t in ins] for op, ins in zip(b_lists[0], b_lists[1])},
-        bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())),
-        partner=partner,
-        inf_only=inf_only,
-    )
+
+
+def _node_frame(t_ops: pd.DataFrame, rank: int, pairs: Mapping[int, int], member_of: Mapping[int, int]) -> pd.DataFrame:
+    """The rank's rows of the node table, before the verdicts: identity, bench partner, region."""
     frame = t_ops[["op_id", "step", "phase", "kind", "op", "name", "module", "location"]].copy()
     frame.insert(0, "rank", rank)
     frame.insert(2, "bench_op_id", pd.array([pairs.get(o) for o in frame["op_id"].tolist()], dtype="Int64"))
-    frame.insert(3, "region", pd.array([match.member_of.get(o) for o in frame["op_id"].tolist()], dtype="Int64"))
-    measured_frame.insert(0, "rank", rank)
-    return rank_input, frame, measured_frame, unpaired
+    frame.insert(3, "region", pd.array([member_of.get(o) for o in frame["op_id"].tolist()], dtype="Int64"))
+    return frame
 
 
 def _region_context(
