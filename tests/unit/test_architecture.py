@@ -70,7 +70,6 @@ KNOWN: dict[str, set[str]] = {
         "comparison.align._region",
         "comparison.align.find_regions",
         "comparison.api.compare",
-        "comparison.metrics.stat_metrics",
         "comparison.ranks.compare_ranks",
         "comparison.ranks.cross_rank",
         "numerics.replay.replayer._measure",

@@ -92,8 +92,7 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
         for name in STAT_METRICS:
             out[name] = pd.Series(dtype=float)
         return out
-    numel = np.array([math.prod(s) if s is not None else 0 for s in pairs["shape"]], dtype=np.float64)
-    numel_b = np.array([math.prod(s) if s is not None else 0 for s in pairs["shape_b"]], dtype=np.float64)
+    numel, numel_b = _numel(pairs["shape"]), _numel(pairs["shape_b"])
     eps_t, eps_b = _eps(pairs["dtype"]), _eps(pairs["dtype_b"])
     unit = np.maximum(eps_t, eps_b)  # the coarser dtype's unit
     canon = {d: canonical_dtype(d) for d in pd.concat([pairs["dtype"], pairs["dtype_b"]]).unique()}
@@ -101,50 +100,23 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     has = pairs["has_stats"].to_numpy(bool) & pairs["has_stats_b"].to_numpy(bool)
     exact = has & same_dtype & (numel == numel_b) & (pairs["checksum"].to_numpy() == pairs["checksum_b"].to_numpy())
 
-    def col(name: str) -> np.ndarray:
-        return pairs[name].to_numpy(np.float64)
-
-    lo_t, hi_t, mean_t, norm_t = col("min"), col("max"), col("mean"), col("norm")
-    lo_b, hi_b, mean_b, norm_b = col("min_b"), col("max_b"), col("mean_b"), col("norm_b")
-    # A mask each run filled with its own dtype's finfo.min (or .max): the fills are the same
-    # argument, so the extremes at them compare as equal, and mean and norm, which the fills
-    # dominate, compare with the target's fill scaled to the bench's. What is left of them says
-    # whether the same elements are filled; the finite elements are seen at the other extreme.
-    # (A tensor that is all fill, scalar_tensor(finfo.min), has one at both extremes.)
-    fills = np.asarray(FILLS)
-    lo_fill = has & np.isin(np.abs(lo_t), fills) & np.isin(np.abs(lo_b), fills) & (np.sign(lo_t) == np.sign(lo_b))
-    hi_fill = has & np.isin(np.abs(hi_t), fills) & np.isin(np.abs(hi_b), fills) & (np.sign(hi_t) == np.sign(hi_b))
+    lo_t, hi_t, mean_t, norm_t = _floats(pairs, "min", "max", "mean", "norm")
+    lo_b, hi_b, mean_b, norm_b = _floats(pairs, "min_b", "max_b", "mean_b", "norm_b")
+    lo_fill, hi_fill, fill_scale = _fills(has, lo_t, hi_t, lo_b, hi_b)
     filled = lo_fill | hi_fill
-    with np.errstate(invalid="ignore", divide="ignore"):
-        fill_scale = np.where(
-            lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0), np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0)
-        )
     mean_t, norm_t = mean_t * fill_scale, norm_t * fill_scale
-    nan_t, inf_t, nan_b, inf_b = col("nan_count"), col("inf_count"), col("nan_count_b"), col("inf_count_b")
+    nan_t, inf_t, nan_b, inf_b = _floats(pairs, "nan_count", "inf_count", "nan_count_b", "inf_count_b")
     nonfinite_mismatch = has & ((nan_t != nan_b) | (inf_t != inf_b))
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         fin_t = np.maximum(numel - nan_t - inf_t, 1.0)
         fin_b = np.maximum(numel_b - nan_b - inf_b, 1.0)
         rms_t, rms_b = norm_t / np.sqrt(fin_t), norm_b / np.sqrt(fin_b)
-
+        rms = np.fmax(rms_t, rms_b)
         # Infinite extremes say nothing about the finite values' error (the counts carry them):
         # an extreme is compared only where both runs' are finite, and magnitudes use finite ones.
-        def finite_abs(v: np.ndarray) -> np.ndarray:
-            return np.where(np.isfinite(v), np.abs(v), np.nan)
-
-        amax = np.fmax(np.fmax(finite_abs(lo_t), finite_abs(hi_t)), np.fmax(finite_abs(lo_b), finite_abs(hi_b)))
-        rms = np.fmax(rms_t, rms_b)
-        amax = np.where(np.isnan(amax), rms, np.fmax(amax, rms))
-        max_diff = np.where(
-            np.isfinite(hi_t) & np.isfinite(hi_b), np.abs(hi_t - hi_b), np.where(hi_t == hi_b, 0.0, np.nan)
-        )
-        min_diff = np.where(
-            np.isfinite(lo_t) & np.isfinite(lo_b), np.abs(lo_t - lo_b), np.where(lo_t == lo_b, 0.0, np.nan)
-        )
-        max_diff = np.where(hi_fill, 0.0, max_diff)
-        min_diff = np.where(lo_fill, 0.0, min_diff)
-        mean_diff = np.abs(mean_t - mean_b)
-        norm_diff = np.abs(norm_t - norm_b)
+        amax = _finite_amax(lo_t, hi_t, lo_b, hi_b, rms)
+        max_diff, min_diff = _extreme_diff(hi_t, hi_b, hi_fill), _extreme_diff(lo_t, lo_b, lo_fill)
+        mean_diff, norm_diff = np.abs(mean_t - mean_b), np.abs(norm_t - norm_b)
         e_ext = np.fmax(max_diff, min_diff) / np.maximum(amax, TINY)
         # Each side's rms over its own finite elements: the same as |norm_t - norm_b| / sqrt(n) for
         # two tensors of n finite elements, and zero for a tensor against its broadcast copy (a
@@ -155,14 +127,7 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     e_ext = np.where(both_zero | exact, 0.0, np.nan_to_num(e_ext, nan=0.0))
     e_sys = np.where(both_zero | exact, 0.0, np.nan_to_num(e_sys, nan=0.0))
     # torch.testing's criterion |t - b| <= atol + rtol * |b|, applied to what statistics show.
-    rtol_of = {d: tolerances.rtol(d) for d in canon}
-    atol_of = {d: tolerances.atol(d) for d in canon}
-    rtol = np.maximum(
-        pairs["dtype"].map(rtol_of).to_numpy(np.float64), pairs["dtype_b"].map(rtol_of).to_numpy(np.float64)
-    )
-    atol = np.maximum(
-        pairs["dtype"].map(atol_of).to_numpy(np.float64), pairs["dtype_b"].map(atol_of).to_numpy(np.float64)
-    )
+    rtol, atol = _tolerance_bounds(pairs, canon, tolerances)
     with np.errstate(invalid="ignore"):
         within = (np.nan_to_num(np.fmax(max_diff, min_diff), nan=0.0) <= atol + rtol * np.nan_to_num(amax, nan=0.0)) & (
             np.nan_to_num(mean_diff, nan=0.0) <= atol + rtol * np.nan_to_num(rms, nan=0.0)
@@ -190,6 +155,67 @@ def stat_metrics(pairs: pd.DataFrame, tolerances: Tolerances) -> pd.DataFrame:
     out["norm_rel_diff"] = np.where(exact, 0.0, norm_rel)
     out["within_tol"] = within & has
     return out
+
+
+def _numel(shapes: pd.Series) -> np.ndarray:
+    """Element count per row (0 where the shape is unknown), as floats."""
+    return np.array([math.prod(s) if s is not None else 0 for s in shapes], dtype=np.float64)
+
+
+def _floats(pairs: pd.DataFrame, *names: str) -> list[np.ndarray]:
+    """The columns ``names`` of ``pairs`` as float64 arrays."""
+    return [pairs[name].to_numpy(np.float64) for name in names]
+
+
+def _fills(
+    has: np.ndarray, lo_t: np.ndarray, hi_t: np.ndarray, lo_b: np.ndarray, hi_b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row, whether the minimum and the maximum are fills in both runs, and the scale from the
+    target's fill to the bench's (1 where neither is).
+
+    A mask each run filled with its own dtype's finfo.min (or .max): the fills are the same
+    argument, so the extremes at them compare as equal, and mean and norm, which the fills
+    dominate, compare with the target's fill scaled to the bench's. What is left of them says
+    whether the same elements are filled; the finite elements are seen at the other extreme.
+    (A tensor that is all fill, scalar_tensor(finfo.min), has one at both extremes.)
+    """
+    fills = np.asarray(FILLS)
+    lo_fill = has & np.isin(np.abs(lo_t), fills) & np.isin(np.abs(lo_b), fills) & (np.sign(lo_t) == np.sign(lo_b))
+    hi_fill = has & np.isin(np.abs(hi_t), fills) & np.isin(np.abs(hi_b), fills) & (np.sign(hi_t) == np.sign(hi_b))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fill_scale = np.where(
+            lo_fill, lo_b / np.where(lo_fill, lo_t, 1.0), np.where(hi_fill, hi_b / np.where(hi_fill, hi_t, 1.0), 1.0)
+        )
+    return lo_fill, hi_fill, fill_scale
+
+
+def _finite_amax(lo_t: np.ndarray, hi_t: np.ndarray, lo_b: np.ndarray, hi_b: np.ndarray, rms: np.ndarray) -> np.ndarray:
+    """The largest finite extreme of either run in magnitude, at least ``rms`` (``rms`` where none is finite)."""
+    lo_t, hi_t, lo_b, hi_b = (np.where(np.isfinite(v), np.abs(v), np.nan) for v in (lo_t, hi_t, lo_b, hi_b))
+    amax = np.fmax(np.fmax(lo_t, hi_t), np.fmax(lo_b, hi_b))
+    return np.where(np.isnan(amax), rms, np.fmax(amax, rms))
+
+
+def _extreme_diff(t: np.ndarray, b: np.ndarray, fill: np.ndarray) -> np.ndarray:
+    """|t - b| of one extreme where both runs' are finite (else 0 where equal, NaN where not); 0 at fills."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.where(np.isfinite(t) & np.isfinite(b), np.abs(t - b), np.where(t == b, 0.0, np.nan))
+    return np.where(fill, 0.0, diff)
+
+
+def _tolerance_bounds(
+    pairs: pd.DataFrame, canon: dict[str, str], tolerances: Tolerances
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row rtol and atol: the larger of the target's and the bench's dtype's."""
+    rtol_of = {d: tolerances.rtol(d) for d in canon}
+    atol_of = {d: tolerances.atol(d) for d in canon}
+    rtol = np.maximum(
+        pairs["dtype"].map(rtol_of).to_numpy(np.float64), pairs["dtype_b"].map(rtol_of).to_numpy(np.float64)
+    )
+    atol = np.maximum(
+        pairs["dtype"].map(atol_of).to_numpy(np.float64), pairs["dtype_b"].map(atol_of).to_numpy(np.float64)
+    )
+    return rtol, atol
 
 
 def tensor_metrics(t: Any, b: Any, tolerances: Tolerances) -> dict[str, float]:
