@@ -333,6 +333,18 @@ class _Union:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
+@dataclass(frozen=True)
+class _Correspondence:
+    """How the two sides' values correspond: the paired ones, and where those of unpaired ops meet
+    (step 3 of :func:`find_regions`)."""
+
+    corr: dict[int, int]  # target tensor -> bench tensor, made by consistent pairs
+    meet: dict[int, int]  # target tensor -> bench tensor, both made by unpaired ops
+    one_t: dict[int, int]  # target tensor made by a target-only op -> the bench tensor read there
+    one_b: dict[tuple[int, int], int]  # (target consumer, position) -> bench tensor made by a bench-only op
+    linked: set[tuple[str, int]]  # the unpaired ops a value of the other side meets
+
+
 def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int = 0, first_id: int = 0) -> RegionMatch:
     """Group what one-to-one pairing left over into regions (see the comment above).
 
@@ -351,6 +363,53 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
         return RegionMatch(pairs, [], _source_partners(t, b, pairs, set()), {}, {}, {})
     in_t, in_b = set(free_t), set(free_b)
     _unpair_contradicted(t, b, pairs, corr, in_t, in_b)
+    groups = _cluster_free(t, b, free_t, free_b, in_t, in_b)
+    # Step 3: where the two sides' values meet.
+    values = _meet(t, b, pairs, corr, groups, in_t, in_b)
+    _merge_compensating(t, b, pairs, groups, in_t, in_b, values)
+
+    # Clusters that met nothing join their scope's region (dead ends: detach, .item() reads).
+    _join_residue(t, b, groups, in_t, in_b, values.linked)
+    _absorb_constants(t, b, pairs, groups, in_t, in_b)
+
+    # Step 4: the regions.
+    members: dict[tuple[str, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for key in [("t", o) for o in in_t] + [("b", o) for o in in_b]:
+        members[groups.find(key)][0 if key[0] == "t" else 1].append(key[1])
+    regions: list[Region] = []
+    partners: dict[int, int] = {}
+    member_of: dict[int, int] = {}
+    bench_member_of: dict[int, int] = {}
+    bench_only: dict[tuple[int, int], int] = {}
+    bench_to_target = {B: T for T, B in corr.items()}
+    ordered = sorted(members.values(), key=lambda m: (min(m[0]) if m[0] else math.inf, min(m[1]) if m[1] else math.inf))
+    for t_ops, b_ops in ordered:
+        t_ops.sort()
+        b_ops.sort()
+        region_id = first_id + len(regions)
+        region = _region(region_id, rank, t, b, t_ops, b_ops, values, bench_to_target)
+        regions.append(region)
+        for o in t_ops:
+            member_of[o] = region_id
+        for o in b_ops:
+            bench_member_of[o] = region_id
+        for T, B in region.outputs:
+            rt, rb = t.root(T), b.root(B)
+            if t.numel.get(rt) == b.numel.get(rb) or _broadcasts(t.shape.get(rt), b.shape.get(rb)):
+                partners.setdefault(rt, rb)
+    for rt, rb in _source_partners(t, b, pairs, in_t).items():
+        partners.setdefault(rt, rb)
+    for (t_op, position), B in values.one_b.items():
+        region_id = bench_member_of.get(b.producer.get(B, -1))
+        if region_id is not None:
+            bench_only[(t_op, position)] = region_id
+    return RegionMatch(pairs, regions, partners, bench_only, member_of, bench_member_of)
+
+
+def _cluster_free(
+    t: SideGraph, b: SideGraph, free_t: list[int], free_b: list[int], in_t: set[int], in_b: set[int]
+) -> _Union:
+    """Each side's free ops, joined with the free ops of the same step and phase whose outputs they read."""
     groups = _Union()
     for side, graph, free in (("t", t, free_t), ("b", b, free_b)):
         members = in_t if side == "t" else in_b
@@ -361,11 +420,23 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
                 p = graph.producer.get(tid)
                 if p in members and (graph.nodes[p].step, graph.nodes[p].phase) == (node.step, node.phase):
                     groups.union((side, o), (side, p))
+    return groups
 
-    # Step 3: where the two sides' values meet.
-    meet: dict[int, int] = {}  # target tensor -> bench tensor, both made by unpaired ops
-    one_t: dict[int, int] = {}  # target tensor made by a target-only op -> the bench tensor read there
-    one_b: dict[tuple[int, int], int] = {}  # (target consumer, position) -> bench tensor made by a bench-only op
+
+def _meet(
+    t: SideGraph,
+    b: SideGraph,
+    pairs: Mapping[int, int],
+    corr: dict[int, int],
+    groups: _Union,
+    in_t: set[int],
+    in_b: set[int],
+) -> _Correspondence:
+    """Where the values of unpaired ops reach a pair or the other side's final versions (step 3):
+    the clusters meeting there joined, and the values recorded."""
+    meet: dict[int, int] = {}
+    one_t: dict[int, int] = {}
+    one_b: dict[tuple[int, int], int] = {}
     linked: set[tuple[str, int]] = set()
     for t_op in t.order:
         b_op = pairs.get(t_op)
@@ -388,44 +459,7 @@ def find_regions(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], rank: int
         groups.union(("t", t.producer[T]), ("b", b.producer[B]))
         linked.update((("t", t.producer[T]), ("b", b.producer[B])))
         meet.setdefault(T, B)
-    _merge_compensating(t, b, pairs, groups, in_t, in_b, one_t, one_b, meet)
-
-    # Clusters that met nothing join their scope's region (dead ends: detach, .item() reads).
-    _join_residue(t, b, groups, in_t, in_b, linked)
-    _absorb_constants(t, b, pairs, groups, in_t, in_b)
-
-    # Step 4: the regions.
-    members: dict[tuple[str, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-    for key in [("t", o) for o in in_t] + [("b", o) for o in in_b]:
-        members[groups.find(key)][0 if key[0] == "t" else 1].append(key[1])
-    regions: list[Region] = []
-    partners: dict[int, int] = {}
-    member_of: dict[int, int] = {}
-    bench_member_of: dict[int, int] = {}
-    bench_only: dict[tuple[int, int], int] = {}
-    bench_to_target = {B: T for T, B in corr.items()}
-    ordered = sorted(members.values(), key=lambda m: (min(m[0]) if m[0] else math.inf, min(m[1]) if m[1] else math.inf))
-    for t_ops, b_ops in ordered:
-        t_ops.sort()
-        b_ops.sort()
-        region_id = first_id + len(regions)
-        region = _region(region_id, rank, t, b, t_ops, b_ops, corr, meet, one_t, bench_to_target)
-        regions.append(region)
-        for o in t_ops:
-            member_of[o] = region_id
-        for o in b_ops:
-            bench_member_of[o] = region_id
-        for T, B in region.outputs:
-            rt, rb = t.root(T), b.root(B)
-            if t.numel.get(rt) == b.numel.get(rb) or _broadcasts(t.shape.get(rt), b.shape.get(rb)):
-                partners.setdefault(rt, rb)
-    for rt, rb in _source_partners(t, b, pairs, in_t).items():
-        partners.setdefault(rt, rb)
-    for (t_op, position), B in one_b.items():
-        region_id = bench_member_of.get(b.producer.get(B, -1))
-        if region_id is not None:
-            bench_only[(t_op, position)] = region_id
-    return RegionMatch(pairs, regions, partners, bench_only, member_of, bench_member_of)
+    return _Correspondence(corr, meet, one_t, one_b, linked)
 
 
 def _source_partners(t: SideGraph, b: SideGraph, pairs: Mapping[int, int], in_regions: set[int]) -> dict[int, int]:
@@ -722,15 +756,14 @@ def _merge_compensating(
     groups: _Union,
     in_t: set[int],
     in_b: set[int],
-    one_t: Mapping[int, int],
-    one_b: Mapping[tuple[int, int], int],
-    meet: dict[int, int],
+    values: _Correspondence,
 ) -> None:
     """Link a one-sided change of values with the other side's change that makes up for it within a
     few ops, and the pairs between them (step 3): the target scales q and k by sqrt(scale) where the
     bench scales the scores once, and in the backward the bench scales the scores' gradient where
     the target scales the gradients of q and k. The pairs on the way are dissolved into the region
     (their ops join ``in_t`` and ``in_b``)."""
+    one_t, one_b, meet = values.one_t, values.one_b, values.meet
     changing_t = {t.producer[T] for T in one_t if not _cluster_passes(t, groups, ("t", t.producer[T]), in_t)}
     changing_b: dict[int, list[tuple[int, int]]] = defaultdict(list)  # target consumer -> (position, bench op)
     for (t_op, position), B in one_b.items():
@@ -740,27 +773,6 @@ def _merge_compensating(
     dissolved: set[int] = set()
     if not changing_t or not changing_b:
         return
-
-    def walk(starts: list[int], origin: _Node) -> dict[int, int | None]:
-        """Paired target ops downstream of ``starts`` within ``_NEAR`` ops of the same step and
-        phase, each with the op it was reached from."""
-        previous: dict[int, int | None] = {s: None for s in starts}
-        frontier = [(s, 1) for s in starts]
-        while frontier:
-            op_id, depth = frontier.pop(0)
-            if depth >= _NEAR:
-                continue
-            for T in t.nodes[op_id].outputs:
-                for c in t.consumers.get(T, ()):
-                    node = t.nodes[c]
-                    if (
-                        (c in pairs or c in dissolved)
-                        and c not in previous
-                        and (node.step, node.phase) == (origin.step, origin.phase)
-                    ):
-                        previous[c] = op_id
-                        frontier.append((c, depth + 1))
-        return previous
 
     def dissolve(path_end: int | None, previous: Mapping[int, int | None], anchor: tuple[str, int]) -> None:
         step = path_end
@@ -778,7 +790,7 @@ def _merge_compensating(
     for start in sorted(changing_t):
         origin = t.nodes[start]
         starts = [c for T in origin.outputs for c in t.consumers.get(T, ()) if c in pairs or c in dissolved]
-        previous = walk(starts, origin)
+        previous = _walk_near(t, pairs, dissolved, starts, origin)
         for consumer in [c for c in previous if c in changing_b]:
             for position, pb in changing_b[consumer]:
                 groups.union(("t", start), ("b", pb))
@@ -789,7 +801,7 @@ def _merge_compensating(
     for consumer, changes in sorted(changing_b.items()):
         if consumer not in pairs and consumer not in dissolved:
             continue
-        previous = walk([consumer], t.nodes[consumer])
+        previous = _walk_near(t, pairs, dissolved, [consumer], t.nodes[consumer])
         for op_id in list(previous):
             for T in t.nodes[op_id].outputs:
                 for c in t.consumers.get(T, ()):
@@ -801,6 +813,30 @@ def _merge_compensating(
                         if out in one_t:
                             meet.setdefault(out, one_t[out])
                     dissolve(op_id, previous, ("t", c))
+
+
+def _walk_near(
+    t: SideGraph, pairs: Mapping[int, int], dissolved: set[int], starts: list[int], origin: _Node
+) -> dict[int, int | None]:
+    """Paired (or dissolved) target ops downstream of ``starts`` within ``_NEAR`` ops of the same
+    step and phase as ``origin``, each with the op it was reached from."""
+    previous: dict[int, int | None] = {s: None for s in starts}
+    frontier = [(s, 1) for s in starts]
+    while frontier:
+        op_id, depth = frontier.pop(0)
+        if depth >= _NEAR:
+            continue
+        for T in t.nodes[op_id].outputs:
+            for c in t.consumers.get(T, ()):
+                node = t.nodes[c]
+                if (
+                    (c in pairs or c in dissolved)
+                    and c not in previous
+                    and (node.step, node.phase) == (origin.step, origin.phase)
+                ):
+                    previous[c] = op_id
+                    frontier.append((c, depth + 1))
+    return previous
 
 
 def _cluster_passes(graph: SideGraph, groups: _Union, key: tuple[str, int], members: set[int]) -> bool:
@@ -821,11 +857,12 @@ def _region(
     b: SideGraph,
     t_ops: list[int],
     b_ops: list[int],
-    corr: Mapping[int, int],
-    meet: Mapping[int, int],
-    one_t: Mapping[int, int],
+    values: _Correspondence,
     bench_to_target: Mapping[int, int],
 ) -> Region:
+    """The region of the target ops ``t_ops`` and the bench ops ``b_ops``: its inputs, its outputs
+    (where the two sides' values meet) and its kind."""
+    corr, meet, one_t = values.corr, values.meet, values.one_t
     set_b = set(b_ops)
     made_t = {x for o in t_ops for x in t.nodes[o].outputs}
     made_b = {x for o in b_ops for x in b.nodes[o].outputs}
