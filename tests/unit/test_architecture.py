@@ -67,8 +67,6 @@ KNOWN: dict[str, set[str]] = {
         "checking.engine.check",
         "checking.statistics._check_call",
         "comparison.api.compare",
-        "comparison.ranks.compare_ranks",
-        "comparison.ranks.cross_rank",
         "numerics.replay.replayer._measure",
     },
     "tests and benchmarks apart": {

@@ -480,51 +480,13 @@ def compare_ranks(
         if not path.is_dir():
             load(path)  # the loader names what is wrong (missing folder, a file, no manifest)
     t_manifest, b_manifest = _read_manifest(t_path / RUN_MANIFEST), _read_manifest(b_path / RUN_MANIFEST)
-    t_ranks, b_ranks = _rank_folders(t_path), _rank_folders(b_path)
-    if not t_ranks or not b_ranks:
-        raise CompareError("trace holds no rank folders (rank0/ ...)", path=t_path if not t_ranks else b_path)
-    common = sorted(set(t_ranks) & set(b_ranks))
     warnings: list[str] = []
-    if ranks is not None:
-        wanted = {int(r) for r in ranks}
-        missing = sorted(wanted - set(common))
-        if missing:
-            warnings.append(f"rank(s) {missing} are not in both traces")
-        common = [r for r in common if r in wanted]
-    else:
-        for name, own, other in (("target", t_ranks, b_ranks), ("bench", b_ranks, t_ranks)):
-            only = sorted(set(own) - set(other))
-            if only:
-                warnings.append(f"rank(s) {only} exist only in the {name} trace and were not compared")
-    if not common:
-        raise CompareError(f"no common rank to compare (target ranks {t_ranks}, bench ranks {b_ranks})", path=t_path)
+    common, t_ranks, b_ranks = _common_rank_folders(t_path, b_path, ranks, warnings)
     workers = default_workers(len(common), _tables_size(t_path, b_path)) if workers is None else max(1, int(workers))
     memory = max_memory if max_memory is not None else (default_memory(workers) if workers > 1 else None)
     jobs = [_Job(str(t_path), str(b_path), r, options) for r in common]
-    outcomes: dict[int, RankOutcome] = {}
-    failures: list[str] = []
     bar = Progress("compare", shown(progress, True), len(jobs), unit="ranks")
-    if workers == 1:
-        for job in jobs:
-            outcomes[job.rank] = _run_rank(job)
-            bar.update(advance=1)
-    else:
-        import tempfile
-        from concurrent.futures import ThreadPoolExecutor
-
-        with tempfile.TemporaryDirectory(prefix="tracecmp-ranks-") as folder, ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(_in_worker, job, memory, Path(folder)): job.rank for job in jobs}
-            for future, rank in futures.items():
-                try:
-                    outcomes[rank] = future.result()
-                except MemoryError:
-                    failures.append(
-                        f"rank {rank} could not be compared: it needs more than the "
-                        f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)"
-                    )
-                except CompareError as err:
-                    failures.append(str(err).split(": ", 1)[-1] if str(err).startswith(str(t_path)) else str(err))
-                bar.update(advance=1)
+    outcomes, failures = _run_jobs(jobs, workers, memory, bar, t_path)
     bar.close()
     if not outcomes:
         raise CompareError("no rank could be compared: " + "; ".join(failures), path=t_path)
@@ -553,6 +515,62 @@ def compare_ranks(
     )
     apply(result, report, [d for o in outcomes.values() for d in o.roots])
     return result
+
+
+def _common_rank_folders(
+    t_path: Path, b_path: Path, ranks: Iterable[int] | None, warnings: list[str]
+) -> tuple[list[int], list[int], list[int]]:
+    """The ranks to compare (those both traces hold, among ``ranks`` where given), warning of the
+    others, and each trace's rank folders; a :class:`CompareError` where there is none."""
+    t_ranks, b_ranks = _rank_folders(t_path), _rank_folders(b_path)
+    if not t_ranks or not b_ranks:
+        raise CompareError("trace holds no rank folders (rank0/ ...)", path=t_path if not t_ranks else b_path)
+    common = sorted(set(t_ranks) & set(b_ranks))
+    if ranks is not None:
+        wanted = {int(r) for r in ranks}
+        missing = sorted(wanted - set(common))
+        if missing:
+            warnings.append(f"rank(s) {missing} are not in both traces")
+        common = [r for r in common if r in wanted]
+    else:
+        for name, own, other in (("target", t_ranks, b_ranks), ("bench", b_ranks, t_ranks)):
+            only = sorted(set(own) - set(other))
+            if only:
+                warnings.append(f"rank(s) {only} exist only in the {name} trace and were not compared")
+    if not common:
+        raise CompareError(f"no common rank to compare (target ranks {t_ranks}, bench ranks {b_ranks})", path=t_path)
+    return common, t_ranks, b_ranks
+
+
+def _run_jobs(
+    jobs: list[_Job], workers: int, memory: int | None, bar: Progress, t_path: Path
+) -> tuple[dict[int, RankOutcome], list[str]]:
+    """Each rank pair compared, in this process (one worker) or in a pool of ``workers``: the
+    outcomes by rank, and why the ranks that could not be compared failed."""
+    outcomes: dict[int, RankOutcome] = {}
+    failures: list[str] = []
+    if workers == 1:
+        for job in jobs:
+            outcomes[job.rank] = _run_rank(job)
+            bar.update(advance=1)
+    else:
+        import tempfile
+        from concurrent.futures import ThreadPoolExecutor
+
+        with tempfile.TemporaryDirectory(prefix="tracecmp-ranks-") as folder, ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(_in_worker, job, memory, Path(folder)): job.rank for job in jobs}
+            for future, rank in futures.items():
+                try:
+                    outcomes[rank] = future.result()
+                except MemoryError:
+                    failures.append(
+                        f"rank {rank} could not be compared: it needs more than the "
+                        f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)"
+                    )
+                except CompareError as err:
+                    failures.append(str(err).split(": ", 1)[-1] if str(err).startswith(str(t_path)) else str(err))
+                bar.update(advance=1)
+    return outcomes, failures
 
 
 def _tolerances(options: Mapping[str, Any]) -> Any:
@@ -598,34 +616,7 @@ def cross_rank(
         return (epochs[rank].of(op_id), step, rank, op_id)
 
     own_roots = {r: list(o.roots) for r, o in outcomes.items()}
-    inherited: dict[tuple[int, int], tuple[int, str]] = {}
-    internal_of: dict[tuple[int, int], str] = {}
-    for r, o in outcomes.items():
-        for f in o.calls:
-            for op in f.internal:
-                internal_of[(r, op)] = f.call.key
-    # Collectives in job order: a contributor's own inherited status is known before its receivers.
-    for key in sorted(table, key=lambda k: order.get(k, 0)):
-        for r, call in table[key].items():
-            f = facts[r][key]
-            if f.received_status not in BAD and not f.root_kind:
-                continue
-            others = [q for q in call.contributors() if q != r and q in facts and key in facts[q]]
-            bad = [q for q in others if facts[q][key].sent_status in BAD]
-            if bad:
-                inherited[(r, call.op_id)] = (min(bad, key=lambda q: _origin_order(q, facts[q][key], when)), key)
-            elif f.root_kind and others and f.sent_status not in BAD:
-                # Only rounding noise came in: a sum of several contributors' noise is noise too.
-                spread = max(
-                    (facts[q][key].sent_error for q in others if facts[q][key].sent_error == facts[q][key].sent_error),
-                    default=math.nan,
-                )
-                if spread == spread and f.received_error <= max(_NOISE_SPREAD, len(call.ranks)) * max(spread, 1.0):
-                    inherited[(r, call.op_id)] = (r, key)
-    for (r, op), key in internal_of.items():
-        call = table.get(key, {}).get(r)
-        if call is not None and (r, call.op_id) in inherited:
-            inherited[(r, op)] = inherited[(r, call.op_id)]
+    inherited = _inherited(outcomes, facts, table, order, when)
 
     roots = [d for r in own_roots for d in own_roots[r] if (d.rank, d.op_id) not in inherited]
     roots.sort(key=lambda d: when(d.rank, d.op_id, d.step))
@@ -679,6 +670,46 @@ def cross_rank(
         ),
         incomplete=[r for r, o in outcomes.items() if not o.complete],
     )
+
+
+def _inherited(
+    outcomes: Mapping[int, RankOutcome],
+    facts: Mapping[int, Mapping[str, CallFacts]],
+    table: Mapping[str, Mapping[int, Collective]],
+    order: Mapping[str, int],
+    when: Any,
+) -> dict[tuple[int, int], tuple[int, str]]:
+    """(rank, op id) -> (the rank it inherited its divergence from, through which collective), for
+    the collectives whose bad input came from another rank, and the ops inside them."""
+    inherited: dict[tuple[int, int], tuple[int, str]] = {}
+    internal_of: dict[tuple[int, int], str] = {}
+    for r, o in outcomes.items():
+        for f in o.calls:
+            for op in f.internal:
+                internal_of[(r, op)] = f.call.key
+    # Collectives in job order: a contributor's own inherited status is known before its receivers.
+    for key in sorted(table, key=lambda k: order.get(k, 0)):
+        for r, call in table[key].items():
+            f = facts[r][key]
+            if f.received_status not in BAD and not f.root_kind:
+                continue
+            others = [q for q in call.contributors() if q != r and q in facts and key in facts[q]]
+            bad = [q for q in others if facts[q][key].sent_status in BAD]
+            if bad:
+                inherited[(r, call.op_id)] = (min(bad, key=lambda q: _origin_order(q, facts[q][key], when)), key)
+            elif f.root_kind and others and f.sent_status not in BAD:
+                # Only rounding noise came in: a sum of several contributors' noise is noise too.
+                spread = max(
+                    (facts[q][key].sent_error for q in others if facts[q][key].sent_error == facts[q][key].sent_error),
+                    default=math.nan,
+                )
+                if spread == spread and f.received_error <= max(_NOISE_SPREAD, len(call.ranks)) * max(spread, 1.0):
+                    inherited[(r, call.op_id)] = (r, key)
+    for (r, op), key in internal_of.items():
+        call = table.get(key, {}).get(r)
+        if call is not None and (r, call.op_id) in inherited:
+            inherited[(r, op)] = inherited[(r, call.op_id)]
+    return inherited
 
 
 def _origin_order(q: int, f: CallFacts, when: Any) -> tuple[int, ...]:
