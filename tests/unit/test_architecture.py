@@ -61,11 +61,7 @@ KNOWN: dict[str, set[str]] = {
     },
     "constants defined once": set(),
     "short functions": {
-        "checking.standards.judge_replay",
         "comparison.localize.regions._region_prediction",
-        "checking.engine._check_rank",
-        "checking.engine.check",
-        "checking.statistics._check_call",
         "comparison.api.compare",
         "numerics.replay.replayer._measure",
     },

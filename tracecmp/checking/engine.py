@@ -9,6 +9,7 @@ weaker evidence). Ops that cannot be replayed on the CPU are listed as skipped w
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -19,7 +20,7 @@ from tracecmp.checking.result import NODE_COLUMNS, CheckResult
 from tracecmp.checking.standards import OpVerdict, Standards, judge_replay
 from tracecmp.checking.statistics import StatisticsChecker
 from tracecmp.errors import TracecmpError
-from tracecmp.numerics.fits import FIT_BOUND, model_fits
+from tracecmp.numerics.fits import FIT_BOUND, ModelFit, model_fits
 from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precision_possible
 from tracecmp.numerics.replay import OwnError, Replayer, Skipped, auto_workers, replay_ops, run_in_workers
 from tracecmp.numerics.rounding import REDUCED_MODELS
@@ -77,10 +78,7 @@ def check(
     if isinstance(standards, str):
         standards = Standards.parse(standards)
     std = standards or Standards()
-    if isinstance(trace, (str, Path)):
-        trace = load(trace)
-    elif not isinstance(trace, Trace):
-        raise CheckError(f"trace must be a trace folder or a Trace, got {type(trace).__name__}")
+    trace = _as_trace(trace)
     warnings: list[str] = []
     notes: list[str] = []
     if not trace.complete:
@@ -94,7 +92,53 @@ def check(
     notes.append(
         f"float32 matmul/conv: {how}" + (f"; honest replays round their inputs to {reduced}" if reduced else "")
     )
-    frames, verdicts_all, divergences = [], [], []
+    plans = _plans(trace, chosen, wanted_steps)
+    total = sum(len(ops) for _, _, ops in plans)
+    frames, verdicts_all = [], []
+    bar = Progress("check", shown(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops")
+    run = _CheckRun(data, std, reduced, workers, bar, warnings, notes)
+    evidence_kinds: set[str] = set()
+    try:
+        for r, rank, ops in plans:
+            verdicts = _check_rank(rank, ops, run)
+            evidence_kinds.update(v.evidence for v in verdicts.values() if v.evidence)
+            frame = _frame(r, ops, verdicts)
+            frames.append(frame)
+            verdicts_all.append((r, ops, verdicts))
+    finally:
+        bar.close()
+    nodes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(NODE_COLUMNS))
+    divergences = _divergences(verdicts_all)
+    first = divergences[0] if divergences else None
+    suspects = sorted(divergences, key=lambda d: (-d.score if not math.isnan(d.score) else 0.0, d.step, d.op_id))
+    evidence = _evidence(evidence_kinds, warnings)
+    steps_seen = sorted({int(s) for s in nodes["step"].unique()}) if len(nodes) else []
+    return CheckResult(
+        trace=trace,
+        first_error=first,
+        suspects=suspects,
+        nodes=nodes,
+        standards=std,
+        warnings=warnings,
+        notes=notes,
+        evidence=evidence,
+        ranks=chosen,
+        steps=steps_seen,
+    )
+
+
+def _as_trace(trace: str | Path | Trace) -> Trace:
+    """``trace`` loaded where it is a folder."""
+    if isinstance(trace, (str, Path)):
+        return load(trace)
+    if not isinstance(trace, Trace):
+        raise CheckError(f"trace must be a trace folder or a Trace, got {type(trace).__name__}")
+    return trace
+
+
+def _plans(trace: Trace, chosen: list[int], wanted_steps: set[int] | None) -> list[tuple[int, RankTrace, pd.DataFrame]]:
+    """Per chosen rank: its computing ops of the wanted steps; a :class:`CheckError` where a step
+    was asked for and no rank has an op in it."""
     total = 0
     plans = []
     for r in chosen:
@@ -111,18 +155,12 @@ def check(
             f"{sorted({s for _, rk, _ in plans for s in rk.manifest.get('steps', [])})})",
             path=trace.path,
         )
-    bar = Progress("check", shown(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops")
-    evidence_kinds: set[str] = set()
-    try:
-        for r, rank, ops in plans:
-            verdicts = _check_rank(rank, ops, data, std, reduced, workers, bar, warnings, notes)
-            evidence_kinds.update(v.evidence for v in verdicts.values() if v.evidence)
-            frame = _frame(r, ops, verdicts)
-            frames.append(frame)
-            verdicts_all.append((r, ops, verdicts))
-    finally:
-        bar.close()
-    nodes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(NODE_COLUMNS))
+    return plans
+
+
+def _divergences(verdicts_all: list[tuple[int, pd.DataFrame, dict[int, OpVerdict]]]) -> list[Divergence]:
+    """The ops judged in error, as divergences in execution order (step, rank, op)."""
+    divergences: list[Divergence] = []
     for r, ops, verdicts in verdicts_all:
         info = ops.set_index("op_id")
         for op_id, v in verdicts.items():
@@ -146,8 +184,12 @@ def check(
                 )
             )
     divergences.sort(key=lambda d: (d.step, d.rank, d.op_id))
-    first = divergences[0] if divergences else None
-    suspects = sorted(divergences, key=lambda d: (-d.score if not math.isnan(d.score) else 0.0, d.step, d.op_id))
+    return divergences
+
+
+def _evidence(evidence_kinds: set[str], warnings: list[str]) -> str:
+    """What the verdicts rest on ("tensors", "statistics", "mixed" or "none"), warning where
+    statistics alone are."""
     evidence = "mixed" if len(evidence_kinds) > 1 else (next(iter(evidence_kinds)) if evidence_kinds else "none")
     if "statistics" in evidence_kinds:
         warnings.append(
@@ -155,122 +197,139 @@ def check(
             "pins only a few numbers (extremes of monotone ops, a softmax's mean, the precision grid, NaN/Inf); "
             "weaker than a replay of recorded inputs"
         )
-    steps_seen = sorted({int(s) for s in nodes["step"].unique()}) if len(nodes) else []
-    return CheckResult(
-        trace=trace,
-        first_error=first,
-        suspects=suspects,
-        nodes=nodes,
-        standards=std,
-        warnings=warnings,
-        notes=notes,
-        evidence=evidence,
-        ranks=chosen,
-        steps=steps_seen,
-    )
+    return evidence
 
 
-def _check_rank(
-    rank: RankTrace,
-    ops: pd.DataFrame,
-    data: str,
-    std: Standards,
-    reduced: str | None,
-    workers: int | None,
-    bar: Progress,
-    warnings: list[str],
-    notes: list[str],
-) -> dict[int, OpVerdict]:
+@dataclass(frozen=True)
+class _CheckRun:
+    """What every rank of one check is judged with."""
+
+    data: str
+    std: Standards
+    reduced: str | None
+    workers: int | None
+    bar: Progress
+    warnings: list[str]  # the check's warnings, appended to
+    notes: list[str]  # the check's notes, appended to
+
+
+def _check_rank(rank: RankTrace, ops: pd.DataFrame, run: _CheckRun) -> dict[int, OpVerdict]:
+    """Verdicts for the ops ``ops`` of one rank: by replay where it saved tensors, by statistics
+    where it did not (or as asked)."""
     op_ids = ops["op_id"].tolist()
     names = dict(zip(ops["op_id"].tolist(), ops["op"].tolist()))
     has_tensors = bool(rank.data_files)
-    if data == "tensors" and not rank.data_files:
+    if run.data == "tensors" and not rank.data_files:
         raise CheckError(
             'the trace holds statistics only, no tensors: capture it with TraceCompare(..., data="tensors") (restricted '
             'to a region with only=... for a large model), or check its statistics with data="statistics" '
             "(tracecmp check --data statistics)",
             path=rank.path,
         )
-    count = auto_workers(len(op_ids)) if workers is None else max(1, int(workers))
-    verdicts: dict[int, OpVerdict] = {}
-    fallback: list[int] = []
-    if data != "statistics" and has_tensors:
-        bar.update(f"rank {rank.rank}: replaying")
-        found = replay_ops(
-            rank,
-            op_ids,
-            reduced=reduced,
-            detail=std.element_ulps,
-            workers=count,
-            progress=lambda n: bar.update(advance=n),
-            small_on_one_thread=True,
-        )
-        own = {o: f for o, f in found.items() if isinstance(f, OwnError)}
-        fits = model_fits(own, names) if reduced else {}
-        for op_id in op_ids:
-            f = found.get(op_id)
-            if isinstance(f, OwnError):
-                fit = fits.get(names[op_id])
-                model = REDUCED_MODELS[reduced][fit.model][0] if fit is not None and reduced else ""
-                verdicts[op_id] = judge_replay(f, classify(names[op_id]), std, reduced, fit, model)
-            elif isinstance(f, Skipped) and f.data_missing and data == "auto":
-                fallback.append(op_id)
-            elif isinstance(f, Skipped):
-                verdicts[op_id] = OpVerdict(op_id, "skipped", reason=f.reason)
-            else:
-                verdicts[op_id] = OpVerdict(op_id, "skipped", reason="not replayed")
-        _explain_precision(rank, verdicts, own, names, reduced, notes)
-        if reduced:
-            full = [
-                o
-                for o, e in own.items()
-                if e.dtype == "float32"
-                and classify(names[o]).precision_variable
-                and e.error <= std.floor * EPS["float32"]
-            ]
-            if full:
-                notes.append(
-                    f"rank {rank.rank}: {len(full)} float32 matmul/conv calls are within {std.floor:g} float32 "
-                    "rounding units of float64: the run computed them at full float32 precision"
-                )
-        if fits and reduced:
-            counted = {}
-            for fit in fits.values():
-                counted.setdefault(REDUCED_MODELS[reduced][fit.model][0], []).append(fit.members)
-            for how, members in counted.items():
-                notes.append(
-                    f"rank {rank.rank}: {sum(members)} float32 matmul/conv calls are reproduced by inputs rounded "
-                    f"to {reduced} ({how}): the run computed them at that precision"
-                )
+    count = auto_workers(len(op_ids)) if run.workers is None else max(1, int(run.workers))
+    if run.data != "statistics" and has_tensors:
+        verdicts, fallback = _replay_verdicts(rank, op_ids, names, count, run)
     else:
-        if data == "auto":
-            warnings.append(
+        verdicts = {}
+        if run.data == "auto":
+            run.warnings.append(
                 f"rank {rank.rank}: the trace holds no tensors: every op judged from statistics "
                 '(capture with TraceCompare(..., data="tensors") for a full check)'
             )
         fallback = op_ids
     if fallback:
-        bar.update(f"rank {rank.rank}: statistics")
-        options = {"reduced": reduced, "standards": std}
-        if count > 1 and len(fallback) > 1 and rank.manifest.get("chunks"):
-            found_stats = run_in_workers(
-                rank,
-                fallback,
-                "tracecmp.checking.statistics:StatisticsChecker.check",
-                options,
-                workers=count,
-                progress=lambda n: bar.update(advance=n),
-            )
-        else:
-            checker = StatisticsChecker(rank, **options)  # type: ignore[arg-type]
-            found_stats = {}
-            for index, op_id in enumerate(fallback, 1):
-                found_stats[op_id] = checker.check(op_id)
-                if index % 100 == 0:
-                    bar.update(advance=100)
-            bar.update(advance=len(fallback) % 100)
-        verdicts.update(found_stats)
+        verdicts.update(_statistics_verdicts(rank, fallback, count, run))
     return verdicts
+
+
+def _replay_verdicts(
+    rank: RankTrace, op_ids: list[int], names: dict[int, str], count: int, run: _CheckRun
+) -> tuple[dict[int, OpVerdict], list[int]]:
+    """The ops replayed on their recorded inputs in ``count`` workers: their verdicts, and the ops
+    to judge from statistics instead (their inputs were not saved, with ``data="auto"``)."""
+    reduced, std = run.reduced, run.std
+    verdicts: dict[int, OpVerdict] = {}
+    fallback: list[int] = []
+    run.bar.update(f"rank {rank.rank}: replaying")
+    found = replay_ops(
+        rank,
+        op_ids,
+        reduced=reduced,
+        detail=std.element_ulps,
+        workers=count,
+        progress=lambda n: run.bar.update(advance=n),
+        small_on_one_thread=True,
+    )
+    own = {o: f for o, f in found.items() if isinstance(f, OwnError)}
+    fits = model_fits(own, names) if reduced else {}
+    for op_id in op_ids:
+        f = found.get(op_id)
+        if isinstance(f, OwnError):
+            fit = fits.get(names[op_id])
+            model = REDUCED_MODELS[reduced][fit.model][0] if fit is not None and reduced else ""
+            verdicts[op_id] = judge_replay(f, classify(names[op_id]), std, reduced, fit, model)
+        elif isinstance(f, Skipped) and f.data_missing and run.data == "auto":
+            fallback.append(op_id)
+        elif isinstance(f, Skipped):
+            verdicts[op_id] = OpVerdict(op_id, "skipped", reason=f.reason)
+        else:
+            verdicts[op_id] = OpVerdict(op_id, "skipped", reason="not replayed")
+    _explain_precision(rank, verdicts, own, names, reduced, run.notes)
+    _precision_notes(rank, own, fits, names, run)
+    return verdicts, fallback
+
+
+def _precision_notes(
+    rank: RankTrace, own: dict[int, OwnError], fits: dict[str, ModelFit], names: dict[int, str], run: _CheckRun
+) -> None:
+    """Where float32 matmul/conv may run reduced: note the calls computed at full float32
+    precision, and those a replay on rounded inputs reproduces."""
+    reduced, std, notes = run.reduced, run.std, run.notes
+    if reduced:
+        full = [
+            o
+            for o, e in own.items()
+            if e.dtype == "float32" and classify(names[o]).precision_variable and e.error <= std.floor * EPS["float32"]
+        ]
+        if full:
+            notes.append(
+                f"rank {rank.rank}: {len(full)} float32 matmul/conv calls are within {std.floor:g} float32 "
+                "rounding units of float64: the run computed them at full float32 precision"
+            )
+    if fits and reduced:
+        counted = {}
+        for fit in fits.values():
+            counted.setdefault(REDUCED_MODELS[reduced][fit.model][0], []).append(fit.members)
+        for how, members in counted.items():
+            notes.append(
+                f"rank {rank.rank}: {sum(members)} float32 matmul/conv calls are reproduced by inputs rounded "
+                f"to {reduced} ({how}): the run computed them at that precision"
+            )
+
+
+def _statistics_verdicts(rank: RankTrace, fallback: list[int], count: int, run: _CheckRun) -> dict[int, OpVerdict]:
+    """Verdicts for the ops ``fallback`` from random inputs drawn to their statistics, in ``count``
+    workers where the rank is large enough."""
+    run.bar.update(f"rank {rank.rank}: statistics")
+    options = {"reduced": run.reduced, "standards": run.std}
+    if count > 1 and len(fallback) > 1 and rank.manifest.get("chunks"):
+        found_stats = run_in_workers(
+            rank,
+            fallback,
+            "tracecmp.checking.statistics:StatisticsChecker.check",
+            options,
+            workers=count,
+            progress=lambda n: run.bar.update(advance=n),
+        )
+    else:
+        checker = StatisticsChecker(rank, **options)  # type: ignore[arg-type]
+        found_stats = {}
+        for index, op_id in enumerate(fallback, 1):
+            found_stats[op_id] = checker.check(op_id)
+            if index % 100 == 0:
+                run.bar.update(advance=100)
+        run.bar.update(advance=len(fallback) % 100)
+    return found_stats
 
 
 def _explain_precision(

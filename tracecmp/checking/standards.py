@@ -138,50 +138,13 @@ def judge_replay(
     if reduced_matmul:
         assert reduced is not None
         floor = max(floor, REDUCED_EPS[reduced])
-    metrics = {
-        "own_error": own.error,
-        "honest_error": own.honest,
-        "error_units": own.error / u if u else math.nan,
-        "ratio": own.error / own.honest if own.honest > 0 else (math.inf if own.error > 0 else 1.0),
-        "max_ulps": own.max_ulps,
-        "honest_max_ulps": own.honest_max_ulps,
-        "beyond": own.beyond,
-        "honest_beyond": own.honest_beyond,
-        "nonfinite": float(own.nonfinite),
-        "honest_nonfinite": float(own.honest_nonfinite),
-    }
+    metrics = _replay_metrics(own, u)
     checks = "normwise,elements,nonfinite" + (",ieee" if own.misrounded else "") + (",fit" if fit is not None else "")
     verdict = OpVerdict(own.op_id, "pass", "tensors", dtype=own.dtype, metrics=metrics, checks=checks)
     dtype = own.dtype
-    if own.nonfinite > own.honest_nonfinite:
-        extra = own.nonfinite - own.honest_nonfinite
-        return _set(
-            verdict,
-            "error",
-            "nan",
-            math.inf,
-            f"{extra} NaN/Inf in its output where a float64 replay of its recorded inputs is finite and an honest "
-            f"{dtype} replay is too"
-            + (f" ({own.honest_nonfinite} positions overflow honestly)" if own.honest_nonfinite else ""),
-        )
-    if own.misrounded:
-        return _set(
-            verdict,
-            "error",
-            "computation",
-            math.inf,
-            f"its output is not the correctly rounded {dtype} result of its recorded inputs, which every IEEE 754 "
-            f"device gives (own error {own.error:.2e}, max {own.max_ulps:.0f} ulp)",
-        )
-    if own.honest == 0.0 and own.error > 0 and not math.isinf(own.error):
-        return _set(
-            verdict,
-            "error",
-            "computation",
-            math.inf,
-            f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {dtype} computes "
-            f"exactly (max {own.max_ulps:.0f} ulp)",
-        )
+    certain = _certain_error(verdict, own)
+    if certain is not None:
+        return certain
     bar = max(s.margin * own.honest, floor)
     excess = own.error / bar if bar > 0 else (math.inf if own.error > 0 else 0.0)
     if excess > 1.0 and math.isfinite(own.error):
@@ -212,6 +175,67 @@ def judge_replay(
                 f"calls of the op to within {fit.misfit:.1f} (own error {own.error:.2e}, an honest kernel's "
                 f"{own.honest:.1e})",
             )
+    return _replay_warning(verdict, own, cls, s, floor, bar)
+
+
+def _replay_metrics(own: OwnError, u: float) -> dict[str, float]:
+    """The metrics a replay's verdict carries (``u``: the rounding unit of its dtype)."""
+    return {
+        "own_error": own.error,
+        "honest_error": own.honest,
+        "error_units": own.error / u if u else math.nan,
+        "ratio": own.error / own.honest if own.honest > 0 else (math.inf if own.error > 0 else 1.0),
+        "max_ulps": own.max_ulps,
+        "honest_max_ulps": own.honest_max_ulps,
+        "beyond": own.beyond,
+        "honest_beyond": own.honest_beyond,
+        "nonfinite": float(own.nonfinite),
+        "honest_nonfinite": float(own.honest_nonfinite),
+    }
+
+
+def _certain_error(verdict: OpVerdict, own: OwnError) -> OpVerdict | None:
+    """``verdict`` made an error where no honest computation could give the output (NaN/Inf an
+    honest replay lacks, a misrounded IEEE result, an error where the dtype is exact); else None."""
+    dtype = own.dtype
+    if own.nonfinite > own.honest_nonfinite:
+        extra = own.nonfinite - own.honest_nonfinite
+        return _set(
+            verdict,
+            "error",
+            "nan",
+            math.inf,
+            f"{extra} NaN/Inf in its output where a float64 replay of its recorded inputs is finite and an honest "
+            f"{dtype} replay is too"
+            + (f" ({own.honest_nonfinite} positions overflow honestly)" if own.honest_nonfinite else ""),
+        )
+    if own.misrounded:
+        return _set(
+            verdict,
+            "error",
+            "computation",
+            math.inf,
+            f"its output is not the correctly rounded {dtype} result of its recorded inputs, which every IEEE 754 "
+            f"device gives (own error {own.error:.2e}, max {own.max_ulps:.0f} ulp)",
+        )
+    if own.honest == 0.0 and own.error > 0 and not math.isinf(own.error):
+        return _set(
+            verdict,
+            "error",
+            "computation",
+            math.inf,
+            f"own error {own.error:.2e} against a float64 replay of its recorded inputs, which {dtype} computes "
+            f"exactly (max {own.max_ulps:.0f} ulp)",
+        )
+    return None
+
+
+def _replay_warning(
+    verdict: OpVerdict, own: OwnError, cls: OpClass, s: Standards, floor: float, bar: float
+) -> OpVerdict:
+    """``verdict`` (an op within the error bar) made a warning where something about it is still
+    off: honest overflow, changed integers, an error above the warning bar, too many far elements."""
+    dtype = own.dtype
     if own.nonfinite and own.nonfinite <= own.honest_nonfinite:
         return _set(
             verdict,

@@ -37,7 +37,7 @@ its region with tensors; so is an op whose output depends on values no statistic
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -269,7 +269,60 @@ class StatisticsChecker:
         judged: list[tuple[int, int, TensorSpec]],
         seed: int,
     ) -> OpVerdict:
-        s = self.standards
+        drawn = self._draw(op, args, specs, judged, seed)
+        if isinstance(drawn, OpVerdict):
+            return drawn
+        golden_stats, honest_stats = drawn
+        found = _Findings()
+        findings, checks = found.findings, found.checks
+        finite_inputs = all(spec.nan == 0 and spec.inf == 0 for spec in specs if spec.dtype in _FLOATS)
+        positional = sum(1 for spec in specs if spec.numel > 1 and spec.min != spec.max) > 1
+        for k, (_, _, out) in enumerate(judged):
+            # NaN/Inf from finite inputs.
+            if out.nan + out.inf > 0 and finite_inputs:
+                checks.add("nonfinite")
+                if not any(h[k][4] > 0 for h in honest_stats):
+                    cause = self._overflow_cause(op, args, specs, judged[k][0])
+                    findings.append(
+                        (
+                            "error",
+                            "nan",
+                            math.inf,
+                            f"{out.nan + out.inf} NaN/Inf in its output from finite inputs, where an honest {out.dtype} "
+                            f"replay on inputs drawn to their statistics stays finite{cause}",
+                        )
+                    )
+                continue
+            self._check_pinned(out, k, specs, golden_stats, honest_stats, positional, found)
+            # The precision grid.
+            grid = self._grid_evidence(out, specs, honest_stats, k)
+            if grid:
+                checks.add("grid")
+                findings.append(("error", "computation", 2.0**13, grid))
+            elif out.dtype in ("float32", "float64") and out.min != out.max:
+                checks.add("grid")
+        if not findings and not checks - {"grid", "nonfinite"}:
+            tested = (
+                " (only that its output is on no coarser precision grid could be tested)" if "grid" in checks else ""
+            )
+            return OpVerdict(
+                op.op_id,
+                "skipped",
+                reason="its statistics pin none of its outputs' numbers (they depend on "
+                f'every input value){tested}: capture its region with data="tensors" to check it',
+            )
+        return _verdict(op, judged, found)
+
+    def _draw(
+        self,
+        op: RecordedOp,
+        args: dict[str, Any],
+        specs: list[TensorSpec],
+        judged: list[tuple[int, int, TensorSpec]],
+        seed: int,
+    ) -> tuple[list[list[tuple[float, ...]]], list[list[tuple[float, ...]]]] | OpVerdict:
+        """The judged outputs' statistics from a float64 (golden) and an honest replay on each draw
+        of inputs matching ``specs``; a skipped verdict where the op cannot be replayed so."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + seed)
         size = sum(spec.numel for spec in specs)
         count = _DRAWS_LARGE if size > _LARGE else _DRAWS_SMALL
@@ -289,112 +342,71 @@ class StatisticsChecker:
                 return OpVerdict(op.op_id, "skipped", reason="its replay returned fewer outputs than were recorded")
             golden_stats.append([_stats(g_out[i]) for i, _, _ in judged])
             honest_stats.append([_stats(h_out[i]) for i, _, _ in judged])
-        findings: list[tuple[str, str, float, str]] = []  # (status, kind, score, reason)
-        checks: set[str] = set()
-        metrics: dict[str, float] = {}
-        finite_inputs = all(spec.nan == 0 and spec.inf == 0 for spec in specs if spec.dtype in _FLOATS)
-        positional = sum(1 for spec in specs if spec.numel > 1 and spec.min != spec.max) > 1
-        for k, (_, _, out) in enumerate(judged):
-            recorded = (out.min, out.max, out.mean, out.norm)
-            numel = max(out.numel, 1)
-            # NaN/Inf from finite inputs.
-            if out.nan + out.inf > 0 and finite_inputs:
-                checks.add("nonfinite")
-                if not any(h[k][4] > 0 for h in honest_stats):
-                    cause = self._overflow_cause(op, args, specs, judged[k][0])
-                    findings.append(
-                        (
-                            "error",
-                            "nan",
-                            math.inf,
-                            f"{out.nan + out.inf} NaN/Inf in its output from finite inputs, where an honest {out.dtype} "
-                            f"replay on inputs drawn to their statistics stays finite{cause}",
-                        )
-                    )
+        return golden_stats, honest_stats
+
+    def _check_pinned(
+        self,
+        out: TensorSpec,
+        k: int,
+        specs: list[TensorSpec],
+        golden_stats: list[list[tuple[float, ...]]],
+        honest_stats: list[list[tuple[float, ...]]],
+        positional: bool,
+        found: _Findings,
+    ) -> None:
+        """Judge the statistics of output ``k`` (recorded as ``out``) that every draw gives alike:
+        the recorded ones must lie as near them as an honest replay's."""
+        s = self.standards
+        findings, checks, metrics = found.findings, found.checks, found.metrics
+        recorded = (out.min, out.max, out.mean, out.norm)
+        numel = max(out.numel, 1)
+        rms = out.norm / math.sqrt(numel) if out.norm else 0.0
+        for index, name in enumerate(_STATS):
+            values = [g[k][index] for g in golden_stats]
+            if not all(math.isfinite(v) for v in values) or not all(math.isfinite(h[k][index]) for h in honest_stats):
                 continue
-            # Pinned statistics.
-            rms = out.norm / math.sqrt(numel) if out.norm else 0.0
-            for index, name in enumerate(_STATS):
-                values = [g[k][index] for g in golden_stats]
-                if not all(math.isfinite(v) for v in values) or not all(
-                    math.isfinite(h[k][index]) for h in honest_stats
-                ):
-                    continue
-                scale = abs(values[0]) if name in ("min", "max") and values[0] != 0 else max(abs(values[0]), rms)
-                if scale == 0 or max(abs(v - values[0]) for v in values) > _PIN * scale:
-                    continue
-                if name == "norm" and not all(spec.exact for spec in specs):
-                    continue
-                if name in ("min", "max") and positional:
-                    # Its extremes depend on where two tensors' values meet (relu's backward: the
-                    # gradient's largest value passes only where the input is positive): a few
-                    # draws may agree by chance, the real run need not.
-                    continue
-                checks.add(name)
-                predicted = values[0]
-                honest_dev = max(abs(h[k][index] - g[k][index]) for h, g in zip(honest_stats, golden_stats))
-                deviation = abs(recorded[index] - predicted) if math.isfinite(recorded[index]) else math.inf
-                unit = EPS.get(out.dtype, 0.0) * scale
-                floor = (s.floor if name in ("min", "max") else s.mean_floor) * unit
-                bar = max(s.margin * honest_dev, floor)
-                metrics[f"{name}_deviation"] = max(
-                    metrics.get(f"{name}_deviation", 0.0), deviation / unit if unit else 0.0
+            scale = abs(values[0]) if name in ("min", "max") and values[0] != 0 else max(abs(values[0]), rms)
+            if scale == 0 or max(abs(v - values[0]) for v in values) > _PIN * scale:
+                continue
+            if name == "norm" and not all(spec.exact for spec in specs):
+                continue
+            if name in ("min", "max") and positional:
+                # Its extremes depend on where two tensors' values meet (relu's backward: the
+                # gradient's largest value passes only where the input is positive): a few
+                # draws may agree by chance, the real run need not.
+                continue
+            checks.add(name)
+            predicted = values[0]
+            honest_dev = max(abs(h[k][index] - g[k][index]) for h, g in zip(honest_stats, golden_stats))
+            deviation = abs(recorded[index] - predicted) if math.isfinite(recorded[index]) else math.inf
+            unit = EPS.get(out.dtype, 0.0) * scale
+            floor = (s.floor if name in ("min", "max") else s.mean_floor) * unit
+            bar = max(s.margin * honest_dev, floor)
+            metrics[f"{name}_deviation"] = max(metrics.get(f"{name}_deviation", 0.0), deviation / unit if unit else 0.0)
+            if deviation > bar:
+                findings.append(
+                    (
+                        "error",
+                        "computation",
+                        deviation / bar if bar else math.inf,
+                        f"its output's {name} {recorded[index]:.9g} should be {predicted:.9g} whatever its input "
+                        f"values were (it is the same on every draw matching their statistics): off by "
+                        f"{deviation / unit:.0f} rounding units of {out.dtype}, where an honest {out.dtype} "
+                        "replay is "
+                        f"off by {honest_dev / unit:.1f}",
+                    )
                 )
-                if deviation > bar:
-                    findings.append(
-                        (
-                            "error",
-                            "computation",
-                            deviation / bar if bar else math.inf,
-                            f"its output's {name} {recorded[index]:.9g} should be {predicted:.9g} whatever its input "
-                            f"values were (it is the same on every draw matching their statistics): off by "
-                            f"{deviation / unit:.0f} rounding units of {out.dtype}, where an honest {out.dtype} "
-                            "replay is "
-                            f"off by {honest_dev / unit:.1f}",
-                        )
+            elif deviation > max(s.warn_margin * honest_dev, floor):
+                findings.append(
+                    (
+                        "warning",
+                        "computation",
+                        deviation / bar if bar else 0.0,
+                        f"its output's {name} is off by {deviation / unit:.1f} rounding units from what its input "
+                        f"statistics pin it to ({predicted:.9g}), {deviation / max(honest_dev, 1e-300):.1f}x an "
+                        f"honest replay",
                     )
-                elif deviation > max(s.warn_margin * honest_dev, floor):
-                    findings.append(
-                        (
-                            "warning",
-                            "computation",
-                            deviation / bar if bar else 0.0,
-                            f"its output's {name} is off by {deviation / unit:.1f} rounding units from what its input "
-                            f"statistics pin it to ({predicted:.9g}), {deviation / max(honest_dev, 1e-300):.1f}x an "
-                            f"honest replay",
-                        )
-                    )
-            # The precision grid.
-            grid = self._grid_evidence(out, specs, honest_stats, k)
-            if grid:
-                checks.add("grid")
-                findings.append(("error", "computation", 2.0**13, grid))
-            elif out.dtype in ("float32", "float64") and out.min != out.max:
-                checks.add("grid")
-        if not findings and not checks - {"grid", "nonfinite"}:
-            tested = (
-                " (only that its output is on no coarser precision grid could be tested)" if "grid" in checks else ""
-            )
-            return OpVerdict(
-                op.op_id,
-                "skipped",
-                reason="its statistics pin none of its outputs' numbers (they depend on "
-                f'every input value){tested}: capture its region with data="tensors" to check it',
-            )
-        dtype = judged[0][2].dtype
-        deviations = [v for k, v in metrics.items() if k.endswith("_deviation")]
-        if deviations:
-            metrics["error_units"] = max(deviations)
-        verdict = OpVerdict(
-            op.op_id, "pass", "statistics", dtype=dtype, metrics=metrics, checks=",".join(sorted(checks))
-        )
-        for status in ("error", "warning"):
-            chosen = [f for f in findings if f[0] == status]
-            if chosen:
-                _, kind, score, reason = max(chosen, key=lambda f: f[2])
-                verdict.status, verdict.kind, verdict.score, verdict.reason = status, kind, score, reason
-                break
-        return verdict
+                )
 
     def _grid_evidence(self, out: TensorSpec, specs: list[TensorSpec], honest_stats: list, k: int) -> str:
         if out.dtype not in ("float32", "float64") or out.min == out.max:
@@ -541,3 +553,31 @@ def _finite_part(spec: TensorSpec, m: int, generator: torch.Generator) -> torch.
     if not fixed:
         return rest
     return torch.cat([torch.tensor(fixed, dtype=torch.float64), rest])
+
+
+@dataclass
+class _Findings:
+    """What checking a call's outputs found so far."""
+
+    findings: list[tuple[str, str, float, str]] = field(default_factory=list)  # (status, kind, score, reason)
+    checks: set[str] = field(default_factory=set)  # what could be tested
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _verdict(op: RecordedOp, judged: list[tuple[int, int, TensorSpec]], found: _Findings) -> OpVerdict:
+    """The call's verdict: its worst error, else its worst warning, else a pass."""
+    metrics = found.metrics
+    dtype = judged[0][2].dtype
+    deviations = [v for k, v in metrics.items() if k.endswith("_deviation")]
+    if deviations:
+        metrics["error_units"] = max(deviations)
+    verdict = OpVerdict(
+        op.op_id, "pass", "statistics", dtype=dtype, metrics=metrics, checks=",".join(sorted(found.checks))
+    )
+    for status in ("error", "warning"):
+        chosen = [f for f in found.findings if f[0] == status]
+        if chosen:
+            _, kind, score, reason = max(chosen, key=lambda f: f[2])
+            verdict.status, verdict.kind, verdict.score, verdict.reason = status, kind, score, reason
+            break
+    return verdict
