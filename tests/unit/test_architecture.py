@@ -63,7 +63,6 @@ KNOWN: dict[str, set[str]] = {
     "short functions": {
         "comparison.localize.regions._region_prediction",
         "comparison.api.compare",
-        "numerics.replay.replayer._measure",
     },
     "tests and benchmarks apart": {
         "benchmarks/bench_check.py imports tests",

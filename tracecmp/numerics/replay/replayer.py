@@ -11,6 +11,7 @@ import math
 import sys
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -49,6 +50,22 @@ _UNSAFE_VIEWS = frozenset(
 
 
 _VIEW_DEPTH = 64  # views of views rebuilt from their base at most this deep (then: not replayed)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """One call's replays (:meth:`Replayer._replays`)."""
+
+    inputs: list[torch.Tensor]  # as recorded (emptied where nothing needs them any more)
+    models: list[list[torch.Tensor]]  # the inputs rounded as a reduced-precision device may (none: full)
+    spans: list[tuple[int, int]] | None  # the pieces the float64 reference is made in (None: whole)
+    order: list[int] | None  # the memory order the pieces run in
+    first: list[torch.Tensor] | None  # the float64 reference's first piece, where it is made in pieces
+    reference: list[torch.Tensor] | None  # the float64 reference, where it is made whole
+    honest: list[torch.Tensor]  # the replay in the recorded dtypes
+    replays: list[list[torch.Tensor]]  # the honest replay, then those on the inputs' other roundings
+    accumulated: list[torch.Tensor] | None  # float32 itself on unrounded inputs, at reduced precision
+    basic: bool  # a basic IEEE operation: every IEEE 754 device gives its correctly rounded result
 
 
 class Replayer:
@@ -357,6 +374,64 @@ class Replayer:
         integral = [(i, t) for i, t in saved if not is_float(info[t][2])]
         if not floating and not (self.detail is not None and integral):
             return None
+        runs = self._replays(call)
+        if isinstance(runs, str):
+            return runs
+        models, inputs, honest, replays, basic = runs.models, runs.inputs, runs.honest, runs.replays, runs.basic
+        misrounded = False
+        bitwise = True
+        worst: OwnError | None = None
+        fits = [0.0] * len(models)
+        detail = Detail() if self.detail is not None else None
+        for position, tid in floating:
+            measured = self._gauge(call, runs, position, tid, detail)
+            if isinstance(measured, str):
+                return measured
+            recorded, gauge = measured
+            error, honest_error = gauge.errors()
+            same = same_bits(recorded, honest[position])
+            bitwise = bitwise and (same or any(same_bits(recorded, r[position]) for r in replays[1:]))
+            if basic and not same:
+                misrounded = True
+            if models:
+                unit = max(gauge.accumulated_error(), FP32_UNIT)
+                for m, fit in enumerate(gauge.fits()):
+                    fits[m] = max(fits[m], fit / unit)
+                # An honest kernel may round either way; truncation's error is biased and can be a
+                # few times round-to-nearest's where terms cancel.
+                honest_error = max([honest_error] + gauge.other_errors())
+            if worst is None or excess(error, honest_error) > excess(worst.error, worst.honest):
+                worst = OwnError(op.op_id, error, honest_error, info[tid][2])
+            del recorded, gauge, measured
+        outcome = self._compare_integers(op.op_id, integral if detail is not None else [], honest, detail, worst)
+        if not isinstance(outcome, OwnError):
+            return outcome  # None: no output compared; else why the integer outputs could not be
+        worst = outcome
+        extra = detail.fields() if detail is not None else {}
+        del runs, honest, replays  # measured: the bound makes its own replays
+        bounds = (
+            bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating])
+            if models
+            else ()
+        )
+        return OwnError(
+            worst.op_id,
+            worst.error,
+            worst.honest,
+            worst.dtype,
+            misrounded=misrounded,
+            fits=tuple(fits),
+            bounds=bounds,
+            bitwise=bitwise and bool(floating),
+            informative=not basic and worst.honest > 0,
+            **extra,
+        )
+
+    def _replays(self, call: Call) -> _Runs | str:
+        """The call replayed on its recorded inputs: in float64 (whole, or its first piece where it
+        is made in pieces), honestly in its recorded dtypes, and on the inputs' other roundings at
+        reduced precision; or why it cannot be."""
+        op = call.op
         inputs = self._inputs(call)
         if any(v is None for v in inputs):
             return "an input could not be read or rebuilt from its base"
@@ -385,52 +460,53 @@ class Replayer:
         basic = correctly_rounded(op.name, call.args, inputs)
         if spans is None and not models:
             inputs.clear()  # no longer needed (the cache keeps the small ones)
-        misrounded = False
-        bitwise = True
-        worst: OwnError | None = None
-        fits = [0.0] * len(models)
-        detail = Detail() if self.detail is not None else None
-        made = reference if reference is not None else first
+        return _Runs(inputs, models, spans, order, first, reference, honest, replays, accumulated, basic)
+
+    def _gauge(
+        self, call: Call, runs: _Runs, position: int, tid: int, detail: Detail | None
+    ) -> tuple[torch.Tensor, Gauge] | str:
+        """The recorded output ``tid`` (at ``position``) measured against the replays; or why it cannot be."""
+        made = runs.reference if runs.reference is not None else runs.first
         assert made is not None
-        for position, tid in floating:
-            if any(position >= len(r) for r in (made, *replays, *([accumulated] if accumulated is not None else []))):
-                return "its replay returned fewer outputs than were recorded"
-            recorded = self.value(tid)
-            if recorded is None:
-                return "a recorded output could not be read"
-            if not comparable(recorded, honest[position], made[position], spans[0][1] if spans is not None else None):
-                return "its replay gave outputs of another shape or kind than recorded"
-            if spans is not None:
-                assert first is not None
-                pieces = Reference(first[position], call=(op.name, call.args, inputs, spans, position), order=order)
-            else:
-                assert reference is not None
-                pieces = Reference(reference[position])
-            gauge = Gauge(
-                recorded,
-                [r[position] for r in replays],
-                accumulated[position] if accumulated is not None else None,
-                pieces,
+        accumulated, spans = runs.accumulated, runs.spans
+        if any(position >= len(r) for r in (made, *runs.replays, *([accumulated] if accumulated is not None else []))):
+            return "its replay returned fewer outputs than were recorded"
+        recorded = self.value(tid)
+        if recorded is None:
+            return "a recorded output could not be read"
+        if not comparable(recorded, runs.honest[position], made[position], spans[0][1] if spans is not None else None):
+            return "its replay gave outputs of another shape or kind than recorded"
+        if spans is not None:
+            assert runs.first is not None
+            pieces = Reference(
+                runs.first[position], call=(call.op.name, call.args, runs.inputs, spans, position), order=runs.order
             )
-            failed = gauge.run(detail, self.detail.get(info[tid][2], 4.0) if self.detail is not None else 0.0)
-            if failed:
-                return failed
-            error, honest_error = gauge.errors()
-            same = same_bits(recorded, honest[position])
-            bitwise = bitwise and (same or any(same_bits(recorded, r[position]) for r in replays[1:]))
-            if basic and not same:
-                misrounded = True
-            if models:
-                unit = max(gauge.accumulated_error(), FP32_UNIT)
-                for m, fit in enumerate(gauge.fits()):
-                    fits[m] = max(fits[m], fit / unit)
-                # An honest kernel may round either way; truncation's error is biased and can be a
-                # few times round-to-nearest's where terms cancel.
-                honest_error = max([honest_error] + gauge.other_errors())
-            if worst is None or excess(error, honest_error) > excess(worst.error, worst.honest):
-                worst = OwnError(op.op_id, error, honest_error, info[tid][2])
-            del recorded, gauge, pieces
-        for position, tid in integral if detail is not None else ():
+        else:
+            assert runs.reference is not None
+            pieces = Reference(runs.reference[position])
+        gauge = Gauge(
+            recorded,
+            [r[position] for r in runs.replays],
+            accumulated[position] if accumulated is not None else None,
+            pieces,
+        )
+        failed = gauge.run(detail, self.detail.get(self.info[tid][2], 4.0) if self.detail is not None else 0.0)
+        if failed:
+            return failed
+        return recorded, gauge
+
+    def _compare_integers(
+        self,
+        op_id: int,
+        integral: list[tuple[int, int]],
+        honest: list[torch.Tensor],
+        detail: Detail | None,
+        worst: OwnError | None,
+    ) -> OwnError | str | None:
+        """Count the elements of the recorded integer outputs ``integral`` that differ from the
+        honest replay's (into ``detail``): ``worst``, or one for them where it is None; or why
+        they cannot be compared."""
+        for position, tid in integral:
             recorded = self.value(tid)
             if recorded is None or position >= len(honest) or not isinstance(honest[position], torch.Tensor):
                 return "a recorded integer output could not be compared"
@@ -439,36 +515,8 @@ class Replayer:
             assert detail is not None
             detail.integer_mismatch += int((recorded != honest[position].to(recorded.dtype)).sum())
             if worst is None:
-                worst = OwnError(op.op_id, 0.0, 0.0, info[tid][2])
-        if worst is None:
-            return None
-        extra = detail.fields() if detail is not None else {}
-        del (
-            reference,
-            first,
-            made,
-            honest,
-            replays,
-            alternatives,
-            accumulated,
-        )  # measured: the bound makes its own replays
-        bounds = (
-            bound_fits(op.name, call.args, [*models, inputs], [(p, self.value(t)) for p, t in floating])
-            if models
-            else ()
-        )
-        return OwnError(
-            worst.op_id,
-            worst.error,
-            worst.honest,
-            worst.dtype,
-            misrounded=misrounded,
-            fits=tuple(fits),
-            bounds=bounds,
-            bitwise=bitwise and bool(floating),
-            informative=not basic and worst.honest > 0,
-            **extra,
-        )
+                worst = OwnError(op_id, 0.0, 0.0, self.info[tid][2])
+        return worst
 
 
 _ITEM_BYTES = {
