@@ -60,7 +60,7 @@ KNOWN: dict[str, set[str]] = {
         "comparison.ranks: from tracecmp.trace.reader import _read_manifest",
     },
     "constants defined once": set(),
-    "short functions": {"comparison.localize.regions._region_prediction", "comparison.api.compare"},
+    "short functions": {"comparison.api.compare"},
     "tests and benchmarks apart": {
         "benchmarks/bench_check.py imports tests",
         "benchmarks/bench_compile.py imports tests",

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
-from tracecmp.aten.opclass import base_name, classify, given_nonfinite, read_by
+from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, read_by
 from tracecmp.comparison.localize.decide import replayed_root
 from tracecmp.comparison.localize.predict import (
     averaged_rounding,
@@ -24,6 +24,9 @@ from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.replay import OwnError, RegionReplay
 from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY
 from tracecmp.verdict.records import Divergence, Region
+
+# A region member as RankInput.region_ops holds it: (kind, op, args, input ids, output ids).
+_OpEntry = tuple[str, str, str, list[int], list[int]]
 
 
 @dataclass
@@ -142,18 +145,43 @@ def _region_prediction(
     exact_matmul: bool = False,
 ) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:
     """Per target output of ``region``: (inherited error, honest rounding budget) per channel."""
-    # The side that spells the computation out in more ops (the decomposition) models it best.
+    side = _modelling_side(region, ri)
+    ops = region.bench_ops if side == "b" else region.target_ops
+    floor = _output_floor(region, ri)
+    inherited, budget = _region_inputs(region, ri, lookup, side)
+    for o in ops:
+        entry = ri.region_ops.get((side, o))
+        if entry is None:
+            continue
+        if entry[0] != "op":
+            _through_region_view(entry, inherited, budget)
+            continue
+        _through_region_op(entry, ri, side, floor, tol, exact_matmul, inherited, budget)
+    return _at_region_outputs(region, side, inherited, budget)
+
+
+def _modelling_side(region: Region, ri: RankInput) -> str:
+    """The side ("b" or "t") that models the region best: the one spelling it out in more ops (the decomposition)."""
     computing = {
         side: sum(1 for o in ops if ri.region_ops.get((side, o), ("",))[0] == "op")
         for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
     }
-    side = "b" if computing["b"] >= computing["t"] and computing["b"] else "t"
-    ops = region.bench_ops if side == "b" else region.target_ops
+    return "b" if computing["b"] >= computing["t"] and computing["b"] else "t"
+
+
+def _output_floor(region: Region, ri: RankInput) -> float:
+    """The region's output dtypes' unit: a fused kernel rounds at least to them, whatever the bench used."""
     base = ri.view_base
-    # The region's output dtypes: a fused kernel rounds at least to them, whatever the bench used.
-    floor = max(
+    return max(
         (ri.measured[base.get(T, T)].unit for T, _ in region.outputs if base.get(T, T) in ri.measured), default=0.0
     )
+
+
+def _region_inputs(
+    region: Region, ri: RankInput, lookup: Callable[[int], TensorState | None], side: str
+) -> tuple[dict[int, TensorState], dict[int, TensorState]]:
+    """(inherited, budget) seeded at the region's inputs, keyed by the modelling side's tensor ids:
+    an input carries its measured error in and no rounding budget."""
     inherited: dict[int, TensorState] = {}
     budget: dict[int, TensorState] = {}
     for T, B in region.inputs:
@@ -165,53 +193,83 @@ def _region_prediction(
             s = ri.region_values.get((side, key)) or TensorState(known=True, exact=True)
         inherited[key] = s
         budget[key] = _with_error(s, (0.0, 0.0, 0.0))
-    for o in ops:
-        entry = ri.region_ops.get((side, o))
-        if entry is None:
+    return inherited, budget
+
+
+def _through_region_view(entry: _OpEntry, inherited: dict[int, TensorState], budget: dict[int, TensorState]) -> None:
+    """A view (or a source inside the region): shows its input's values, or is a constant."""
+    _, _, _, inputs, outputs = entry
+    src = inherited.get(inputs[0]) if inputs else None
+    for tid in outputs:
+        inherited[tid] = through_view(src) if src is not None else TensorState(known=True, exact=True)
+        budget[tid] = budget.get(inputs[0], inherited[tid]) if inputs else inherited[tid]
+
+
+def _through_region_op(
+    entry: _OpEntry,
+    ri: RankInput,
+    side: str,
+    floor: float,
+    tol: Tolerances,
+    exact_matmul: bool,
+    inherited: dict[int, TensorState],
+    budget: dict[int, TensorState],
+) -> None:
+    """An op inside the region: its outputs' inherited error and their budget (what its inputs' budget
+    carries through it, plus its own honest rounding)."""
+    _, op, args, inputs, outputs = entry
+    cls = classify(op)
+    # Rounding is relative to each element: a denominator's unit is the quotient's unit, not
+    # max|x| / min|x| of them (that factor is for an error spread evenly over small and large).
+    budget_cls = replace(cls, inverse_inputs=())
+    for index, tid in enumerate(outputs):
+        out = ri.region_values.get((side, tid))
+        if out is None or cls.kind == "uninit":
             continue
-        kind, op, args, inputs, outputs = entry
-        if kind != "op":
-            # A view (or a source inside the region): shows its input's values, or is a constant.
-            src = inherited.get(inputs[0]) if inputs else None
-            for tid in outputs:
-                inherited[tid] = through_view(src) if src is not None else TensorState(known=True, exact=True)
-                budget[tid] = budget.get(inputs[0], inherited[tid]) if inputs else inherited[tid]
+        read = read_by(op, args, inputs, index)
+        ins_x = [(pos, inherited[t]) for pos, t in read if t in inherited and cls.input_rule(pos) != "ignore"]
+        ins_r = [(pos, budget[t]) for pos, t in read if t in budget and cls.input_rule(pos) != "ignore"]
+        float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
+        float_r = [(pos, s) for pos, s in ins_r if s.is_float and not s.uninit]
+        if not out.is_float:
+            exact = all(s.exact for _, s in ins_x)
+            inherited[tid] = _with_error(out, (0.0 if exact else 1.0,) * 3, exact=exact)
+            budget[tid] = _with_error(out, (0.0,) * 3)
             continue
-        cls = classify(op)
-        # Rounding is relative to each element: a denominator's unit is the quotient's unit, not
-        # max|x| / min|x| of them (that factor is for an error spread evenly over small and large).
-        budget_cls = replace(cls, inverse_inputs=())
-        for index, tid in enumerate(outputs):
-            out = ri.region_values.get((side, tid))
-            if out is None or cls.kind == "uninit":
-                continue
-            read = read_by(op, args, inputs, index)
-            ins_x = [(pos, inherited[t]) for pos, t in read if t in inherited and cls.input_rule(pos) != "ignore"]
-            ins_r = [(pos, budget[t]) for pos, t in read if t in budget and cls.input_rule(pos) != "ignore"]
-            float_x = [(pos, s) for pos, s in ins_x if s.is_float and not s.uninit]
-            float_r = [(pos, s) for pos, s in ins_r if s.is_float and not s.uninit]
-            if not out.is_float:
-                exact = all(s.exact for _, s in ins_x)
-                inherited[tid] = _with_error(out, (0.0 if exact else 1.0,) * 3, exact=exact)
-                budget[tid] = _with_error(out, (0.0,) * 3)
-                continue
-            x = predicted_error(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
-            carried = (
-                predicted_error(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
-            )
-            unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
-            if (
-                cls.precision_variable
-                and tol.allow_tf32
-                and not exact_matmul
-                and 0 < unit <= FP32_EPS
-                and contracts_nonzero(cls, float_x)
-            ):
-                unit, lam, tf32 = TF32_EPS, 0.5, True
-            fresh = unit * lam * (local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
-            own = (fresh, averaged_rounding(fresh, out, tf32), fresh)
-            inherited[tid] = _with_error(out, x)
-            budget[tid] = _with_error(out, tuple(c + f for c, f in zip(carried, own)))
+        x = predicted_error(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+        carried = predicted_error(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
+        own = _own_rounding(cls, float_x, out, floor, tol, exact_matmul)
+        inherited[tid] = _with_error(out, x)
+        budget[tid] = _with_error(out, tuple(c + f for c, f in zip(carried, own)))
+
+
+def _own_rounding(
+    cls: OpClass,
+    float_x: list[tuple[int, TensorState]],
+    out: TensorState,
+    floor: float,
+    tol: Tolerances,
+    exact_matmul: bool,
+) -> tuple[float, float, float]:
+    """An honest kernel's own rounding of ``out`` per channel: its dtype's unit (at least the region's
+    output floor; TF32's where a float32 contraction may use it), scaled by the accumulation's kappa."""
+    unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
+    if (
+        cls.precision_variable
+        and tol.allow_tf32
+        and not exact_matmul
+        and 0 < unit <= FP32_EPS
+        and contracts_nonzero(cls, float_x)
+    ):
+        unit, lam, tf32 = TF32_EPS, 0.5, True
+    fresh = unit * lam * (local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
+    return (fresh, averaged_rounding(fresh, out, tf32), fresh)
+
+
+def _at_region_outputs(
+    region: Region, side: str, inherited: dict[int, TensorState], budget: dict[int, TensorState]
+) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:
+    """(inherited error, budget) per channel at each target output of ``region``."""
     result = {}
     for T, B in region.outputs:
         key = B if side == "b" else T
