@@ -237,7 +237,7 @@ def _prepare_rank(
     t_graph = SideGraph.of(t_ops, t_lists[1], t_lists[2], t_ten, t_base)
     b_graph = SideGraph.of(b_ops, b_lists[1], b_lists[2], b_ten, b_base)
     if units:
-        # A compiled target's fused work is in its units, judged whole (comparison/compiled.py):
+        # A compiled target's fused work is in its units, judged whole (comparison/compiled/):
         # no eager regions are looked for beside them.
         match = RegionMatch(dict(pairs), [], {}, {}, {}, {})
     else:

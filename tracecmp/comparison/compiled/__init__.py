@@ -2,8 +2,8 @@
 with the eager ops they replace (:mod:`.pairing`), judged as a whole (:mod:`.judge`), and a wrong
 one narrowed to its FX nodes (:mod:`.narrow`).
 
->>> units = compiled_units(target.rank(0), bench.rank(0))   # doctest: +SKIP
->>> units.members          # target op ids the alignment leaves out  # doctest: +SKIP
+>>> units = compiled_units(tracecmp.load("runs/target").rank(0))   # doctest: +SKIP
+>>> units.members   # target op ids the alignment leaves out  # doctest: +SKIP
 """
 
 from tracecmp.comparison.compiled.judge import judge_units

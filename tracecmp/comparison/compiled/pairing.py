@@ -18,7 +18,7 @@ from tracecmp.trace.compiled import GraphNode, RegionCall
 
 
 class Pairing:
-    """Finds the bench tensor a unit's node value stands for (see :func:`unit_partners`)."""
+    """Finds the bench tensor a unit's node value stands for (see :func:`pair_units`)."""
 
     def __init__(
         self,
@@ -260,14 +260,7 @@ class Pairing:
         return best if rival == tensor and math.isfinite(_distance(mine, self.b_stats.get(best))) else None
 
 
-def unit_partners(
-    units: CompiledUnits,
-    t_ops: pd.DataFrame,
-    t_ten: pd.DataFrame,
-    b_ops: pd.DataFrame,
-    b_ten: pd.DataFrame,
-    b_base: Mapping[int, int],
-) -> dict[int, int]:
+def pair_units(pairing: Pairing, units: CompiledUnits) -> dict[int, int]:
     """``{target tensor id: bench tensor id}`` for the units' outputs, from node metadata.
 
     The bench candidates of a node are the outputs of the bench ops named after the eager op the
@@ -276,13 +269,6 @@ def unit_partners(
     ``blocks.0``, eager ops of the target and earlier regions counted too), then the output of
     its shape.
     """
-    if not units:
-        return {}
-    return pair_units(Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base), units)
-
-
-def pair_units(pairing: Pairing, units: CompiledUnits) -> dict[int, int]:
-    """:func:`unit_partners` with a pairing already made."""
     partner: dict[int, int] = {}
     for unit in units.units:
         peers = [(name, pairing.t_shape.get(t, ()), t) for t, name in unit.outputs]

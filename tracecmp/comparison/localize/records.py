@@ -63,7 +63,7 @@ class RankInput:
     region_replays: Mapping[int, RegionReplay] = field(
         default_factory=dict
     )  # region id -> its replay (numerics.replay)
-    # Ops judged for a compiled unit as a whole (comparison/compiled.py): op id -> its Unit, whose
+    # Ops judged for a compiled unit as a whole (comparison/compiled/): op id -> its Unit, whose
     # decide() replaces the rules below for them.
     units: Mapping[int, Any] = field(default_factory=dict)
     # For pairs whose bench partner holds another value (see crossed_pairs):
