@@ -56,8 +56,6 @@ KNOWN: dict[str, set[str]] = {
         "capture.mode: from tracecmp import _crecord",
         "capture.stats: from tracecmp import _cstats",
         "capture.recording: from tracecmp.capture.session import _distributed",
-        "cli.check: from tracecmp.cli.compare import _int_list",
-        "comparison.ranks: from tracecmp.trace.reader import _read_manifest",
     },
     "constants defined once": set(),
     "short functions": {"comparison.api.compare"},

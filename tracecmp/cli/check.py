@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from tracecmp.cli.compare import _int_list
+from tracecmp.cli.compare import int_list
 from tracecmp.errors import TracecmpError
 
 
@@ -30,8 +30,8 @@ def add_parser(subparsers: Any) -> None:
         help="tensors: replay recorded inputs (the trace must hold them); statistics: random inputs "
         "drawn to the recorded statistics (weaker); auto (default): tensors where saved",
     )
-    parser.add_argument("--steps", type=_int_list, metavar="S,S", help="check only these steps")
-    parser.add_argument("--ranks", type=_int_list, metavar="R,R", help="check only these ranks")
+    parser.add_argument("--steps", type=int_list, metavar="S,S", help="check only these steps")
+    parser.add_argument("--ranks", type=int_list, metavar="R,R", help="check only these ranks")
     parser.add_argument(
         "--standards",
         metavar="SPEC",

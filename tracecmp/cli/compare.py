@@ -13,7 +13,8 @@ from typing import Any
 from tracecmp.errors import TracecmpError
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """``--steps``/``--ranks`` as argparse reads them: comma-separated integers (``0,2``)."""
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -40,8 +41,8 @@ def add_parser(subparsers: Any) -> None:
         help="re-run every target op on its recorded inputs in float64 to measure its own error "
         '(needs a target captured with data="tensors"; default: whenever it has them)',
     )
-    parser.add_argument("--steps", type=_int_list, metavar="S,S", help="compare only these steps")
-    parser.add_argument("--ranks", type=_int_list, metavar="R,R", help="compare only these ranks")
+    parser.add_argument("--steps", type=int_list, metavar="S,S", help="compare only these steps")
+    parser.add_argument("--ranks", type=int_list, metavar="R,R", help="compare only these ranks")
     parser.add_argument(
         "--tol",
         metavar="SPEC",

@@ -40,7 +40,7 @@ from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import CompareError, TracecmpError
 from tracecmp.graph import view_bases
 from tracecmp.trace.links import Collective, Epochs, by_key, collectives, job_order
-from tracecmp.trace.reader import RankTrace, Trace, _read_manifest, load, load_rank
+from tracecmp.trace.reader import RankTrace, Trace, load, load_rank, read_manifest
 from tracecmp.trace.schema import RUN_MANIFEST
 from tracecmp.verdict.progress import Progress, shown
 from tracecmp.verdict.records import Divergence, SkippedStep
@@ -329,7 +329,7 @@ def _internal(
 
 def _single_rank(path: Path, rank: int) -> Trace:
     """A trace with one rank loaded: what a worker needs, and no more."""
-    return Trace(path, _read_manifest(path / RUN_MANIFEST), {rank: load_rank(path / f"rank{rank}")})
+    return Trace(path, read_manifest(path / RUN_MANIFEST), {rank: load_rank(path / f"rank{rank}")})
 
 
 @dataclass(frozen=True)
@@ -479,7 +479,7 @@ def compare_ranks(
     for path in (t_path, b_path):
         if not path.is_dir():
             load(path)  # the loader names what is wrong (missing folder, a file, no manifest)
-    t_manifest, b_manifest = _read_manifest(t_path / RUN_MANIFEST), _read_manifest(b_path / RUN_MANIFEST)
+    t_manifest, b_manifest = read_manifest(t_path / RUN_MANIFEST), read_manifest(b_path / RUN_MANIFEST)
     warnings: list[str] = []
     common, t_ranks, b_ranks = _common_rank_folders(t_path, b_path, ranks, warnings)
     workers = default_workers(len(common), _tables_size(t_path, b_path)) if workers is None else max(1, int(workers))
@@ -583,7 +583,7 @@ def _rank_manifests(path: Path, ranks: Iterable[int]) -> dict[int, dict[str, Any
     manifests = {}
     for r in ranks:
         try:
-            manifests[r] = _read_manifest(path / f"rank{r}" / "manifest.json")
+            manifests[r] = read_manifest(path / f"rank{r}" / "manifest.json")
         except TracecmpError:
             continue
     return manifests

@@ -47,7 +47,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise TraceFormatError(f"{what} is not valid JSON ({_one_line(exc)})", path=path) from exc
 
 
-def _read_manifest(path: Path, what: str = "manifest") -> dict[str, Any]:
+def read_manifest(path: Path, what: str = "manifest") -> dict[str, Any]:
+    """A manifest (run, rank or chunk record) read and checked: a tracecmp trace's format, in a
+    version this tracecmp reads; :class:`~tracecmp.errors.TracecmpError` subclasses otherwise."""
     try:
         manifest = _read_json(path, what)
     except FileNotFoundError as exc:
@@ -312,7 +314,7 @@ def _chunk_records(folder: Path, manifest: dict[str, Any]) -> list[dict[str, Any
                 f"chunk records are not numbered 0..N-1 ({chunk_record_name(index)} is missing)", path=path
             )
         path = folder / numbered[index]
-        record = _read_manifest(path, "chunk record")
+        record = read_manifest(path, "chunk record")
         if record.get("index") != index:
             raise TraceFormatError(
                 f"chunk record says index {str(record.get('index'))[:40]!r}, expected {index}", path=path
@@ -346,7 +348,7 @@ def load_rank(folder: Path) -> RankTrace:
     The returned manifest also lists what the chunk records say: ``chunks``, ``ops``, ``tensors``
     (row counts) and ``steps`` (the recorded step numbers).
     """
-    manifest = _read_manifest(folder / RANK_MANIFEST, "rank manifest")
+    manifest = read_manifest(folder / RANK_MANIFEST, "rank manifest")
     _check_fields(manifest, _RANK_FIELDS, folder / RANK_MANIFEST)
     chunks = _chunk_records(folder, manifest)
     ops_parts, tensor_parts, data_files, compiled_parts = [], [], {}, []
@@ -461,7 +463,7 @@ def load(path: str | Path) -> Trace:
         folders = sorted(root.glob("rank*"))
     except OSError as exc:
         raise TraceFormatError(f"cannot read the trace folder: {exc.strerror or exc}", path=root) from exc
-    manifest = _read_manifest(root / RUN_MANIFEST)
+    manifest = read_manifest(root / RUN_MANIFEST)
     _check_fields(manifest, _RUN_FIELDS, root / RUN_MANIFEST)
     ranks: dict[int, RankTrace] = {}
     for folder in folders:
