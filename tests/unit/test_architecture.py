@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("verdict",),
     ("comparison", "checking"),
     ("render",),
-    ("overflow", "demo"),
+    ("overflow", "demo", "facade"),
     ("cli", "__init__", "__main__"),
 )
 JUDGES = ("comparison", "checking")
@@ -47,11 +47,9 @@ KNOWN: dict[str, set[str]] = {
     "layers": {
         "_compat -> capture.mode",  # what an install without the native capture lacks: capture's own business
         "capture.session -> overflow",  # OverflowDetected and the overflow record belong below capture
-        "checking.result -> render.check_report",  # CheckResult.render(): the picture drawn for the result's public method
-        "comparison.result -> render",
         "trace.writer -> aten.args",  # argument encoding is format knowledge
     },
-    "results import no render": {"comparison.result -> render", "checking.result -> render.check_report"},
+    "results import no render": set(),
     "private imports": {
         "capture.mode: from tracecmp import _crecord",
         "capture.stats: from tracecmp import _cstats",

@@ -13,6 +13,7 @@ import pandas as pd
 from tracecmp.checking.standards import Standards
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
+from tracecmp.verdict.drawing import draw
 from tracecmp.verdict.records import Divergence
 
 if TYPE_CHECKING:
@@ -273,10 +274,9 @@ class CheckResult:
         return g
 
     def render(self, path: str | Path, depth: int = 2) -> Path:
-        """Draw the first erring op with its producers and consumers to ``path`` (.svg/.png/.dot)."""
-        from tracecmp.render.check_report import render_subgraph
-
-        return render_subgraph(self, path, depth=depth)
+        """Draw the first erring op with its producers and consumers to ``path`` (.svg/.png/.dot), by
+        the drawing :mod:`tracecmp.render` registers for check's results (:mod:`tracecmp.verdict.drawing`)."""
+        return draw("check", self, path, depth=depth)
 
     def __repr__(self) -> str:
         return f"<CheckResult {self.verdict()}>"

@@ -13,6 +13,7 @@ import pandas as pd
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
+from tracecmp.verdict.drawing import draw
 from tracecmp.verdict.records import Divergence, Drift, Region, SkippedStep, op_counts
 
 NODE_COLUMNS = (
@@ -360,10 +361,9 @@ class CompareResult:
         return around([d for d in [self.first_divergence, *ranked] if d is not None], top=top)
 
     def render(self, path: str | Path, depth: int = 2) -> Path:
-        """Draw the suspicious subgraph to ``path`` (.svg / .png / .dot by suffix)."""
-        from tracecmp.render import render_subgraph
-
-        return render_subgraph(self, path, depth=depth)
+        """Draw the suspicious subgraph to ``path`` (.svg / .png / .dot by suffix), by the drawing
+        :mod:`tracecmp.render` registers for compare's results (:mod:`tracecmp.verdict.drawing`)."""
+        return draw("compare", self, path, depth=depth)
 
     def __repr__(self) -> str:
         return f"<CompareResult {self.verdict()}>"
