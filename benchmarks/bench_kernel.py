@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from tracecmp.capture import stats
+from tracecmp.capture import native
 from tracecmp.capture.stats import native_available, tensor_stats_row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -103,8 +103,8 @@ def main() -> None:
                     flush=True,
                 )
     print(
-        f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, kernel copy {stats._cstats.ISA}, "
-        f"threads from {stats._cstats.POOL} (parallel from {stats._cstats.PARALLEL_MIN:,} elements); "
+        f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, kernel copy {native.cstats.ISA}, "
+        f"threads from {native.cstats.POOL} (parallel from {native.cstats.PARALLEL_MIN:,} elements); "
         f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
 

@@ -71,9 +71,10 @@ class PassThroughMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         from tracecmp.capture import mode as capture_mode
+        from tracecmp.capture import native
 
         if capture_mode._crecord is None:
-            raise SystemExit(f"tracecmp._crecord is not available: {capture_mode.NATIVE_ERROR}")
+            raise SystemExit(f"tracecmp._crecord is not available: {native.error('_crecord')}")
         self.__torch_dispatch__ = types.MethodType(capture_mode._crecord.passthrough, self)  # type: ignore[method-assign]
 
 

@@ -1,4 +1,4 @@
-"""What the environment tracecmp runs in may lack, in one place: an older torch, unbuilt extensions.
+"""What the torch tracecmp runs on may lack, in one place (unbuilt extensions: tracecmp.capture.native).
 
 torch 2.1 is the oldest tracecmp supports (CI tests it beside the newest): capture relies on
 autograd sequence numbers (``torch._C._autograd._get_sequence_nr``) to give backward ops their
@@ -12,9 +12,7 @@ True
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from typing import Any
 
 import torch
@@ -75,26 +73,4 @@ def check_torch() -> None:
         raise TracecmpError(
             f"tracecmp needs torch >= {'.'.join(map(str, OLDEST_TORCH))}, this is torch {torch.__version__}: "
             "older releases lack the autograd sequence numbers and module hooks capture relies on"
-        )
-
-
-_announced = False
-
-
-def announce_references() -> None:
-    """Say once per process, in one line on stderr, that capture runs the Python references of
-    native extensions that were not built (an install without a C++ compiler). Traces are the same;
-    only the per-op cost differs. Silent when ``TRACECMP_FORCE_REFERENCE=1`` asks for them."""
-    global _announced
-    if _announced or os.environ.get("TRACECMP_FORCE_REFERENCE", "") == "1":
-        return
-    _announced = True
-    from tracecmp.capture import mode, stats
-
-    missing = [name for name, error in (("_cstats", stats.native_error()), ("_crecord", mode.NATIVE_ERROR)) if error]
-    if missing:
-        print(
-            f"tracecmp: native extension{'s' if len(missing) > 1 else ''} {' and '.join(missing)} not built "
-            "(no C++ compiler at install?): capture runs the Python reference (same trace, slower)",
-            file=sys.stderr,
         )

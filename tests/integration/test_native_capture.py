@@ -22,6 +22,7 @@ import torch
 from tests.conftest import ROOT
 from tests.models import MODELS
 from tracecmp.capture import mode as capture_mode
+from tracecmp.capture import native
 
 pytestmark = pytest.mark.skipif(capture_mode._crecord is None, reason="tracecmp._crecord is not built")
 
@@ -182,11 +183,11 @@ def test_a_torch_without_a_helper_falls_back_to_the_reference(monkeypatch: pytes
     monkeypatch.setattr(torch._ops, "OpOverload", None)  # configure() requires a type
     try:
         assert capture_mode._load_native() is None
-        assert "cannot run with this torch" in (capture_mode.NATIVE_ERROR or "")
+        assert "cannot run with this torch" in (native.error("_crecord") or "")
     finally:
         monkeypatch.undo()
         assert capture_mode._load_native() is not None  # configured again with the real helpers
-        assert capture_mode.NATIVE_ERROR is None
+        assert native.error("_crecord") is None
 
 
 def test_passthrough_redispatches_without_recording() -> None:

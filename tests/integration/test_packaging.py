@@ -23,7 +23,7 @@ _CAPTURE = textwrap.dedent(
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (getattr(f, "__module__", "") or "")]
     import torch
     import tracecmp
-    from tracecmp.capture import mode, stats
+    from tracecmp.capture import native, stats
 
     out = Path(sys.argv[1])
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
@@ -34,7 +34,7 @@ _CAPTURE = textwrap.dedent(
             model(torch.randn(3, 4)).sum().backward()
             tc.step()
     print(tracecmp.__file__)
-    print(stats.native_available(), mode.NATIVE_ERROR is None)
+    print(stats.native_available(), native.error("_crecord") is None)
     print(len(tracecmp.load(out / "a").to_frame()), tracecmp.compare(out / "a", out / "b").agrees)
     """
 )

@@ -94,9 +94,9 @@ def test_rows_equal_at_every_thread_count_and_match_the_reference() -> None:
 
 _IN_POOL = textwrap.dedent(
     """
-    from tracecmp import _cstats
+    from tracecmp.capture.native import cstats
     from tests.integration.test_stats_threads import _rows
-    print(_cstats.POOL)
+    print(cstats.POOL)
     for threads in (1, 2, 4):
         print(_rows(threads))
     """

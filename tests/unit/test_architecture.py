@@ -45,14 +45,11 @@ RESULT_MODULES = ("comparison.result", "checking.result")
 # Breaks still to be mended, by rule. Entries read as the checks below print them.
 KNOWN: dict[str, set[str]] = {
     "layers": {
-        "_compat -> capture.mode",  # what an install without the native capture lacks: capture's own business
         "capture.session -> overflow",  # OverflowDetected and the overflow record belong below capture
         "trace.writer -> aten.args",  # argument encoding is format knowledge
     },
     "results import no render": set(),
     "private imports": {
-        "capture.mode: from tracecmp import _crecord",
-        "capture.stats: from tracecmp import _cstats",
         "capture.recording: from tracecmp.capture.session import _distributed",
     },
     "constants defined once": set(),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import array
+from typing import Any, Callable
 
 import pyarrow as pa
 import pytest
 
-from tracecmp.trace import columns as columns_module
+from tracecmp.capture import native
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 
@@ -61,24 +62,24 @@ def rows_table(rows: list[tuple[object, ...]], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_batches([pa.RecordBatch.from_struct_array(structs)], schema=schema)
 
 
-NATIVE_BUFFER = pytest.mark.skipif(columns_module._NativeBuffer is None, reason="tracecmp._crecord not built")
+NATIVE_BUFFER = pytest.mark.skipif(native.Buffer is None, reason="tracecmp._crecord not built")
 
 
 @pytest.fixture(params=["native", "array"])
-def buffer_type(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def number_array(request: pytest.FixtureRequest) -> Callable[[str], Any]:
     """Every test runs with the C Buffer and with its fallback, array.array."""
     if request.param == "native":
-        if columns_module._NativeBuffer is None:
+        if native.Buffer is None:
             pytest.skip("tracecmp._crecord not built")
-        monkeypatch.setattr(columns_module, "BUFFER", columns_module._NativeBuffer)
-    else:
-        monkeypatch.setattr(columns_module, "BUFFER", array.array)
-    return request.param
+        return native.Buffer
+    return array.array
 
 
 @pytest.mark.parametrize(("schema", "rows"), [(OPS_SCHEMA, OPS), (TENSORS_SCHEMA, TENSORS)])
-def test_rows_and_table_round_trip(buffer_type: str, schema: object, rows: list[tuple[object, ...]]) -> None:
-    cols = Columns(schema, rows)
+def test_rows_and_table_round_trip(
+    number_array: Callable[[str], Any], schema: object, rows: list[tuple[object, ...]]
+) -> None:
+    cols = Columns(schema, rows, number_array=number_array)
     assert len(cols) == len(rows)
     assert repr(list(cols)) == repr(rows)  # repr: NaN compares unequal to itself
     table = cols.table()
@@ -86,8 +87,8 @@ def test_rows_and_table_round_trip(buffer_type: str, schema: object, rows: list[
     assert repr(table.to_pylist()) == repr(rows_table(rows, schema).to_pylist())
 
 
-def test_rows_from_a_start_and_after_more_appends(buffer_type: str) -> None:
-    cols = Columns(OPS_SCHEMA, OPS[:2])
+def test_rows_from_a_start_and_after_more_appends(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(OPS_SCHEMA, OPS[:2], number_array=number_array)
     assert list(cols.rows(1)) == OPS[1:2]
     cols.append(OPS[2])
     assert list(cols.rows(2)) == OPS[2:]  # goes on from where the last read ended
@@ -96,14 +97,14 @@ def test_rows_from_a_start_and_after_more_appends(buffer_type: str) -> None:
     assert list(cols.rows(3)) == []
 
 
-def test_empty_columns_make_an_empty_table(buffer_type: str) -> None:
+def test_empty_columns_make_an_empty_table(number_array: Callable[[str], Any]) -> None:
     for schema in (OPS_SCHEMA, TENSORS_SCHEMA):
-        table = Columns(schema).table()
+        table = Columns(schema, number_array=number_array).table()
         assert table.num_rows == 0 and table.schema == schema
 
 
-def test_set_replaces_one_scalar_value(buffer_type: str) -> None:
-    cols = Columns(TENSORS_SCHEMA, TENSORS)
+def test_set_replaces_one_scalar_value(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(TENSORS_SCHEMA, TENSORS, number_array=number_array)
     cols.set(2, "max", 4.0)
     cols.set(2, "nan_count", 3)
     cols.set(0, "min", None)
@@ -120,16 +121,16 @@ def test_set_replaces_one_scalar_value(buffer_type: str) -> None:
         cols.set(2, "view_of", None)
 
 
-def test_a_value_of_the_wrong_kind_is_refused(buffer_type: str) -> None:
-    cols = Columns(TENSORS_SCHEMA)
+def test_a_value_of_the_wrong_kind_is_refused(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(TENSORS_SCHEMA, number_array=number_array)
     with pytest.raises(TypeError):
         cols.append((0, 0, 0, (1,), "float32", "cpu", -1, True, "x", 0.0, 0.0, 0.0, 0, 0, 0, ""))
     with pytest.raises(TypeError):
         cols.append((None, 0, 0, (1,), "float32", "cpu", -1, True, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, ""))
 
 
-def test_the_table_does_not_hold_the_buffers(buffer_type: str) -> None:
-    cols = Columns(OPS_SCHEMA)
+def test_the_table_does_not_hold_the_buffers(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(OPS_SCHEMA, number_array=number_array)
     table = None
     for i in range(5000):  # grows every array many times while earlier tables are alive
         cols.append(OPS[i % 3])
@@ -141,7 +142,7 @@ def test_the_table_does_not_hold_the_buffers(buffer_type: str) -> None:
 
 @NATIVE_BUFFER
 def test_buffer_behaves_as_array() -> None:
-    Buffer = columns_module._NativeBuffer
+    Buffer = native.Buffer
     cases = {"q": [5, -(2**63), 2**63 - 1, True], "i": [7, -(2**31)], "d": [1.5, 2, float("nan")], "b": [1, 0, -128]}
     for code, values in cases.items():
         buffer, reference = Buffer(code), array.array(code)
@@ -172,8 +173,8 @@ def test_buffer_behaves_as_array() -> None:
     grown.append(2)
 
 
-def test_a_row_that_cannot_be_stored_leaves_the_columns_as_they_were(buffer_type: str) -> None:
-    cols = Columns(TENSORS_SCHEMA, TENSORS[:2])
+def test_a_row_that_cannot_be_stored_leaves_the_columns_as_they_were(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(TENSORS_SCHEMA, TENSORS[:2], number_array=number_array)
     bad = (5, 5, 0, (7, 8), "float32", "cpu", -1, True, 0.0, 1.0, 0.5, 1.0, 0, 0, "not an int", "")
     with pytest.raises(TypeError):
         cols.append(bad)  # fails at the checksum, after the shape's items and most numbers went in
@@ -183,12 +184,12 @@ def test_a_row_that_cannot_be_stored_leaves_the_columns_as_they_were(buffer_type
     assert repr(list(cols)) == repr(TENSORS)
 
 
-def test_out_of_step_buffers_are_refused_not_written(buffer_type: str) -> None:
-    cols = Columns(OPS_SCHEMA, OPS)
+def test_out_of_step_buffers_are_refused_not_written(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(OPS_SCHEMA, OPS, number_array=number_array)
     cols.parts[0].append(99)  # a row id with no row: a bug the table must not write
     with pytest.raises(ValueError, match="out of step"):
         cols.table()
-    cols = Columns(OPS_SCHEMA, OPS)
+    cols = Columns(OPS_SCHEMA, OPS, number_array=number_array)
     cols.parts[9].append(5)  # an input id with no length
     with pytest.raises(ValueError, match="out of step"):
         cols.table()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tracecmp.capture import stats
+from tracecmp.capture.native import cstats
 from tracecmp.capture.stats import (
     STAT_FIELDS,
     TensorStats,
@@ -34,13 +35,13 @@ needs_native = pytest.mark.skipif(not native_available(), reason=f"C++ kernel no
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 ALL_DTYPES = FLOATS + INTS + [torch.bool]
-BLOCK = stats._cstats.BLOCK if native_available() else 2048
+BLOCK = cstats.BLOCK if native_available() else 2048
 REL = 1e-12
 
 
 def native(t: torch.Tensor, threads: int = 1) -> tuple[Any, ...]:
     """The kernel called directly, so a test can choose the thread count."""
-    return stats._cstats.stats(t.data_ptr(), t.shape, t.stride(), stats._NATIVE_CODES[t.dtype], t.numel(), threads)
+    return cstats.stats(t.data_ptr(), t.shape, t.stride(), stats._NATIVE_CODES[t.dtype], t.numel(), threads)
 
 
 def _same_exact(a: Any, b: Any) -> bool:
@@ -306,7 +307,7 @@ def test_large_adversarial_mean_and_norm_are_within_the_bound(dtype: torch.dtype
 
 _ISA_SCRIPT = """
 import math, sys, torch
-from tracecmp import _cstats
+from tracecmp.capture.native import cstats
 from tracecmp.capture.stats import tensor_stats_row
 g = torch.Generator().manual_seed(7)
 base = torch.randn(3 * 2048 + 77, generator=g, dtype=torch.float64) * 1e3
@@ -319,7 +320,7 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch
     t = base.to(dtype)
     for view in (t, t[::3], t[: 6000].reshape(60, 100).t(), t[: 2048 * 3], t[101:4900]):
         rows.append(tensor_stats_row(view))
-print(_cstats.ISA)
+print(cstats.ISA)
 print(repr(rows))
 """
 
@@ -463,10 +464,10 @@ def test_native_is_built_when_required() -> None:
 )
 def test_bad_arguments_raise(call: Callable[[Any], Any]) -> None:
     with pytest.raises(ValueError):
-        call(stats._cstats)
+        call(cstats)
 
 
 @needs_native
 def test_wrong_arity_raises_type_error() -> None:
     with pytest.raises(TypeError):
-        stats._cstats.stats(0, (), ())
+        cstats.stats(0, (), ())

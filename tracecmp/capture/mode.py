@@ -14,9 +14,10 @@ Python-level hashing and costs ~1.1 us per lookup here against ~0.1 us, and ever
 looked up. Autograd bumps version counters (and hands a view its base's counter) only after the
 op returns, so written tensors' versions are read at the next op.
 
-The per-op path below is the reference; ``csrc/record.cpp`` (``tracecmp._crecord``) does the same
-steps in C on the same objects and is bound to each mode unless ``TRACECMP_FORCE_REFERENCE=1``
-(see csrc/README.md). Its rows are equal to the reference's (``tests/integration/test_native_capture.py``).
+The per-op path below is the reference; ``csrc/record.cpp`` (``tracecmp._crecord``, bound in
+:mod:`tracecmp.capture.native`) does the same steps in C on the same objects and is bound to each
+mode unless ``TRACECMP_FORCE_REFERENCE=1`` (see csrc/README.md). Its rows are equal to the
+reference's (``tests/integration/test_native_capture.py``).
 
 An input whose ``_version`` moved since it was recorded was written by something the trace did
 not see, *unless* the write went through another alias: views share their base's version
@@ -34,7 +35,6 @@ subclasses (DTensor, FakeTensor ...) are unwrapped or passed through (``tensorki
 from __future__ import annotations
 
 import functools
-import os
 import types
 import weakref
 from typing import Any, Callable, Iterable
@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
 from tracecmp.aten.schema import BUFFER, FRESH, ONE_FRESH, SCRATCH, VIEW, WRITE, OpInfo, arg_value, op_info
 from tracecmp.aten.schema import OP_INFOS as _OP_INFOS
+from tracecmp.capture import native
 from tracecmp.capture import stats as _stats
 from tracecmp.capture.collectives import CollectiveRecorder
 from tracecmp.capture.location import Locator
@@ -147,8 +148,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         self.step = 0
         self.chunk = 0  # index of the chunk being filled (names saved tensors "<chunk>/<id>")
         self.in_optimizer = False
-        self.rows = Columns(OPS_SCHEMA)
-        self.tensor_rows = Columns(TENSORS_SCHEMA)
+        self.rows = Columns(OPS_SCHEMA, number_array=native.NUMBER_ARRAY)
+        self.tensor_rows = Columns(TENSORS_SCHEMA, number_array=native.NUMBER_ARRAY)
         self.saved: dict[str, torch.Tensor] = {}
         self.saved_bytes = 0
         self.devices: dict[torch.device, tuple[str, int]] = {}
@@ -843,7 +844,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
         taken = self.rows, self.tensor_rows, self.saved
-        self.rows, self.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+        self.rows = Columns(OPS_SCHEMA, number_array=native.NUMBER_ARRAY)
+        self.tensor_rows = Columns(TENSORS_SCHEMA, number_array=native.NUMBER_ARRAY)
         self.saved, self.saved_bytes = {}, 0
         self._sweep()
         return taken
@@ -899,24 +901,13 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
 
 
 def _load_native() -> Any:
-    """``tracecmp._crecord`` configured with this module's helpers, or None (``NATIVE_ERROR`` says why)."""
-    global NATIVE_ERROR
-    try:
-        from tracecmp import _crecord as native
-    except ImportError as exc:
-        NATIVE_ERROR = f"tracecmp._crecord is not available ({exc}); capture runs its Python reference"
-        return None
-    try:
-        _configure(native)
-    except (TypeError, AttributeError) as exc:  # a torch without one of the helpers it is given
-        NATIVE_ERROR = f"tracecmp._crecord cannot run with this torch ({exc}); capture runs its Python reference"
-        return None
-    NATIVE_ERROR = None
-    return native
+    """``tracecmp._crecord`` configured with this module's helpers, or None (``native.error("_crecord")`` says why)."""
+    return native.configure_record(_native_helpers)
 
 
-def _configure(native: Any) -> None:
-    native.configure(
+def _native_helpers() -> dict[str, Any]:
+    """What ``tracecmp._crecord.configure`` takes: the reference's helpers and types (see ``_crecord.pyi``)."""
+    return dict(
         slow=CaptureMode.__torch_dispatch__,
         tensor_type=torch.Tensor,
         op_overload=torch._ops.OpOverload,
@@ -943,8 +934,7 @@ def _configure(native: Any) -> None:
     )
 
 
-NATIVE_ERROR: str | None = None  # why the C per-op path is not in use, when it is not
 _crecord = _load_native()
 # Modes made while this is true run the C per-op path; TRACECMP_FORCE_REFERENCE=1 (read at
 # import) forces the Python reference, as it does for the statistics kernel.
-USE_NATIVE = os.environ.get("TRACECMP_FORCE_REFERENCE", "") != "1"
+USE_NATIVE = not native.FORCE_REFERENCE

@@ -15,13 +15,13 @@ from typing import Any, ClassVar, Iterable, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from tracecmp._compat import announce_references
 from tracecmp.capture.compiled import HiddenHooks, RegionCapture
 from tracecmp.capture.folders import default_root, default_trace_dir
 from tracecmp.capture.forks import drop_mode
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope, is_compiling
+from tracecmp.capture.native import announce_references
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.select import Selection
 from tracecmp.capture.watch import OverflowWatch

@@ -20,9 +20,9 @@ arithmetic whatever the tensor's dtype:
 
 Complex tensors are summarised through ``torch.view_as_real``.
 
-The fused C++ pass in ``csrc/`` (module ``tracecmp._cstats``) computes the same numbers on CPU
-tensors: min, max, counts and checksum exactly, mean and norm to within rounding (its sums are
-pairwise in float64 and independent of layout, thread count and CPU). Tensors of
+The fused C++ pass in ``csrc/`` (module ``tracecmp._cstats``, bound in :mod:`tracecmp.capture.native`)
+computes the same numbers on CPU tensors: min, max, counts and checksum exactly, mean and norm to
+within rounding (its sums are pairwise in float64 and independent of layout, thread count and CPU). Tensors of
 ``_cstats.PARALLEL_MIN`` elements or more are split over torch's intra-op threads
 (``torch.get_num_threads()``, on torch's own OpenMP team where there is one; csrc/README.md,
 "Threads"). :func:`tensor_stats` and :func:`tensor_stats_row` use it when it is built and
@@ -32,20 +32,12 @@ pairwise in float64 and independent of layout, thread count and CPU). Tensors of
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from tracecmp.capture import native
 from tracecmp.capture.tensorkinds import kernel_readable
-
-try:
-    from tracecmp import _cstats
-except ImportError as exc:  # not built (no compiler at install time): the reference serves
-    _cstats = None
-    _NATIVE_ERROR: str | None = f"tracecmp._cstats is not importable: {exc}"
-else:
-    _NATIVE_ERROR = None
 
 STAT_FIELDS = ("min", "max", "mean", "norm", "nan_count", "inf_count", "checksum")
 
@@ -168,7 +160,7 @@ _NATIVE_CODES: dict[torch.dtype, int] = {
 _NativeFn = Callable[[int, Any, Any, int, int, int], tuple]
 _native_stats: _NativeFn | None = None  # None: use the reference
 # Below this many elements the kernel ignores the thread count, so the lookup (~40 ns) is skipped.
-_PARALLEL_MIN: int = _cstats.PARALLEL_MIN if _cstats is not None else 0
+_PARALLEL_MIN: int = native.cstats.PARALLEL_MIN if native.cstats is not None else 0
 
 
 def native_available() -> bool:
@@ -177,7 +169,7 @@ def native_available() -> bool:
     >>> isinstance(native_available(), bool)
     True
     """
-    return _cstats is not None
+    return native.cstats is not None
 
 
 def native_error() -> str | None:
@@ -186,7 +178,7 @@ def native_error() -> str | None:
     >>> native_error() is None or "tracecmp._cstats" in native_error()
     True
     """
-    return _NATIVE_ERROR
+    return native.error("_cstats")
 
 
 def set_force_reference(flag: bool) -> None:
@@ -199,10 +191,10 @@ def set_force_reference(flag: bool) -> None:
     >>> set_force_reference(False)
     """
     global _native_stats
-    _native_stats = None if flag or _cstats is None else _cstats.stats
+    _native_stats = None if flag or native.cstats is None else native.cstats.stats
 
 
-set_force_reference(os.environ.get("TRACECMP_FORCE_REFERENCE", "") == "1")
+set_force_reference(native.FORCE_REFERENCE)
 
 
 def tensor_stats_row(t: torch.Tensor) -> tuple[Any, ...]:
@@ -216,22 +208,22 @@ def tensor_stats_row(t: torch.Tensor) -> tuple[Any, ...]:
     >>> tensor_stats_row(torch.tensor([[1.0, float("inf")], [3.0, -1.0]]))[:6]
     (-1.0, inf, 1.0, 3.3166247903554, 0, 1)
     """
-    native = _native_stats
+    kernel = _native_stats
     code = _NATIVE_CODES.get(t.dtype)
     # The kernel reads memory: only plain dense strided tensors with storage (tensorkinds.py).
-    if native is not None and code is not None and t.is_cpu and not t.is_neg() and kernel_readable(t):
+    if kernel is not None and code is not None and t.is_cpu and not t.is_neg() and kernel_readable(t):
         n = t.numel()
         try:
-            return native(
+            return kernel(
                 t.data_ptr(), t.shape, t.stride(), code, n, torch.get_num_threads() if n >= _PARALLEL_MIN else 1
             )
         except (RuntimeError, ValueError):
             pass
-    return _row_slow(t, native)
+    return _row_slow(t, kernel)
 
 
-def _row_slow(t: torch.Tensor, native: _NativeFn | None) -> tuple[Any, ...]:
-    if native is not None and t.is_cpu and kernel_readable(t):
+def _row_slow(t: torch.Tensor, kernel: _NativeFn | None) -> tuple[Any, ...]:
+    if kernel is not None and t.is_cpu and kernel_readable(t):
         if t.is_complex():
             # view_as_real keeps the element order (re, im per element), as the definition says.
             return tensor_stats_row(torch.view_as_real(t.resolve_conj().resolve_neg()))

@@ -1,8 +1,8 @@
 """Row buffers kept as columns: what capture appends to and the writer turns into Arrow tables.
 
 A string column is a Python list. A number column (int64, int32, float64, bool) is an array of
-raw values, ``tracecmp._crecord.Buffer`` (``array.array`` where the extension is not built), with
-a second array of 0/1 validity bytes when it may hold None (the statistics of a tensor that has
+raw values (``array.array``, or any type of its interface the maker names: capture's row buffers
+take the native ``Buffer`` of :mod:`tracecmp.capture.native`), with a second array of 0/1 validity bytes when it may hold None (the statistics of a tensor that has
 none). A list column (``inputs``, ``outputs``, ``shape``) keeps its items flat in one int64 array
 and each row's length in an int32 array. Capture appends rows as it goes; the writer's thread
 turns a second of them into Arrow once. From arrays of raw values that is one copy of their bytes;
@@ -23,24 +23,12 @@ from __future__ import annotations
 
 import array
 import functools
-import os
 from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracecmp.trace.schema import STAT_COLUMNS
-
-try:
-    from tracecmp._crecord import Buffer as _NativeBuffer
-except ImportError:  # not built: the standard library's array has the same interface
-    _NativeBuffer = None
-
-# The array type of number columns. The C per-op path appends to a Buffer directly; it calls
-# ``append`` on anything else, so array.array serves it too, only slower.
-BUFFER: Callable[[str], Any] = (
-    _NativeBuffer if _NativeBuffer is not None and os.environ.get("TRACECMP_FORCE_REFERENCE") != "1" else array.array
-)
 
 # Arrow type -> array typecode (bool as int8 0/1, Arrow packs it into bits when the table is built).
 _CODES = {pa.int64(): "q", pa.int32(): "i", pa.float64(): "d", pa.bool_(): "b"}
@@ -94,11 +82,21 @@ class Columns:
     has there: ``s`` a list, ``n`` a number array, ``N`` a number array and its validity bytes,
     ``l`` an int64 array of items and an int32 array of lengths. The native per-op path
     (``csrc/record.cpp``) appends to them directly, in the same layout.
+
+    ``number_array(typecode)`` makes each array of numbers: ``array.array`` or a type with its
+    interface (``append``, ``extend``, ``len``, the buffer protocol with the typecode as format,
+    deletion or ``truncate``).
     """
 
     __slots__ = ("schema", "parts", "kinds", "_layout", "_appenders", "_mark")
 
-    def __init__(self, schema: pa.Schema, rows: Iterable[tuple[Any, ...]] = ()) -> None:
+    def __init__(
+        self,
+        schema: pa.Schema,
+        rows: Iterable[tuple[Any, ...]] = (),
+        *,
+        number_array: Callable[[str], Any] = array.array,
+    ) -> None:
         self.schema = schema
         plan = _plan(schema)
         parts: list[Any] = []
@@ -108,11 +106,11 @@ class Columns:
             if kind == "s":
                 parts.append([])
             elif kind == "l":
-                parts += [BUFFER("q"), BUFFER("i")]
+                parts += [number_array("q"), number_array("i")]
             else:
-                parts.append(BUFFER(code))
+                parts.append(number_array(code))
                 if kind == "N":
-                    parts.append(BUFFER("b"))
+                    parts.append(number_array("b"))
         self.parts: tuple[Any, ...] = tuple(parts)
         self.kinds = "".join(kind for kind, _ in plan).encode()
         self._layout = tuple(layout)
