@@ -49,9 +49,7 @@ KNOWN: dict[str, set[str]] = {
         "trace.writer -> aten.args",  # argument encoding is format knowledge
     },
     "results import no render": set(),
-    "private imports": {
-        "capture.recording: from tracecmp.capture.session import _distributed",
-    },
+    "private imports": set(),
     "constants defined once": set(),
     "short functions": {"comparison.api.compare"},
     "tests and benchmarks apart": {

@@ -28,6 +28,22 @@ _STORE_WAIT = timedelta(minutes=10)  # other ranks wait this long for rank 0's f
 _sessions = [0]  # default folders handed out in this process: the store key of the next one
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: the process group's, else torchrun's environment
+    (before, or without, a process group every worker must still write its own rank), else (0, 1).
+
+    >>> rank_and_world()  # doctest: +SKIP
+    (0, 1)
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if rank.isdigit() and world.isdigit() and int(rank) < int(world):
+        return int(rank), int(world)
+    return 0, 1
+
+
 def default_root() -> Path:
     """The folder auto-named traces go into: ``$TRACECMP_DIR``, else ``./tracecmp-traces``."""
     return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR)

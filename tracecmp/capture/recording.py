@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from tracecmp.capture.folders import rank_and_world
 from tracecmp.capture.modules import is_compiling
-from tracecmp.capture.session import TraceCompare, _distributed
+from tracecmp.capture.session import TraceCompare
 from tracecmp.errors import CaptureWriteError, TracecmpError, TraceExistsError
 from tracecmp.trace.reader import step_ranges
 from tracecmp.trace.writer import existing_trace
@@ -53,7 +54,7 @@ class Recording:
         self.program = program
         self.session: _ProgramSession | None = None
         self._original_call: Any = None  # Module.__call__ while ours stands in for it
-        self._rank = _distributed()[0]
+        self._rank = rank_and_world()[0]
         self._made = False  # check_folder made the folder (removed again if nothing is recorded)
         self._disowned = False  # this process is a child forked from the recorded one (_disown)
 

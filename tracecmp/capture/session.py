@@ -16,7 +16,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from tracecmp.capture.compiled import HiddenHooks, RegionCapture
-from tracecmp.capture.folders import default_root, default_trace_dir
+from tracecmp.capture.folders import default_root, default_trace_dir, rank_and_world
 from tracecmp.capture.forks import drop_mode
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
@@ -55,17 +55,6 @@ _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
 # stay a few MB and the memory held for the writer stays bounded.
 _HANDOVER_ROWS = 65_536
 _HANDOVER_BYTES = 64 << 20  # saved tensors (data="tensors")
-
-
-def _distributed() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    # Under torchrun before (or without) a process group: every worker must still write its own rank.
-    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
-    if rank.isdigit() and world.isdigit() and int(rank) < int(world):
-        return int(rank), int(world)
-    return 0, 1
 
 
 def _ddp_module(model: torch.nn.Module | None) -> torch.nn.Module | None:
@@ -325,7 +314,7 @@ class TraceCompare:
             raise CaptureError("this TraceCompare was already used; make a new one", path=self.path)
         self._used = True
         announce_references()
-        rank, world_size = _distributed()
+        rank, world_size = rank_and_world()
         self._rank = rank
         if self.path is None:
             try:
