@@ -155,7 +155,7 @@ def capture(name: str, path: Path, only: str | None) -> dict[str, Any]:
 
 def margins() -> list[dict[str, Any]]:
     """Child: how far the standards sit from clean runs and from faults, on the demo transformer's
-    Adam step (the integration tests' runs: ``tests/integration/test_check_models.py``).
+    Adam step (the integration tests' runs, from ``workloads/kernel_faults.py``).
 
     For a clean run: the largest ratio of an op's own error to an honest replay's among the ops
     whose error exceeds the floor (there the ratio decides; an op errs beyond ``margin`` = 4), and
@@ -165,7 +165,7 @@ def margins() -> list[dict[str, Any]]:
 
     sys.path.insert(0, str(ROOT))
     import tracecmp
-    from tests.integration.test_check_models import capture as capture_demo
+    from workloads.kernel_faults import capture as capture_demo
 
     torch.set_num_threads(1)
     runs: list[tuple[str, dict[str, Any]]] = [

@@ -41,7 +41,7 @@ def worker(model_name: str, backend: str, rounds: int, threads: int | None, comp
 
     sys.path.insert(0, str(ROOT))
     import tracecmp
-    from tests.compile_models import VOCAB, TinyGPT
+    from workloads.compile_models import VOCAB, TinyGPT
 
     if threads:
         torch.set_num_threads(threads)

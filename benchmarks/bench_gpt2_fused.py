@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import tracecmp  # noqa: E402
-from benchmarks.localization.faults import corrupt_  # noqa: E402
+from workloads.localization.faults import corrupt_  # noqa: E402
 
 SIZES = {
     # Dropout off: both sides then draw nothing, so a clean pair differs by rounding alone.

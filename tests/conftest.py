@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.models import example_batch, make_model, make_optimizer, train_step  # noqa: E402
+from workloads.models import example_batch, make_model, make_optimizer, train_step  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def _restore_threads() -> Iterator[None]:
 
 @pytest.fixture
 def capture(tmp_path: Path) -> Callable[..., Path]:
-    """Trace ``steps`` training steps of a model from :mod:`tests.models`; returns the trace folder.
+    """Trace ``steps`` training steps of a model from :mod:`workloads.models`; returns the trace folder.
 
     >>> path = capture("mlp", steps=2)  # doctest: +SKIP
     """

@@ -1,6 +1,6 @@
 """The fused variant: one side runs a part fused, the other eager, and tracecmp must still agree.
 
-For each part of :mod:`benchmarks.localization.fused_models` (attention, RMSNorm, SwiGLU, AdamW)
+For each part of :mod:`workloads.localization.fused_models` (attention, RMSNorm, SwiGLU, AdamW)
 and each direction (the target fused and the bench eager, and the reverse) the cases are:
 
 - *clean*: no fault; the comparison must report no root at all;
@@ -19,9 +19,9 @@ from __future__ import annotations
 import zlib
 from typing import Iterable
 
-from benchmarks.localization.cases import CallRecord, Case, Profile, changes_nothing, choose_sites, profile, rng_for
-from benchmarks.localization.faults import OutputFault, Plan
-from benchmarks.localization.fused_models import PARTS, FusedConfig
+from workloads.localization.cases import CallRecord, Case, Profile, changes_nothing, choose_sites, profile, rng_for
+from workloads.localization.faults import OutputFault, Plan
+from workloads.localization.fused_models import PARTS, FusedConfig
 
 VARIANTS = ("fused", "fused-plain")
 DIRECTIONS = ("fused-target", "fused-bench")

@@ -42,17 +42,15 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
-from benchmarks.localization.cases import Case, choose_sites
-from benchmarks.localization.faults import ArgFault, CallRecord, Injector, Observation, OutputFault, Plan, Site
 from benchmarks.localization.realmodels import BENCH_OF, EXTRA_MODELS, PRECISIONS, REAL_MODELS, build_real
-from benchmarks.localization.run import HarnessError, Record, Result, find_truth, group_table, pct, publish, score
-
-if TYPE_CHECKING:
-    import pandas as pd
+from benchmarks.localization.run import group_table, pct, publish
+from workloads.localization.cases import Case, choose_sites
+from workloads.localization.faults import ArgFault, CallRecord, Injector, Observation, OutputFault, Plan, Site
+from workloads.localization.runner import HarnessError, Record, Result, find_truth, score
 
 STEPS = {"n": 2}  # training steps per run (``--steps``, set in every worker)
 SCALE = 0.05
@@ -174,36 +172,10 @@ def capture(
     return injector.obs, injector.calls or [], workload.losses, time.perf_counter() - start
 
 
-def beyond_fault_size(tensors: pd.DataFrame, rank: int, from_op: int, size: float) -> dict[str, int]:
-    """How many compared float tensors a clean pair made from op ``from_op`` on (where its runs
-    drifted apart, or its first op), and how many of them differ from the bench's by ``size`` (a
-    fault's relative size) or more, in norm/mean and at the extremes (max/min). Where clean tensors
-    differ that much, statistics cannot tell a fault of that size from the pair's own rounding.
-
-    >>> import pandas as pd
-    >>> t = pd.DataFrame({"rank": [0, 0, 0, 0], "op_id": [3, 7, 8, 9], "numel": [10, 10, 10, 10],
-    ...                   "unit": [0.0039, 0.0039, 0.0, 0.0039], "exact": [False, False, False, True],
-    ...                   "e_sys": [0.2, 0.06, 1.0, 0.0], "e_ext": [0.3, 0.01, 1.0, 0.0]})
-    >>> beyond_fault_size(t, 0, 5, 0.05)  # op 8's output holds integers: not counted
-    {'from_op': 5, 'tensors': 2, 'norm_mean': 1, 'max_min': 0}
-    """
-    rows = tensors[
-        (tensors["rank"] == rank) & (tensors["op_id"] >= from_op) & (tensors["numel"] > 1) & (tensors["unit"] > 0)
-    ]
-    rows = rows[rows["e_sys"].notna()]
-    off = rows[~rows["exact"].astype(bool)]
-    return {
-        "from_op": from_op,
-        "tensors": len(rows),
-        "norm_mean": int((off["e_sys"] >= size).sum()),
-        "max_min": int((off["e_ext"] >= size).sum()),
-    }
-
-
 _COMPARE_CHILD = r"""
 import json, resource, sys, time
 import tracecmp
-from benchmarks.localization.realsize import beyond_fault_size
+from workloads.localization.runner import beyond_fault_size
 start = time.perf_counter()
 result = tracecmp.compare(sys.argv[1], sys.argv[2], progress=False)
 seconds = time.perf_counter() - start

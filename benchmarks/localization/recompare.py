@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.localization.cases import plan_all
-from benchmarks.localization.models import FAMILIES
-from benchmarks.localization.run import MODEL_SEED, bench_key
+from workloads.localization.cases import plan_all
+from workloads.localization.models import FAMILIES
+from workloads.localization.runner import MODEL_SEED, bench_key
 
 
 def fingerprint(result: Any) -> dict[str, Any]:

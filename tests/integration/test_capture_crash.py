@@ -27,7 +27,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     import torch
     import tracecmp
-    from tests.models import example_batch, loss_of, make_model, make_optimizer
+    from workloads.models import example_batch, loss_of, make_model, make_optimizer
 
     trace, ready, case = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     kill_at = {"sync": 2, "sync-call": 2, "every-step": 4, "interval": 6}[case]

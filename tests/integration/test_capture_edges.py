@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.errors import CaptureError
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 
 def _trace(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -354,7 +354,7 @@ def test_a_session_recording_no_step_lets_the_program_run(tmp_path: Path) -> Non
 _AFTER_A_COMPILE = r"""
 import sys, torch
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.randn(4))  # any compile, before the optimizer exists
 model, batch = make_model("mlp"), example_batch("mlp")

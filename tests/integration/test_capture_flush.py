@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.capture import session
 from tracecmp.errors import CaptureError
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 
 def _train(path: Path, steps: int = 4, **options: Any) -> tracecmp.TraceCompare:

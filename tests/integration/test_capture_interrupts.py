@@ -17,9 +17,9 @@ import torch
 
 import tracecmp
 import tracecmp.capture.mode as mode_module
-from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.cli.inspect import summarize
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     import torch, tracecmp
-    from tests.models import example_batch, make_model, make_optimizer, train_step
+    from workloads.models import example_batch, make_model, make_optimizer, train_step
 
     trace, ready = sys.argv[1], sys.argv[2]
     model, batch = make_model("mlp"), example_batch("mlp")

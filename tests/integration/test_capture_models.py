@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracecmp
-from tests.models import MODELS, example_batch, make_model, make_optimizer, train_step
+from workloads.models import MODELS, example_batch, make_model, make_optimizer, train_step
 
 # (module, op) pairs each model's forward and backward must contain, named as named_modules() does.
 EXPECTED = {
@@ -49,7 +49,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every model of tests.models traced for two Adam steps (GPT-2 also with SGD below)."""
+    """Every model of workloads.models traced for two Adam steps (GPT-2 also with SGD below)."""
     out = {}
     for name in MODELS:
         torch.manual_seed(0)

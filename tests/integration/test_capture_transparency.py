@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tracecmp
-from tests.models import example_batch, loss_of, make_model, make_optimizer
+from workloads.models import example_batch, loss_of, make_model, make_optimizer
 
 
 def _run(name: str, trace_to: Path | None, data: str = "stats") -> dict[str, Any]:

@@ -27,8 +27,8 @@ import torch
 
 import tracecmp
 import tracecmp.trace.writer as writer_module
-from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.cli.inspect import summarize
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 QUOTA = 256 << 10
 STEPS = 6

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.errors import CaptureError, CaptureWarning, CaptureWriteError
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
 from tracecmp.trace.writer import BackgroundWriter, RankWriter
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 
 def _fail_chunk(monkeypatch: pytest.MonkeyPatch, index: int) -> None:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import tracecmp
-from tests.compile_models import FAULTS, ScaleNode, TinyGPT, tiny_batch
 from tracecmp._compat import TORCH_VERSION
 from tracecmp.comparison.compiled import judge as compiled_judge
+from workloads.compile_models import FAULTS, ScaleNode, TinyGPT, tiny_batch
 
 # Compiled regions are recorded from torch 2.2 on, and the model's custom GELU needs 2.4.
 pytestmark = pytest.mark.skipif(TORCH_VERSION < (2, 4), reason="custom ops inside compiled regions need torch 2.4")

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import tracecmp
-from tests.compile_models import CountingBackend, TinyGPT, tiny_batch
 from tests.integration.test_compile_transparency import needs_inductor
 from tracecmp._compat import TORCH_VERSION
+from workloads.compile_models import CountingBackend, TinyGPT, tiny_batch
 
 pytestmark = pytest.mark.skipif(TORCH_VERSION < (2, 2), reason="compiled regions are recorded from torch 2.2 on")
 

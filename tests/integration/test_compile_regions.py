@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import tracecmp
-from tests.compile_models import FAULTS, CountingBackend, TinyGPT, between_blocks, tiny_batch
 from tracecmp._compat import TORCH_VERSION
 from tracecmp.trace.compiled import GRAPH_LABEL
+from workloads.compile_models import FAULTS, CountingBackend, TinyGPT, between_blocks, tiny_batch
 
 # torch < 2.2 guards compiled code on capture's global hooks: a session would describe copies of
 # the graphs compiled for it, so capture records compiled code there without regions (README).

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import tracecmp
-from tests.compile_models import CountingBackend, TinyGPT, tiny_batch
 from tracecmp._compat import TORCH_VERSION
+from workloads.compile_models import CountingBackend, TinyGPT, tiny_batch
 
 # torch < 2.2 guards compiled code on the global module hooks and has no compile callbacks that
 # could hide capture's hooks from it: inside a session each graph compiles again (once per set of

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.localization.cases import category, choose_sites, plan_model, profile
-from benchmarks.localization.faults import (
+from workloads.localization.cases import category, choose_sites, plan_model, profile
+from workloads.localization.faults import (
     ArgFault,
     Injector,
     Insertion,
@@ -28,8 +28,8 @@ from benchmarks.localization.faults import (
     in_layout_of,
     round_tf32,
 )
-from benchmarks.localization.models import build
-from benchmarks.localization.run import bench_key, run_case
+from workloads.localization.models import build
+from workloads.localization.runner import bench_key, run_case
 
 
 def _tf32_reference(v: float) -> float:
@@ -187,7 +187,7 @@ def _cases(model: str) -> dict[str, Any]:
 
 
 def _run(case: Any, tmp_path: Path) -> Any:
-    from benchmarks.localization.run import record_run
+    from workloads.localization.runner import record_run
 
     torch.set_num_threads(1)
     bench = tmp_path / "benches" / bench_key(case)
@@ -220,7 +220,7 @@ def test_identical_runs_report_no_divergence(tmp_path: Path) -> None:
 
 def test_tensors_mode_replay_finds_a_fault_below_the_tf32_background(tmp_path: Path) -> None:
     """A 1e-4 fault in threshold_backward, 5x below the TF32 noise its inputs carry: statistics miss it."""
-    from benchmarks.localization.run import CAPTURE
+    from workloads.localization.runner import CAPTURE
 
     case = next(
         c
@@ -242,8 +242,8 @@ def test_tensors_mode_replay_finds_a_fault_below_the_tf32_background(tmp_path: P
 def test_the_tf32_background_alone_is_no_divergence_whichever_way_it_rounds(
     rounding: str, data: str, tmp_path: Path
 ) -> None:
-    from benchmarks.localization.faults import TF32_ROUNDING
-    from benchmarks.localization.run import CAPTURE
+    from workloads.localization.faults import TF32_ROUNDING
+    from workloads.localization.runner import CAPTURE
 
     previous = CAPTURE["data"], TF32_ROUNDING["how"]
     CAPTURE["data"], TF32_ROUNDING["how"] = data, rounding
@@ -258,8 +258,8 @@ def test_the_tf32_background_alone_is_no_divergence_whichever_way_it_rounds(
 def test_a_matmul_fault_below_the_tf32_background_is_found_where_the_runs_matmuls_are_reproduced(
     tmp_path: Path,
 ) -> None:
-    from benchmarks.localization.faults import TF32_ROUNDING
-    from benchmarks.localization.run import CAPTURE
+    from workloads.localization.faults import TF32_ROUNDING
+    from workloads.localization.runner import CAPTURE
 
     case = next(
         c
@@ -280,7 +280,7 @@ def test_a_matmul_fault_below_the_tf32_background_is_found_where_the_runs_matmul
 def test_the_census_counts_clean_tensors_off_by_a_faults_size_from_the_drift_on() -> None:
     import pandas as pd
 
-    from benchmarks.localization.realsize import beyond_fault_size
+    from workloads.localization.runner import beyond_fault_size
 
     tensors = pd.DataFrame(
         {

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.models import MODELS
 from tracecmp.capture import mode as capture_mode
 from tracecmp.capture import native
+from workloads.models import MODELS
 
 pytestmark = pytest.mark.skipif(capture_mode._crecord is None, reason="tracecmp._crecord is not built")
 
@@ -34,7 +34,7 @@ _PROGRAM = textwrap.dedent(
     import torch
     import tracecmp
     from tracecmp.capture import mode as capture_mode
-    from tests.models import example_batch, make_model, make_optimizer, train_step
+    from workloads.models import example_batch, make_model, make_optimizer, train_step
 
     capture_mode.USE_NATIVE = sys.argv[1] == "native"
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = int(os.environ.get("TRACECMP_FUZZ_CASES", "100"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tracecmp
-from benchmarks.localization.faults import Injector, OutputFault, Plan, Site
+from workloads.localization.faults import Injector, OutputFault, Plan, Site
 
 
 def _record(path: Path, precision: str, plan: Plan, optimizer: str = "single") -> Path:

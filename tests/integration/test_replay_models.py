@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tracecmp
-from tests import models as M
+from workloads import models as M
 
 
 def _capture(path, name: str, dtype: torch.dtype) -> str:

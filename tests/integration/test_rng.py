@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import tracecmp
-from tests.models import example_batch, make_model, make_optimizer, train_step
 from tracecmp.aten.schema import arg_value, op_info
 from tracecmp.capture import rng
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 aten = torch.ops.aten
 

@@ -1,7 +1,7 @@
 """A single fault yields a single root: the ops downstream of it inherit its error and are no
 roots of their own, though what statistics say of that error is a lower bound only.
 
-The transformer block of ``tests/models.py`` with its MLP's first ``addmm`` (``mlp.0``) scaled by
+The transformer block of ``workloads/models.py`` with its MLP's first ``addmm`` (``mlp.0``) scaled by
 1.001: before the downstream margin, compare also named the bias gradient of ``mlp.2`` (a sum
 over tokens of an error the scale spread unevenly) or the head.
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tracecmp
-from benchmarks.localization.faults import Injector, OutputFault, Plan, Site
-from benchmarks.localization.models import build
+from workloads.localization.faults import Injector, OutputFault, Plan, Site
+from workloads.localization.models import build
 
 
 def _record(path: Path, plan: Plan) -> Path:

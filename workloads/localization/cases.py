@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.localization.faults import (
+from workloads.localization.faults import (
     INSERTIONS,
     MAGNITUDES,
     ArgFault,
@@ -31,7 +31,7 @@ from benchmarks.localization.faults import (
     corrupt_,
     relative_change,
 )
-from benchmarks.localization.models import FAMILIES, build_workload
+from workloads.localization.models import FAMILIES, build_workload
 
 VARIANTS = ("plain", "structure", "tf32")
 WEIGHT_PERTURBATION = 1e-3

@@ -1,4 +1,4 @@
-"""The five model families of the localization benchmark, taken from the shared ``tests/models.py``.
+"""The five model families of the localization benchmark, taken from the shared :mod:`workloads.models`.
 
 Two deliberate differences from the tests' use of those models, both applied to target and bench:
 
@@ -15,23 +15,17 @@ their masks are equal.
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from tests import models as shared  # noqa: E402  (needs the repository root on sys.path)
+from workloads import models as shared
 
 if TYPE_CHECKING:
-    from benchmarks.localization.fused_models import FusedWorkload
+    from workloads.localization.fused_models import FusedWorkload
 
 FAMILIES = ("mlp", "convnet", "lstm", "transformer", "gpt2")
 _OPTIMIZER = {"mlp": "sgd", "convnet": "sgd", "lstm": "adam", "transformer": "adam", "gpt2": "adam"}
@@ -89,8 +83,8 @@ def build(family: str, seed: int = 1234) -> Workload:
 
 def build_workload(family: str, seed: int = 1234) -> "Workload | FusedWorkload":
     """:func:`build` for the five families, or the fused variant's block for ``fused-<parts>``
-    (see :mod:`benchmarks.localization.fused_models`)."""
-    from benchmarks.localization.fused_models import build_fused, config_of
+    (see :mod:`workloads.localization.fused_models`)."""
+    from workloads.localization.fused_models import build_fused, config_of
 
     if family.startswith("fused-"):
         return build_fused(config_of(family), seed)
