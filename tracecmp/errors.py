@@ -63,11 +63,11 @@ class CompareError(TracecmpError):
 class OverflowDetected(TracecmpError):
     """Raised by ``TraceCompare(overflow="raise")`` at the first op producing NaN/Inf from finite inputs.
 
-    ``overflow`` is the :class:`tracecmp.overflow.Overflow` record (op, module, phase, step,
+    ``overflow`` is the :class:`tracecmp.aten.overflow.Overflow` record (op, module, phase, step,
     location, input and output ranges, notes); its main fields are also attributes here. ``path``
     is the trace folder, committed up to and including that op and marked incomplete.
 
-    >>> from tracecmp.overflow import Overflow
+    >>> from tracecmp.aten.overflow import Overflow
     >>> e = OverflowDetected(Overflow("aten.mm.default", "fc", "forward", 0, "t.py:3", 4, 0), path="runs/t")
     >>> e.op, e.module
     ('aten.mm.default', 'fc')

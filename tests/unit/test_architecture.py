@@ -46,7 +46,6 @@ HELPERS = "workloads"  # what tests and benchmarks share (models, fault injectio
 # Breaks still to be mended, by rule. Entries read as the checks below print them.
 KNOWN: dict[str, set[str]] = {
     "layers": {
-        "capture.session -> overflow",  # OverflowDetected and the overflow record belong below capture
         "trace.writer -> aten.args",  # argument encoding is format knowledge
     },
     "results import no render": set(),

@@ -5,6 +5,7 @@
   and a call's outputs in capture's order.
 * :mod:`tracecmp.aten.args`: a call's non-tensor arguments as JSON text and back.
 * :mod:`tracecmp.aten.opclass`: how an op carries its inputs' error to its outputs.
+* :mod:`tracecmp.aten.overflow`: the overflow record, an op whose finite inputs produced NaN/Inf.
 
 Nothing here imports capture or comparison: both import this.
 """

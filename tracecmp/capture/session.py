@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from tracecmp.aten.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.capture.compiled import HiddenHooks, RegionCapture
 from tracecmp.capture.folders import default_root, default_trace_dir, rank_and_world
 from tracecmp.capture.forks import drop_mode
@@ -33,7 +34,6 @@ from tracecmp.errors import (
     TracecmpError,
     TraceExistsError,
 )
-from tracecmp.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.seeding import last_seed_settings
 from tracecmp.trace.reader import kept_steps, load_rank, step_ranges
 from tracecmp.trace.writer import (
