@@ -45,9 +45,7 @@ HELPERS = "workloads"  # what tests and benchmarks share (models, fault injectio
 
 # Breaks still to be mended, by rule. Entries read as the checks below print them.
 KNOWN: dict[str, set[str]] = {
-    "layers": {
-        "trace.writer -> aten.args",  # argument encoding is format knowledge
-    },
+    "layers": set(),
     "results import no render": set(),
     "private imports": set(),
     "constants defined once": set(),

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tracecmp.aten.args import ArgsEncoder, scan
 from tracecmp.aten.schema import FRESH, VIEW, WRITE, op_info
+from tracecmp.trace.args import ArgsEncoder, scan
 
 aten = torch.ops.aten
 

@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._C import _current_autograd_node
 
-from tracecmp.aten.args import scan, scan_value
 from tracecmp.aten.schema import OpInfo, arg_value
+from tracecmp.trace.args import scan, scan_value
 
 if TYPE_CHECKING:
     from tracecmp.capture.mode import CaptureMode

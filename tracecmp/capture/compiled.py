@@ -40,8 +40,8 @@ from torch._C._autograd import _get_sequence_nr
 from torch.utils._pytree import tree_flatten
 
 from tracecmp._compat import TORCH_VERSION
-from tracecmp.aten.args import ArgsEncoder
 from tracecmp.aten.schema import op_info
+from tracecmp.trace.args import ArgsEncoder
 from tracecmp.trace.compiled import BOUNDARY_OPS, CompiledGraph, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.schema import ALIAS_UPDATE_OP
 

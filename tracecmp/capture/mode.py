@@ -45,7 +45,6 @@ from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from tracecmp.aten.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
 from tracecmp.aten.schema import BUFFER, FRESH, ONE_FRESH, SCRATCH, VIEW, WRITE, OpInfo, arg_value, op_info
 from tracecmp.aten.schema import OP_INFOS as _OP_INFOS
 from tracecmp.capture import native
@@ -58,6 +57,7 @@ from tracecmp.capture.select import Selection
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
+from tracecmp.trace.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA, UNREAD_SOURCE
 

@@ -16,8 +16,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from tracecmp.aten.args import memory_order
 from tracecmp.errors import TracecmpError
+from tracecmp.trace.args import memory_order
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import (
     FORMAT_NAME,
