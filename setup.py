@@ -5,6 +5,7 @@ else is in pyproject.toml. Both are optional: when no C++ compiler is available 
 succeeds (with a warning) and tracecmp runs their pure-Python/torch references. Neither includes
 torch headers, so they need no torch at build time and survive torch upgrades (see csrc/README.md).
 """
+
 from __future__ import annotations
 
 import sys
@@ -60,7 +61,14 @@ setup(
         ),
         Extension(
             "tracecmp._crecord",
-            sources=["csrc/record.cpp"],
+            # One module, its files by concern: the module, the row buffers, tensor identity, the per-op path.
+            sources=[
+                "csrc/record.cpp",
+                "csrc/record_buffer.cpp",
+                "csrc/record_identity.cpp",
+                "csrc/record_dispatch.cpp",
+            ],
+            depends=["csrc/record.hpp"],
             language="c++",
             extra_compile_args=CXX_FLAGS,
         ),

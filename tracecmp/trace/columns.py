@@ -81,7 +81,7 @@ class Columns:
     ``parts`` holds them in schema order and ``kinds`` says, one byte per field, what each field
     has there: ``s`` a list, ``n`` a number array, ``N`` a number array and its validity bytes,
     ``l`` an int64 array of items and an int32 array of lengths. The native per-op path
-    (``csrc/record.cpp``) appends to them directly, in the same layout.
+    (``csrc/record_buffer.cpp``) appends to them directly, in the same layout.
 
     ``number_array(typecode)`` makes each array of numbers: ``array.array`` or a type with its
     interface (``append``, ``extend``, ``len``, the buffer protocol with the typecode as format,
