@@ -80,7 +80,10 @@ class PassThroughMode(TorchDispatchMode):
 
 def drop_rows(mode: Any) -> None:
     """Throw the mode's buffered rows away (what "capture only" does instead of writing them)."""
-    mode.rows, mode.tensor_rows = Columns(OPS_SCHEMA), Columns(TENSORS_SCHEMA)
+    from tracecmp.capture.native import NUMBER_ARRAY
+
+    mode.rows = Columns(OPS_SCHEMA, number_array=NUMBER_ARRAY)
+    mode.tensor_rows = Columns(TENSORS_SCHEMA, number_array=NUMBER_ARRAY)
 
 
 def per_step(
