@@ -584,10 +584,15 @@ def diagnosis(r: Result) -> str:
     if cmp.first:
         parts.append(f"{cmp.first.get('kind', '?')}: {cmp.first.get('reason', '')}")
         first = (cmp.first.get("op"), cmp.first.get("module") or "", cmp.first.get("phase"), cmp.first.get("step"))
+        counts: dict[tuple[str | None, ...], int] = {}
+        for x in cmp.roots:
+            key = (x.get("op"), x.get("module") or "", x.get("phase"), x.get("step"))
+            counts[key] = counts.get(key, 0) + 1
+        counts[first] = counts.get(first, 1) - 1  # the first divergence is one of the roots
         others = [
-            f"{x.get('op')} in {x.get('module') or '<top>'} ({x.get('phase')}, step {x.get('step')})"
-            for x in cmp.roots
-            if (x.get("op"), x.get("module") or "", x.get("phase"), x.get("step")) != first
+            f"{op} in {module or '<top>'} ({phase}, step {step})" + (f" x{n}" if n > 1 else "")
+            for (op, module, phase, step), n in counts.items()
+            if n > 0
         ]
         if others:
             more = f" and {len(others) - 4} more" if len(others) > 4 else ""
@@ -599,6 +604,20 @@ def diagnosis(r: Result) -> str:
     own = [line for line in r.target.own_lines + r.bench.own_lines if "warn" in line.lower() or "error" in line.lower()]
     parts += own[:2]
     return "; ".join(parts) or cmp.verdict
+
+
+def load_results(path: Path) -> list[Result]:
+    """The results a run wrote (``results.json``), judged again against the variants as they are now."""
+    expects = {(v.script, v.name): v.expect for v in VARIANTS}
+    results = []
+    for raw in json.loads(Path(path).read_text()):
+        cmp = CompareRun(**raw["compare"]) if raw["compare"] else None
+        raw = {**raw, "target": RecordRun(**raw["target"]), "bench": RecordRun(**raw["bench"]), "compare": cmp}
+        expect = expects.get((raw["script"], raw["variant"]))
+        if expect is not None:
+            raw.update(expect=expect.describe(), met=judge(expect, cmp))
+        results.append(Result(**raw))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -614,7 +633,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (0: unset)")
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--list", action="store_true", help="list the variants and exit")
+    parser.add_argument("--table", metavar="RESULTS", help="print the table of a run's results.json again and exit")
     args = parser.parse_args(argv)
+
+    if args.table:
+        print(markdown(load_results(Path(args.table))))
+        return 0
 
     scripts = args.scripts.split(",") if args.scripts else None
     unknown = set(scripts or ()) - set(SCRIPTS)
