@@ -1,5 +1,5 @@
-"""Shared test set-up: the repository on sys.path, torch seeded per test and its thread count restored per
-module, a captured-trace fixture."""
+"""Shared test set-up: the repository on sys.path, torch seeded per test, its thread count restored
+and Dynamo's cache emptied per module, a captured-trace fixture."""
 
 from __future__ import annotations
 
@@ -30,6 +30,15 @@ def _restore_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo() -> Iterator[None]:
+    """Each module compiles from an empty Dynamo cache: a frame compiled by an earlier module (another
+    backend, a dimension marked dynamic) would otherwise serve this module's calls of the same code."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    yield
 
 
 @pytest.fixture
