@@ -39,7 +39,7 @@ struct Config {
   PyObject* marker = nullptr;          // trace.args.TENSOR_MARK, a tensor in a memo key
   PyObject* scan_value = nullptr;      // trace.args.scan_value, for values the C walk does not know
   PyObject* plain_types = nullptr;     // (dtype, device, layout, memory_format): kept as is
-  PyObject* rec_type = nullptr;        // mode._Rec
+  PyObject* rec_type = nullptr;        // identity.TensorRef
   PyObject* current_node = nullptr;    // torch._C._current_autograd_node
   PyObject* sequence_nr = nullptr;     // torch._C._autograd._get_sequence_nr
   PyObject* grad_enabled = nullptr;    // torch.is_grad_enabled
@@ -61,16 +61,17 @@ extern Config g;
 // Interned attribute and key names.
 struct Names {
 #define TRACECMP_NAMES(X)                                                                        \
-  X(_unsettled) X(_known) X(_next_op) X(_next_tensor) X(step) X(in_optimizer) X(rows)           \
+  X(ids) X(known) X(next_id) X(unsettled) X(held) X(writes) X(forget_cb) X(collectives)          \
+  X(awaited_groups) X(_next_op) X(step) X(in_optimizer) X(rows)                                 \
   X(tensor_rows) X(_row_limit) X(saved_bytes) X(_max_bytes) X(_save_data) X(_plain) X(_stack)   \
-  X(_args_memo) X(_args) X(_dtypes) X(_forget_cb) X(scope) X(_locator) X(_on_limit) X(_enter)   \
-  X(_outputs) X(_value) X(_bare) X(_dtype) X(_backward_context) X(_writes) X(encode) X(current) \
+  X(_args_memo) X(_args) X(_dtypes) X(scope) X(_locator) X(_on_limit) X(_enter)                 \
+  X(_outputs) X(_value) X(_bare) X(_dtype) X(encode) X(current)                                 \
   X(depth) X(seq_info) X(claims) X(claim_floor) X(_code) X(_text) X(_classify) X(tid)           \
   X(version) X(group) X(key) X(_version) X(requires_grad) X(is_inference) X(is_cpu) X(dtype)    \
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(_awaited_groups) X(write_only) X(_unbumped) X(_held) X(_base)
+  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(write_only) X(_unbumped) X(_base)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -81,7 +82,7 @@ struct Names {
 extern Names s;
 
 constexpr Py_ssize_t kTextLimit = Py_ssize_t{1} << 16;  // location.py's _TEXT_LIMIT
-constexpr Py_ssize_t kWriteHistory = 16;                 // mode.py's _WRITE_HISTORY
+constexpr Py_ssize_t kWriteHistory = 16;                 // identity.py's WRITE_HISTORY
 constexpr unsigned long long kSeqNone = 1ULL << 63;       // mode.py's _SEQ_NONE
 
 inline PyObject* dict_of(PyObject* obj) { return PyObject_GenericGetDict(obj, nullptr); }
@@ -129,14 +130,17 @@ bool ready_buffer_type();  // once, at import
 bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* rows = nullptr);
 
 // ---- record_identity.cpp: which value each tensor holds ---------------------------------------
+// ``md`` is the mode's instance dict, ``idd`` its identity's (mode.ids, a capture.identity.TensorIds).
 
 PyObject* record_of(PyObject* known, PyObject* t, PyObject* id);
 PyObject* version_of(PyObject* t);
-PyObject* remember(PyObject* md, PyObject* t, PyObject* tid, PyObject* version, PyObject* group);
-bool settle(PyObject* mode, PyObject* md);
-bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObject* outputs);
-bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* op_id, PyObject* outputs);
-bool fresh(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObject* outputs, bool stats);
+PyObject* remember(PyObject* idd, PyObject* t, PyObject* tid, PyObject* version, PyObject* group);
+bool settle(PyObject* mode, PyObject* idd);
+bool written(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* op_id, PyObject* outputs);
+bool view(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* base, PyObject* op_id,
+          PyObject* outputs);
+bool fresh(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* op_id, PyObject* outputs,
+           bool stats);
 PyObject* forget(PyObject*, PyObject* const* argv, Py_ssize_t nargs);
 
 // ---- record_dispatch.cpp: the per-op path ------------------------------------------------------

@@ -395,8 +395,8 @@ Py_ssize_t items_of(PyObject* value, PyObject** &items, PyObject* &single) {
 // mode._outputs for a schema whose returns are all new tensors. -1: an output is one of the
 // inputs (an undeclared write) or the value has another shape, so the reference records them;
 // nothing has been recorded then.
-int all_fresh_outputs(PyObject* mode, PyObject* md, const OpEntry& e, PyObject* out, PyObject* tensors,
-                      PyObject* op_id, PyObject* outputs) {
+int all_fresh_outputs(PyObject* mode, PyObject* md, PyObject* idd, const OpEntry& e, PyObject* out,
+                      PyObject* tensors, PyObject* op_id, PyObject* outputs) {
   PyObject* one[1] = {out};
   PyObject** values = one;
   Py_ssize_t n = 1;
@@ -414,7 +414,7 @@ int all_fresh_outputs(PyObject* mode, PyObject* md, const OpEntry& e, PyObject* 
         if (!is_tensor(items[i])) continue;
         if (pass == 0) {
           if (among(items[i], tensors)) return -1;
-        } else if (!fresh(mode, md, items[i], op_id, outputs, !e.uninitialized)) {
+        } else if (!fresh(mode, md, idd, items[i], op_id, outputs, !e.uninitialized)) {
           return 0;
         }
       }
@@ -466,7 +466,10 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (!PyTuple_Check(args) || (kwargs != nullptr && !PyDict_Check(kwargs)))
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   Ref md(dict_of(mode));
-  if (!md || !settle(mode, md.p)) return nullptr;
+  if (!md) return nullptr;
+  PyObject* ids = item(md.p, s.ids);  // the mode's TensorIds (capture/identity.py)
+  Ref idd(ids != nullptr ? dict_of(ids) : nullptr);
+  if (!idd || !settle(mode, idd.p)) return nullptr;
   const OpEntry* found = entry_for(func);
   if (found == nullptr && PyErr_Occurred()) return nullptr;
   int plain = truth(md.p, s._plain), stack = truth(md.p, s._stack);
@@ -489,8 +492,10 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   {
     // An op using a collective's output still awaited: the reference takes its statistics once
     // the collective completed (capture/collectives.py). Nothing is recorded yet.
-    PyObject* awaiting = item(md.p, s._awaited_groups);
-    PyObject* known = item(md.p, s._known);
+    PyObject* collectives = item(md.p, s.collectives);  // the mode's CollectiveRecorder
+    Ref cd(collectives != nullptr ? dict_of(collectives) : nullptr);
+    PyObject* awaiting = cd ? item(cd.p, s.awaited_groups) : nullptr;
+    PyObject* known = item(idd.p, s.known);
     if (awaiting == nullptr || known == nullptr) return nullptr;
     if (PyDict_Check(awaiting) && PyDict_GET_SIZE(awaiting) > 0) {
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors.p); ++i) {
@@ -562,7 +567,7 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
       }
     }
   }
-  PyObject* known = item(md.p, s._known);
+  PyObject* known = item(idd.p, s.known);
   if (known == nullptr) return nullptr;
   Ref inputs(PyTuple_New(count));
   if (!inputs) return nullptr;
@@ -611,16 +616,16 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   Ref returned_inplace;
   int handled = 0;
   if (e.shape == kFresh && out_is_tensor && !among(out.p, tensors.p)) {
-    if (!fresh(mode, md.p, out.p, op_id.p, outputs_list.p, !e.uninitialized)) return nullptr;
-  } else if (e.all_fresh && (handled = all_fresh_outputs(mode, md.p, e, out.p, tensors.p, op_id.p,
+    if (!fresh(mode, md.p, idd.p, out.p, op_id.p, outputs_list.p, !e.uninitialized)) return nullptr;
+  } else if (e.all_fresh && (handled = all_fresh_outputs(mode, md.p, idd.p, e, out.p, tensors.p, op_id.p,
                                                          outputs_list.p)) >= 0) {
     if (handled == 0) return nullptr;
   } else if (e.shape == kView && out_is_tensor) {
     PyObject* base = arg_value(e, args, kwargs);
     if (base == nullptr && PyErr_Occurred()) return nullptr;
-    if (!view(mode, md.p, out.p, base, op_id.p, outputs_list.p)) return nullptr;
+    if (!view(mode, md.p, idd.p, out.p, base, op_id.p, outputs_list.p)) return nullptr;
   } else if (e.shape == kWrite && out_is_tensor) {
-    if (!written(mode, md.p, out.p, op_id.p, outputs_list.p)) return nullptr;
+    if (!written(mode, md.p, idd.p, out.p, op_id.p, outputs_list.p)) return nullptr;
   } else {
     Ref r(call_method(mode, s._outputs, {e.info, op_id.p, args, kwargs, out.p, tensors.p}));
     if (!r) return nullptr;

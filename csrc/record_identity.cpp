@@ -1,11 +1,11 @@
-// tracecmp._crecord, tensor identity: the mode's map from a tensor to the weak record of the value
-// it holds (tracecmp.capture.mode's _Rec), new values' ids, the versions written tensors reach and
-// the write history of each view family.
+// tracecmp._crecord, tensor identity: what tracecmp.capture.identity.TensorIds does, on its
+// instance dict: the map from a tensor to the weak record of the value it holds (TensorRef), new
+// values' ids, the versions written tensors reach and the write history of each view family.
 #include "record.hpp"
 
 namespace tracecmp::record {
 
-// The _Rec in the map for tensor t if it is alive and is t (borrowed), else nullptr.
+// The TensorRef in the map for tensor t if it is alive and is t (borrowed), else nullptr.
 PyObject* record_of(PyObject* known, PyObject* t, PyObject* id) {
   PyObject* rec = PyDict_GetItemWithError(known, id);
   if (rec == nullptr) return nullptr;
@@ -24,10 +24,10 @@ PyObject* version_of(PyObject* t) {
   return PyObject_GetAttr(t, s._version);
 }
 
-// mode._remember: a new _Rec for t in the map (new reference).
-PyObject* remember(PyObject* md, PyObject* t, PyObject* tid, PyObject* version, PyObject* group) {
-  PyObject* cb = item(md, s._forget_cb);
-  PyObject* known = item(md, s._known);
+// TensorIds.remember: a new TensorRef for t in the map (new reference).
+PyObject* remember(PyObject* idd, PyObject* t, PyObject* tid, PyObject* version, PyObject* group) {
+  PyObject* cb = item(idd, s.forget_cb);
+  PyObject* known = item(idd, s.known);
   if (cb == nullptr || known == nullptr) return nullptr;
   Ref rec(PyObject_CallFunctionObjArgs(g.rec_type, t, cb, nullptr));
   Ref key(PyLong_FromVoidPtr(t));
@@ -38,14 +38,14 @@ PyObject* remember(PyObject* md, PyObject* t, PyObject* tid, PyObject* version, 
   return rec.release();
 }
 
-// mode.settle: read the versions of the tensors the previous op wrote.
-bool settle(PyObject* mode, PyObject* md) {
-  PyObject* pending = item(md, s._unsettled);
+// TensorIds.settle(mode._unbumped): read the versions of the tensors the previous op wrote.
+bool settle(PyObject* mode, PyObject* idd) {
+  PyObject* pending = item(idd, s.unsettled);
   if (pending == nullptr) return false;
   if (!PyList_Check(pending) || PyList_GET_SIZE(pending) == 0) return true;
   Ref unsettled(Py_NewRef(pending));
   Ref fresh(PyList_New(0));
-  if (!fresh || PyDict_SetItem(md, s._unsettled, fresh.p) < 0) return false;
+  if (!fresh || PyDict_SetItem(idd, s.unsettled, fresh.p) < 0) return false;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unsettled.p); ++i) {
     PyObject* pair = PyList_GET_ITEM(unsettled.p, i);  // (rec, [version, tid])
     PyObject* rec = PyTuple_GET_ITEM(pair, 0);
@@ -63,18 +63,18 @@ bool settle(PyObject* mode, PyObject* md) {
     if (PyObject_SetAttr(rec, s.version, version.p) < 0) return false;
     if (PyList_SetItem(entry, 0, version.release()) < 0) return false;
   }
-  PyObject* held = item(md, s._held);  // views kept alive for this look (mode._written)
+  PyObject* held = item(idd, s.held);  // views kept alive for this look (TensorIds.wrote)
   if (held == nullptr) return false;
   if (PyList_Check(held) && PyList_GET_SIZE(held) > 0) {
     Ref none(PyList_New(0));
-    if (!none || PyDict_SetItem(md, s._held, none.p) < 0) return false;
+    if (!none || PyDict_SetItem(idd, s.held, none.p) < 0) return false;
   }
   return true;
 }
 
-// mode._written for a written input that is in the map (anything else: the reference).
-bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObject* outputs) {
-  PyObject* known = item(md, s._known);
+// mode._written (TensorIds.wrote) for a written input that is in the map (anything else: the reference).
+bool written(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* op_id, PyObject* outputs) {
+  PyObject* known = item(idd, s.known);
   if (known == nullptr) return false;
   Ref id(PyLong_FromVoidPtr(t));
   if (!id) return false;
@@ -89,7 +89,7 @@ bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObjec
       if (PyList_Append(outputs, PyList_GET_ITEM(list.p, i)) < 0) return false;
     return true;
   }
-  Ref tid(bump(md, s._next_tensor));
+  Ref tid(bump(idd, s.next_id));
   if (!tid || PyObject_SetAttr(rec, s.tid, tid.p) < 0) return false;
   Ref version(PyObject_GetAttr(rec, s.version));
   if (!version) return false;
@@ -99,18 +99,18 @@ bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObjec
     PyList_SET_ITEM(entry.p, 0, Py_NewRef(version.p));
     PyList_SET_ITEM(entry.p, 1, Py_NewRef(tid.p));
     Ref pair(PyTuple_Pack(2, rec, entry.p));
-    PyObject* unsettled = item(md, s._unsettled);
+    PyObject* unsettled = item(idd, s.unsettled);
     if (!pair || unsettled == nullptr || PyList_Append(unsettled, pair.p) < 0) return false;
     // A written view the caller drops at once (``x[i] = v``, FSDP2's out= views) is kept alive
     // until settle has read its version: else its view family's write history stays unsettled.
     Ref base(PyObject_GetAttr(t, s._base));
     if (!base) return false;
     if (base.p != Py_None) {
-      PyObject* held = item(md, s._held);
+      PyObject* held = item(idd, s.held);
       if (held == nullptr || PyList_Append(held, t) < 0) return false;
     }
     Ref group(PyObject_GetAttr(rec, s.group));
-    PyObject* writes = item(md, s._writes);
+    PyObject* writes = item(idd, s.writes);
     if (!group || writes == nullptr) return false;
     PyObject* history = PyDict_GetItemWithError(writes, group.p);
     if (history == nullptr) {
@@ -130,10 +130,11 @@ bool written(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObjec
   return PyList_Append(outputs, tid.p) == 0;
 }
 
-// mode._view + mode._bare for a CPU view (anything else: the reference's _bare).
-bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* op_id, PyObject* outputs) {
-  Ref tid(bump(md, s._next_tensor));
-  PyObject* known = item(md, s._known);
+// mode._view (TensorIds.view) + mode._bare for a CPU view (anything else: the reference's _bare).
+bool view(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* base, PyObject* op_id,
+          PyObject* outputs) {
+  Ref tid(bump(idd, s.next_id));
+  PyObject* known = item(idd, s.known);
   if (!tid || known == nullptr) return false;
   PyObject* rec = nullptr;
   if (base != nullptr && PyObject_TypeCheck(base, reinterpret_cast<PyTypeObject*>(g.tensor_type))) {
@@ -155,7 +156,7 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
     version.reset(inf.p == Py_True ? Py_NewRef(Py_None) : PyObject_GetAttr(t, s._version));
   }
   if (!view_of || !group || !version) return false;
-  Ref made(remember(md, t, tid.p, version.p, group.p));
+  Ref made(remember(idd, t, tid.p, version.p, group.p));
   if (!made) return false;
   Ref index(PyLong_FromSsize_t(PyList_GET_SIZE(outputs)));
   if (!index) return false;
@@ -182,11 +183,12 @@ bool view(PyObject* mode, PyObject* md, PyObject* t, PyObject* base, PyObject* o
   return rows != nullptr && append_row(rows, row, 16) && PyList_Append(outputs, tid.p) == 0;
 }
 
-// mode._fresh: a new tensor among the op's outputs (statistics unless uninitialized).
-bool fresh(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObject* outputs, bool stats) {
-  Ref tid(bump(md, s._next_tensor));
+// mode._fresh (TensorIds.fresh): a new tensor among the op's outputs (statistics unless uninitialized).
+bool fresh(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* op_id, PyObject* outputs,
+           bool stats) {
+  Ref tid(bump(idd, s.next_id));
   Ref version(tid ? version_of(t) : nullptr);
-  Ref rec(version ? remember(md, t, tid.p, version.p, tid.p) : nullptr);
+  Ref rec(version ? remember(idd, t, tid.p, version.p, tid.p) : nullptr);
   Ref index(PyLong_FromSsize_t(PyList_GET_SIZE(outputs)));
   Ref none_view(PyLong_FromLong(-1));
   if (!rec || !index || !none_view) return false;
@@ -199,7 +201,7 @@ bool fresh(PyObject* mode, PyObject* md, PyObject* t, PyObject* op_id, PyObject*
   return PyList_Append(outputs, tid.p) == 0;
 }
 
-// mode._forget as a weak record's callback: drop the record from the map unless replaced.
+// TensorIds.forget as a weak record's callback: drop the record from the map unless replaced.
 PyObject* forget(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
   if (nargs != 2 || !PyDict_Check(argv[0])) {
     PyErr_SetString(PyExc_TypeError, "forget(known, rec)");

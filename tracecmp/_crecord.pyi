@@ -48,9 +48,26 @@ class Columns(Protocol):
     kinds: bytes
     def _rollback(self, rows: int) -> None: ...
 
+class Ids(Protocol):
+    """tracecmp.capture.identity.TensorIds, as dispatch() reads and writes it (instance dict)."""
+
+    known: dict[int, Any]  # id(tensor) -> its weak record (rec_type: tid, version, group, key)
+    next_id: int
+    writes: dict[int, list[list[Any]]]  # view family -> [[version after, tensor id]], at most 16
+    unsettled: list[tuple[Any, list[Any]]]  # (record, [version, tensor id]) of the last op's writes
+    held: list[Any]  # written views kept alive until the next settle
+    forget_cb: Callable[[Any], Any]  # the weak records' callback (forget bound to ``known``)
+
+class Collectives(Protocol):
+    """tracecmp.capture.collectives.CollectiveRecorder, as dispatch() reads it (instance dict)."""
+
+    awaited_groups: dict[int, list[int]]  # an op reading one of these view families goes to ``slow``
+
 class Mode(Protocol):
     """tracecmp.capture.mode.CaptureMode, as dispatch() reads and writes it (instance dict)."""
 
+    ids: Ids
+    collectives: Collectives
     step: int
     in_optimizer: bool
     rows: Columns
@@ -58,13 +75,7 @@ class Mode(Protocol):
     saved_bytes: int
     scope: Scope
     _locator: Locator
-    _known: dict[int, Any]  # id(tensor) -> its weak record (rec_type: tid, version, group, key)
-    _writes: dict[int, list[list[Any]]]
-    _unsettled: list[tuple[Any, list[Any]]]
-    _held: list[Any]
-    _awaited_groups: dict[int, list[int]]
     _next_op: int
-    _next_tensor: int
     _row_limit: int
     _max_bytes: int
     _save_data: bool
@@ -73,7 +84,6 @@ class Mode(Protocol):
     _args_memo: dict[tuple[Any, ...], str]
     _args: Any  # .encode(info, key, args, kwargs) -> str
     _dtypes: dict[Any, str]
-    _forget_cb: Callable[[Any], Any]
     _on_limit: Callable[[], Any]
     # The reference's methods it calls for what it does not record itself.
     def _enter(self, t: Any, rec: Any, phase: str, module: str, location: str, stack: str) -> int: ...
@@ -130,5 +140,5 @@ def passthrough(
     mode pays before it records anything (benchmarks/overhead_ablation.py)."""
 
 def forget(known: dict[int, Any], rec: Any, /) -> None:
-    """The weak records' callback: drop ``rec`` from ``known`` (by ``rec.key``) unless another
-    record replaced it there. TypeError when ``known`` is not a dict."""
+    """TensorIds.forget as the weak records' callback: drop ``rec`` from ``known`` (by
+    ``rec.key``) unless another record replaced it there. TypeError when ``known`` is not a dict."""

@@ -40,16 +40,13 @@ import sys
 import weakref
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
-from torch._C import _current_autograd_node
 
 from tracecmp.aten.schema import OpInfo, arg_value
-from tracecmp.trace.args import scan, scan_value
-
-if TYPE_CHECKING:
-    from tracecmp.capture.mode import CaptureMode
+from tracecmp.capture.identity import TensorIds
+from tracecmp.trace.args import scan_value
 
 NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 IN_FLIGHT = "a collective still in flight when its step ended: no statistics of what it received"
@@ -429,15 +426,32 @@ class DDPBuckets:
 
 
 class CollectiveRecorder:
-    """The part of the capture mode that records collectives (mixed into ``CaptureMode``)."""
+    """What capture keeps to record collectives, held by the capture mode (``mode.collectives``).
 
-    def _init_collectives(self, rank: int, ddp: torch.nn.Module | None) -> None:
+    The mode records a collective's node like any op's; this names it (its ``args["collective"]``
+    and match key), and keeps what it received waiting for the collective to complete: the
+    tensors' rows in the mode's buffers, filled in by ``fill(row, tensor, id)`` once it has, or
+    counted by ``skip(IN_FLIGHT)`` when the step ends first. Which value a tensor holds it reads
+    from the mode's :class:`~tracecmp.capture.identity.TensorIds`.
+    """
+
+    def __init__(
+        self,
+        ids: TensorIds,
+        fill: Callable[[int, torch.Tensor, int], None],
+        skip: Callable[[str], None],
+        rank: int,
+        ddp: torch.nn.Module | None,
+    ) -> None:
+        self._ids = ids
+        self._fill = fill
+        self._skip = skip
         # Outputs whose statistics wait for their collective: tid -> (tensor row, tensor, its Work's
         # future or None, view family). Held until then (at most to the end of the step): the
         # program may keep only views of them (FSDP2's reduce-scatter output).
-        self._awaiting: dict[int, tuple[int, torch.Tensor, Any, int]] = {}
+        self.awaiting: dict[int, tuple[int, torch.Tensor, Any, int]] = {}
         # View family -> awaited c10d outputs in it: an op that reads any member may complete them.
-        self._awaited_groups: dict[int, list[int]] = {}
+        self.awaited_groups: dict[int, list[int]] = {}
         self._groups: dict[Any, Group] = {}  # also holds the process groups it names (see release_groups)
         self._counters: dict[str, int] = {}
         self._rank = rank
@@ -451,28 +465,11 @@ class CollectiveRecorder:
         that late abort the process ("terminate called without an active exception")."""
         self._groups.clear()
 
-    def _collective(self: CaptureMode, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Record a collective call (see the module docstring); bookkeeping ops run unrecorded."""
-        sig = signature(info)
-        if sig.kind == "wait":
-            return self._wait(func, args, kwargs)
-        if not sig.kind:
-            return self._alias(func, args, kwargs)
-        if self._unsettled:
-            self.settle()
-        tensors: list[torch.Tensor] = []
-        key = scan(args, kwargs, tensors)
-        node = _current_autograd_node()
-        if node is None:
-            phase = "optimizer" if self.in_optimizer else "forward"
-            module, location, seq = self.scope.current, self._locator.location(2), -1
-        else:
-            phase = "backward"
-            module, location, seq = self._backward_context(node)
-        stack = self._locator.stack(2) if self._stack else ""
-        inputs = self._input_ids(tensors, phase, module, location, stack)
-        if self._awaited_groups:
-            self._complete_inputs(info, args, kwargs, tensors)
+    def describe(
+        self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], phase: str, tensors: list[torch.Tensor]
+    ) -> dict[str, Any]:
+        """What a collective call carries (:func:`describe`), its group noted for the manifest and,
+        for an all-reduce in backward, the DDP bucket it carries."""
         meta = describe(sig, args, kwargs, self._groups, self._rank, self._ddp.process_group() if self._ddp else None)
         if meta["group"] and meta["group"] not in self.process_groups:
             self.process_groups[meta["group"]] = {"ranks": meta["ranks"]}
@@ -482,12 +479,11 @@ class CollectiveRecorder:
                 meta["bucket"] = bucket
                 if meta.get("reduce") is None:  # unreadable on torch 2.1: the reducer's built-in sum
                     meta["reduce"] = "sum"
-        out = func(*args, **kwargs)
-        op_id = self._next_op
-        self._next_op = op_id + 1
-        future = None if sig.functional else _future_of(out)
-        outputs: list[int] = []
-        inplace = False
+        return meta
+
+    @staticmethod
+    def received(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[torch.Tensor]:
+        """The tensors a collective call fills (what it receives), each once, in order."""
         if sig.functional:
             received = [t for t in _tensors(out if not isinstance(out, torch.ScriptObject) else ())]
         else:
@@ -495,22 +491,35 @@ class CollectiveRecorder:
                 t for name, value in _arguments(sig, args, kwargs) if name in sig.received for t in _tensors(value)
             ]
         seen: set[int] = set()
+        unique = []
         for t in received:
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            if any(t is x for x in tensors):
-                self._written(t, op_id, outputs, stats=False)
-                inplace = True
-            else:
-                self._fresh(t, op_id, outputs, False)
-            tid, group = outputs[-1], self._known[id(t)].group
-            self._awaiting[tid] = (len(self.tensor_rows) - 1, t, future, group)
-            if not sig.functional:  # functional collectives complete at wait_tensor only
-                self._awaited_groups.setdefault(group, []).append(tid)
-        meta["received"] = list(range(len(outputs)))
-        name = match_key(meta, self._counters)
-        text = self._args.encode(info, key, args, kwargs)
+            if id(t) not in seen:
+                seen.add(id(t))
+                unique.append(t)
+        return unique
+
+    @staticmethod
+    def future(sig: Signature, out: Any) -> Any:
+        """What tells when the call that returned ``out`` completed (:func:`_future_of`); None for a
+        functional collective, which completes at its ``wait_tensor``."""
+        return None if sig.functional else _future_of(out)
+
+    def await_output(self, tid: int, row: int, t: torch.Tensor, future: Any, functional: bool) -> None:
+        """Value ``tid`` of ``t`` (tensor row ``row``, recorded without statistics) waits for its
+        collective, whose completion ``future`` tells, to complete."""
+        group = self._ids.known[id(t)].group
+        self.awaiting[tid] = (row, t, future, group)
+        if not functional:  # functional collectives complete at wait_tensor only
+            self.awaited_groups.setdefault(group, []).append(tid)
+
+    def name(self, meta: dict[str, Any]) -> str:
+        """The node's match key (:func:`match_key`), counted on this recorder's channels."""
+        return match_key(meta, self._counters)
+
+    @staticmethod
+    def node_args(text: str, meta: dict[str, Any]) -> str:
+        """The node's ``args`` JSON: the call's arguments as encoded (``text``) with its process group
+        and reduction as named, and ``meta`` under ``"collective"``."""
         try:
             encoded = json.loads(text)
         except ValueError:
@@ -523,30 +532,9 @@ class CollectiveRecorder:
         if "reduce_op" in encoded and meta.get("reduce"):
             encoded["reduce_op"] = meta["reduce"]
         encoded["collective"] = meta
-        self.rows.append(
-            (
-                op_id,
-                self.step,
-                phase,
-                info.kind,
-                info.name,
-                name,
-                module,
-                location,
-                json.dumps(encoded, separators=(",", ":")),
-                tuple(inputs),
-                tuple(outputs),
-                inplace,
-                False,
-                seq,
-                stack,
-            )
-        )
-        if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
-            self._on_limit()
-        return out
+        return json.dumps(encoded, separators=(",", ":"))
 
-    def _ddp_bucket(self: CaptureMode, tensors: list[torch.Tensor]) -> int | None:
+    def _ddp_bucket(self, tensors: list[torch.Tensor]) -> int | None:
         """Which DDP bucket an all-reduce in backward carries (None: not one of DDP's)."""
         assert self._ddp is not None
         if len(tensors) != 1:
@@ -556,41 +544,41 @@ class CollectiveRecorder:
             self.ddp_buckets = [names for _, names in self._ddp.layout]
         return k
 
-    def begin_collectives(self: CaptureMode) -> None:
+    def begin(self) -> None:
         """A recorded step begins (outside any backward): the last step's collectives are settled,
         and DDP may have rebuilt its buckets."""
-        if self._awaiting:
-            self.settle_collectives()
+        if self.awaiting:
+            self.settle()
         if self._ddp is not None:
             self._ddp.refresh()
 
-    def _alias(self: CaptureMode, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def alias(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``_wrap_tensor_autograd`` and the like move no data: unrecorded, but an awaited output
         they wrap stays awaited as the wrapper (the tensor its wait_tensor will be called on)."""
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and self._awaiting:
+        if isinstance(out, torch.Tensor) and self.awaiting:
             for t in _tensors((args, kwargs)):
-                rec = self._known.get(id(t))
-                if rec is not None and rec() is t and rec.tid in self._awaiting and out is not t:
-                    self._remember(out, rec.tid, rec.version, self._awaiting[rec.tid][3])
+                rec = self._ids.known.get(id(t))
+                if rec is not None and rec() is t and rec.tid in self.awaiting and out is not t:
+                    self._ids.remember(out, rec.tid, rec.version, self.awaiting[rec.tid][3])
                     break
         return out
 
-    def _wait(self: CaptureMode, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def wait(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``wait_tensor``: the completion point of a functional collective, not a node of its own."""
         out = func(*args, **kwargs)
-        if self._awaiting:
+        if self.awaiting:
             for t in _tensors((args, kwargs)):
-                rec = self._known.get(id(t))
+                rec = self._ids.known.get(id(t))
                 if rec is None or rec() is not t:
                     continue
                 # The tensor waited on may be a view of what the collective returned (DTensor's).
-                for tid in [tid for tid, hit in self._awaiting.items() if hit[3] == rec.group]:
+                for tid in [tid for tid, hit in self.awaiting.items() if hit[3] == rec.group]:
                     self._complete(tid)
         return out
 
-    def _complete_inputs(
-        self: CaptureMode, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+    def complete_inputs(
+        self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
     ) -> None:
         """An op reads a tensor of an awaited c10d output's view family: the output completed.
 
@@ -602,8 +590,8 @@ class CollectiveRecorder:
         """
         if info.kind == "view":
             return
-        groups = self._awaited_groups
-        known = self._known
+        groups = self.awaited_groups
+        known = self._ids.known
         written = [t for ref in info.writes for t in _tensors(arg_value(ref, args, kwargs))] if info.writes else ()
         for t in tensors:
             rec = known.get(id(t))
@@ -612,24 +600,24 @@ class CollectiveRecorder:
             for tid in list(groups.get(rec.group, ())):
                 self._complete(tid)
 
-    def _complete(self: CaptureMode, tid: int) -> None:
+    def _complete(self, tid: int) -> None:
         """Fill in the statistics of a collective's output, now that it completed."""
-        row, t, _, group = self._awaiting.pop(tid)
-        members = self._awaited_groups.get(group)
+        row, t, _, group = self.awaiting.pop(tid)
+        members = self.awaited_groups.get(group)
         if members is not None and tid in members:
             members.remove(tid)
             if not members:
-                del self._awaited_groups[group]
+                del self.awaited_groups[group]
         self._fill(row, t, tid)
 
-    def settle_collectives(self: CaptureMode) -> None:
+    def settle(self) -> None:
         """At the end of a step and before a hand-over: read what completed; what is still in
         flight keeps no statistics (capture never waits)."""
-        for tid in list(self._awaiting):
-            future = self._awaiting[tid][2]
+        for tid in list(self.awaiting):
+            future = self.awaiting[tid][2]
             if future is not None and _completed(future):
                 self._complete(tid)
             else:
-                del self._awaiting[tid]
-                self.skipped[IN_FLIGHT] = self.skipped.get(IN_FLIGHT, 0) + 1
-        self._awaited_groups.clear()
+                del self.awaiting[tid]
+                self._skip(IN_FLIGHT)
+        self.awaited_groups.clear()

@@ -750,7 +750,7 @@ class RegionCapture:
             known = {**{id(t): i for t, i in zip(tensors, in_ids)}, **dict(zip(map(id, fresh), ids[len(written) :]))}
             self._tag(call, len(mode.rows) - 1)
         else:
-            op_id, known = -1, {id(t): _or(mode.current_id(t), -1) for t in outs}
+            op_id, known = -1, {id(t): _or(mode.ids.current(t), -1) for t in outs}
         # One id per returned value, in order (-1: not a tensor), as the graph's outputs are.
         out_ids = [known.get(id(v), -1) if isinstance(v, torch.Tensor) else -1 for v in leaves]
         self._calls.append(call.record(mode.step, op_id, mode._next_op - 1, out_ids))
@@ -830,7 +830,7 @@ class RegionCapture:
                 known = dict(zip(map(id, outs), ids))
                 self._tag(call, len(mode.rows) - 1)
             else:
-                op_id, known = -1, {id(t): _or(mode.current_id(t), -1) for t in outs}
+                op_id, known = -1, {id(t): _or(mode.ids.current(t), -1) for t in outs}
             # One id per gradient the backward returned, None ones as -1: the graph's outputs.
             out_ids = [known.get(id(g), -1) if isinstance(g, torch.Tensor) else -1 for g in grad_inputs]
             self._calls.append(call.record(mode.step, op_id, mode._next_op - 1, out_ids))

@@ -6,15 +6,11 @@ numbers or a list of strings per column, which the writer's thread turns into Ar
 never tensors, and make no Python object of their own (see ``columns.py``: objects per row
 would feed the garbage collector's full collections).
 
-Tensor identity. Every tensor *value* gets an id: a fresh output, a view, and each in-place write
-(a new version of the same tensor). A weak map from the tensor object to its current id, its
-``_version`` and its view family says which value an input is. It is keyed by ``id(tensor)`` and
-checked through a weak reference: ``torch.utils.weak.WeakTensorKeyDictionary`` does the same with
-Python-level hashing and costs ~1.1 us per lookup here against ~0.1 us, and every input is
-looked up. Autograd bumps version counters (and hands a view its base's counter) only after the
-op returns, so written tensors' versions are read at the next op.
+Tensor identity (which value an input is: ids, versions, view families) is its own object,
+:class:`~tracecmp.capture.identity.TensorIds` (``mode.ids``); collectives are recorded with the
+help of a :class:`~tracecmp.capture.collectives.CollectiveRecorder` (``mode.collectives``).
 
-The per-op path below is the reference; ``csrc/record.cpp`` (``tracecmp._crecord``, bound in
+The per-op path below is the reference; ``csrc/record*.cpp`` (``tracecmp._crecord``, bound in
 :mod:`tracecmp.capture.native`) does the same steps in C on the same objects and is bound to each
 mode unless ``TRACECMP_FORCE_REFERENCE=1`` (see csrc/README.md). Its rows are equal to the
 reference's (``tests/integration/test_native_capture.py``).
@@ -23,10 +19,11 @@ An input whose ``_version`` moved since it was recorded was written by something
 not see, *unless* the write went through another alias: views share their base's version
 counter, so every tensor carries its *group* (view family) and each recorded write notes the
 group's new version. When the recorded writes to an input's group account for every step its
-counter moved since capture last saw it, capture emits an ``alias.update`` node (kind ``view``)
-whose inputs are the tensor's previous value and the values written since, and whose output is
-its new value, with statistics. Otherwise the input becomes a *source* node named after what it
-is (parameter, buffer, root-model input, gradient, optimizer state, or unnamed ``source.tensor``).
+counter moved since capture last saw it (``TensorIds.accounted``), capture emits an
+``alias.update`` node (kind ``view``) whose inputs are the tensor's previous value and the values
+written since, and whose output is its new value, with statistics. Otherwise the input becomes a
+*source* node named after what it is (parameter, buffer, root-model input, gradient, optimizer
+state, or unnamed ``source.tensor``).
 
 Only plain dense strided tensors with storage reach the statistics kernel; ops on tensor
 subclasses (DTensor, FakeTensor ...) are unwrapped or passed through (``tensorkinds.py``).
@@ -36,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import types
-import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -49,7 +45,8 @@ from tracecmp.aten.schema import BUFFER, FRESH, ONE_FRESH, SCRATCH, VIEW, WRITE,
 from tracecmp.aten.schema import OP_INFOS as _OP_INFOS
 from tracecmp.capture import native
 from tracecmp.capture import stats as _stats
-from tracecmp.capture.collectives import CollectiveRecorder
+from tracecmp.capture.collectives import CollectiveRecorder, signature
+from tracecmp.capture.identity import TensorIds, TensorRef
 from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
@@ -64,7 +61,6 @@ from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TEN
 _NO_STATS = (None,) * 7
 _NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
 _SEQ_NONE = 1 << 63  # engine nodes such as AccumulateGrad carry UINT64_MAX, not a sequence number
-_WRITE_HISTORY = 16  # recorded writes remembered per view family
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _get_num_threads = torch.get_num_threads
@@ -78,20 +74,6 @@ _RECORD = object()  # _not_plain's answer for an op to record as usual
 
 # Device kinds: statistics now (CPU), statistics gathered at flush (accelerators), none (meta).
 _CPU, _DEFERRED, _NONE = 0, 1, 2
-
-
-class _Rec(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a recorded tensor carrying what capture knows of it.
-
-    One object per live tensor (not a list plus a weakref), dropped from the map by its callback
-    when the tensor dies, so the map never fills with dead entries for the collector to scan.
-    """
-
-    __slots__ = ("tid", "version", "group", "key")
-    tid: int  # id of the tensor's current value
-    version: int | None  # its ``_version`` when recorded; None for inference tensors (no counter)
-    group: int  # view family: views share their base's version counter
-    key: int  # id() of the tensor, its key in the map
 
 
 def _write_only(info: OpInfo, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -113,7 +95,7 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
     return False
 
 
-class CaptureMode(CollectiveRecorder, TorchDispatchMode):
+class CaptureMode(TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
 
     @classmethod
@@ -143,7 +125,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         ddp: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self._init_collectives(rank, ddp)
+        self.ids = TensorIds()
+        self.collectives = CollectiveRecorder(self.ids, self._fill, self._skip, rank, ddp)
         self.scope = scope
         self.step = 0
         self.chunk = 0  # index of the chunk being filled (names saved tensors "<chunk>/<id>")
@@ -175,29 +158,20 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         self._row_limit = 0 if on_overflow is not None else max_ops
         self._on_limit = self._after_op if on_overflow is not None else on_full
         self._next_op = 0
-        self._next_tensor = 0
-        self._known: dict[int, _Rec] = {}  # id(tensor) -> what we know of that tensor
-        self._writes: dict[int, list[list[Any]]] = {}  # group -> [[version after, tensor id]]
-        # id(base) -> (group, version, base) of bases not in the trace whose views are (_family)
-        self._bases: dict[int, tuple[int, int | None, weakref.ref[torch.Tensor]]] = {}
-        self._unsettled: list[tuple[_Rec, list[Any]]] = []  # writes whose version is not bumped yet
-        self._held: list[torch.Tensor] = []  # views written by the last op, alive until settle looks at them
         self._pending: list[tuple[int, torch.Tensor]] = []  # (tensor row, packed stats on the device)
         self._dtypes: dict[torch.dtype, str] = {}
         self._args = ArgsEncoder()
         self._args_memo = self._args.memo
-        # One callable for every weak record, not one each.
-        self._forget_cb: Callable[[_Rec], Any] = self._forget
         # What was not recorded, or recorded without statistics, and why: reason -> count.
         self.skipped: dict[str, int] = {}
         if (
             _crecord is not None and USE_NATIVE and self._only is None
         ):  # the C path knows no only=: per op, it is Python's call
-            # The C copy of __torch_dispatch__ (csrc/record.cpp), bound to this mode: torch looks
-            # the method up on the instance, so it shadows the reference below, which it calls
-            # for the ops it does not handle itself.
+            # The C copy of __torch_dispatch__ (csrc/record_dispatch.cpp), bound to this mode:
+            # torch looks the method up on the instance, so it shadows the reference below, which
+            # it calls for the ops it does not handle itself.
             self.__torch_dispatch__ = types.MethodType(_crecord.dispatch, self)  # type: ignore[method-assign]
-            self._forget_cb = functools.partial(_crecord.forget, self._known)
+            self.ids.forget_cb = functools.partial(_crecord.forget, self.ids.known)
 
     # -- the per-op path -----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -208,7 +182,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             handled = self._not_plain(func, types, args, kwargs)
             if handled is not _RECORD:
                 return handled
-        if self._unsettled:
+        ids = self.ids
+        if ids.unsettled:
             self.settle()
         info = _OP_INFOS.get(id(func)) or op_info(func)
         if not info.record:
@@ -245,7 +220,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                             seq = newest
                         break
         stack = self._locator.stack(1) if self._stack else ""
-        known = self._known
+        known = ids.known
         inputs: list[int] = []
         only = self._only
         if only is not None:
@@ -259,8 +234,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                     self._save(t, rec.tid)  # made outside the selection: a replay of this op needs it
             else:
                 inputs.append(self._enter(t, rec, phase, module, location, stack, unread=_among(t, unread)))
-        if self._awaited_groups:  # reads a collective's output: it completed (collectives.py)
-            self._complete_inputs(info, args, kwargs, tensors)
+        if self.collectives.awaited_groups:  # reads a collective's output: it completed (collectives.py)
+            self.collectives.complete_inputs(info, args, kwargs, tensors)
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -273,12 +248,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                     fresh = False
                     break
         if fresh:  # most ops: one new tensor, recorded here without the general walk's calls
-            tid = self._next_tensor
-            self._next_tensor = tid + 1
-            rec = _Rec(out, self._forget_cb)
-            rec.tid, rec.group, rec.key = tid, tid, id(out)
-            rec.version = None if _is_inference_mode_enabled() and out.is_inference() else out._version
-            known[rec.key] = rec
+            tid = ids.fresh(out)
             if info.uninitialized:
                 self._bare(out, tid, op_id, 0, -1)
             else:
@@ -329,6 +299,73 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             return NotImplemented
         return _RECORD
 
+    def _collective(self, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Record a collective call (capture/collectives.py says how); bookkeeping ops run unrecorded."""
+        sig = signature(info)
+        recorder = self.collectives
+        if sig.kind == "wait":
+            return recorder.wait(func, args, kwargs)
+        if not sig.kind:
+            return recorder.alias(func, args, kwargs)
+        if self.ids.unsettled:
+            self.settle()
+        tensors: list[torch.Tensor] = []
+        key = scan(args, kwargs, tensors)
+        node = _current_autograd_node()
+        if node is None:
+            phase = "optimizer" if self.in_optimizer else "forward"
+            module, location, seq = self.scope.current, self._locator.location(2), -1
+        else:
+            phase = "backward"
+            module, location, seq = self._backward_context(node)
+        stack = self._locator.stack(2) if self._stack else ""
+        inputs = self._input_ids(tensors, phase, module, location, stack)
+        if recorder.awaited_groups:
+            recorder.complete_inputs(info, args, kwargs, tensors)
+        meta = recorder.describe(sig, args, kwargs, phase, tensors)
+        out = func(*args, **kwargs)
+        op_id = self._next_op
+        self._next_op = op_id + 1
+        future = recorder.future(sig, out)
+        outputs: list[int] = []
+        inplace = False
+        for t in recorder.received(sig, args, kwargs, out):
+            if any(t is x for x in tensors):
+                self._written(t, op_id, outputs, stats=False)
+                inplace = True
+            else:
+                self._fresh(t, op_id, outputs, False)
+            recorder.await_output(outputs[-1], len(self.tensor_rows) - 1, t, future, sig.functional)
+        meta["received"] = list(range(len(outputs)))
+        name = recorder.name(meta)
+        text = recorder.node_args(self._args.encode(info, key, args, kwargs), meta)
+        self.rows.append(
+            (
+                op_id,
+                self.step,
+                phase,
+                info.kind,
+                info.name,
+                name,
+                module,
+                location,
+                text,
+                tuple(inputs),
+                tuple(outputs),
+                inplace,
+                False,
+                seq,
+                stack,
+            )
+        )
+        if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
+            self._on_limit()
+        return out
+
+    def _skip(self, reason: str) -> None:
+        """Count a value recorded without statistics (or not recorded), by why."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
     # -- nodes the dispatcher does not see: compiled regions (capture/compiled.py) -------------
     def tensor_ids(self, tensors: list[torch.Tensor], phase: str, module: str, location: str) -> list[int]:
         """Ids of ``tensors`` as inputs of a node recorded now; unknown ones enter as source nodes.
@@ -336,7 +373,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         Called from outside ``__torch_dispatch__`` (the mode may be active): the statistics and
         copies it makes run with the dispatch modes out of the way, as they do inside it.
         """
-        if self._unsettled:
+        if self.ids.unsettled:
             self.settle()
         stack = self._locator.stack(1) if self._stack else ""
         with _disable_current_modes():
@@ -347,15 +384,15 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
     ) -> list[int]:
         """The ids of the values ``tensors`` hold now; a tensor capture does not know (or knows an
         older value of) enters as a source node. ``__torch_dispatch__`` inlines this loop (its hot path)."""
-        known = self._known
-        ids: list[int] = []
+        known = self.ids.known
+        found: list[int] = []
         for t in tensors:
             rec = known.get(id(t))
             if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
-                ids.append(rec.tid)
+                found.append(rec.tid)
             else:
-                ids.append(self._enter(t, rec, phase, module, location, stack))
-        return ids
+                found.append(self._enter(t, rec, phase, module, location, stack))
+        return found
 
     def append_node(
         self,
@@ -370,7 +407,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
     ) -> tuple[int, list[int]]:
         """Record a node with inputs ``inputs`` (ids), new values ``fresh`` and inputs it
         ``written``; returns its op id and output ids (written first, then fresh)."""
-        if self._unsettled:
+        if self.ids.unsettled:
             self.settle()
         op_id = self._next_op
         self._next_op = op_id + 1
@@ -404,13 +441,6 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             self._on_limit()
         return op_id, outputs
 
-    def current_id(self, t: torch.Tensor) -> int | None:
-        """The id of the value ``t`` holds now, if capture knows it (no node is recorded)."""
-        rec = self._known.get(id(t))
-        if rec is not None and rec() is t and (rec.version is None or rec.version == t._version):
-            return rec.tid
-        return None
-
     def _after_op(self) -> None:
         """End of every op under ``overflow="raise"``: judge it now, then the usual limits."""
         assert self.watch is not None and self._on_overflow is not None
@@ -440,7 +470,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
     def _enter(
         self,
         t: torch.Tensor,
-        rec: _Rec | None,
+        rec: TensorRef | None,
         phase: str,
         module: str,
         location: str,
@@ -453,17 +483,14 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             rec = None  # a dead tensor's entry whose id() was reused before its callback ran
         op_id = self._next_op
         self._next_op = op_id + 1
-        tid = self._next_tensor
-        self._next_tensor = tid + 1
+        ids = self.ids
+        tid = ids.new_id()
         if rec is not None and unread:
             version, group = t._version, rec.group  # what the op overwrites needs no value
         elif rec is not None:
             version = t._version
-            writes = self._writes.get(rec.group)
-            written = [w for v, w in writes if v > rec.version] if writes and writes[-1][0] == version else []
-            # Each write bumps the shared counter by one: as many recorded writes as the counter
-            # moved means nothing unrecorded wrote in between.
-            if written and len(written) == version - rec.version:
+            written = ids.accounted(rec.group, rec.version, version)
+            if written:  # nothing unrecorded wrote it since: its value is what the recorded writes made
                 inputs = (rec.tid, *written)
                 self.rows.append(
                     (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", inputs, (tid,))
@@ -476,13 +503,12 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             group = rec.group  # written behind our back: a source, still in its view family
         else:
             version = None if t.is_inference() else t._version
-            group, since = self._family(t, tid, version)
+            group, since = ids.family(t, tid, version)
             if since is not None and version is not None and not unread:
                 # Views of it made outside the trace were written (a DDP bucket, through its
                 # per-parameter views): its value is what they wrote, if they account for every write.
-                writes = self._writes.get(group)
-                written = [w for v, w in writes if v > since] if writes and writes[-1][0] == version else []
-                if written and len(written) == version - since:
+                written = ids.accounted(group, since, version)
+                if written:
                     self.rows.append(
                         (
                             op_id,
@@ -501,7 +527,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
                         + (stack,)
                     )
                     self._value(t, tid, op_id, 0, written[-1])
-                    self._remember(t, tid, version, group)
+                    ids.remember(t, tid, version, group)
                     return tid
         source, name = self.scope.source(t, (self.step, phase))
         if unread:
@@ -515,30 +541,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             self._bare(t, tid, op_id, 0, -1)
         else:
             self._value(t, tid, op_id, 0, -1)
-        self._remember(t, tid, version, group)
+        ids.remember(t, tid, version, group)
         return tid
-
-    def _family(self, t: torch.Tensor, tid: int, version: int | None) -> tuple[int, int | None]:
-        """View family of a tensor new to the trace, and the version its family had when first seen.
-
-        A view made outside the trace joins its base's family (views share their base's version
-        counter), so writes through it count for the base and its other views; a base not in the
-        trace is remembered by its views, with the counter's value then, until it enters itself.
-        """
-        base = t._base
-        if base is not None:
-            rec = self._known.get(id(base))
-            if rec is not None and rec() is base:
-                return rec.group, None
-            hit = self._bases.get(id(base))
-            if hit is not None and hit[2]() is base:
-                return hit[0], None
-            self._bases[id(base)] = (tid, version, weakref.ref(base))
-            return tid, None
-        hit = self._bases.get(id(t))
-        if hit is not None and hit[2]() is t:
-            return hit[0], hit[1]
-        return tid, None
 
     def _outputs(
         self,
@@ -619,10 +623,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             self._view(t, base, op_id, outputs)
 
     def _fresh(self, t: torch.Tensor, op_id: int, outputs: list[int], stats: bool = True) -> None:
-        tid = self._next_tensor
-        self._next_tensor = tid + 1
-        version = None if _is_inference_mode_enabled() and t.is_inference() else t._version
-        self._remember(t, tid, version, tid)
+        tid = self.ids.fresh(t)
         if stats:
             self._value(t, tid, op_id, len(outputs), -1)
         else:
@@ -630,54 +631,16 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         outputs.append(tid)
 
     def _written(self, t: torch.Tensor, op_id: int, outputs: list[int], stats: bool = True) -> None:
-        tid = self._next_tensor
-        self._next_tensor = tid + 1
-        rec = self._known.get(id(t))
-        if rec is not None and rec() is t:
-            rec.tid = tid
-        else:  # only when the written tensor was not an input (an op hiding its writes)
-            rec = self._remember(t, tid, None if t.is_inference() else t._version, tid)
-        if rec.version is not None:
-            # Autograd bumps the version counter only after the op returns: settled at the next op.
-            entry = [rec.version, tid]
-            self._unsettled.append((rec, entry))
-            if t._base is not None:
-                self._held.append(t)  # an out= view the caller drops at once (FSDP2's): settle must see it
-            group = rec.group
-            history = self._writes.get(group)
-            if history is None:
-                self._writes[group] = [entry]
-            else:
-                history.append(entry)
-                if len(history) > _WRITE_HISTORY:
-                    del history[0]
+        tid = self.ids.wrote(t)
         if stats:
             self._value(t, tid, op_id, len(outputs), -1)
         else:
             self._bare(t, tid, op_id, len(outputs), -1)
         outputs.append(tid)
 
-    def _remember(self, t: torch.Tensor, tid: int, version: int | None, group: int) -> _Rec:
-        rec = _Rec(t, self._forget_cb)
-        rec.tid, rec.version, rec.group, rec.key = tid, version, group, id(t)
-        self._known[rec.key] = rec
-        return rec
-
-    def _forget(self, rec: _Rec) -> None:
-        if self._known.get(rec.key) is rec:
-            del self._known[rec.key]
-
     def settle(self) -> None:
         """Read the versions of the tensors the last op wrote, once it has returned (bumped them)."""
-        unsettled, self._unsettled = self._unsettled, []
-        held, self._held = self._held, []  # noqa: F841 - kept alive until the loop has looked at them
-        for rec, entry in unsettled:
-            t = rec()
-            if t is not None:
-                version = t._version
-                if version == entry[0]:
-                    self._unbumped(t, entry[1])
-                rec.version = entry[0] = version
+        self.ids.settle(self._unbumped)
 
     def _unbumped(self, t: torch.Tensor, tid: int) -> None:
         """The last op wrote ``t`` (value ``tid``) without moving its version counter.
@@ -687,8 +650,8 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         reads it. Its new value is recorded at once, as an alias update of the write.
         """
         base = t._base
-        rec = self._known.get(id(base)) if base is not None else None
-        if rec is None or rec() is not base or rec.tid == tid or tid in self._awaiting:
+        rec = self.ids.ref(base) if base is not None else None
+        if rec is None or rec.tid == tid or tid in self.collectives.awaiting:
             return
         if self.rows:
             row = next(self.rows.rows(len(self.rows) - 1))  # the writing op's context
@@ -697,8 +660,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
             phase, module, location, stack = "optimizer" if self.in_optimizer else "forward", self.scope.current, "", ""
         op_id = self._next_op
         self._next_op = op_id + 1
-        new = self._next_tensor
-        self._next_tensor = new + 1
+        new = self.ids.new_id()
         self.rows.append(
             (op_id, self.step, phase, "view", ALIAS_UPDATE_OP, "", module, location, "{}", (rec.tid, tid), (new,))
             + _NOT_AN_OP
@@ -708,16 +670,7 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         rec.tid = new
 
     def _view(self, t: torch.Tensor, base: Any, op_id: int, outputs: list[int]) -> None:
-        tid = self._next_tensor
-        self._next_tensor = tid + 1
-        rec = self._known.get(id(base)) if isinstance(base, _Tensor) else None
-        if rec is not None and rec() is base:
-            # Autograd hands the view its base's version counter after the op returns.
-            view_of, group, version = rec.tid, rec.group, rec.version
-        else:
-            view_of, group = -1, tid
-            version = None if t.is_inference() else t._version
-        self._remember(t, tid, version, group)
+        tid, view_of = self.ids.view(t, base)
         self._bare(t, tid, op_id, len(outputs), view_of)
         outputs.append(tid)
 
@@ -835,11 +788,11 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
         """Called before the mode is entered for a recorded step."""
         self.step = step
         self.in_optimizer = False
-        self.begin_collectives()
+        self.collectives.begin()
 
     def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor]]:
         """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""
-        self.settle_collectives()
+        self.collectives.settle()
         self._gather_deferred_stats()
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
@@ -892,12 +845,9 @@ class CaptureMode(CollectiveRecorder, TorchDispatchMode):
 
     def _sweep(self) -> None:
         """Forget the write history of view families nobody holds any more."""
-        recs = list(self._known.values())
-        self._bases = {key: hit for key, hit in self._bases.items() if hit[2]() is not None}
-        groups = {rec.group for rec in recs} | {hit[0] for hit in self._bases.values()}
-        self._writes = {g: w for g, w in self._writes.items() if g in groups}
+        live = self.ids.sweep()
         if self.watch is not None:
-            self.watch.restart({rec.tid for rec in recs})
+            self.watch.restart(live)
 
 
 def _load_native() -> Any:
@@ -916,7 +866,7 @@ def _native_helpers() -> dict[str, Any]:
         marker=TENSOR_MARK,
         scan_value=scan_value,
         plain_types=(torch.dtype, torch.device, torch.layout, torch.memory_format),
-        rec_type=_Rec,
+        rec_type=TensorRef,
         current_node=_current_autograd_node,
         sequence_nr=_get_sequence_nr,
         grad_enabled=_is_grad_enabled,

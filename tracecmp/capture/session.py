@@ -444,7 +444,7 @@ class TraceCompare:
                 self._regions.remove()
             TraceCompare._active = None
             if self._mode is not None:
-                self._mode.release_groups()
+                self._mode.collectives.release_groups()
             self._mode = self._scope = self._regions = None  # drop the weak records: dying tensors stop calling back
         if self.auto_named and self.announce and self._rank == 0 and self._stopped is None:
             print(f"tracecmp: {self.summary()}", file=sys.stderr, flush=True)
@@ -842,8 +842,8 @@ class TraceCompare:
             key: value
             for key, value in (
                 ("capture_skipped", dict(mode.skipped)),
-                ("process_groups", dict(mode.process_groups)),
-                ("ddp_buckets", mode.ddp_buckets),
+                ("process_groups", dict(mode.collectives.process_groups)),
+                ("ddp_buckets", mode.collectives.ddp_buckets),
                 ("compiled_notes", list(self._regions.notes) if self._regions is not None else []),
             )
             if value and info.get(key) != value
