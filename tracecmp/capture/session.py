@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -23,6 +22,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope, is_compiling
 from tracecmp.capture.native import announce_references
+from tracecmp.capture.options import CaptureOptions
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.select import Selection
 from tracecmp.capture.watch import OverflowWatch
@@ -45,11 +45,6 @@ from tracecmp.trace.writer import (
     write_run_manifest,
 )
 
-DATA_MODES = ("stats", "tensors")
-RNG_MODES = ("device", "host")
-OVERFLOW_MODES = (None, "record", "raise")
-COMPILED_MODES = ("boundary", "graph")
-ERROR_MODES = ("warn", "raise")
 _PROGRESS_ROWS = 100_000  # flushes at least this large say so on a terminal
 # A step boundary hands the buffer over once it holds this much, whatever flush_secs says: chunks
 # stay a few MB and the memory held for the writer stays bounded.
@@ -181,6 +176,8 @@ class TraceCompare:
     A session records the process that opened it: a child forked while it runs (DataLoader
     workers) holds nothing of it and computes what it would without tracecmp.
 
+    The keyword options, checked, are ``tc.options`` (:class:`~tracecmp.capture.options.CaptureOptions`).
+
     >>> import torch, tracecmp, tempfile
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -214,55 +211,32 @@ class TraceCompare:
         only: Selection | Mapping[str, Any] | str | None = None,
         compiled: str = "boundary",
     ) -> None:
-        if data not in DATA_MODES:
-            raise CaptureError(f"data must be one of {DATA_MODES}, not {data!r}")
-        if rng not in RNG_MODES:
-            raise CaptureError(f"rng must be one of {RNG_MODES}, not {rng!r}")
-        if dropout is not None and (isinstance(dropout, bool) or dropout != 0.0):
-            raise CaptureError(f"dropout must be None (leave dropout alone) or 0.0 (turn it off), not {dropout!r}")
-        if overflow not in OVERFLOW_MODES:
-            raise CaptureError(f"overflow must be one of {OVERFLOW_MODES}, not {overflow!r}")
-        if on_error not in ERROR_MODES:
-            raise CaptureError(f"on_error must be one of {ERROR_MODES}, not {on_error!r}")
-        if compiled not in COMPILED_MODES:
-            raise CaptureError(f"compiled must be one of {COMPILED_MODES}, not {compiled!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-        selected: frozenset[int] | None = None
-        if steps is not None:
-            try:
-                selected = frozenset(int(s) for s in steps)
-            except (TypeError, ValueError) as exc:
-                raise CaptureError(f"steps must be an iterable of step numbers or None ({exc})") from None
-            if any(s < 0 for s in selected):
-                raise CaptureError("steps must not be negative")
-        selection = None if only is None else Selection.of(only)
-        if selection is not None and data != "tensors":
-            raise CaptureError('only= chooses the ops whose tensors are saved: use it with data="tensors"')
-        if max_ops < 1 or max_bytes < 1:
-            raise CaptureError("max_ops and max_bytes must be positive")
-        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not 0 <= flush_secs < math.inf:
-            raise CaptureError(f"flush_secs must be a number of seconds >= 0, not {flush_secs!r}")
+        self.options = CaptureOptions.of(
+            steps=steps,
+            data=data,
+            stack=stack,
+            max_ops=max_ops,
+            max_bytes=max_bytes,
+            rng=rng,
+            dropout=dropout,
+            overflow=overflow,
+            sync=sync,
+            flush_secs=flush_secs,
+            overwrite=overwrite,
+            on_error=on_error,
+            only=only,
+            compiled=compiled,
+        )
         # None: a fresh folder under $TRACECMP_DIR (capture/folders.py), made when the session starts.
         self.path: Path | None = None if path is None else Path(path)
         self.auto_named = path is None
         self.announce = True  # say where an auto-named trace went, at exit
         self.model = model
-        self.data = data
-        self.stack = bool(stack)
-        self.rng = rng
-        self.dropout = None if dropout is None else 0.0
-        self.overflow = overflow
-        self.compiled = compiled
-        self._steps = selected
-        self.only = selection
-        self._max_ops = max_ops
-        self._max_bytes = max_bytes
         self._step = 0
         self._used = False
         self._recording = False
-        self.sync_steps = bool(sync)
-        self.flush_secs = float(flush_secs)
         self._handed = 0.0  # time.monotonic() of the last hand-over (or of the start)
         self._writer: BackgroundWriter | None = None
         self._mode: CaptureMode | None = None
@@ -272,8 +246,6 @@ class TraceCompare:
         self._dropout_off: DropoutOff | None = None  # the whole session, recorded steps or not
         self._unrecorded: Rewrites | None = None  # rng/dropout rewrites in steps that are not recorded
         self._overflowed = False  # an OverflowDetected was raised: the run did not finish as written
-        self.overwrite = bool(overwrite)
-        self.on_error = on_error
         self._failure: BaseException | None = None  # why the trace could not be written
         self._failure_raised = False  # on_error="raise" raised it already
         self._closed = False  # the writer has marked the rank finished
@@ -304,7 +276,8 @@ class TraceCompare:
         return self._auto_boundaries
 
     def _selected(self, step: int) -> bool:
-        return self._failure is None and (self._steps is None or step in self._steps)
+        steps = self.options.steps
+        return self._failure is None and (steps is None or step in steps)
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> TraceCompare:
@@ -322,17 +295,8 @@ class TraceCompare:
             except (OSError, RuntimeError) as exc:  # RuntimeError: the store timed out waiting for rank 0
                 raise CaptureWriteError(f"cannot make a trace folder under {default_root()}: {exc}") from exc
         device = _model_device(self.model) or "cpu"
-        options = {
-            "data": self.data,
-            "steps": None if self._steps is None else sorted(self._steps),
-            "stack": self.stack,
-            "model": type(self.model).__name__ if self.model is not None else None,
-            "rng": self.rng,
-            "dropout": self.dropout,
-            "overflow": self.overflow,
-            "only": None if self.only is None else self.only.to_dict(),
-            "compiled": self.compiled,
-        }
+        opts = self.options
+        options = opts.manifest(self.model)
         run_info = {
             "world_size": world_size,
             "device": device,
@@ -342,7 +306,7 @@ class TraceCompare:
             "determinism": _determinism_flags(),
         }
         found = existing_trace(self.path, rank)
-        if found is not None and not self.overwrite:
+        if found is not None and not opts.overwrite:
             raise TraceExistsError(
                 f"already holds a trace ({found.relative_to(self.path)}); pass overwrite=True (CLI: --force) "
                 "to replace it, or choose another folder",
@@ -353,7 +317,7 @@ class TraceCompare:
             # whatever on_error says about failures later in the run.
             if rank == 0:
                 write_run_manifest(self.path, options=options, extra=run_info)
-                if self.overwrite:
+                if opts.overwrite:
                     remove_extra_ranks(self.path, world_size)
             # The intra-op thread count decides how CPU kernels split a large reduction, and so its
             # bits: replay runs at the same count to be held to them.
@@ -373,27 +337,27 @@ class TraceCompare:
         self._mode = CaptureMode(
             self._scope,
             locator,
-            save_data=self.data == "tensors",
-            stack=self.stack,
-            max_ops=self._max_ops,
-            max_bytes=self._max_bytes,
+            save_data=opts.data == "tensors",
+            stack=opts.stack,
+            max_ops=opts.max_ops,
+            max_bytes=opts.max_bytes,
             on_full=self._flush,
-            host_rng=self.rng == "host",
-            no_dropout=self.dropout is not None,
-            watch=OverflowWatch() if self.overflow else None,
-            on_overflow=self._raise_overflow if self.overflow == "raise" else None,
-            only=self.only,
+            host_rng=opts.rng == "host",
+            no_dropout=opts.dropout is not None,
+            watch=OverflowWatch() if opts.overflow else None,
+            on_overflow=self._raise_overflow if opts.overflow == "raise" else None,
+            only=opts.only,
             rank=rank,
             ddp=_ddp_module(self.model),
         )
-        self._regions = RegionCapture(self._mode, self._scope, locator, self.compiled)
+        self._regions = RegionCapture(self._mode, self._scope, locator, opts.compiled)
         TraceCompare._active = self
         self._step = 0
         self._handed = time.monotonic()
         try:
             self._hidden.install()
             self._regions.install()
-            if self.dropout is not None:
+            if opts.dropout is not None:
                 self._dropout_off = DropoutOff()
                 self._dropout_off.__enter__()
             self._catch_sigterm()
@@ -534,7 +498,8 @@ class TraceCompare:
             self._flush()
         self._step += 1
         self._step_start = len(self._mode.rows) if self._mode is not None else None
-        finishing = self._steps is not None and self._step > max(self._steps, default=-1) and not self._closed
+        steps = self.options.steps
+        finishing = steps is not None and self._step > max(steps, default=-1) and not self._closed
         if finishing:
             self._finish()
         self._begin_step()
@@ -582,8 +547,8 @@ class TraceCompare:
         mode = self._mode
         assert mode is not None
         return (
-            self.sync_steps
-            or time.monotonic() - self._handed >= self.flush_secs
+            self.options.sync
+            or time.monotonic() - self._handed >= self.options.flush_secs
             or len(mode.rows) >= _HANDOVER_ROWS
             or mode.saved_bytes >= _HANDOVER_BYTES
         )
@@ -624,9 +589,9 @@ class TraceCompare:
     def _begin_step(self) -> None:
         if self._selected(self._step):
             self._start()
-        elif self.rng == "host" or self.dropout is not None:
+        elif self.options.rng == "host" or self.options.dropout is not None:
             # Unrecorded steps run at full speed except for what keeps the runs comparable.
-            self._unrecorded = Rewrites(self.rng == "host", self.dropout is not None)
+            self._unrecorded = Rewrites(self.options.rng == "host", self.options.dropout is not None)
             self._unrecorded.__enter__()
 
     def _leave_dropout_off(self) -> None:
@@ -751,7 +716,7 @@ class TraceCompare:
             self._update_info()
             watch = mode.watch
             found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]
-            if self.sync_steps or found:
+            if self.options.sync or found:
                 writer.wait()
             if found:
                 assert watch is not None and watch.found is not None
@@ -763,7 +728,7 @@ class TraceCompare:
         """Note a failed write. Called inside an op (a full buffer) as well as between steps, so
         recording stops at the next step boundary; on_error="raise" raises at once."""
         self._failure = err.__cause__ or err if isinstance(err, TracecmpError) else err
-        if self.on_error == "raise" and not self._failure_raised:
+        if self.options.on_error == "raise" and not self._failure_raised:
             self._failure_raised = True
             raise CaptureWriteError(
                 f"{_cannot_write(self._failure)}; recording stopped", path=self.path
@@ -787,9 +752,9 @@ class TraceCompare:
             self._mode.take()
         self._close(None)
         self._report_failure(raising=True)
-        if self._unrecorded is None and (self.rng == "host" or self.dropout is not None):
+        if self._unrecorded is None and (self.options.rng == "host" or self.options.dropout is not None):
             # What keeps the runs comparable stays on for the rest of the session, as in unrecorded steps.
-            self._unrecorded = Rewrites(self.rng == "host", self.dropout is not None)
+            self._unrecorded = Rewrites(self.options.rng == "host", self.options.dropout is not None)
             self._unrecorded.__enter__()
 
     def _report_failure(self, *, raising: bool) -> None:
@@ -801,7 +766,7 @@ class TraceCompare:
             f"{_cannot_write(self._failure)}; recording stopped in step {self._step} "
             f"and the run goes on. The trace keeps {self.kept()} and is marked incomplete"
         )
-        if self.on_error == "raise" and raising:
+        if self.options.on_error == "raise" and raising:
             raise CaptureWriteError(message, path=self.path) from self._failure
         warnings.warn(f"tracecmp: {self.path}: {message}", CaptureWarning, stacklevel=4)
 
