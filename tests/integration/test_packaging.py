@@ -8,7 +8,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +63,11 @@ def test_sdist_and_wheel_built_without_a_compiler_run_on_the_references(tmp_path
     assert "tracecmp will use its slower pure-Python/torch reference" in built.stdout + built.stderr
     sdists, wheels = list((tmp_path / "dist").glob("*.tar.gz")), list((tmp_path / "dist").glob("*.whl"))
     assert len(sdists) == 1 and len(wheels) == 1  # the wheel is built from the sdist
+    with tarfile.open(sdists[0]) as sdist:  # every source a compiler needs, headers included
+        names = {name.split("/", 1)[-1] for name in sdist.getnames()}
+    assert {f"csrc/{name.name}" for name in (ROOT / "csrc").glob("*.[ch]pp")} <= names
+    with zipfile.ZipFile(wheels[0]) as wheel:  # the extensions' C contract ships with the package
+        assert {"tracecmp/_crecord.pyi", "tracecmp/_cstats.pyi"} <= set(wheel.namelist())
     site = tmp_path / "site"
     installed = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheels[0])],
