@@ -42,6 +42,9 @@ SOURCE_OPS = ("source.parameter", "source.buffer", "source.input", "source.tenso
 # A source whose first recorded use only writes it (an ``out=`` argument, a DDP bucket's view): its
 # earlier content is never read, so it is recorded without statistics, like uninitialised memory.
 UNREAD_SOURCE = "source.unread"
+# A tensor made from Python data (``torch.tensor(x)``, a number written into a tensor), not a
+# parameter, buffer or model input: what Python read from the run may be in it.
+PYTHON_SOURCE = "source.tensor"
 # A kind "view" node made when an op wrote a tensor through another alias (a view, or the base of
 # a view): inputs = the tensor's previous value and the written values, output = its new value
 # (with statistics). It computes nothing; it keeps producer -> consumer edges right.

@@ -45,10 +45,13 @@ class Divergence:
     metrics: dict[str, float] = field(default_factory=dict)  # the deciding numbers (rel_err, cosine, ...)
     stack: str = ""
     region: int | None = None  # id of the region (CompareResult.regions) this root is, when it is one
+    # The same fault's later calls (each micro-batch, the backward of its line): their op ids
+    repeats: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         where = f"{self.module or '<top>'} [{self.phase}, step {self.step}]"
-        return f"{self.op} in {where} at {self.location or '?'}: {self.reason}"
+        again = f" (and {len(self.repeats)} more calls of this line)" if self.repeats else ""
+        return f"{self.op} in {where} at {self.location or '?'}: {self.reason}{again}"
 
 
 @dataclass(frozen=True)

@@ -50,17 +50,19 @@ def drift_of(outputs: Iterable[TensorState | None]) -> float:
 _PYTHON_KINDS = ("argument", "structure", "random", "source")
 
 
-def follows_python(d: Divergence, python_from: int, python_step: int, exact_in: set[int], rank: int) -> bool:
+def follows_python(d: Divergence, python_from: int, exact_in: set[int], rank: int) -> bool:
     """Whether root ``d`` is inherited through Python: it comes after a root's error was read into
-    Python (op ``python_from``, an ``.item()`` of a tainted tensor, in step ``python_step``) and
-    is of a kind Python decides, or lies in a later step (a GradScaler that found the Inf a root
-    made skips the optimizer step: the next step runs on parameters the bench moved and the
-    target did not, and its optimizer with other arguments on other state). NaN/Inf made from
-    finite inputs stays a root, and so does a root its replay confirms (the caller's part)."""
+    Python (op ``python_from``, an ``.item()`` of a tainted tensor) and
+    is of a kind Python decides: in that step, or in a later one (a GradScaler that found the Inf
+    a root made skips the optimizer step: the next step runs on parameters the bench moved and the
+    target did not, and its optimizer with other arguments on other state). Python decides
+    arguments and control flow, never an op's own arithmetic: a computation whose output is off by
+    more than its inputs explain stays a root, unless its inputs agree bitwise (then what differs
+    is what Python passed it). NaN/Inf made from finite inputs stays a root, and so does a root its
+    replay confirms (the caller's part)."""
     if d.op_id <= python_from or d.rank != rank or d.kind == "nan":
         return False
-    decided = d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
-    return decided or d.step > python_step
+    return d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
 
 
 def scaler_skips(

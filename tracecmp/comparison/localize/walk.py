@@ -7,7 +7,7 @@ carried in; roots, suspects and the first divergence come out of it.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -58,11 +58,12 @@ from tracecmp.comparison.localize.regions import (
     region_roots,
     region_status_of,
 )
+from tracecmp.comparison.localize.repeats import one_root_per_fault
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import model_fits
 from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY
-from tracecmp.trace.schema import UNREAD_SOURCE
+from tracecmp.trace.schema import PYTHON_SOURCE, UNREAD_SOURCE
 from tracecmp.verdict.records import Divergence, Drift, SkippedStep
 
 
@@ -90,7 +91,28 @@ def localize(
         skipped.extend(s)
         drifts.extend([drift] if drift is not None else [])
     roots.sort(key=lambda item: item[0])
-    return verdicts, [d for _, d in roots], sorted(skipped, key=lambda k: (k.step, k.rank)), drifts
+    merged = one_root_per_fault([d for _, d in roots])
+    return verdicts, merged, sorted(skipped, key=lambda k: (k.step, k.rank)), drifts
+
+
+# Why a node was left uncompared or unpaired (NodeVerdict.reason), with what the user can do.
+UNPAIRED = "no partner in the bench: the two runs' op sequences differ here"
+CROSSED = "its bench partner computes another value (the op sequences differ around it): not comparable"
+READS_UNCOMPARED = "reads into Python a value that was not compared"
+WRITES_NOTHING = "makes no tensor the trace holds, from inputs that differ: nothing to compare"
+REGION_UNCOMPARED = "matched as a group (a region: {kind}) whose outputs could not all be paired with the bench's"
+VIEW_OF_UNCOMPARED = "a view of a tensor that was not compared"
+UNDECIDED = (
+    "left undecided: the runs drifted apart before it and its error is no larger than the drift "
+    '(capture the target with data="tensors" to judge it by replay)'
+)
+UNMEASURED = (
+    "an output has no statistics to compare on one side (no bench partner for it, or not recorded): "
+    'capture both runs with the same options, or the target with data="tensors"'
+)
+
+# Python reads remembered for the tensors made from Python data after them (see Walk.python_reads).
+PYTHON_READS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -175,8 +197,10 @@ class RankWalk:
         # Roots their replay confirms: the op computed wrongly on its own recorded inputs, whatever
         # made those inputs (drift, what Python decided from a diverged value) and however they differ.
         self.replayed: set[int] = set()
-        self.python_from: int | None = None  # the first op that read a root's error into Python (``.item()``) ...
-        self.python_step = 0  # ... and its step
+        self.python_from: int | None = None  # the first op that read a root's error into Python (``.item()``)
+        # The tensors whose values the program last read into Python (``.item()``, most recent last):
+        # a tensor it then made from Python data may hold those values (``losses[k] = loss.item()``).
+        self.python_reads: deque[int] = deque(maxlen=PYTHON_READS_KEPT)
         # Drift: how far apart the runs' values are where they became other samples of each other (see
         # _DRIFT), per tensor computed from such values, and per step (a step whose own values drift
         # runs on parameters an earlier drifted step moved, and is chaotic from its start).
@@ -234,7 +258,16 @@ class RankWalk:
         cls = OpClass("factory") if kind == "source" else OpClass("copy") if kind == "view" else classify(op)
         if args and takes_call_args(op):
             cls = class_for_call(cls, op, args)
-        fin = self._inputs(node, cls)
+        if is_readout(op) and inputs:
+            self.python_reads.append(base.get(inputs[0], inputs[0]))
+        if op == PYTHON_SOURCE and self.python_reads:
+            # Made from Python data after the program read values into Python: judged as a copy of
+            # what it read, so it may differ by as much as they did (a loss read within noise and
+            # written into a tensor is noise, not a source that differs). Beyond that it is a root.
+            cls = OpClass("copy")
+            fin = self._inputs(node._replace(inputs=list(self.python_reads)), cls)
+        else:
+            fin = self._inputs(node, cls)
         outs = self._outputs(node, fin)
         if op_id in ri.member_of:
             # Judged with its region at the boundary, never on its own against the other side.
@@ -574,7 +607,7 @@ class RankWalk:
             kind == "source" and op != "source.input" and any(r[0][0] < step for r in self.roots)
         )
         if self.python_from is None and tainted_in and is_readout(op):
-            self.python_from, self.python_step = op_id, step
+            self.python_from = op_id
         return tainted_in
 
     def _drift_in(self, node: Node) -> float:
@@ -649,7 +682,7 @@ class RankWalk:
         """Whether ``d`` follows Python's reading of a root; then it is diverged, no root."""
         python_from = self.python_from
         assert python_from is not None
-        if d.op_id in self.replayed or not follows_python(d, python_from, self.python_step, exact_in, self.ri.rank):
+        if d.op_id in self.replayed or not follows_python(d, python_from, exact_in, self.ri.rank):
             return False
         verdict = self.verdicts[d.op_id]  # the reason says where from
         verdict.root_kind = ""
@@ -690,43 +723,58 @@ class RankWalk:
             if s is not None and not s.exact and tainted:
                 s.tainted = True
             self.producer_status[base.get(t, t)] = region_status[region_id]
-        self.verdicts[node.op_id].status = region_status[region_id]
+        verdict = self.verdicts[node.op_id]
+        verdict.status = region_status[region_id]
+        if verdict.status == "uncompared" and not verdict.reason:
+            verdict.reason = REGION_UNCOMPARED.format(kind=self.ri.regions[region_id].kind)
 
     def _status(self, node: Node) -> None:
-        """The status of a node outside every region."""
+        """The status of a node outside every region; why, where it was left uncompared."""
+        verdict = self.verdicts[node.op_id]
+        status, why = self._status_of(node, verdict)
+        verdict.status = status
+        if why and not verdict.reason:
+            verdict.reason = why
+        for t in node.outputs:
+            self.producer_status[self.base.get(t, t)] = status
+
+    def _status_of(self, node: Node, verdict: NodeVerdict) -> tuple[str, str]:
+        """(status, why it is uncompared or unpaired, else "")."""
         ri, base, producer_status = self.ri, self.base, self.producer_status
-        op_id, step, phase, kind, op, name, module, location, args, inputs, outputs, random, stack = node
-        verdict = self.verdicts[op_id]
+        op_id, inputs, outputs = node.op_id, node.inputs, node.outputs
         paired = op_id in ri.pairs or op_id in ri.units
-        if kind == "view" and all(t in base for t in outputs):
+        if node.kind == "view" and all(t in base for t in outputs):
             src = base.get(outputs[0], inputs[0] if inputs else -1) if outputs else -1
-            verdict.status = producer_status.get(src, "uncompared") if paired else "unpaired"
-            return
+            if not paired:
+                return "unpaired", UNPAIRED
+            status = producer_status.get(src, "uncompared")
+            return status, VIEW_OF_UNCOMPARED if status == "uncompared" else ""
         ins = [self.lookup(t) for t in inputs]
         outs = [self.state.get(t) for t in outputs if t not in base]
         measured = [s for s in outs if s is not None and s.measured]
         if not paired:
-            status = "unpaired"
-        elif op_id in self.crossed and not all(s.exact for s in measured):
-            status = "uncompared"
-        elif any(s.nonfinite_mismatch and not s.given for s in measured):
-            status = "nan"
-        elif not outs and is_readout(op) and inputs:
+            return "unpaired", UNPAIRED
+        if op_id in self.crossed and not all(s.exact for s in measured):
+            return "uncompared", CROSSED
+        if any(s.nonfinite_mismatch and not s.given for s in measured):
+            return "nan", ""
+        if not outs and is_readout(node.op) and inputs:
             # ``.item()``: the number is its input's value, judged where that was made.
             status = readout_status(producer_status.get(base.get(inputs[0], inputs[0]), "uncompared"))
-        elif not outs:
-            status = "agrees" if all(s is not None and s.exact for s in ins) or not ins else "uncompared"
-        elif len(measured) < len([s for s in outs if s is not None and not s.uninit]) or op_id in self.undecided_set:
-            status = "uncompared"
-        elif all(s.exact for s in measured):
-            status = "agrees"
-        elif verdict.root_kind or any(s.tainted for s in measured):
-            status = "diverged"
-        else:
-            status = "noise"
-        verdict.status = status
-        for t in outputs:
-            producer_status[base.get(t, t)] = status
+            return status, READS_UNCOMPARED if status == "uncompared" else ""
+        if not outs:
+            if all(s is not None and s.exact for s in ins) or not ins:
+                return "agrees", ""
+            return "uncompared", WRITES_NOTHING
+        if op_id in self.undecided_set:
+            return "uncompared", UNDECIDED
+        if len(measured) < len([s for s in outs if s is not None and not s.uninit]):
+            return "uncompared", UNMEASURED
+        if all(s.exact for s in measured):
+            return "agrees", ""
+        if verdict.root_kind or any(s.tainted for s in measured):
+            return "diverged", ""
+        return "noise", ""
 
     def _found_drift(self) -> Drift | None:
         """Where the runs drifted apart, with the roots taken back for it."""
