@@ -60,6 +60,12 @@ class CompareError(TracecmpError):
     """Two traces cannot be compared (no common ranks or steps, bad tolerances)."""
 
 
+class DifferentModels(CompareError):
+    """The target and bench share too little to be runs of one model (parameters by name and
+    shape): a comparison would name differences of the programs, not of their numbers. ``force``
+    compares them anyway."""
+
+
 class OverflowDetected(TracecmpError):
     """Raised by ``TraceCompare(overflow="raise")`` at the first op producing NaN/Inf from finite inputs.
 

@@ -124,6 +124,15 @@ class CheckResult:
             records = list(warned[["module", "step"]].itertuples(index=False))
         return around(records, top=top)
 
+    @property
+    def status(self) -> str:
+        """The verdict in one word: "diverged" (an op errs), "agree" (every judged op passes) or
+        "incomplete" (no op could be judged), in the words :class:`CompareResult` uses."""
+        if self.first_error is not None:
+            return "diverged"
+        c = self.counts()
+        return "agree" if c["pass"] + c["warning"] else "incomplete"
+
     def verdict(self) -> str:
         """One line: ERROR / PASS / INCOMPLETE with the essentials."""
         d = self.first_error

@@ -3,7 +3,8 @@
 The two commands are recorded with the same capture options (the usual cause of two traces that
 cannot be compared is two runs captured differently), into ``OUT/traces/bench`` and
 ``OUT/traces/target``; then ``tracecmp compare`` writes its tables and report to ``OUT``. Exit codes
-are compare's: 0 the runs agree, 1 a divergence was found, 2 bad input (or a run left no trace).
+are compare's: 0 the runs agree, 1 a divergence was found, 2 bad input (or a run left no trace),
+3 nothing diverged but not everything could be compared.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared"
     )
+    parser.add_argument("--allow-incomplete", action="store_true", help="as for tracecmp compare")
     parser.set_defaults(run=run)
 
 
@@ -58,5 +60,6 @@ def run(args: argparse.Namespace) -> int:
                 f"tracecmp ab: the {name} exited with status {status}; comparing what its trace holds", file=sys.stderr
             )
     compare = ["compare", str(paths["target"]), str(paths["bench"]), "-o", str(out)]
-    compare += (["--tol", args.tol] if args.tol else []) + (["--strict"] if args.strict else [])
+    compare += ["--tol", args.tol] if args.tol else []
+    compare += [flag for flag in ("--strict", "--allow-incomplete") if getattr(args, flag[2:].replace("-", "_"))]
     return tracecmp_main(compare)

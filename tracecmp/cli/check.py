@@ -1,7 +1,7 @@
 """``tracecmp check TRACE [-o OUT]``: judge every op of one run against a float64 replay.
 
 Exit codes as ``compare``: 0 when no op errs (with ``--strict``: also none skipped), 1 when one
-does, 2 on bad input or usage.
+does, 2 on bad input or usage, 3 when no op could be judged (``--allow-incomplete``: 0).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from tracecmp.cli.compare import int_list
+from tracecmp.cli.compare import exit_status, int_list
 from tracecmp.errors import TracecmpError
 
 
@@ -41,6 +41,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--workers", type=int, metavar="N", help="processes to replay with (default: by trace size)")
     parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")
     parser.add_argument("--strict", action="store_true", help="exit 1 also when an op could not be judged")
+    parser.add_argument(
+        "--allow-incomplete", action="store_true", help="exit 0, not 3, when no op could be judged at all"
+    )
     parser.add_argument("--top", type=int, default=10, metavar="N", help="suspects shown in the summary (default 10)")
     parser.add_argument(
         "--progress",
@@ -77,6 +80,6 @@ def run(args: argparse.Namespace) -> int:
             except TracecmpError as exc:
                 print(f"warning: report not written: {exc}", file=sys.stderr)
         print(f"\nwrote {', '.join(str(p) for p in paths)}")
-    if result.first_error is not None:
+    if args.strict and result.counts()["skipped"]:
         return 1
-    return 1 if args.strict and result.counts()["skipped"] else 0
+    return exit_status(result.status, allow_incomplete=args.allow_incomplete)

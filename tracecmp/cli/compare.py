@@ -12,6 +12,8 @@ from typing import Any
 
 from tracecmp.errors import TracecmpError
 
+INCOMPLETE_EXIT = 3  # nothing diverged, but not everything could be compared
+
 
 def int_list(text: str) -> list[int]:
     """``--steps``/``--ranks`` as argparse reads them: comma-separated integers (``0,2``)."""
@@ -26,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
         "compare",
         help="find the first op where a target run diverges from a bench run",
         description="Compare two traces (target first, bench second). Exit 0 when no op diverges, "
-        "1 when one does, 2 on bad input.",
+        "1 when one does, 2 on bad input (different models included), 3 when nothing diverged but "
+        "not everything could be compared (INCOMPLETE: the summary lists what and why).",
     )
     parser.add_argument("target", help="trace folder of the run under suspicion (NPU, bf16, new kernel, ...)")
     parser.add_argument("bench", help="trace folder of the reference run")
@@ -54,6 +57,16 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--no-report", action="store_true", help="with -o, write only the tables")
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 also when anything was left unpaired or uncompared"
+    )
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="exit 0, not 3, when nothing diverged but not everything could be compared",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="compare even two runs that share too little to be the same model (exit 2 without it)",
     )
     parser.add_argument("--top", type=int, default=10, metavar="N", help="suspects shown in the summary (default 10)")
     parser.add_argument(
@@ -93,11 +106,15 @@ def run(args: argparse.Namespace) -> int:
         progress=args.progress,
         workers=args.workers,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
+        force=args.force,
     )
     print(result.summary(top=args.top))
     selection = result.selection()
     if selection is not None:
-        print(f"\nRe-run the target with tensors around the suspects only:\n  {selection.code(args.target)}")
+        print(
+            f"\nRe-run the target with tensors around the suspects only:\n  {selection.code(args.target)}\n"
+            f'  or: tracecmp record -o {args.target} -f --data tensors --only "{selection.command_line()}" -- COMMAND'
+        )
     if args.out:
         paths = result.write_tables(args.out, xlsx=args.xlsx)
         if not args.no_report:
@@ -108,6 +125,15 @@ def run(args: argparse.Namespace) -> int:
             except TracecmpError as exc:
                 print(f"warning: report not written: {exc}", file=sys.stderr)
         print(f"\nwrote {', '.join(str(p) for p in paths)}")
-    if result.first_divergence is not None:
+    return exit_status(result.status, strict=args.strict, allow_incomplete=args.allow_incomplete)
+
+
+def exit_status(status: str, *, strict: bool = False, allow_incomplete: bool = False) -> int:
+    """The exit code of a verdict (``CompareResult.status``, ``CheckResult.status``): 0 agree (and
+    "no root": a loss scaler skipped steps), 1 diverged, 3 incomplete; ``strict`` makes anything
+    short of agreement 1, ``allow_incomplete`` makes incomplete 0."""
+    if status == "diverged" or (strict and status != "agree"):
         return 1
-    return 1 if args.strict and not result.agrees else 0
+    if status == "incomplete" and not allow_incomplete:
+        return INCOMPLETE_EXIT
+    return 0

@@ -74,6 +74,12 @@ def add_capture_options(parser: argparse.ArgumentParser) -> None:
         default="stats",
         help="stats: statistics of every tensor (default); tensors: also the tensors themselves",
     )
+    parser.add_argument(
+        "--only",
+        metavar="SPEC",
+        help='with --data tensors: save tensors only for these ops, e.g. "modules=h.1,h.2;steps=0" '
+        "(fields modules, ops, steps, phases; statistics stay on for every op)",
+    )
     parser.add_argument("--stack", action="store_true", help="keep each op's whole user stack")
     parser.add_argument(
         "--rng",
@@ -129,6 +135,7 @@ def capture_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "steps": args.steps,
         "data": args.data,
+        "only": args.only,
         "stack": args.stack,
         "rng": args.rng,
         "dropout": 0.0 if args.no_dropout else None,
@@ -154,6 +161,7 @@ def options_argv(args: argparse.Namespace) -> list[str]:
         ("--quiet", args.quiet),
     ):
         argv += [flag] if on else []
+    argv += ["--only", args.only] if args.only else []
     return argv + (["--overflow", args.overflow] if args.overflow else [])
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tracecmp.comparison.engine import compare_traces
+from tracecmp.comparison.programs import require_one_model
 from tracecmp.comparison.ranks import attach_cross_rank, compare_ranks
 from tracecmp.comparison.result import CompareResult
 from tracecmp.comparison.tolerances import Tolerances
-from tracecmp.errors import CompareError
+from tracecmp.errors import CompareError, DifferentModels
 from tracecmp.trace.reader import Trace, load
 
 
@@ -37,6 +38,7 @@ def compare(
     progress: bool | None = None,
     workers: int | None = None,
     max_memory: int | None = None,
+    force: bool = False,
 ) -> CompareResult:
     """Compare a target run with a bench run and name the first op that went wrong.
 
@@ -49,7 +51,10 @@ def compare(
     terminal). Traces of several ranks given as folders are compared rank by rank in a process
     pool of ``workers`` (default: one per rank, up to the CPUs; 1: one after another here), each
     worker holding one rank pair with at most ``max_memory`` bytes of data, and then across ranks
-    (:mod:`tracecmp.comparison.ranks`): ``result.job`` shows the ranks side by side.
+    (:mod:`tracecmp.comparison.ranks`): ``result.job`` shows the ranks side by side. Two runs
+    that are different models (:mod:`tracecmp.comparison.programs`) raise
+    :class:`~tracecmp.errors.DifferentModels` unless ``force``; forced, the verdict carries a
+    warning and never reads AGREE.
 
     >>> result = tracecmp.compare("runs/target", "runs/bench")   # doctest: +SKIP
     >>> result.first_divergence.op, result.first_divergence.module  # doctest: +SKIP
@@ -63,18 +68,22 @@ def compare(
         tol = Tolerances().replace(**tolerances)
     else:
         raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
+    models = _models_warning(target, bench, force)
     if isinstance(target, (str, Path)) and isinstance(bench, (str, Path)) and _multi_rank(target, bench):
-        return compare_ranks(
-            target,
-            bench,
-            ranks=ranks,
-            workers=workers,
-            max_memory=max_memory,
-            progress=progress,
-            tolerances=tol,
-            steps=steps,
-            exact=exact,
-            replay=replay,
+        return _warned(
+            models,
+            compare_ranks(
+                target,
+                bench,
+                ranks=ranks,
+                workers=workers,
+                max_memory=max_memory,
+                progress=progress,
+                tolerances=tol,
+                steps=steps,
+                exact=exact,
+                replay=replay,
+            ),
         )
     result = compare_traces(
         _as_trace(target, "target"),
@@ -88,6 +97,25 @@ def compare(
     )
     if len(result.ranks) > 1:  # order the ranks' roots through their collectives
         attach_cross_rank(result)
+    return _warned(models, result)
+
+
+def _models_warning(target: str | Path | Trace, bench: str | Path | Trace, force: bool) -> str:
+    """Raises :class:`DifferentModels` for two different models; forced, its message as a warning."""
+    t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
+    common = sorted(set(t_trace.ranks) & set(b_trace.ranks))
+    try:
+        require_one_model(t_trace, b_trace, common[0] if common else 0)
+    except DifferentModels as exc:
+        if not force:
+            raise
+        return str(exc.message)
+    return ""
+
+
+def _warned(warning: str, result: CompareResult) -> CompareResult:
+    if warning:
+        result.warnings.insert(0, warning)
     return result
 
 

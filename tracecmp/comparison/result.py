@@ -10,6 +10,7 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
+from tracecmp.comparison.localize.calibrate import layer_site
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
@@ -37,6 +38,12 @@ NODE_COLUMNS = (
     "root_kind",
     "reason",
 )
+
+
+# Why a bench node is in ``unpaired_bench`` (the target's own reasons are in ``nodes.reason``).
+BENCH_UNPAIRED = "no partner in the target: the two runs' op sequences differ here"
+# Groups of what could not be compared that the terminal summary lists (all of them: uncompared.csv).
+SUMMARY_GROUPS = 5
 
 
 @dataclass
@@ -88,6 +95,47 @@ class CompareResult:
     def warnings_block_agreement(self) -> bool:
         """Something was left out (an incomplete trace, a rank or step only one run has)."""
         return bool(self.warnings) or not (self.target.complete and self.bench.complete)
+
+    @property
+    def status(self) -> str:
+        """The verdict in one word: "diverged", "agree", "no root" (a loss scaler skipped steps the
+        bench made; nothing else was found) or "incomplete" (nothing diverged among what could be
+        compared, but not everything could be: see :meth:`uncompared_groups`)."""
+        if self.first_divergence is not None:
+            return "diverged"
+        if self.agrees:
+            return "agree"
+        return "no root" if self.skipped_steps else "incomplete"
+
+    def uncompared_groups(self) -> pd.DataFrame:
+        """What could not be compared, one row per (side, status, op, module, reason), largest first:
+        ``count`` nodes, the steps they lie in and the first op id. Modules are written with their
+        layer numbers as ``#`` (one line of the model's code in every layer). Views are left out.
+
+        >>> result.uncompared_groups().head()  # doctest: +SKIP
+        """
+        columns = ["side", "status", "op", "module", "reason", "count", "steps", "first_op_id"]
+        target = self.nodes[self.nodes["status"].isin(["uncompared", "unpaired"]) & (self.nodes["kind"] != "view")]
+        target = target.assign(side="target", reason=target["reason"].replace("", "no reason recorded"))
+        frames = [target[["side", "status", "op", "module", "reason", "step", "op_id"]]]
+        if len(self.unpaired_bench):
+            bench = self.unpaired_bench[self.unpaired_bench["kind"] != "view"]
+            frames.append(
+                bench.assign(side="bench", status="unpaired", reason=BENCH_UNPAIRED)[
+                    ["side", "status", "op", "module", "reason", "step", "op_id"]
+                ]
+            )
+        rows = pd.concat(frames, ignore_index=True)
+        if rows.empty:
+            return pd.DataFrame(columns=columns)
+        rows["module"] = rows["module"].fillna("").map(layer_site)
+        grouped = rows.groupby(["side", "status", "op", "module", "reason"], sort=False)
+        out = grouped.agg(
+            count=("op_id", "size"),
+            steps=("step", lambda s: ",".join(map(str, sorted({int(v) for v in s})))),
+            first_op_id=("op_id", "min"),
+        ).reset_index()
+        return out.sort_values(["count", "first_op_id"], ascending=[False, True], ignore_index=True)[columns]
 
     def counts(self) -> dict[str, int]:
         """Node counts behind the verdict (views left out)."""
@@ -150,9 +198,11 @@ class CompareResult:
             ranked = sorted(self.suspects, key=lambda s: -s.score)[:top]
             width = max(len(s.op) for s in ranked)
             for i, s in enumerate(ranked, 1):
+                score = f"  {_fmt(s.score)} units" if s.score > 0 and math.isfinite(s.score) else ""
+                calls = f"  x{1 + len(s.repeats)} calls" if s.repeats else ""
                 lines.append(
                     f"  {i:>2}. {s.op:<{width}}  {(s.module or '<top>')[:40]:<40}  {s.phase:<9} step {s.step:<3} "
-                    f"{s.kind:<11} score {_fmt(s.score)}"
+                    f"{s.kind:<11}{score}{calls}"
                 )
         if self.skipped_steps:
             lines += [
@@ -188,11 +238,32 @@ class CompareResult:
                 f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
                 'that noise cannot be told apart from statistics: capture the target with data="tensors"'
             )
+        if self.status == "incomplete":
+            lines += self._uncompared_lines()
         if self.job is not None:
             lines += ["", self.job.summary()]
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def _uncompared_lines(self) -> list[str]:
+        """The summary's account of what could not be compared: the largest groups, and where the
+        rest is."""
+        groups = self.uncompared_groups()
+        if groups.empty:
+            return []
+        total = int(groups["count"].sum())
+        lines = [
+            "",
+            f"Not compared: {total} node{'s' if total != 1 else ''} in {len(groups)} group"
+            f"{'s' if len(groups) != 1 else ''} (all in uncompared.csv with -o):",
+        ]
+        for row in groups.head(SUMMARY_GROUPS).itertuples():
+            where = row.module or "<top>"
+            lines.append(f"  {row.count:>5} x {row.op} in {where} ({row.side}, step {row.steps}): {row.reason}")
+        if len(groups) > SUMMARY_GROUPS:
+            lines.append(f"  ... and {len(groups) - SUMMARY_GROUPS} more groups")
+        return lines
 
     def verdict(self) -> str:
         """One line: DIVERGED / AGREE / INCOMPLETE with the essentials."""
@@ -303,6 +374,7 @@ class CompareResult:
             "suspects": self.suspects_frame(),
             "unpaired_bench": self.unpaired_bench,
             "regions": self.regions_frame(),
+            "uncompared": self.uncompared_groups(),
         }
         if self.job is not None:
             tables["ranks"] = self.job.to_frame()
@@ -327,7 +399,8 @@ class CompareResult:
         return path
 
     def suspects_frame(self) -> pd.DataFrame:
-        """The suspects as a table, first divergence first, then by score."""
+        """The suspects as a table, first divergence first, then by score; ``repeats`` are the op ids
+        of the same fault's later calls."""
         columns = [
             "rank",
             "op_id",
@@ -342,8 +415,10 @@ class CompareResult:
             "score",
             "reason",
         ]
-        rows = [{c: getattr(s, c) for c in columns} for s in self.suspects]
-        return pd.DataFrame(rows, columns=columns)
+        rows = [
+            {**{c: getattr(s, c) for c in columns}, "repeats": " ".join(map(str, s.repeats))} for s in self.suspects
+        ]
+        return pd.DataFrame(rows, columns=[*columns, "repeats"])
 
     def selection(self, top: int = 3) -> Any:
         """A capture filter (:class:`tracecmp.capture.select.Selection`) around the first divergence
