@@ -66,8 +66,9 @@ def test_exact_mode_and_strict(runs):
     assert cli(str(runs["same"]), str(runs["bench"]), "--exact").returncode == 0
     assert cli(str(runs["bad"]), str(runs["bench"]), "--exact").returncode == 1
     partial = cli(str(runs["partial"]), str(runs["bench"]))
-    assert partial.returncode == 0 and partial.stdout.startswith("INCOMPLETE")
+    assert partial.returncode == 3 and partial.stdout.startswith("INCOMPLETE")
     assert "incomplete" in partial.stdout
+    assert cli(str(runs["partial"]), str(runs["bench"]), "--allow-incomplete").returncode == 0
     assert cli(str(runs["partial"]), str(runs["bench"]), "--strict").returncode == 1
 
 

@@ -325,6 +325,7 @@ def test_result_tables_and_statuses(tmp_path):
         "suspects.csv",
         "unpaired_bench.csv",
         "regions.csv",
+        "uncompared.csv",
         "compare.xlsx",
     }
     text = result.summary()
