@@ -507,6 +507,14 @@ def _add_region_root(
 def region_status_of(
     region: Region, j: _RegionJudged | None, root: bool, lookup: Callable[[int], TensorState | None]
 ) -> str:
+    if not region.outputs and region.kind == "pass-through":
+        # Casts no op reads (accelerate's convert_to_fp32 of a model output the loss never used):
+        # they move their inputs' values only, so they are what their inputs are.
+        ins = [lookup(T) for T, _ in region.inputs if T is not None]
+        if ins and all(s is not None and s.known for s in ins):
+            if all(s.exact for s in ins):
+                return "agrees"
+            return "diverged" if any(s.tainted or s.nonfinite_mismatch for s in ins) else "noise"
     if j is None or not j.outputs:
         return "uncompared"
     states = [s for _, s in j.outputs]
