@@ -3,8 +3,8 @@ them, recorded unchanged with ``tracecmp record`` as ``benchmarks/realscripts/ru
 scripts' smallest sizes (``--tiny``), and compared with ``tracecmp.compare`` in this process (the runner
 calls the CLI; the same verdict without an interpreter start each).
 
-What tracecmp gets wrong today is marked ``xfail(strict=True)`` with what it says instead, so the fix
-that makes it right turns the mark into a failure to remove.
+Each case holds what issue #34 asks of it: a clean pair agrees, a bug is named at its op and module
+as the only root, and the DataLoader's workers leave no trace.
 """
 
 from __future__ import annotations
@@ -57,28 +57,16 @@ def test_vision_script_with_two_workers_and_module_transforms_records_its_steps(
     assert not list((workdir / "runs").glob("*/tracecmp-traces"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue #34: the max-pool swapped for an average pool is named in maxpool, but once per step "
-    "(2 roots: step 0 and step 1) instead of one root",
-)
 def test_vision_pool_swap_is_named_at_maxpool_as_the_only_root(vision_bench, workdir):
     variant = _variant("vision", "bug-pool-swap")
     bench = _recorded(vision_bench)
     target = _recorded(corpus.record(corpus.SCRIPTS["vision"], variant.target, workdir, tiny=True))
     cmp = corpus.compare_api(target.trace, bench.trace)
     assert cmp.returncode in (0, 1), cmp.summary
-    assert cmp.first.get("module") == "maxpool", cmp.summary  # holds today
+    assert cmp.first.get("module") == "maxpool", cmp.summary
     assert corpus.judge(variant.expect, cmp), cmp.summary
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue #34: the eval loop's losses[k] = loss.item() before step 0 makes a clean bf16 pair read "
-    "DIVERGED at source.tensor in <top>",
-)
 def test_nanogpt_clean_bf16_pair_with_eval_readouts_before_step_0_agrees(workdir):
     variant, cmp = _pair(workdir, "nanogpt", "clean-bf16")
     assert corpus.judge(variant.expect, cmp), cmp.summary

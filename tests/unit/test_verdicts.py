@@ -166,3 +166,40 @@ def test_the_suggested_filter_works_as_printed_for_record() -> None:
     assert Selection.of(capture_options(args)["only"]) == root
     assert options_argv(args)[-2:] == ["--only", "modules=,h.1;steps=0"]
     assert root.matches(0, "forward", "", "source.tensor") and not root.matches(0, "forward", "h.0", "aten.mm")
+
+
+def _attention_probs(path: Path, *, bf16_softmax: bool, autocast_matmul: bool = False) -> Path:
+    """Scores, softmax, then a matmul with values, in float32; ``bf16_softmax`` computes the softmax
+    in bfloat16 between two casts (``softmax(att.to(bf16)).float()``); ``autocast_matmul`` narrows
+    the matmul's operands as autocast does (a round trip around a matmul: no fault)."""
+    g = torch.Generator().manual_seed(0)
+    b = TraceBuilder()
+    att = b.source("input.0", torch.randn(16, 32, generator=g) * 3)
+    v = b.param("v.weight", torch.randn(32, 8, generator=g), module="attn")
+    if bf16_softmax:
+        low = b.call(A._to_copy.default, att, dtype=torch.bfloat16, module="attn", location="m.py:5")
+        probs = b.call(A._softmax.default, low, -1, False, module="attn", location="m.py:5")
+        probs = b.call(A._to_copy.default, probs, dtype=torch.float32, module="attn", location="m.py:5")
+    else:
+        probs = b.call(A._softmax.default, att, -1, False, module="attn", location="m.py:5")
+    if autocast_matmul:
+        low_p = b.call(A._to_copy.default, probs, dtype=torch.bfloat16, module="attn", location="m.py:6")
+        low_v = b.call(A._to_copy.default, v, dtype=torch.bfloat16, module="attn", location="m.py:6")
+        out = b.call(A.mm.default, low_p, low_v, module="attn", location="m.py:6")
+        b.call(A._to_copy.default, out, dtype=torch.float32, module="attn", location="m.py:7")
+    else:
+        b.call(A.mm.default, probs, v, module="attn", location="m.py:6")
+    return b.write(path)
+
+
+def test_an_op_computed_in_bf16_between_two_casts_of_a_float32_model_is_a_precision_root(tmp_path: Path) -> None:
+    bench = _attention_probs(tmp_path / "b", bf16_softmax=False)
+    result = tracecmp.compare(_attention_probs(tmp_path / "t", bf16_softmax=True), bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module, d.kind) == ("aten._softmax.default", "attn", "precision"), (
+        result.summary()
+    )
+    assert "round trip" in d.reason and len(result.suspects) == 1
+    # autocast's own round trip around a matmul is how autocast runs it, not a fault
+    result = tracecmp.compare(_attention_probs(tmp_path / "a", bf16_softmax=False, autocast_matmul=True), bench)
+    assert result.first_divergence is None, result.summary()

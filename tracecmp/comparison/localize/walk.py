@@ -62,7 +62,7 @@ from tracecmp.comparison.localize.repeats import one_root_per_fault
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import model_fits
-from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY
+from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY, eps_of, is_float_dtype
 from tracecmp.trace.schema import PYTHON_SOURCE, UNREAD_SOURCE
 from tracecmp.verdict.records import Divergence, Drift, SkippedStep
 
@@ -110,6 +110,9 @@ UNMEASURED = (
     "an output has no statistics to compare on one side (no bench partner for it, or not recorded): "
     'capture both runs with the same options, or the target with data="tensors"'
 )
+
+# Ops besides matmul-like ones that autocast runs in lower precision, narrowing their inputs.
+AUTOCAST_ELEMENTWISE = frozenset({"prelu", "_prelu_kernel"})
 
 # Python reads remembered for the tensors made from Python data after them (see Walk.python_reads).
 PYTHON_READS_KEPT = 16
@@ -201,6 +204,7 @@ class RankWalk:
         # The tensors whose values the program last read into Python (``.item()``, most recent last):
         # a tensor it then made from Python data may hold those values (``losses[k] = loss.item()``).
         self.python_reads: deque[int] = deque(maxlen=PYTHON_READS_KEPT)
+        self.consumers: dict[int, list[Node]] | None = None  # see _consumers
         # Drift: how far apart the runs' values are where they became other samples of each other (see
         # _DRIFT), per tensor computed from such values, and per step (a step whose own values drift
         # runs on parameters an earlier drifted step moved, and is chaotic from its start).
@@ -546,6 +550,10 @@ class RankWalk:
         bench_op = ri.pairs.get(op_id)
         root_kind, reason, deciding, part, confirmed = decide_node(j, node, self.ctx, tainted_in)
         verdict.metric = deciding
+        if not root_kind and not j.outputs_exact and j.cls.kind != "contract":
+            narrowed = self._round_trip(node)
+            if narrowed:
+                root_kind, reason = "precision", narrowed
         if not root_kind:
             return
         verdict.metrics = metric_dict(j, part)
@@ -595,6 +603,56 @@ class RankWalk:
                 self._take_back_for_drift(j, node, drift_in)
             if not (node.kind == "view" and all(t in self.base for t in node.outputs)):
                 self._pass_on(node, tainted_in, drift_in)
+
+    def _round_trip(self, node: Node) -> str:
+        """Why the node is a precision root, or "": the target alone narrows a float value to a lower
+        precision just before it and widens its result back just after, where the bench computes
+        it at the value's own precision (a softmax in bfloat16 inside a float32 model). Autocast
+        narrows for the ops it runs in lower precision, matmul-like ones (and PReLU), which are not
+        judged so; in the backward pass their gradients make the same round trips (a bias gradient's
+        sum in bfloat16 between the casts' backwards), so only forward ops are."""
+        ri, base = self.ri, self.base
+        if node.kind != "op" or node.phase != "forward" or node.op_id not in ri.pairs or not node.outputs:
+            return ""
+        if base_name(node.op) in AUTOCAST_ELEMENTWISE:
+            return ""
+        low = ri.own.get(node.outputs[0], (True, False, ""))[2]
+        if eps_of(low) <= FP32_EPS:
+            return ""
+        narrowing = [
+            made
+            for made in (self.producer.get(base.get(t, t)) for t in node.inputs)
+            if made is not None and self._target_cast(made[0], to=low)
+        ]
+        if not narrowing:
+            return ""
+        wide = ri.own.get(narrowing[0][0].inputs[0], (True, False, ""))[2]
+        widening = [n for n in self._consumers().get(node.outputs[0], []) if self._target_cast(n, to=wide)]
+        if not widening:
+            return ""
+        return (
+            f"computed in {low} where the bench computes in {wide}: the target narrows its {wide} input to {low} "
+            f"just before it (op {narrowing[0][0].op_id}) and widens the result back just after (op "
+            f"{widening[0].op_id}), a round trip the bench does not make"
+        )
+
+    def _target_cast(self, node: Node, to: str) -> bool:
+        """Whether ``node`` is a cast to dtype ``to`` of a float value of another precision, made by
+        the target alone."""
+        if base_name(node.op) != "_to_copy" or node.op_id in self.ri.pairs or not node.inputs or not node.outputs:
+            return False
+        own = self.ri.own
+        source, made = own.get(node.inputs[0], (True, False, ""))[2], own.get(node.outputs[0], (True, False, ""))[2]
+        return made == to and source != to and is_float_dtype(source)
+
+    def _consumers(self) -> dict[int, list[Node]]:
+        """Tensor id (view bases) -> the nodes that read it, made on first use."""
+        if self.consumers is None:
+            self.consumers = defaultdict(list)
+            for n in self.ri.nodes:
+                for t in n.inputs:
+                    self.consumers[self.base.get(t, t)].append(n)
+        return self.consumers
 
     def _tainted_in(self, node: Node) -> bool:
         """Whether error from a root reaches the node's inputs; notes the first readout of one."""
