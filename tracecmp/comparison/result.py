@@ -10,12 +10,11 @@ from typing import Any
 import networkx as nx
 import pandas as pd
 
-from tracecmp.comparison.localize.calibrate import layer_site
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import TracecmpError
 from tracecmp.trace.reader import Trace
 from tracecmp.verdict.drawing import draw
-from tracecmp.verdict.records import Divergence, Drift, Region, SkippedStep, op_counts
+from tracecmp.verdict.records import Divergence, Drift, Region, SkippedStep, layer_site, op_counts
 
 NODE_COLUMNS = (
     "rank",

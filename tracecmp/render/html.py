@@ -22,7 +22,7 @@ import pandas as pd
 from tracecmp.errors import TracecmpError
 from tracecmp.render.chart import error_chart
 from tracecmp.render.subgraph import find_focus, format_number, render_subgraph, short_op
-from tracecmp.verdict.records import Divergence, op_counts
+from tracecmp.verdict.records import Divergence, layer_site, op_counts
 
 REPORT_NAME = "report.html"
 SUBGRAPH_NAME = "divergence.svg"
@@ -167,7 +167,7 @@ def _first_divergence_html(result: Any) -> str:
         ("source line", f"<code>{escape(d.location or '?')}</code>"),
         ("why", escape(d.reason or d.kind)),
         ("kind", escape(d.kind)),
-        ("error introduced", f"{format_number(d.score)} rounding units"),
+        ("error introduced", _units(d.score)),
         ("metrics", metrics),
         (
             "node",
@@ -185,8 +185,40 @@ def _first_divergence_html(result: Any) -> str:
     return first_html(rows, d.stack)
 
 
+def _units(score: float) -> str:
+    """An error in rounding units, or a dash where no count of units measures the root (an argument,
+    a source, NaN)."""
+    return f"{format_number(score)} rounding units" if 0 < score < float("inf") else "—"
+
+
 def _compare_cells(d: Divergence) -> str:
-    return f'<td>{escape(d.kind)}</td><td class="num" data-sort="{_sort_value(d.score)}">{format_number(d.score)}</td>'
+    calls = f" (x{1 + len(d.repeats)} calls)" if d.repeats else ""
+    return (
+        f"<td>{escape(d.kind)}{calls}</td>"
+        f'<td class="num" data-sort="{_sort_value(d.score)}">{escape(_units(d.score).replace(" rounding units", ""))}</td>'
+    )
+
+
+def _uncompared_html(result: Any) -> str:
+    """What could not be compared, grouped (``CompareResult.uncompared_groups``); "" when nothing."""
+    groups = result.uncompared_groups() if hasattr(result, "uncompared_groups") else pd.DataFrame()
+    if groups.empty:
+        return ""
+    rows = [
+        f'<tr><td class="num" data-sort="{row.count}">{row.count}</td><td>{escape(row.side)}</td>'
+        f"<td><code>{escape(row.op)}</code></td><td><code>{escape(row.module or '<top>')}</code></td>"
+        f"<td>{escape(row.steps)}</td><td>{escape(row.reason)}</td></tr>"
+        for row in groups.itertuples()
+    ]
+    table = table_html(
+        "uncompared-table",
+        [("nodes", True), ("side", False), ("op", False), ("module", False), ("steps", False), ("why", False)],
+        rows,
+    )
+    return (
+        '<h2 id="uncompared">Not compared</h2>\n<p class="note">What the verdict could not judge, by op, module '
+        "(layer numbers as #) and reason; uncompared.csv holds the same.</p>\n" + table
+    )
 
 
 def _regions_html(result: Any) -> str:
@@ -195,13 +227,27 @@ def _regions_html(result: Any) -> str:
         return '<p class="note">Every op found its counterpart one to one.</p>'
     first = result.first_divergence
     rows = []
-    for row in frame.itertuples():
+    passing = frame[(frame["kind"] == "pass-through") & ~frame["root"].astype(bool)]
+    for row in frame.drop(passing.index).itertuples():
         css = ' class="first"' if first is not None and first.region == row.region and first.rank == row.rank else ""
         rows.append(
             f'<tr{css}><td class="num" data-sort="{row.region}">{row.region}</td><td>{escape(row.kind)}</td>'
             f"<td><code>{escape(row.module or '<top>')}</code></td><td>{escape(row.phase)}</td>"
             f"<td><code>{escape(row.target_ops or '—')}</code></td><td><code>{escape(row.bench_ops or '—')}</code></td>"
             f"<td>{escape(str(row.status))}{' (root)' if row.root else ''}</td></tr>"
+        )
+    # Casts and copies one side makes alone are many and alike: one line per what they do.
+    grouped = passing.assign(status=passing["status"].astype(str)).groupby(
+        ["phase", "target_ops", "bench_ops", "status"], sort=False
+    )
+    for (phase, target_ops, bench_ops, status), group in grouped:
+        modules = group["module"].fillna("").map(layer_site).unique()
+        where = modules[0] or "<top>" if len(modules) == 1 else f"{len(modules)} modules"
+        rows.append(
+            f'<tr><td class="num" data-sort="{group["region"].min()}">{len(group)} regions</td><td>pass-through</td>'
+            f"<td><code>{escape(where)}</code></td><td>{escape(phase)}</td>"
+            f"<td><code>{escape(target_ops or '—')}</code></td><td><code>{escape(bench_ops or '—')}</code></td>"
+            f"<td>{escape(status)}</td></tr>"
         )
     return table_html(
         "regions-table",
@@ -361,6 +407,7 @@ Shaded stretches are backward and optimizer ops; hover a point for its op.</p>
             _compare_cells,
         )
     }
+{_uncompared_html(result)}
 <h2 id="regions">Regions</h2>
 <p class="note">Ops that pair only as groups: a fused op against its decomposition, another decomposition of the
 same values, casts or copies one side makes alone. Each is compared at its boundary, never inside; in the picture a

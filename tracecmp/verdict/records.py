@@ -5,7 +5,9 @@ They hold ids, names and numbers, never tensors, so a result can be built by han
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Iterable
 
 # Status of one target node after localization, worst last; render colours by it.
@@ -230,3 +232,14 @@ def op_counts(names: Iterable[str], *, views: bool = False, limit: int | None = 
     if limit is not None and len(items) > limit:
         items = items[:limit] + ["..."]
     return ", ".join(items)
+
+
+@cache
+def layer_site(module: str) -> str:
+    """A module path with its layer numbers taken out: where one line of a model's code runs in
+    every layer.
+
+    >>> layer_site("bert.encoder.layer.7.output.LayerNorm")
+    'bert.encoder.layer.#.output.LayerNorm'
+    """
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "#", module)

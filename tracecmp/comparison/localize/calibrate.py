@@ -5,9 +5,7 @@ of a bf16 or TF32 run), what a tensor passes on, and how a run computes its matm
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -69,17 +67,6 @@ def carried_error(out: TensorState, x: tuple[float, float, float], typical: tupl
         # more than CAP) leaves the measurement as it is.
         floor = [min(t, 1.0) * v if math.isfinite(v) else 0.0 for t, v in zip(typical, x)]
         out.c_ext, out.c_sys = max(out.c_ext, floor[0]), max(out.c_sys, floor[1])
-
-
-@cache
-def layer_site(module: str) -> str:
-    """A module path with its layer numbers taken out: where one line of a model's code runs in
-    every layer.
-
-    >>> layer_site("bert.encoder.layer.7.output.LayerNorm")
-    'bert.encoder.layer.#.output.LayerNorm'
-    """
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "#", module)
 
 
 def made_by(made: tuple[tuple, int] | None) -> str:

@@ -21,7 +21,6 @@ from tracecmp.comparison.localize.calibrate import (
     at_finite_scale,
     carried_error,
     carry_factors,
-    layer_site,
     made_by,
     ops_reproduced_bitwise,
     tf32_spread_of,
@@ -64,7 +63,7 @@ from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import model_fits
 from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY, eps_of, is_float_dtype
 from tracecmp.trace.schema import PYTHON_SOURCE, UNREAD_SOURCE
-from tracecmp.verdict.records import Divergence, Drift, SkippedStep
+from tracecmp.verdict.records import Divergence, Drift, SkippedStep, layer_site
 
 
 def localize(
