@@ -41,7 +41,7 @@ class Divergence:
     op_id: int  # node id in the target trace
     bench_op_id: int | None = None  # paired node in the bench trace, None when unpaired
     rank: int = 0
-    kind: str = "computation"
+    kind: str = "computation"  # also argument, structure, source, random, nan, precision
     reason: str = ""  # one line a person reads first
     score: float = 0.0  # error introduced by this node, in rounding units of its dtype; ranks suspects
     metrics: dict[str, float] = field(default_factory=dict)  # the deciding numbers (rel_err, cosine, ...)
