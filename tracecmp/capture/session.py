@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -18,6 +18,7 @@ from tracecmp.aten.overflow import Overflow, from_dict, overflow_at, to_dict
 from tracecmp.capture.compiled import HiddenHooks, RegionCapture
 from tracecmp.capture.folders import default_root, default_trace_dir, rank_and_world
 from tracecmp.capture.forks import drop_mode
+from tracecmp.capture.loading import fetch_batches_untraced
 from tracecmp.capture.location import Locator
 from tracecmp.capture.mode import CaptureMode
 from tracecmp.capture.modules import ModuleScope, is_compiling
@@ -237,6 +238,7 @@ class TraceCompare:
         self._step = 0
         self._used = False
         self._recording = False
+        self._batches_traced: Callable[[], None] | None = None  # undoes fetch_batches_untraced while recording
         self._handed = 0.0  # time.monotonic() of the last hand-over (or of the start)
         self._writer: BackgroundWriter | None = None
         self._mode: CaptureMode | None = None
@@ -604,6 +606,7 @@ class TraceCompare:
         self._scope.install()
         self._mode.begin(self._step)
         self._mode.__enter__()
+        self._batches_traced = fetch_batches_untraced()
         self._recording = True
         if self._regions is not None:
             self._regions.recording = True
@@ -616,6 +619,9 @@ class TraceCompare:
             return
         assert self._mode is not None and self._scope is not None
         self._recording = False
+        if self._batches_traced is not None:
+            self._batches_traced()
+            self._batches_traced = None
         if self._regions is not None:
             self._regions.recording = False
         self._mode.__exit__(None, None, None)
@@ -636,6 +642,8 @@ class TraceCompare:
                 drop_mode(mode)  # entered or not, wherever it stands on the forking thread's stack
         if self._scope is not None:
             self._scope.remove()
+        if self._batches_traced is not None:
+            self._batches_traced()
         self._remove_optimizer_hooks()
         self._release_sigterm()
         self._hidden.remove()
