@@ -129,6 +129,19 @@ def _strict(j: JudgedNode, node: Node, ctx: RankContext) -> bool:
     return strict
 
 
+def source_label(op: str, name: str, location: str) -> str:
+    """A source as a person names it: the parameter's path, the input's position, or, for a tensor
+    the program made from Python data, the line that made it.
+
+    >>> source_label("source.parameter", "h.0.attn.weight", "m.py:3"), source_label("source.tensor", "", "train.py:70")
+    ("parameter 'h.0.attn.weight'", 'the tensor made at train.py:70')
+    """
+    label = op.removeprefix("source.")
+    if name:
+        return f"{label} {name!r}"
+    return f"the {label} made at {location}" if location else f"a {label} without a name"
+
+
 def _root(j: JudgedNode, node: Node, ctx: RankContext, found: tuple[int, float, float, int], replayed: str) -> Decision:
     """The root's kind and reason, from ``found``: the deciding channel, its error and prediction,
     and the output that decided."""
@@ -138,8 +151,9 @@ def _root(j: JudgedNode, node: Node, ctx: RankContext, found: tuple[int, float, 
     bench_op = ri.pairs.get(op_id)
     what = f"relative error {e:.2e} ({channels[channel]})"
     if kind == "source":
-        label = op.removeprefix("source.")
-        return Decision("source", f"{label} {name!r} differs from the bench: {what}", channels[channel], part)
+        return Decision(
+            "source", f"{source_label(op, name, location)} differs from the bench: {what}", channels[channel], part
+        )
     if random:
         agree = " while its inputs agree" if j.inputs_exact else ""
         reason = (
