@@ -50,9 +50,7 @@ KNOWN: dict[str, set[str]] = {
     "private imports": set(),
     "constants defined once": set(),
     "short functions": {"comparison.api.compare"},
-    "tests and benchmarks apart": {
-        "tests/integration/test_realscripts.py imports benchmarks"  # the #34 corpus: its runner to workloads/
-    },
+    "tests and benchmarks apart": set(),
 }
 
 
