@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -13,11 +13,13 @@ from tracecmp.aten.opclass import draws_random
 from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
 from tracecmp.comparison.compiled import (
     GRAPH_MODE_NOTE,
+    CompiledUnits,
     Pairing,
     compiled_units,
     covered_by_units,
     judge_units,
     pair_units,
+    same_compiled_graphs,
 )
 from tracecmp.comparison.localize import NodeVerdict, RankInput, localize
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
@@ -32,9 +34,6 @@ from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
 from tracecmp.verdict.progress import Progress, shown
-
-if TYPE_CHECKING:
-    from tracecmp.comparison.compiled import CompiledUnits
 
 _STAT_COLUMNS = [
     "tensor_id",
@@ -229,6 +228,10 @@ def _prepare_rank(
     run.bar.update(f"rank {rank}: aligning")
     # Compiled regions replace eager ops as a whole: their insides are left out of the alignment.
     units = compiled_units(t_rank, steps)
+    if units and same_compiled_graphs(t_rank, b_rank):
+        # Compiled against compiled, the same graphs: each region call pairs with its twin in the
+        # bench, op for op, as eager ops do; no unit stands for eager ops of the other side.
+        units = CompiledUnits()
     pairs = align_nodes(t_ops[~t_ops["op_id"].isin(units.members)] if units else t_ops, t_ten, b_ops, b_ten)
     t_base, b_base = view_bases(t_ten), view_bases(b_ten)
     pairing = Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base) if units else None

@@ -9,7 +9,7 @@ one narrowed to its FX nodes (:mod:`.narrow`).
 from tracecmp.comparison.compiled.judge import judge_units
 from tracecmp.comparison.compiled.narrow import run_part
 from tracecmp.comparison.compiled.pairing import Pairing, covered_by_units, pair_units
-from tracecmp.comparison.compiled.units import GRAPH_MODE_NOTE, CompiledUnits, compiled_units
+from tracecmp.comparison.compiled.units import GRAPH_MODE_NOTE, CompiledUnits, compiled_units, same_compiled_graphs
 
 __all__ = [
     "GRAPH_MODE_NOTE",
@@ -20,4 +20,5 @@ __all__ = [
     "judge_units",
     "pair_units",
     "run_part",
+    "same_compiled_graphs",
 ]

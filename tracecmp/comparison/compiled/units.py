@@ -148,6 +148,27 @@ class CompiledUnits:
         return bool(self.calls)
 
 
+def same_compiled_graphs(t_rank: RankTrace, b_rank: RankTrace) -> bool:
+    """Whether both ranks ran the same compiled graphs: the same graphs by id, from the same
+    backend, node for node (op and arguments) in every part. Then each region call of the target
+    has its twin in the bench, and their ops pair one to one as eager ops do."""
+    t_record, b_record = t_rank.compiled, b_rank.compiled
+    if not t_record or not b_record or len(t_record.graphs) != len(b_record.graphs):
+        return False
+    # Graph ids count the process's compiles ("g0", "g1", ...): twins are the same in compile order.
+    for t_graph, b_graph in zip(_in_compile_order(t_record.graphs), _in_compile_order(b_record.graphs)):
+        if t_graph.backend != b_graph.backend or t_graph.parts.keys() != b_graph.parts.keys():
+            return False
+        for name, part in t_graph.parts.items():
+            if [(n.op, n.args) for n in part.nodes] != [(n.op, n.args) for n in b_graph.parts[name].nodes]:
+                return False
+    return True
+
+
+def _in_compile_order(graphs: Mapping[str, CompiledGraph]) -> list[CompiledGraph]:
+    return sorted(graphs.values(), key=lambda g: int(g.id[1:]) if g.id[1:].isdigit() else -1)
+
+
 def compiled_units(t_rank: RankTrace, steps: Iterable[int] | None = None) -> CompiledUnits:
     """The units of the target rank's compiled-region calls (in the steps given)."""
     record = t_rank.compiled
