@@ -72,10 +72,10 @@ def scaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Heads]:
 def test_a_clean_region_has_no_root_and_nothing_to_narrow(
     heads: Heads, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    narrowed: list[str] = []
+    narrowed: list[tuple[str, str]] = []
     narrow = compiled_judge.narrow_region
 
-    def recording(*args: Any, **kwargs: Any) -> str:
+    def recording(*args: Any, **kwargs: Any) -> tuple[str, str]:
         narrowed.append(narrow(*args, **kwargs))
         return narrowed[-1]
 
@@ -87,7 +87,7 @@ def test_a_clean_region_has_no_root_and_nothing_to_narrow(
     assert len(regions) == 2 and (regions["status"] != "diverged").all()
     # Every node of both regions was walked (the backward's after the sizes its forward saved),
     # and none departs from the eager value it was paired with.
-    assert narrowed == ["", "", ""]  # forward; the backward's saved forward values, then its own nodes
+    assert narrowed == [("", "")] * 3  # forward; the backward's saved forward values, then its own nodes
     assert not any("not replayed" in w for w in result.warnings)
     graph = heads.trace(tmp_path / "g", compiled="graph")
     assert tracecmp.compare(graph, heads.bench).first_divergence is None
@@ -103,7 +103,7 @@ def test_a_fault_after_the_attention_is_narrowed_past_it(heads: Heads, tmp_path:
     finally:
         FAULTS["gelu"] = 1.0
     first = tracecmp.compare(boundary, heads.bench).first_divergence
-    assert first is not None and first.op == "compiled.forward"
+    assert first is not None and (first.op, first.module) == ("compiled.forward", "blocks.0.mlp.act")
     assert "narrowed to FX node gelu (tracecmp_tests.gelu.default, blocks.0.mlp.act" in first.reason
     first = tracecmp.compare(graph, heads.bench).first_divergence
     assert first is not None
@@ -115,7 +115,7 @@ def test_a_pass_scaling_the_attention_scores_is_narrowed_to_its_node(scaled: Hea
     # is faithful to it, the eager program is not.
     target = scaled.trace(tmp_path / "b", compiled="boundary", data="tensors")
     first = tracecmp.compare(target, scaled.bench).first_divergence
-    assert first is not None and first.op == "compiled.forward"
+    assert first is not None and (first.op, first.module) == ("compiled.forward", "blocks.0.attn")
     assert SCORES.scaled
     assert f"narrowed to FX node {SCORES.scaled} (aten.mul.Tensor, blocks.0.attn" in first.reason
     assert "differs from the bench's aten.bmm.default by 9.9e-03" in first.reason

@@ -89,7 +89,7 @@ def _judge_region(
     if isinstance(outside, _BackwardInputs) and unit.forward_call is not None:
         # The values the forward saved depart first, if any node of the forward does.
         forward_unit = replace(unit, call=unit.forward_call, judged=(unit.forward_call.op_id,), outputs=())
-        found = narrow_region(
+        found, module = narrow_region(
             forward_unit,
             PartReplay(outside.forward_part, outside.forward(True), outside.forward(False)),
             t_get,
@@ -99,9 +99,11 @@ def _judge_region(
             tol,
         )
         if found:
-            unit.narrowed = f"what its forward saved departs first: {found}"
+            unit.narrowed, unit.narrowed_module = f"what its forward saved departs first: {found}", module
             return
-    unit.narrowed = narrow_region(unit, PartReplay(part, ref, honest), t_get, b_get, pairing, measured, tol)
+    unit.narrowed, unit.narrowed_module = narrow_region(
+        unit, PartReplay(part, ref, honest), t_get, b_get, pairing, measured, tol
+    )
 
 
 def _region_inputs(

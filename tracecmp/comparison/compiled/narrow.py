@@ -128,8 +128,9 @@ def narrow_region(
     pairing: Pairing,
     measured: Mapping[int, Any],
     tol: Tolerances,
-) -> str:
-    """The first FX node (graph order) where the region departs from what it should compute.
+) -> tuple[str, str]:
+    """The first FX node (graph order) where the region departs from what it should compute: why,
+    and the node's module (its innermost ``nn_module_stack`` entry); ("", "") where none does.
 
     Two ways to depart: the graph's own float64 value of the node differs from the bench's value
     of the eager op it stands for (the graph computes something else: a custom op, a pass that
@@ -140,7 +141,7 @@ def narrow_region(
     carried = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
     index = pairing.index(unit.call)
     if index is None:
-        return ""
+        return "", ""
     computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
     peers = [
         (n.name, tuple(as_tensor(ref.get(n.name)).shape), None)
@@ -161,7 +162,8 @@ def narrow_region(
         if n.name in wrong:
             return (
                 f"narrowed to {_where(n)}: what the compiled code computed for it is off by {wrong[n.name]:.1e} "
-                f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)"
+                f"from a float64 replay of the region's inputs ({honest_error:.1e} for eager kernels)",
+                n.module,
             )
         bench = pairing.bench_tensor(unit, n.name, tuple(r.shape), peers)
         if bench is None:
@@ -179,13 +181,15 @@ def narrow_region(
         if cause is not None:
             return (
                 f"narrowed to {_where(cause)}, which has no eager counterpart: the values it feeds ({n.name}) "
-                f"differ from the bench's {eager} by {departure:.1e} (eager rounding {honest_error:.1e})"
+                f"differ from the bench's {eager} by {departure:.1e} (eager rounding {honest_error:.1e})",
+                cause.module,
             )
         return (
             f"narrowed to {_where(n)}: the graph's own value there differs from the bench's {eager} by "
-            f"{departure:.1e} (eager rounding {honest_error:.1e}): the graph computes something else from here"
+            f"{departure:.1e} (eager rounding {honest_error:.1e}): the graph computes something else from here",
+            n.module,
         )
-    return ""
+    return "", ""
 
 
 def _wrong_kernels(

@@ -71,6 +71,7 @@ class Unit:
     own: tuple[float, float] | None = None  # (own error, honest error) from a replay, relative
     rounding: float | None = None  # a decomposition's rounding: its ops' honest replay errors, summed
     narrowed: str = ""  # the FX node a root was narrowed to, for its reason
+    narrowed_module: str = ""  # and that node's module: the root's, in the verdict
 
     def decide(
         self, node: Node, errors: tuple[float, float, float], ri: Any, tol: Tolerances, lookup: Callable[[int], Any]

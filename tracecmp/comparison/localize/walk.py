@@ -570,9 +570,11 @@ class RankWalk:
             # NaN/Inf made from finite values: no count of rounding units measures that, and it
             # outranks every root of a few units.
             verdict.introduced = math.inf
+        unit = ri.units.get(op_id)
         divergence = Divergence(
             op=op,
-            module=module,
+            # A compiled region's root is where it was narrowed to: that FX node's module.
+            module=unit.narrowed_module if unit is not None and unit.narrowed_module else module,
             phase=phase,
             step=int(step),
             location=location,
