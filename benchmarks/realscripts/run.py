@@ -75,7 +75,7 @@ def markdown(results: list[Result], *, short: bool = False) -> str:
             verdict = cmp.word if short else _cell(cmp.verdict)
             code, roots, ctime = str(cmp.returncode), roots_cell(cmp), f"{cmp.seconds:.1f}"
         met = "yes" if r.met else "**no**"
-        root = _cell(first_root(cmp), 70)
+        root = _cell(first_root(cmp), 110 if short else 70)  # the short table has room for the module
         if short:
             rows.append(
                 f"| {r.script} | {r.variant} | {verdict} ({code}) | {root} | {roots} | {r.target.seconds:.1f} | "
