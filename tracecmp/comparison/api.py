@@ -68,10 +68,9 @@ def compare(
         tol = Tolerances().replace(**tolerances)
     else:
         raise CompareError(f"tolerances must be a Tolerances or a mapping, got {type(tolerances).__name__}")
-    models = _models_warning(target, bench, force)
     if isinstance(target, (str, Path)) and isinstance(bench, (str, Path)) and _multi_rank(target, bench):
         return _warned(
-            models,
+            _models_warning(_as_trace(target, "target"), _as_trace(bench, "bench"), force),
             compare_ranks(
                 target,
                 bench,
@@ -85,24 +84,18 @@ def compare(
                 replay=replay,
             ),
         )
+    t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
+    models = _models_warning(t_trace, b_trace, force)  # reads rank 0's tables, which the comparison reuses
     result = compare_traces(
-        _as_trace(target, "target"),
-        _as_trace(bench, "bench"),
-        tolerances=tol,
-        steps=steps,
-        ranks=ranks,
-        exact=exact,
-        replay=replay,
-        progress=progress,
+        t_trace, b_trace, tolerances=tol, steps=steps, ranks=ranks, exact=exact, replay=replay, progress=progress
     )
     if len(result.ranks) > 1:  # order the ranks' roots through their collectives
         attach_cross_rank(result)
     return _warned(models, result)
 
 
-def _models_warning(target: str | Path | Trace, bench: str | Path | Trace, force: bool) -> str:
+def _models_warning(t_trace: Trace, b_trace: Trace, force: bool) -> str:
     """Raises :class:`DifferentModels` for two different models; forced, its message as a warning."""
-    t_trace, b_trace = _as_trace(target, "target"), _as_trace(bench, "bench")
     common = sorted(set(t_trace.ranks) & set(b_trace.ranks))
     try:
         require_one_model(t_trace, b_trace, common[0] if common else 0)

@@ -215,6 +215,15 @@ def _tensor_table(tensor_frames: list[pd.DataFrame], nodes: pd.DataFrame) -> pd.
     return tensors
 
 
+def _units(t_rank: RankTrace, b_rank: RankTrace, steps: Iterable[int]) -> CompiledUnits:
+    """The target's compiled units: regions that replace eager ops as a whole, their insides left out
+    of the alignment. Against a bench that compiled the same graphs there are none: each region call
+    pairs with its twin, op for op, as eager ops do."""
+    if same_compiled_graphs(t_rank, b_rank):
+        return CompiledUnits()
+    return compiled_units(t_rank, steps)
+
+
 def _prepare_rank(
     t_rank: RankTrace, b_rank: RankTrace, rank: int, run: _RankRun, first_region: int = 0
 ) -> tuple[RankInput, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
@@ -226,12 +235,7 @@ def _prepare_rank(
     steps, t_ops, b_ops, t_lists, b_lists = rank_ops
     t_ten, b_ten = t_rank.tensors, b_rank.tensors
     run.bar.update(f"rank {rank}: aligning")
-    # Compiled regions replace eager ops as a whole: their insides are left out of the alignment.
-    units = compiled_units(t_rank, steps)
-    if units and same_compiled_graphs(t_rank, b_rank):
-        # Compiled against compiled, the same graphs: each region call pairs with its twin in the
-        # bench, op for op, as eager ops do; no unit stands for eager ops of the other side.
-        units = CompiledUnits()
+    units = _units(t_rank, b_rank, steps)
     pairs = align_nodes(t_ops[~t_ops["op_id"].isin(units.members)] if units else t_ops, t_ten, b_ops, b_ten)
     t_base, b_base = view_bases(t_ten), view_bases(b_ten)
     pairing = Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base) if units else None
