@@ -398,8 +398,8 @@ class CompareResult:
         return path
 
     def suspects_frame(self) -> pd.DataFrame:
-        """The suspects as a table, first divergence first, then by score; ``repeats`` are the op ids
-        of the same fault's later calls."""
+        """The suspects as a table, highest score first (``first_divergence`` is the earliest root);
+        ``repeats`` are the op ids of the same fault's later calls."""
         columns = [
             "rank",
             "op_id",
