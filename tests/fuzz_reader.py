@@ -405,7 +405,7 @@ def check(trace: Path, good: Path) -> list[str]:
     for argv, allowed in (
         (["inspect", str(trace)], {0, 2}),
         (["overflow", str(trace)], {0, 1, 2}),
-        (["compare", str(trace), str(good)], {0, 1, 2}),
+        (["compare", str(trace), str(good)], {0, 1, 2, 3}),
     ):
         if loaded is None and argv[0] == "compare":
             continue  # refused at load like inspect: nothing more to learn, and compare costs most

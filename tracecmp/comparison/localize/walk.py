@@ -110,8 +110,10 @@ UNMEASURED = (
     'capture both runs with the same options, or the target with data="tensors"'
 )
 
-# Ops besides matmul-like ones that autocast runs in lower precision, narrowing their inputs.
-AUTOCAST_ELEMENTWISE = frozenset({"prelu", "_prelu_kernel"})
+# Ops besides matmul-like ones that autocast runs in lower precision, narrowing their inputs: PReLU,
+# and the bias add of a linear or convolution that decomposes into a matmul and an add (the bias
+# narrowed to the matmul's dtype, the sum widened for the next float32 op).
+AUTOCAST_ELEMENTWISE = frozenset({"prelu", "_prelu_kernel", "add", "add_", "sub", "sub_"})
 
 # Python reads remembered for the tensors made from Python data after them (see Walk.python_reads).
 PYTHON_READS_KEPT = 16
