@@ -3,6 +3,7 @@
     python benchmarks/bench_distributed.py overhead            # torchrun, 2 ranks over gloo
     python benchmarks/bench_distributed.py calls               # one process: what recording a collective costs
     python benchmarks/bench_distributed.py compare --ranks 1,2,4
+    python benchmarks/bench_distributed.py accuracy [--setups ddp,fsdp2,tp] [--json]
 
 ``overhead`` times a 2-rank DDP training step of an MLP stack plain and captured, alternating in
 one launch (medians; the ratio is what to read on a noisy machine), and what a collective costs
@@ -12,6 +13,14 @@ whose wait is implicit (its AsyncCollectiveTensor's first use).
 ``compare`` captures the same per-rank run (DDP, a fault on the last rank) with 1, 2 and 4 ranks, then
 times ``tracecmp.compare`` on each in a fresh process: in that process alone (``workers=1``)
 and with one worker per rank; peak RSS of the comparing process and of its largest worker.
+
+``accuracy`` captures a small transformer-like MLP (two residual blocks: LayerNorm, up, GELU, down)
+on 2 gloo ranks for 2 steps under DDP, FSDP2 and tensor parallelism: two clean runs, and faults on
+one rank alone (rank 0 or 1) in one step alone (0 or 1): ``forward`` (GELU's tanh approximation in
+block 1), ``backward`` (block 0's gradient scaled by 1.001, before it is reduced) and ``nan`` (block
+0's hidden activation overflows to Inf in forward; NaN follows). Per case: the first divergence right (op, rank,
+step, phase: top-1), and the suspects exactly the fault (one root; each other rank agrees or
+inherited it through a collective).
 """
 
 from __future__ import annotations
@@ -192,6 +201,155 @@ def capture_worker(out: str, steps: int, width: int, blocks: int) -> None:
     dist.destroy_process_group()
 
 
+ACCURACY_FAULTS = ("forward", "backward", "nan")
+# The op each fault makes, as the first divergence must name it.
+FAULT_OPS = {"forward": "aten.gelu.default", "backward": "aten.mul.Tensor", "nan": "aten.mul.Tensor"}
+FAULT_PHASES = {"forward": "forward", "backward": "backward", "nan": "forward"}
+
+
+def _accuracy_cases() -> list[tuple[str, int, int]]:
+    """(fault, rank, step) of every fault case; ("clean", -1, -1) is the clean pair."""
+    return [("clean", -1, -1)] + [(f, r, s) for f in ACCURACY_FAULTS for r in (0, 1) for s in (0, 1)]
+
+
+def _case_name(fault: str, rank: int, step: int) -> str:
+    return fault if fault == "clean" else f"{fault}-r{rank}-s{step}"
+
+
+def _accuracy_model(setup: str, width: int) -> Any:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index = index
+            self.norm = torch.nn.LayerNorm(width)
+            self.up = torch.nn.Linear(width, 2 * width)
+            self.down = torch.nn.Linear(2 * width, width)
+            self.fault = ""  # set per step by the capture loop
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.up(self.norm(x))
+            if self.fault == "nan" and self.index == 0:
+                h = h * 1e30 * 1e30  # Inf where the bench is finite; NaN downstream (inf - inf, 0 * inf)
+            if self.fault == "backward" and self.index == 0 and h.requires_grad:
+                h.register_hook(lambda g: g * 1.001)
+            tanh = self.fault == "forward" and self.index == 1
+            return x + self.down(F.gelu(h, approximate="tanh" if tanh else "none"))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(0), Block(1), torch.nn.Linear(width, 4))
+    if setup == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if setup == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model[:2]:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {
+        f"{i}.{name}": style for i in (0, 1) for name, style in (("up", ColwiseParallel()), ("down", RowwiseParallel()))
+    }
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def accuracy_worker(out: str, setups: list[str], width: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tracecmp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    for setup in setups:
+        for variant, (fault, fault_rank, fault_step) in [("bench", ("clean", -1, -1))] + [
+            (_case_name(*case), case) for case in _accuracy_cases()
+        ]:
+            model = _accuracy_model(setup, width)
+            blocks = [m for m in model.modules() if hasattr(m, "fault")]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with tracecmp.TraceCompare(Path(out) / setup / variant, model=model) as tc:
+                for step in range(2):
+                    for block in blocks:
+                        block.fault = fault if (rank, step) == (fault_rank, fault_step) else ""
+                    seed = 100 * step + (0 if setup == "tp" else rank + 1)  # tensor parallel ranks share a batch
+                    x = torch.randn(4, width, generator=torch.Generator().manual_seed(seed))
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    tc.step()
+    dist.destroy_process_group()
+
+
+def _judge_case(folder: Path, setup: str, fault: str, fault_rank: int, fault_step: int) -> dict[str, Any]:
+    """One case compared: the first divergence, the suspects, and whether they are the fault exactly."""
+    import tracecmp
+
+    result = tracecmp.compare(folder / setup / _case_name(fault, fault_rank, fault_step), folder / setup / "bench")
+    d = result.first_divergence
+    ranks = {line.rank: line.status for line in result.job.ranks}
+    found = {
+        "setup": setup,
+        "case": _case_name(fault, fault_rank, fault_step),
+        "first": f"{d.op} rank {d.rank} step {d.step} {d.phase}" if d else None,
+        "suspects": [f"{s.op} rank {s.rank} step {s.step} {s.phase} ({s.kind})" for s in result.suspects],
+        "ranks": ranks,
+    }
+    if fault == "clean":
+        found["right"] = found["exact"] = d is None and result.agrees
+        return found
+
+    def is_fault(s: Any) -> bool:
+        return (s.op, s.rank, s.step, s.phase) == (FAULT_OPS[fault], fault_rank, fault_step, FAULT_PHASES[fault])
+
+    found["right"] = d is not None and is_fault(d)
+    found["exact"] = (
+        found["right"]
+        and len(result.suspects) == 1
+        and ranks.get(fault_rank) == "root"
+        and all(status in ("agrees", "inherited") for r, status in ranks.items() if r != fault_rank)
+    )
+    return found
+
+
+def accuracy(setups: list[str], width: int, as_json: bool) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="tracecmp-accuracy-"))
+    start = time.perf_counter()
+    _torchrun(2, "accuracy-worker", str(folder), ",".join(setups), str(width))
+    captured = time.perf_counter() - start
+    cases = [_judge_case(folder, setup, *case) for setup in setups for case in _accuracy_cases()]
+    if as_json:
+        print(json.dumps(cases, indent=1))
+    print(f"captured {len(setups) * 14} runs in {captured:.0f} s ({folder})")
+    print("| setup | clean pair AGREE | top-1 | suspects exactly the fault |")
+    print("|---|---:|---:|---:|")
+    total = {"top": 0, "exact": 0, "faults": 0}
+    for setup in setups:
+        mine = [c for c in cases if c["setup"] == setup]
+        faults = [c for c in mine if c["case"] != "clean"]
+        clean = next(c for c in mine if c["case"] == "clean")
+        top, exact = sum(c["right"] for c in faults), sum(c["exact"] for c in faults)
+        total["top"] += top
+        total["exact"] += exact
+        total["faults"] += len(faults)
+        print(f"| {setup} | {'yes' if clean['right'] else 'NO'} | {top}/{len(faults)} | {exact}/{len(faults)} |")
+    print(f"| all | | {total['top']}/{total['faults']} | {total['exact']}/{total['faults']} |")
+    for c in cases:
+        if not c["exact"]:
+            print(f"  {c['setup']} {c['case']}: first {c['first']}; ranks {c['ranks']}")
+            for s in c["suspects"][:6]:
+                print(f"      {s}")
+
+
 def calls_alone(n: int) -> None:
     """What recording a collective costs, without a second rank to wait for (world size 1)."""
     import torch
@@ -282,6 +440,11 @@ def main() -> None:
     cmp_.add_argument("--steps", type=int, default=30)
     cmp_.add_argument("--width", type=int, default=64)
     cmp_.add_argument("--blocks", type=int, default=12)
+    acc = sub.add_parser("accuracy")
+    acc.add_argument("--setups", default="ddp,fsdp2,tp")
+    acc.add_argument("--width", type=int, default=16)
+    acc.add_argument("--json", action="store_true")
+    sub.add_parser("accuracy-worker").add_argument("args", nargs=3)
     sub.add_parser("overhead-worker").add_argument("args", nargs=3)
     sub.add_parser("capture-worker").add_argument("args", nargs=4)
     args = parser.parse_args()
@@ -291,6 +454,11 @@ def main() -> None:
     elif args.what == "capture-worker":
         out, steps, width, blocks = args.args
         capture_worker(out, int(steps), int(width), int(blocks))
+    elif args.what == "accuracy-worker":
+        out, setups, width = args.args
+        accuracy_worker(out, setups.split(","), int(width))
+    elif args.what == "accuracy":
+        accuracy(args.setups.split(","), args.width, args.json)
     elif args.what == "calls":
         calls_alone(args.calls)
     elif args.what == "overhead":
