@@ -128,7 +128,7 @@ def test_a_collective_that_received_another_ranks_divergence_is_inherited_not_a_
     )
     report = cross_rank({0: zero, 1: one}, t_ranks=[0, 1], b_ranks=[0, 1])
     assert (report.origin.rank, report.origin.op) == (1, "aten.gelu.default")
-    assert report.inherited[(0, 6)] == (1, "0#0")
+    assert report.inherited[(0, 6)] == (1, "0#0", "received")
     lines = {line.rank: line for line in report.ranks}
     assert lines[0].status == "inherited" and "from rank 1" in lines[0].source
     assert lines[1].status == "root"
@@ -175,3 +175,53 @@ def test_a_collective_whose_inputs_all_agree_but_whose_output_differs_stays_a_ro
     report = cross_rank({0: zero, 1: one}, t_ranks=[0, 1], b_ranks=[0, 1])
     assert report.origin is not None and report.origin.op == "c10d.allreduce_.default"
     assert not report.inherited
+
+
+def test_the_job_table_reads_the_roots_the_suspects_list() -> None:
+    # Rank 0's all-reduce looks like a root per rank, yet it only summed rounding noise: the
+    # suspects drop it, so its line must not read "own root" either.
+    one = _outcome(
+        1,
+        _nodes(1, [(8, "c10d.allreduce_.default", "backward", "noise", 1.0, "")]),
+        [],
+        [CallFacts(_call(1, 8), "", "noise", 1.5, "noise", 1.0)],
+    )
+    zero = _outcome(
+        0,
+        _nodes(0, [(6, "c10d.allreduce_.default", "backward", "diverged", 3.0, "computation")]),
+        [_root(0, 6, "c10d.allreduce_.default", "backward")],
+        [CallFacts(_call(0, 6), "computation", "noise", 1.2, "diverged", 3.0)],
+    )
+    report = cross_rank({0: zero, 1: one}, t_ranks=[0, 1], b_ranks=[0, 1])
+    assert report.roots == [] and report.inherited[(0, 6)].why == "noise"
+    assert [line.status for line in report.ranks] == ["diverged", "agrees"]
+
+
+def test_what_a_rank_sent_and_got_back_reduced_is_its_own_roots_not_a_new_one() -> None:
+    # Rank 1's root (op 3) reaches what it sends; the reduce-scatter hands its shard back reduced,
+    # diverged, and gloo's copy of it (op 9) is internal to the call: neither is a root.
+    one = _outcome(
+        1,
+        _nodes(
+            1,
+            [
+                (3, "aten.gelu.default", "forward", "diverged", 50.0, "argument"),
+                (8, "c10d._reduce_scatter_base_.default", "backward", "diverged", 30.0, "computation"),
+                (9, "source.tensor", "backward", "diverged", 30.0, "source"),
+            ],
+        ),
+        [_root(1, 3, "aten.gelu.default", "forward"), _root(1, 9, "source.tensor", "backward")],
+        [CallFacts(_call(1, 8), "computation", "diverged", 40.0, "diverged", 30.0, path=(3,), internal=(9,))],
+    )
+    zero = _outcome(
+        0,
+        _nodes(0, [(6, "c10d._reduce_scatter_base_.default", "backward", "diverged", 30.0, "computation")]),
+        [_root(0, 6, "c10d._reduce_scatter_base_.default", "backward")],
+        [CallFacts(_call(0, 6), "computation", "agrees", 0.0, "diverged", 30.0)],
+    )
+    report = cross_rank({0: zero, 1: one}, t_ranks=[0, 1], b_ranks=[0, 1])
+    assert [(d.rank, d.op_id) for d in report.roots] == [(1, 3)]
+    assert report.inherited[(1, 8)] == (1, "0#0", "own") and report.inherited[(1, 9)].why == "own"
+    lines = {line.rank: line for line in report.ranks}
+    assert (lines[0].status, lines[1].status) == ("inherited", "root")
+    assert "aten.gelu.default" in lines[1].first

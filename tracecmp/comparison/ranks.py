@@ -30,7 +30,7 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import pandas as pd
 
@@ -83,6 +83,14 @@ class RankOutcome:
     skipped: list[SkippedStep] = field(default_factory=list)  # steps its loss scaler skipped on caught overflows
 
 
+class Carried(NamedTuple):
+    """Why a node is no root of its own: what a collective carried into it."""
+
+    rank: int  # the rank whose divergence it carries (its own rank: its own contribution, or noise)
+    key: str  # the collective's match key
+    why: str = "received"  # "received" (from another rank), "own" (its own contribution), "noise"
+
+
 @dataclass(frozen=True)
 class PathStep:
     """One node on the way from the job's first root to a rank that inherited its divergence."""
@@ -113,9 +121,10 @@ class JobReport:
     """The cross-rank findings: ranks side by side, the first root of the job, the path to the others."""
 
     origin: Divergence | None
+    roots: list[Divergence]  # every rank's own roots, in job order: the suspects
     ranks: list[RankLine]
     paths: dict[int, list[PathStep]]  # rank -> path from the origin's root to its first divergence
-    inherited: dict[tuple[int, int], tuple[int, str]]  # (rank, op_id) -> (from rank, collective key)
+    inherited: dict[tuple[int, int], Carried]  # (rank, op_id) -> what a collective carried into it
     layout: list[str]  # world sizes and process groups, where target and bench differ
     incomplete: list[int]  # target ranks whose capture did not finish
 
@@ -513,7 +522,7 @@ def compare_ranks(
         steps=sorted({s for o in outcomes.values() for s in o.steps}),
         skipped_steps=sorted((k for o in outcomes.values() for k in o.skipped), key=lambda k: (k.step, k.rank)),
     )
-    apply(result, report, [d for o in outcomes.values() for d in o.roots])
+    apply(result, report)
     return result
 
 
@@ -615,10 +624,8 @@ def cross_rank(
     def when(rank: int, op_id: int, step: int) -> tuple[int, int, int, int]:
         return (epochs[rank].of(op_id), step, rank, op_id)
 
-    own_roots = {r: list(o.roots) for r, o in outcomes.items()}
     inherited = _inherited(outcomes, facts, table, order, when)
-
-    roots = [d for r in own_roots for d in own_roots[r] if (d.rank, d.op_id) not in inherited]
+    roots = [d for o in outcomes.values() for d in o.roots if (d.rank, d.op_id) not in inherited]
     roots.sort(key=lambda d: when(d.rank, d.op_id, d.step))
     origin = roots[0] if roots else None
 
@@ -628,40 +635,14 @@ def cross_rank(
         if o is None:
             lines.append(RankLine(r, "not compared", "", "no bench rank" if r not in set(b_ranks) else "", True, ""))
             continue
-        first = _first_diverged(o)
-        complete = o.complete
-        if first is None:
-            status = (
-                "incomplete"
-                if not complete
-                else "agrees"
-                if o.nodes["status"].isin(["agrees", "noise"]).all()
-                else "uncompared"
-            )
-            text = "no divergence in what it holds" if not complete else ""
-            lines.append(
-                RankLine(r, status, text, "", complete, "" if complete else f"{o.ended}; its last op: {o.last}")
-            )
-            continue
-        op_id, text = first
-        own = [d for d in own_roots[r] if (r, d.op_id) not in inherited]
-        if own and own[0].op_id <= op_id:  # its own root comes first (an op only the target has, say)
-            op_id = own[0].op_id
-            text = f"{own[0].op} in {own[0].module or '<top>'} ({own[0].phase}, step {own[0].step})"
-        source, status = "", "diverged"
-        hit = inherited.get((r, op_id))
-        if hit is not None and hit[0] != r:
-            q, key = hit
-            status, source = "inherited", f"from rank {q} via {table[key][r].op} {key}"
-            paths[r] = _path(r, key, outcomes, facts, inherited, table)
-        elif any(d.op_id == op_id for d in own_roots[r]):
-            root = next(d for d in own_roots[r] if d.op_id == op_id)
-            status, source = "root", f"own root ({root.kind})"
-        lines.append(
-            RankLine(r, status, text, source, complete, "" if complete else f"{o.ended}; its last op: {o.last}")
-        )
+        kept = sorted((d for d in roots if d.rank == r), key=lambda d: d.op_id)  # as the suspects list them
+        line, path = _rank_line(o, kept, inherited, table)
+        lines.append(line)
+        if path:
+            paths[r] = _path(r, path, outcomes, facts, inherited, table)
     return JobReport(
         origin=origin,
+        roots=roots,
         ranks=lines,
         paths=paths,
         inherited=inherited,
@@ -672,6 +653,40 @@ def cross_rank(
     )
 
 
+def _rank_line(
+    o: RankOutcome,
+    kept: list[Divergence],
+    inherited: Mapping[tuple[int, int], Carried],
+    table: Mapping[str, Mapping[int, Collective]],
+) -> tuple[RankLine, str]:
+    """One rank's line, from its first divergence and its roots the suspects keep; and the key of
+    the collective that carried another rank's divergence in ("" when none did)."""
+    r, complete = o.rank, o.complete
+    ended = "" if complete else f"{o.ended}; its last op: {o.last}"
+    first = _first_diverged(o)
+    if first is None and not kept:
+        agrees = o.nodes["status"].isin(["agrees", "noise"]).all()
+        status = "incomplete" if not complete else "agrees" if agrees else "uncompared"
+        return RankLine(r, status, "no divergence in what it holds" if not complete else "", "", complete, ended), ""
+    hit = inherited.get((r, first[0])) if first is not None else None
+    received = hit is not None and hit.why == "received"
+    if kept and (not received or kept[0].op_id <= first[0]):  # type: ignore[index]
+        # Its own root comes first, or its first divergence is its own making (an op of the
+        # root's region, a value the root's collective handed back).
+        root = kept[0]
+        text = f"{root.op} in {root.module or '<top>'} ({root.phase}, step {root.step})"
+        return RankLine(r, "root", text, f"own root ({root.kind})", complete, ended), ""
+    assert first is not None
+    op_id, text = first
+    if received:
+        assert hit is not None
+        later = f"; own root later: {kept[0].op} (step {kept[0].step})" if kept else ""
+        source = f"from rank {hit.rank} via {table[hit.key][r].op} {hit.key}{later}"
+        return RankLine(r, "inherited", text, source, complete, ended), hit.key
+    source = "its own contribution, sent and reduced" if hit is not None and hit.why == "own" else ""
+    return RankLine(r, "diverged", text, source, complete, ended), ""
+
+
 def _inherited(
     outcomes: Mapping[int, RankOutcome],
     facts: Mapping[int, Mapping[str, CallFacts]],
@@ -679,9 +694,10 @@ def _inherited(
     order: Mapping[str, int],
     when: Any,
 ) -> dict[tuple[int, int], tuple[int, str]]:
-    """(rank, op id) -> (the rank it inherited its divergence from, through which collective), for
-    the collectives whose bad input came from another rank, and the ops inside them."""
-    inherited: dict[tuple[int, int], tuple[int, str]] = {}
+    """(rank, op id) -> what a collective carried into it: another rank's divergence, the rank's
+    own diverged contribution handed back reduced, or only its contributors' rounding noise; for
+    the collectives and the ops inside them (gloo's copies)."""
+    inherited: dict[tuple[int, int], Carried] = {}
     internal_of: dict[tuple[int, int], str] = {}
     for r, o in outcomes.items():
         for f in o.calls:
@@ -696,15 +712,19 @@ def _inherited(
             others = [q for q in call.contributors() if q != r and q in facts and key in facts[q]]
             bad = [q for q in others if facts[q][key].sent_status in BAD]
             if bad:
-                inherited[(r, call.op_id)] = (min(bad, key=lambda q: _origin_order(q, facts[q][key], when)), key)
-            elif f.root_kind and others and f.sent_status not in BAD:
+                inherited[(r, call.op_id)] = Carried(min(bad, key=lambda q: _origin_order(q, facts[q][key], when)), key)
+            elif f.sent_status in BAD:
+                # What it received is what it sent, reduced with the others' agreeing values: data
+                # movement, whose divergence is the rank's own root's, upstream of the call.
+                inherited[(r, call.op_id)] = Carried(r, key, "own")
+            elif f.root_kind and others:
                 # Only rounding noise came in: a sum of several contributors' noise is noise too.
                 spread = max(
                     (facts[q][key].sent_error for q in others if facts[q][key].sent_error == facts[q][key].sent_error),
                     default=math.nan,
                 )
                 if spread == spread and f.received_error <= max(_NOISE_SPREAD, len(call.ranks)) * max(spread, 1.0):
-                    inherited[(r, call.op_id)] = (r, key)
+                    inherited[(r, call.op_id)] = Carried(r, key, "noise")
     for (r, op), key in internal_of.items():
         call = table.get(key, {}).get(r)
         if call is not None and (r, call.op_id) in inherited:
@@ -732,7 +752,7 @@ def _path(
     key: str,
     outcomes: Mapping[int, RankOutcome],
     facts: Mapping[int, Mapping[str, CallFacts]],
-    inherited: Mapping[tuple[int, int], tuple[int, str]],
+    inherited: Mapping[tuple[int, int], Carried],
     table: Mapping[str, Mapping[int, Collective]],
 ) -> list[PathStep]:
     """From the root that started it to ``rank``'s receiving end of collective ``key``, hop by hop."""
@@ -742,7 +762,7 @@ def _path(
     while (r, k) not in seen:
         seen.add((r, k))
         call = table[k][r]
-        q = inherited[(r, call.op_id)][0]
+        q = inherited[(r, call.op_id)].rank
         sender = facts[q][k]
         steps = [_step(q, op, outcomes[q], "via") for op in sender.path]
         if steps:
@@ -759,9 +779,9 @@ def _path(
         hops.append(steps)
         first = sender.path[0] if sender.path else None
         up = inherited.get((q, first)) if first is not None else None
-        if up is None or up[0] == q:
+        if up is None or up.why != "received":
             break
-        r, k = q, up[1]
+        r, k = q, up.key
     return [s for hop in reversed(hops) for s in hop]
 
 
@@ -811,26 +831,17 @@ def _layout(
 # ---- the result ---------------------------------------------------------------------------------
 
 
-def apply(result: Any, report: JobReport, roots: list[Divergence]) -> None:
-    """Put the cross-rank findings into ``result``: the job's first root, its suspects, the
-    inherited collectives' verdicts, completeness warnings, and ``result.job``."""
-    kept = [d for d in roots if (d.rank, d.op_id) not in report.inherited]
+def apply(result: Any, report: JobReport) -> None:
+    """Put the cross-rank findings into ``result``: the job's first root, its suspects (the roots
+    the job table reads), the inherited collectives' verdicts, completeness warnings, and ``result.job``."""
     result.first_divergence = report.origin
-    result.suspects = sorted(kept, key=lambda d: -d.score)
+    result.suspects = sorted(report.roots, key=lambda d: -d.score)
     if report.inherited and len(result.nodes):
         keys = list(zip(result.nodes["rank"].tolist(), result.nodes["op_id"].tolist()))
         hits = [report.inherited.get(k) for k in keys]
         mask = pd.Series([h is not None for h in hits], index=result.nodes.index)
         result.nodes.loc[mask, "root_kind"] = ""
-        result.nodes.loc[mask, "reason"] = [
-            (
-                f"inherited: received through collective {h[1]} from rank {h[0]}"
-                if h[0] != k[0]
-                else f"collective {h[1]}: only the contributors' rounding noise"
-            )
-            for h, k in zip(hits, keys)
-            if h is not None
-        ]
+        result.nodes.loc[mask, "reason"] = [_carried_text(h) for h in hits if h is not None]
     for r in report.incomplete:
         line = next((x for x in report.ranks if x.rank == r), None)
         text = f"target rank {r} is incomplete: {line.ended}" if line is not None else f"target rank {r} is incomplete"
@@ -842,13 +853,20 @@ def apply(result: Any, report: JobReport, roots: list[Divergence]) -> None:
     result.job = report
 
 
+def _carried_text(carried: Carried) -> str:
+    if carried.why == "received":
+        return f"inherited: received through collective {carried.key} from rank {carried.rank}"
+    if carried.why == "own":
+        return f"collective {carried.key}: this rank's own diverged contribution, reduced and handed back"
+    return f"collective {carried.key}: only the contributors' rounding noise"
+
+
 def attach_cross_rank(result: Any) -> None:
     """The cross-rank pass for a result the engine computed over several ranks in this process."""
     t_ranks = list(result.target.ranks)
     outcomes = {r: rank_outcome(result, r, result.target.rank(r)) for r in result.ranks}
-    roots = [d for o in outcomes.values() for d in o.roots]
     b_manifests = {r: result.bench.rank(r).manifest for r in result.bench.ranks}
     report = cross_rank(
         outcomes, result.target.manifest, result.bench.manifest, t_ranks, list(result.bench.ranks), b_manifests
     )
-    apply(result, report, roots)
+    apply(result, report)
