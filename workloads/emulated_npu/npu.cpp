@@ -1,0 +1,302 @@
+// An emulated NPU for tracecmp's tests, benchmarks and demo: torch's PrivateUse1 backend (renamed
+// "npu" from Python) over host memory. Tensors live in memory from this file's allocator and
+// report device npu:0; every aten op without a kernel here runs on the CPU kernels through a boxed
+// fallback. The emulator counts what would block the host on a real accelerator (device-to-host
+// copies, .item(), ops whose output size depends on values, explicit synchronizations) and has
+// numerics of its own, as an NPU has: matrix units that read fp16/bf16, a different reduction
+// order, and a random stream that differs from the CPU's for the same seed.
+// Modelled on torch's out-of-tree reference backend (OpenReg, torch/test/cpp_extensions).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
+
+namespace {
+
+constexpr c10::DeviceType kNpu = c10::DeviceType::PrivateUse1;
+const c10::Device kDevice(kNpu, 0);
+
+// What a real device would block the host for; internal copies of the CPU fallback are not counted.
+std::atomic<int64_t> d2h_copies{0}, h2d_copies{0}, syncs{0}, fallback_ops{0};
+thread_local int inside_fallback = 0;
+
+struct FallbackScope {
+  FallbackScope() { ++inside_fallback; }
+  ~FallbackScope() { --inside_fallback; }
+};
+
+// Numerics, set from Python: the dtype the matrix units read (Undefined: fp32 as given), and
+// whether sums run in reversed order.
+c10::ScalarType matrix_dtype = c10::ScalarType::Undefined;
+bool reversed_reductions = false;
+
+// The device's random stream: a CPU Mersenne twister of its own, seeded apart from the CPU's.
+std::mutex rng_mutex;
+at::Generator device_generator = at::make_generator<at::CPUGeneratorImpl>(0);
+constexpr uint64_t kDeviceSeedSalt = 0x9E3779B97F4A7C15ULL;
+
+// --- memory -------------------------------------------------------------------------------------
+void release(void* ptr) { std::free(ptr); }
+
+struct NpuAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    // 64-byte aligned like the CPU allocator, so the CPU kernels see the alignment they expect.
+    void* ptr = nbytes ? std::aligned_alloc(64, (nbytes + 63) / 64 * 64) : nullptr;
+    TORCH_CHECK(ptr || !nbytes, "emulated npu: out of memory allocating ", nbytes, " bytes");
+    return {ptr, ptr, &release, kDevice};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+};
+
+NpuAllocator allocator;
+REGISTER_ALLOCATOR(kNpu, &allocator);
+
+// A CPU tensor over the same memory (no copy): how the CPU kernels read and write npu tensors.
+at::Tensor host_alias(const at::Tensor& t) {
+  if (t.is_cpu()) return t;
+  auto base = static_cast<char*>(t.storage().mutable_data()) + t.storage_offset() * t.element_size();
+  return at::from_blob(base, t.sizes(), t.strides(), t.options().device(at::kCPU));
+}
+
+// --- the kernels a backend must own ------------------------------------------------------------
+at::Tensor npu_empty(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype, std::optional<c10::Layout>,
+                     std::optional<c10::Device>, std::optional<bool>, std::optional<c10::MemoryFormat> format) {
+  return at::detail::empty_generic(size, &allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), format);
+}
+
+at::Tensor npu_empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+                             std::optional<c10::Layout>, std::optional<c10::Device>, std::optional<bool>) {
+  return at::detail::empty_strided_generic(size, stride, &allocator,
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor npu_copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+  if (!inside_fallback) {
+    if (!self.is_cpu() && dst.is_cpu()) ++d2h_copies;
+    if (self.is_cpu() && !dst.is_cpu()) ++h2d_copies;
+  }
+  FallbackScope scope;
+  host_alias(dst).copy_(host_alias(self));
+  return dst;
+}
+
+at::Tensor npu_copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  dst.resize_(self.sizes());
+  return npu_copy_from(self, dst, false);
+}
+
+const at::Tensor& npu_resize(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat> format) {
+  // The CPU implementation grows storage through the storage's own allocator: this file's.
+  return at::native::resize_(self, size, format);
+}
+
+at::Scalar npu_local_scalar_dense(const at::Tensor& self) {
+  if (!inside_fallback) ++syncs;
+  return at::_local_scalar_dense(host_alias(self));
+}
+
+at::Tensor& npu_set_storage(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+                            c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, source, offset, size, stride);
+}
+
+at::Tensor& npu_set_source(at::Tensor& self, c10::Storage source) {
+  const auto size = static_cast<int64_t>(source.nbytes() / self.element_size());
+  return at::native::set_storage_cpu_(self, source, 0, {size}, {});
+}
+
+// --- the fallback: every other op on the CPU kernels, with the device's numerics ---------------
+const std::set<std::string>& data_dependent_ops() {
+  // Their output's size depends on values: a real device hands the size to the host.
+  static const std::set<std::string> ops{"aten::nonzero", "aten::masked_select", "aten::unique_dim",
+                                         "aten::_unique2", "aten::unique_consecutive", "aten::nonzero_static",
+                                         "aten::is_nonzero", "aten::equal", "aten::allclose"};
+  return ops;
+}
+
+// Which arguments of a matmul-like op the matrix units read (the bias and accumulator stay fp32).
+const std::set<std::string>* matrix_operands(const std::string& name) {
+  static const std::set<std::string> mm{"self", "mat2"}, addmm{"mat1", "mat2"}, bmm{"batch1", "batch2"},
+      mv{"self", "vec", "mat"}, conv{"input", "weight"};
+  if (name == "aten::mm" || name == "aten::bmm") return &mm;
+  if (name == "aten::addmm" || name == "aten::_addmm_activation") return &addmm;
+  if (name == "aten::baddbmm" || name == "aten::addbmm") return &bmm;
+  if (name == "aten::mv" || name == "aten::addmv") return &mv;
+  if (name == "aten::convolution" || name == "aten::_convolution") return &conv;
+  return nullptr;
+}
+
+bool is_sum_like(const std::string& name) {
+  return name == "aten::sum" || name == "aten::mean" || name == "aten::nansum";
+}
+
+// Rewrites the op's arguments on the stack for the device's numerics, before the CPU runs it.
+void apply_numerics(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  const auto& args = schema.arguments();
+  const auto first = stack->size() - args.size();
+  const auto* operands = matrix_dtype != c10::ScalarType::Undefined ? matrix_operands(schema.name()) : nullptr;
+  const bool reverse = reversed_reductions && is_sum_like(schema.name()) && schema.overload_name() != "out";
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    const auto t = value.toTensor();
+    if (!t.defined() || !t.is_floating_point()) continue;
+    if (operands && operands->count(args[i].name()) && t.scalar_type() == at::kFloat) {
+      value = t.to(matrix_dtype).to(t.scalar_type());  // rounded as the unit reads it, accumulated in fp32
+    } else if (reverse && args[i].name() == "self" && t.dim() > 0) {
+      std::vector<int64_t> all(t.dim());
+      for (int64_t d = 0; d < t.dim(); ++d) all[d] = d;
+      value = t.flip(all);  // the same values summed in the opposite order: other rounding
+    }
+  }
+}
+
+// Runs a random op with the device's generator in place of the CPU's default one. The CPU
+// generator's lock is held only to swap states: its kernels take that lock themselves.
+at::Tensor swap_cpu_state(const at::Tensor& state) {
+  auto cpu_default = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(cpu_default.mutex());
+  auto previous = cpu_default.get_state();
+  cpu_default.set_state(state);
+  return previous;
+}
+
+void with_device_rng(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  std::lock_guard<std::mutex> lock(rng_mutex);
+  const auto host_state = swap_cpu_state(device_generator.get_state());
+  try {
+    at::native::cpu_fallback(op, stack, true);
+  } catch (...) {
+    swap_cpu_state(host_state);
+    throw;
+  }
+  device_generator.set_state(swap_cpu_state(host_state));
+}
+
+void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  if (!inside_fallback) {
+    ++fallback_ops;
+    if (data_dependent_ops().count(schema.name())) ++syncs;
+  }
+  FallbackScope scope;
+  apply_numerics(schema, stack);
+  if (op.hasTag(at::Tag::nondeterministic_seeded)) {
+    with_device_rng(op, stack);
+  } else {
+    at::native::cpu_fallback(op, stack, true);
+  }
+}
+
+// --- device guard and hooks: one device, one in-order queue -------------------------------------
+struct NpuGuard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kNpu; }
+  c10::Device exchangeDevice(c10::Device) const override { return kDevice; }
+  c10::Device getDevice() const override { return kDevice; }
+  void setDevice(c10::Device d) const override { TORCH_CHECK(d.index() <= 0, "emulated npu: only npu:0 exists"); }
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const override { return c10::Stream(c10::Stream::DEFAULT, kDevice); }
+  c10::Stream exchangeStream(c10::Stream) const override { return c10::Stream(c10::Stream::DEFAULT, kDevice); }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  // Events and streams: every op completes before it returns, so there is nothing to wait for.
+  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void synchronizeStream(const c10::Stream&) const override { ++syncs; }
+  void synchronizeDevice(const c10::DeviceIndex) const override { ++syncs; }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, NpuGuard);
+
+struct NpuHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::Device getDeviceFromPtr(void*) const override { return kDevice; }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override { return device_generator; }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), nbytes);
+  }
+};
+
+const bool hooks_registered = [] {
+  at::RegisterPrivateUse1HooksInterface(new NpuHooks());
+  return true;
+}();
+
+// --- what Python calls (torch.ops.emulated_npu.*) -----------------------------------------------
+std::vector<int64_t> counters() { return {d2h_copies, h2d_copies, syncs, fallback_ops}; }
+
+void reset_counters() { d2h_copies = h2d_copies = syncs = fallback_ops = 0; }
+
+void synchronize() { ++syncs; }
+
+void manual_seed(int64_t seed) {
+  std::lock_guard<std::mutex> lock(rng_mutex);
+  std::lock_guard<std::mutex> gen_lock(device_generator.mutex());
+  device_generator.set_current_seed(static_cast<uint64_t>(seed) ^ kDeviceSeedSalt);
+}
+
+void set_numerics(c10::string_view matrix_units, bool reversed_sums) {
+  const std::string units(matrix_units);
+  TORCH_CHECK(units == "fp32" || units == "fp16" || units == "bf16",
+              "emulated npu: matrix units are fp32, fp16 or bf16, not ", units);
+  matrix_dtype = units == "fp16"   ? c10::ScalarType::Half
+                 : units == "bf16" ? c10::ScalarType::BFloat16
+                                   : c10::ScalarType::Undefined;
+  reversed_reductions = reversed_sums;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(emulated_npu, m) {
+  m.def("counters() -> int[]", &counters);
+  m.def("reset_counters() -> ()", &reset_counters);
+  m.def("synchronize() -> ()", &synchronize);
+  m.def("manual_seed(int seed) -> ()", &manual_seed);
+  m.def("set_numerics(str matrix_units, bool reversed_sums) -> ()", &set_numerics);
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", npu_empty);
+  m.impl("empty_strided", npu_empty_strided);
+  m.impl("_copy_from", npu_copy_from);
+  m.impl("_copy_from_and_resize", npu_copy_from_and_resize);
+  m.impl("resize_", npu_resize);
+  m.impl("_local_scalar_dense", npu_local_scalar_dense);
+  m.impl("set_.source_Storage_storage_offset", npu_set_storage);
+  m.impl("set_.source_Storage", npu_set_source);
+  // Views share the storage: the CPU's metadata-only implementations serve any device.
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("view", at::native::view);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("unfold", at::native::unfold);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&npu_fallback>()); }
