@@ -64,7 +64,7 @@ def test_no_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
         assert set(ops[ops["step"] == step]["phase"]) == {"forward", "backward", "optimizer"}
     assert {"body.0", "body.1", "head"} <= set(ops["module"])  # as Net().named_modules() spells them
     sources = set(ops[ops["kind"] == "source"]["name"])
-    assert {"body.0.weight", "head.bias", "input.0"} <= sources
+    assert {"body.0.weight", "head.bias", "x"} <= sources
     assert trace.rank(0).manifest["info"]["models"] == ["Net"]
 
 

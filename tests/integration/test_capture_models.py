@@ -139,7 +139,8 @@ def test_gpt2_sources_are_named(traces: dict[str, Path]) -> None:
     names = {n for n, _ in make_model("gpt2").named_parameters()}
     assert set(params["name"]) == names  # tied lm_head/wte weight appears once, as transformer.wte.weight
     assert (params["step"] == 0).all()  # step 1 reads the values step 0's optimizer wrote
-    assert set(sources[sources["op"] == "source.input"]["name"]) == {"input.0"}
+    # Named by the forward parameter they were passed for: GPT2LMHeadModel(tokens) gives input_ids.
+    assert set(sources[sources["op"] == "source.input"]["name"]) == {"input_ids"}
 
 
 def test_step_selection_records_only_chosen_steps(tmp_path: Path) -> None:
@@ -170,7 +171,7 @@ def test_no_model_given_names_the_top_module_root(tmp_path: Path) -> None:
     ops = tracecmp.load(tmp_path / "t").to_frame()
     assert {"fc1", "fc2", "fc3"} <= set(ops[ops["phase"] == "backward"]["module"])
     assert "fc1.weight" in set(ops[ops["op"] == "source.parameter"]["name"])
-    assert set(ops[ops["op"] == "source.input"]["name"]) == {"input.0"}
+    assert set(ops[ops["op"] == "source.input"]["name"]) == {"x"}  # MLP.forward(self, x)
 
 
 def test_custom_torch_library_ops_are_recorded(tmp_path: Path) -> None:

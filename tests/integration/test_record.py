@@ -134,7 +134,7 @@ def test_a_plain_loop_is_recorded_for_steps_0_and_1_and_runs_as_without_tracecmp
     modules = set(ops["module"])
     assert {"encoder.0", "encoder.1", "head"} <= modules  # as Net().named_modules() spells them
     names = set(ops[ops["kind"] == "source"]["name"])
-    assert {"encoder.0.weight", "head.bias", "input.0"} <= names
+    assert {"encoder.0.weight", "head.bias", "x"} <= names
     assert "Net" in trace.rank(0).manifest["info"]["models"]
 
 

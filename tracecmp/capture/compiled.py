@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp._compat import TORCH_VERSION
 from tracecmp.aten.schema import op_info
+from tracecmp.capture.inputs import name_of_source
 from tracecmp.trace.args import ArgsEncoder
 from tracecmp.trace.compiled import BOUNDARY_OPS, CompiledGraph, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.schema import ALIAS_UPDATE_OP
@@ -499,24 +500,12 @@ def _backend_name(fn: Any) -> str:
 
 
 def _input_names(sources: tuple[str, ...], code: Any, frame_self: Any) -> tuple[str | None, ...]:
-    """``input.<i>`` of the graph inputs that are the compiled module's ``forward`` arguments, by
-    their position in its signature (Dynamo's resume functions keep the argument names)."""
-    import inspect
-
+    """The input names (:mod:`tracecmp.capture.inputs`) of the graph inputs that are the compiled
+    module's ``forward`` arguments (Dynamo's resume functions keep the argument names)."""
     if code is None or not isinstance(frame_self, torch.nn.Module):
         return (None,) * len(sources)
-    try:
-        parameters = list(inspect.signature(type(frame_self).forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return (None,) * len(sources)
-    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    keyword = {p.name for p in parameters if p.kind == p.KEYWORD_ONLY}
-    names: list[str | None] = []
-    for source in sources:
-        hit = _ROOT.match(source)
-        local = hit.group(1) if hit and source.startswith("L") and hit.end() == len(source) else None
-        names.append(f"input.{positional.index(local)}" if local in positional else local if local in keyword else None)
-    return tuple(names)
+    forward = frame_self.forward
+    return tuple(name_of_source(source, forward) for source in sources)
 
 
 def _weak(obj: Any) -> Any:
