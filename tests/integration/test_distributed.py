@@ -120,6 +120,8 @@ def test_a_fault_on_rank_1_is_named_there_and_rank_0_inherits_it_through_a_colle
     first = result.first_divergence
     assert first is not None and first.rank == 1 and first.op == op, result.summary()
     assert first.phase == fault and first.step == 0
+    # One root: the copies around the collectives move data, and rank 0 inherits.
+    assert [(d.rank, d.op) for d in result.suspects] == [(1, op)], result.summary()
     rank0, rank1 = result.job.ranks
     assert rank1.status == "root" and op in rank1.first
     assert rank0.status == "inherited" and "from rank 1 via" in rank0.source, result.job.summary()

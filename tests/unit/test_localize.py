@@ -441,3 +441,25 @@ def test_a_sums_reach_covers_its_upper_population() -> None:
             * np.median(np.abs(np.log10(single) - np.median(np.log10(single))))
         )
     )
+
+
+def test_a_copy_of_a_slice_of_a_diverged_bucket_is_data_movement_not_a_root(tmp_path: Path) -> None:
+    # A DDP bucket comes back from its all-reduce with one parameter's small gradients 10% off;
+    # the bucket's statistics, ruled by the large ones, hardly move. Copying that slice out into
+    # the gradient moves what it holds: the all-reduce stays the only root.
+    from tests.tracebuild import twin
+
+    def recipe(b: TraceBuilder, is_target: bool) -> None:
+        gen = torch.Generator().manual_seed(0)
+        grads = torch.cat([100 * torch.randn(4000, generator=gen), 0.01 * torch.randn(96, generator=gen)])
+        sent = b.source("input.0", grads)
+        reduced = torch.cat([grads[:4000], grads[4000:] * (1.1 if is_target else 1.0)])
+        bucket = b.op("c10d.allreduce_.default", [sent], reduced, module="fc", phase="backward")
+        grad = b.param("fc.weight.grad", torch.zeros(96))
+        b.call(A.copy_.default, grad, b.call(A.slice.Tensor, bucket, 0, 4000, 4096))
+
+    twin(recipe, tmp_path / "t", tmp_path / "b")
+    result = tracecmp.compare(tmp_path / "t", tmp_path / "b")
+    assert [d.op for d in result.suspects] == ["c10d.allreduce_.default"], result.summary()
+    copy = result.nodes[result.nodes["op"] == "aten.copy_.default"].iloc[0]
+    assert copy["status"] == "diverged" and not copy["root_kind"]

@@ -789,6 +789,11 @@ class CaptureMode(TorchDispatchMode):
         self.step = step
         self.in_optimizer = False
         self.collectives.begin()
+        for t in self.scope.unversioned():
+            # Read again as a source at its next use: its counter cannot say whether it changed.
+            rec = self.ids.ref(t)
+            if rec is not None:
+                del self.ids.known[rec.key]
 
     def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor]]:
         """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""

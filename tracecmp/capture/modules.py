@@ -32,7 +32,6 @@ import torch
 from torch._C._autograd import _get_sequence_nr
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from tracecmp.capture.inputs import named_inputs
 from tracecmp.capture.location import Locator
 
 # Dynamo folds this call to a constant while it traces a hook (True) and never calls it at run time.
@@ -67,6 +66,17 @@ def _named(table: _Named, name: str, tensor: Any) -> None:
     local = getattr(tensor, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         table.setdefault(id(local), (name, weakref.ref(local)))
+
+
+def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) of the modules ``fully_shard`` wrapped."""
+    for module in model.modules():
+        state_of = getattr(module, "_get_fsdp_state", None)
+        if state_of is None:
+            continue
+        group = getattr(state_of(), "_fsdp_param_group", None)
+        if group is not None:
+            yield from getattr(group, "fsdp_params", ())
 
 
 def _lookup(table: _Named, obj: Any) -> str | None:
@@ -113,10 +123,37 @@ class ModuleScope:
         """
         for name, module in root.named_modules():
             self._modules.setdefault(id(module), (_uncompiled(name), weakref.ref(module)))
+        names = {}
         for name, param in root.named_parameters():
             _named(self.params, _uncompiled(name), param)
+            names[id(param)] = _uncompiled(name)
         for name, buf in root.named_buffers():
             _named(self.buffers, _uncompiled(name), buf)
+        for fsdp_param in _fsdp_params(root):
+            # FSDP2 all-gathers a parameter from its padded shard, a tensor of its own: its name too.
+            name = names.get(id(getattr(fsdp_param, "sharded_param", None)))
+            shard = getattr(fsdp_param, "_sharded_param_data", None)
+            if name is not None and isinstance(shard, torch.Tensor):
+                _named(self.params, name, shard)
+
+    def unversioned(self) -> list[torch.Tensor]:
+        """Parameter tensors written behind their version counters: FSDP2's shards, which the
+        optimizer updates through DTensors holding other tensors on the same memory, and its
+        unsharded parameters, refilled in place by each all-gather. Their recorded values go
+        stale from one step to the next."""
+        if self.model is None:
+            return []
+        found = []
+        for fsdp_param in _fsdp_params(self.model):
+            sharded = getattr(fsdp_param, "sharded_param", None)
+            for t in (
+                getattr(fsdp_param, "_sharded_param_data", None),
+                getattr(sharded, "_local_tensor", None),
+                getattr(fsdp_param, "_unsharded_param", None),
+            ):
+                if isinstance(t, torch.Tensor):
+                    found.append(t)
+        return found
 
     def mark_stale(self) -> None:
         """The model may have changed (a new step): name it again at the next lookup that misses.
@@ -135,13 +172,19 @@ class ModuleScope:
         self.add_root(self.model)
         return True
 
-    def name_inputs(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Remember the root model's tensor arguments by the ``forward`` parameter they were passed
-        for and their path inside it (:mod:`tracecmp.capture.inputs`)."""
-        # torch.compile's wrapper takes (*args, **kwargs): the wrapped model's forward names them.
-        forward = getattr(module, "_orig_mod", module).forward
-        for name, tensor in named_inputs(forward, args, kwargs):
-            self.inputs[id(tensor)] = (name, weakref.ref(tensor))
+    def name_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Remember the root model's tensor arguments as ``input.0``, ``input.1`` ... or kwarg names."""
+        for i, value in enumerate(args):
+            self._name_value(f"input.{i}", value)
+        for key, value in kwargs.items():
+            self._name_value(key, value)
+
+    def _name_value(self, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.inputs[id(value)] = (name, weakref.ref(value))
+            return
+        for j, tensor in enumerate(_tensors_in(value)):
+            self.inputs[id(tensor)] = (f"{name}.{j}", weakref.ref(tensor))
 
     def source(self, tensor: torch.Tensor, stamp: Any) -> tuple[str, str]:
         """``(op, name)`` of a tensor entering the trace: a parameter, buffer, input or other tensor."""
@@ -233,7 +276,7 @@ class ModuleScope:
     def _root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if is_compiling():
             return
-        self.name_inputs(module, args, kwargs)
+        self.name_inputs(args, kwargs)
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if is_compiling():
@@ -248,7 +291,7 @@ class ModuleScope:
                 self.roots.append(type(module).__name__)
                 path = ""
             if path == "":
-                self.name_inputs(module, args, {})
+                self.name_inputs(args, {})
         elif path is None:
             # A module outside the model's tree: inside a known module it counts as that module,
             # at top level it is "outside any module".

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from tracecmp.aten.opclass import given_nonfinite
+from tracecmp.aten.opclass import OpClass, base_name, given_nonfinite
 from tracecmp.comparison.localize.arguments import arg_difference, structure_note
 from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN, group_key
 from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
@@ -35,7 +35,12 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
     outs = [s for s in outs if s is not None]
     # NaN/Inf from finite inputs: judged from the target's own statistics, whatever else is known.
     nonfinite_out = [s for s in outs if s.nonfinite and s.nonfinite_mismatch]
-    if nonfinite_out and not given_nonfinite(args):  # an op handed -inf (a causal mask) made what it was asked for
+    # A source read again after the optimizer moved it (FSDP2's shards each step) holds what the
+    # optimizer wrote: not judged (walk.py), NaN included.
+    inherited_source = kind == "source" and not j.judgeable
+    if (
+        nonfinite_out and not given_nonfinite(args) and not inherited_source
+    ):  # an op handed -inf made what it was asked for
         ins = [lookup(t) for t in inputs]
         if all(s is not None and not s.nonfinite for s in ins):
             return Decision(
@@ -58,6 +63,11 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
     if any(s.nonfinite_mismatch and s.given for s in outs):
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
         return Decision("", "", "nan_count", -1)
+    if not j.inputs_exact and moves_data(node, j.cls, ri):
+        # Its outputs hold what its inputs held, so what differs came in with them. Statistics
+        # could say otherwise: a slice of a DDP bucket shows the bucket's error against its own,
+        # smaller, magnitude. Where its inputs agree bitwise, the bitwise rule still judges it.
+        return Decision("", "", channels[0], -1)
     deciding = channels[0] if j.e[0] >= j.e[1] or math.isnan(j.e[1]) else channels[1]
     replayed = replayed_root(j, node, ri, tol, ctx.exact_matmul, ctx.fits.get(op), ctx.bounds_hold, ctx.bitwise_ops)
     if not j.judgeable:
@@ -81,6 +91,21 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
         # replay decides; the statistics only estimated.
         return Decision("", "", "replay", -1)
     return _root(j, node, ctx, (channel, e, x, part), replayed)
+
+
+# Ops that only move values: FSDP2's all-gather copy-in and copy-out, its reduce-scatter's chunk_cat.
+_MOVERS = frozenset({"all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"})
+
+
+def moves_data(node: Node, cls: OpClass, ri: RankInput) -> bool:
+    """Whether ``node`` only moves values, each in its own dtype: a copy, a concatenation, FSDP2's
+    copies around its collectives (not a cast, which rounds)."""
+    if cls.kind != "copy" and base_name(node.op) not in _MOVERS:
+        return False
+    facts = [ri.own.get(t) for t in (*node.inputs, *node.outputs)]
+    if any(f is None or not f[0] for f in facts):
+        return False
+    return len({f[2] for f in facts if f is not None}) == 1
 
 
 def _furthest_excess(j: JudgedNode, ctx: RankContext, tainted: bool) -> tuple[float, int, float, float, float, int]:
