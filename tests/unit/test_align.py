@@ -151,6 +151,30 @@ def test_sources_pair_by_name_not_by_position(tmp_path):
     assert pairs == {0: 1, 1: 0}
 
 
+def test_inputs_named_differently_pair_where_their_shape_is_the_only_such(tmp_path):
+    # A compiled target names what its compiled frame took ("input_ids"), never a labels tensor
+    # only its loss function read; an older trace names a positional argument "input.0".
+    def target(b: TraceBuilder) -> None:
+        ids = b.source("input_ids", shape=(2, 16), dtype="int64")
+        labels = b.source("", shape=(2, 15), dtype="int64")
+        mask = b.source("", shape=(2, 16), dtype="int64")
+        b.op("aten.add.Tensor", [ids, mask], shape=(2, 16), dtype="int64")
+        b.op("aten.neg.default", [labels], shape=(2, 15), dtype="int64")
+
+    def bench(b: TraceBuilder) -> None:
+        ids = b.source("input.0", shape=(2, 16), dtype="int64")
+        labels = b.source("labels", shape=(2, 15), dtype="int64")
+        mask = b.source("attention_mask", shape=(2, 16), dtype="int64")
+        b.op("aten.add.Tensor", [ids, mask], shape=(2, 16), dtype="int64")
+        b.op("aten.neg.default", [labels], shape=(2, 15), dtype="int64")
+
+    pairs, _, _ = _pairs(tmp_path, target, bench)
+    assert pairs[1] == 1  # the one (2, 15) source on each side: labels
+    # Two (2, 16) sources on each side left after the names: which is which is not guessed.
+    assert 0 not in pairs and 2 not in pairs
+    assert pairs[3] == 3 and pairs[4] == 4
+
+
 def test_steps_and_phases_are_separate_scopes(tmp_path):
     def run(b: TraceBuilder, extra: bool) -> None:
         x = b.source("input.0", shape=(2,))

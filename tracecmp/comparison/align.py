@@ -12,6 +12,8 @@ Pairing works per rank, in three passes:
 3. *Leftovers*: nodes unpaired after pass 2 are aligned again within their module (two ops whose
    order flipped), then per (step, phase), ignoring the module (a module renamed, a backward op
    attributed to another module).
+4. *Lone sources*: a source still unpaired pairs with the bench's within its step where its shape
+   is the only such on each side (an input named differently on the two sides).
 
 Everything is hashing and list comparison except the DP on differing stretches, so 200,000-op traces
 align in seconds.
@@ -158,7 +160,30 @@ def align_nodes(
         b_left = [r for r in b_rows if r[0] not in paired_b]
         if t_left and b_left:
             _align_groups(t_left, b_left, leftover_scope, pairs)
+    _pair_lone_sources(t_rows, b_rows, pairs)
     return pairs
+
+
+def _pair_lone_sources(t_rows: list[tuple], b_rows: list[tuple], pairs: dict[int, int]) -> None:
+    """Pass 4: sources still unpaired pair within a step where their output shapes are each side's
+    only such: an input the two sides name differently (a compiled target knows the arguments of
+    its compiled frames only, not a ``labels`` its loss function took), or an older trace's
+    ``input.0`` against its keyword's name."""
+    paired_b = set(pairs.values())
+
+    def lone(rows: list[tuple], taken: Iterable[int]) -> dict[tuple, int]:
+        seen: Counter = Counter()
+        first: dict[tuple, int] = {}
+        for op_id, step, _phase, kind, _module, _name, key in rows:
+            if kind == "source" and op_id not in taken:
+                seen[(step, key[2])] += 1
+                first.setdefault((step, key[2]), op_id)
+        return {k: op_id for k, op_id in first.items() if seen[k] == 1 and all(s is not None for s in k[1])}
+
+    t_lone, b_lone = lone(t_rows, pairs), lone(b_rows, paired_b)
+    for key, op_id in t_lone.items():
+        if key in b_lone:
+            pairs[op_id] = b_lone[key]
 
 
 def _rows(ops: pd.DataFrame, keys: list[tuple]) -> list[tuple]:

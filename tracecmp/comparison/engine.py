@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -254,7 +255,7 @@ def _prepare_rank(
 
     partner = _tensor_partners(t_lists, b_lists, pairs, t_base, b_base, match.partners)
     if pairing is not None:
-        partner = _unit_partners(partner, pairing, units, t_lists, pairs)
+        partner = _unit_partners(partner, pairing, units, (t_lists, b_lists), pairs, t_base)
     if units.graph_mode:
         run.warnings.append(f"rank {rank}: {GRAPH_MODE_NOTE}")
     measured_frame = _measure(t_rank, b_rank, partner, run.tol)
@@ -336,18 +337,53 @@ def _rank_ops(
 
 
 def _unit_partners(
-    partner: dict[int, int], pairing: Pairing, units: CompiledUnits, t_lists: _IdLists, pairs: Mapping[int, int]
+    partner: dict[int, int],
+    pairing: Pairing,
+    units: CompiledUnits,
+    lists: tuple[_IdLists, _IdLists],
+    pairs: Mapping[int, int],
+    t_base: Mapping[int, int],
 ) -> dict[int, int]:
-    """``partner`` with the compiled units' values: those inside a unit left out, its outputs paired."""
-    # Values inside a unit have no eager counterpart; its outputs pair by the graph's metadata,
-    # or, where that finds nothing, through their consumers as any value does.
+    """``partner`` with the compiled units' values: those inside a unit left out, its outputs paired
+    by the graph's metadata, or, where that finds nothing, through the paired ops that read them."""
+    t_lists, b_lists = lists
     leaving = {t for unit in units.units for t, _ in unit.outputs}
     inside = {
         t for op_id, outs in zip(t_lists[0], t_lists[2]) if op_id in units.members and op_id not in pairs for t in outs
     } - leaving
     partner = {t: b for t, b in partner.items() if t not in inside}
     partner.update(pair_units(pairing, units))
+    unpaired = {t for t in leaving if t >= 0 and t not in partner}
+    if unpaired:
+        partner.update(_partners_by_readers(unpaired, lists, pairs, pairing, t_base))
     return partner
+
+
+def _partners_by_readers(
+    wanted: set[int],
+    lists: tuple[_IdLists, _IdLists],
+    pairs: Mapping[int, int],
+    pairing: Pairing,
+    t_base: Mapping[int, int],
+) -> dict[int, int]:
+    """Bench partners of the target tensors ``wanted``, from what paired ops read in the same argument
+    position (the tensor itself, or a view of all of it, on both sides): a region output the
+    graph's metadata cannot place, such as a tied weight's gradient, summed inside the compiled
+    backward where eager autograd adds the two parts outside any op the graph names. A tensor
+    whose readers disagree stays unpaired."""
+    (t_ids, t_inputs, _), (b_ids, b_inputs, _) = lists
+    b_reads = dict(zip(b_ids, b_inputs))
+    found: dict[int, set[int | None]] = defaultdict(set)
+    for op_id, inputs in zip(t_ids, t_inputs):
+        b_op = pairs.get(op_id)
+        if b_op is None:
+            continue
+        bench_inputs = b_reads.get(b_op, [])
+        for position, t in enumerate(inputs[: len(bench_inputs)]):
+            whole = t_base.get(t, t)
+            if whole in wanted and pairing.t_shape.get(t) == pairing.t_shape.get(whole):
+                found[whole].add(pairing.measured_as(bench_inputs[position]))
+    return {t: b.pop() for t, b in found.items() if len(b) == 1 and None not in b}
 
 
 def _own_facts(t_ten: pd.DataFrame) -> dict[int, tuple[bool, bool, str]]:

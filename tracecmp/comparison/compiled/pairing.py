@@ -220,8 +220,9 @@ class Pairing:
             if scope in region_scopes and op not in paired and op not in self.b_sources
         }
         # Then the unpaired eager ops that read nothing but their values (the views a matmul makes,
-        # the autograd engine's sums of the gradients a region's ops return), and the views only
-        # they read (of the token ids, say).
+        # the autograd engine's sums of the gradients a region's ops return), and the views and
+        # unnamed constants only they read (views of the token ids; a cache's ``torch.tensor([])``,
+        # which the compiled code makes itself).
         consumers: dict[int, set[int]] = defaultdict(set)
         for op, ins in self.b_inputs.items():
             for t in ins:
@@ -242,7 +243,7 @@ class Pairing:
                 for op, outs in self.b_outputs.items()
                 if op not in covered
                 and op not in paired
-                and self.b_kind.get(op) == "view"
+                and (self.b_kind.get(op) == "view" or self.b_op.get(op) == "source.tensor")
                 and outs
                 and all(consumers.get(t) and consumers[t] <= covered for t in outs)
             }
