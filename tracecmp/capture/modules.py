@@ -32,6 +32,7 @@ import torch
 from torch._C._autograd import _get_sequence_nr
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from tracecmp.capture.inputs import named_inputs
 from tracecmp.capture.location import Locator
 
 # Dynamo folds this call to a constant while it traces a hook (True) and never calls it at run time.
@@ -172,19 +173,13 @@ class ModuleScope:
         self.add_root(self.model)
         return True
 
-    def name_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Remember the root model's tensor arguments as ``input.0``, ``input.1`` ... or kwarg names."""
-        for i, value in enumerate(args):
-            self._name_value(f"input.{i}", value)
-        for key, value in kwargs.items():
-            self._name_value(key, value)
-
-    def _name_value(self, name: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            self.inputs[id(value)] = (name, weakref.ref(value))
-            return
-        for j, tensor in enumerate(_tensors_in(value)):
-            self.inputs[id(tensor)] = (f"{name}.{j}", weakref.ref(tensor))
+    def name_inputs(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Remember the root model's tensor arguments by the ``forward`` parameter they were passed
+        for and their path inside it (:mod:`tracecmp.capture.inputs`)."""
+        # torch.compile's wrapper takes (*args, **kwargs): the wrapped model's forward names them.
+        forward = getattr(module, "_orig_mod", module).forward
+        for name, tensor in named_inputs(forward, args, kwargs):
+            self.inputs[id(tensor)] = (name, weakref.ref(tensor))
 
     def source(self, tensor: torch.Tensor, stamp: Any) -> tuple[str, str]:
         """``(op, name)`` of a tensor entering the trace: a parameter, buffer, input or other tensor."""
@@ -276,7 +271,7 @@ class ModuleScope:
     def _root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if is_compiling():
             return
-        self.name_inputs(args, kwargs)
+        self.name_inputs(module, args, kwargs)
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if is_compiling():
@@ -291,7 +286,7 @@ class ModuleScope:
                 self.roots.append(type(module).__name__)
                 path = ""
             if path == "":
-                self.name_inputs(args, {})
+                self.name_inputs(module, args, {})
         elif path is None:
             # A module outside the model's tree: inside a known module it counts as that module,
             # at top level it is "outside any module".
