@@ -1,0 +1,196 @@
+"""The accelerator path on an emulated NPU (``workloads/emulated_npu``): capture on a device that
+is not the CPU, with the emulator's counters holding capture to its claim of no host sync per op.
+
+The emulator is a PrivateUse1 backend renamed ``npu`` whose ops run on the CPU kernels; its
+numerics differ from the CPU's only where a test asks, its random stream always. Where this torch
+cannot host it the module is skipped with the reason; in CI on a torch that can
+(``TRACECMP_REQUIRE_NATIVE=1``) a failed build fails instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tracecmp
+from tracecmp.capture.stats import stats_tensor_reference, tensor_stats, unpack_stats
+from workloads import emulated_npu
+from workloads.models import example_batch, loss_of, make_model, make_optimizer
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def npu() -> Any:
+    """The emulator, built and loaded once (skips with the reason where it cannot be)."""
+    reason = emulated_npu.unavailable_reason()
+    if reason is not None:
+        if os.environ.get("TRACECMP_REQUIRE_NATIVE") == "1" and emulated_npu.torch_can_host():
+            pytest.fail(f"the emulated npu must build in CI on torch {torch.__version__}: {reason}")
+        pytest.skip(reason)
+    emulated_npu.set_numerics()
+    return emulated_npu.load()
+
+
+def _train(name: str, device: str, trace_to: Path | None = None, **options: Any) -> dict[str, torch.Tensor]:
+    """``STEPS`` Adam steps from a fixed seed on ``device``; every loss, gradient, parameter and
+    optimizer state, left on the device (the caller moves them, outside any counting)."""
+    torch.manual_seed(1234)  # seeds the npu's own stream too (its manual_seed_all)
+    model = make_model(name).to(device)
+    batch = tuple(t.to(device) for t in example_batch(name))
+    opt = make_optimizer(model, "adam")
+    seen: dict[str, torch.Tensor] = {}
+    session = tracecmp.TraceCompare(trace_to, model=model, **options) if trace_to else contextlib.nullcontext()
+    with session as tc:
+        for step in range(STEPS):
+            loss = loss_of(model, batch)
+            loss.backward()
+            seen[f"loss{step}"] = loss.detach().clone()
+            seen.update({f"grad{step}.{n}": p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if tc is not None:
+                tc.step()
+    seen.update({f"param.{n}": p.detach().clone() for n, p in model.named_parameters()})
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in opt.state.items():
+        seen.update({f"state.{names[id(param)]}.{key}": value.clone() for key, value in state.items()})
+    return seen
+
+
+def _on_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.cpu() for name, value in values.items()}
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_tracing_on_the_device_leaves_results_bitwise_equal(tmp_path: Path, name: str) -> None:
+    plain = _train(name, "npu")
+    traced = _train(name, "npu", tmp_path / "t")
+    assert plain["param.head.weight" if name == "transformer" else "param.fc1.weight"].device.type == "npu"
+    plain, traced = _on_host(plain), _on_host(traced)
+    assert plain.keys() == traced.keys() and any(k.startswith("state.") for k in plain)
+    assert [k for k in plain if not torch.equal(plain[k], traced[k])] == []
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete
+    devices = set(trace.tensors_frame()["device"])
+    assert "npu:0" in devices and devices <= {"npu:0", "cpu"}
+
+
+def _stat_rows(trace: tracecmp.Trace) -> Any:
+    """The forward and backward ops' output statistics, in execution order (the optimizer differs
+    by device: torch's Adam runs foreach kernels on accelerators, a loop on the CPU)."""
+    ops, tensors = trace.to_frame(), trace.tensors_frame()
+    ops = ops[ops["phase"].isin(["forward", "backward"])]
+    rows = tensors[tensors["has_stats"]].merge(ops[["op_id", "op"]], on="op_id")
+    return rows.sort_values(["op_id", "index"]).reset_index(drop=True)
+
+
+def test_deferred_statistics_equal_the_cpu_paths(tmp_path: Path) -> None:
+    _train("mlp", "cpu", tmp_path / "cpu")
+    _train("mlp", "npu", tmp_path / "npu")
+    cpu, npu = (_stat_rows(tracecmp.load(tmp_path / name)) for name in ("cpu", "npu"))
+    assert len(cpu) > 40 and list(cpu["op"]) == list(npu["op"])
+    # The same values (the npu runs the CPU's kernels), so the same statistics: exact where the
+    # definition is exact, to rounding where the fused CPU pass and the device's torch ops sum apart.
+    for name in ("min", "max", "nan_count", "inf_count", "checksum"):
+        assert cpu[name].equals(npu[name]), name
+    for name in ("mean", "norm"):
+        assert ((cpu[name] - npu[name]).abs() <= 1e-12 * cpu[name].abs().clip(lower=1e-300)).all(), name
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        torch.tensor([1.0, float("nan"), -2.0, float("inf")]),
+        torch.tensor([float("nan"), float("nan")]),
+        torch.tensor([], dtype=torch.float32),
+        torch.tensor(3.5, dtype=torch.bfloat16),
+        torch.arange(7, dtype=torch.int32),
+        torch.tensor([True, False, True]),
+        torch.randn(5, 3, dtype=torch.float16).t(),
+    ],
+    ids=["nan-inf", "all-nan", "empty", "0-dim-bf16", "int", "bool", "fp16-strided"],
+)
+def test_statistics_of_a_device_tensor_stay_on_the_device(values: torch.Tensor) -> None:
+    on_device = values.to("npu")
+    emulated_npu.reset_counters()
+    packed = stats_tensor_reference(on_device)
+    assert packed.device.type == "npu"
+    assert emulated_npu.counters()[:3] == (0, 0, 0), "computing statistics waited for the device"
+    assert torch.equal(packed.cpu().view(torch.int64), stats_tensor_reference(values).view(torch.int64))
+    got, want = unpack_stats(packed.cpu()), tensor_stats(values)
+    for name, a, b in zip(got._fields, got, want):
+        assert a == b or (a != a and b != b) or abs(a - b) <= 1e-12 * abs(b), name
+
+
+def test_capture_waits_for_the_device_at_most_once_per_step(tmp_path: Path) -> None:
+    """The emulator counts every copy to the host, .item() and value-sized op: capture adds at
+    most one per recorded step to what the program does itself, however many ops it records."""
+    emulated_npu.reset_counters()
+    _train("transformer", "npu")
+    plain = emulated_npu.counters()
+    emulated_npu.reset_counters()
+    _train("transformer", "npu", tmp_path / "t")
+    traced = emulated_npu.counters()
+    recorded = len(tracecmp.load(tmp_path / "t").to_frame())
+    waits = (traced.d2h_copies + traced.syncs) - (plain.d2h_copies + plain.syncs)
+    assert recorded > 500
+    assert 1 <= waits <= STEPS, f"capture waited {waits} times for {STEPS} steps ({recorded} ops): {traced}"
+
+
+def test_saved_device_tensors_hold_the_device_values(tmp_path: Path) -> None:
+    _train("mlp", "npu", tmp_path / "t", data="tensors")
+    trace = tracecmp.load(tmp_path / "t")
+    saved = trace.tensors_frame()
+    saved = saved[saved["data_key"] != ""]
+    # Adam's step counters stay on the CPU (torch keeps them there unless capturable).
+    assert (saved["device"] == "npu:0").sum() > 40 and set(saved["device"]) == {"npu:0", "cpu"}
+    for row in saved.itertuples():
+        value = trace.rank(0).load_tensor(row.tensor_id)
+        assert value.device.type == "cpu" and list(value.shape) == list(row.shape)
+        assert tensor_stats(value).checksum == row.checksum, row
+
+
+class Scaled(torch.nn.Module):
+    """Activations past fp16's range (65504) feeding a linear layer: finite in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * 1e5)
+
+
+def test_fp16_matrix_units_overflow_and_raise_stops_there(tmp_path: Path) -> None:
+    model = Scaled().to("npu")
+    x = torch.ones(2, 4, device="npu")
+    with emulated_npu.numerics("fp16"), pytest.raises(tracecmp.OverflowDetected) as raised:
+        with tracecmp.TraceCompare(tmp_path / "t", model=model, overflow="raise") as tc:
+            model(x).sum().backward()
+            tc.step()
+    assert (raised.value.op, raised.value.module, raised.value.overflow.phase) == (
+        "aten.addmm.default",
+        "fc",
+        "forward",
+    )
+    assert not tracecmp.load(tmp_path / "t").complete
+    assert torch.isfinite(model(x)).all()  # fp32 matrix units again: the same layer is finite
+
+
+def test_check_judges_a_trace_recorded_on_the_device(tmp_path: Path) -> None:
+    model = make_model("mlp").to("npu")
+    batch = tuple(t.to("npu") for t in example_batch("mlp"))
+    for units in ("fp32", "bf16"):
+        with emulated_npu.numerics(units), tracecmp.TraceCompare(tmp_path / units, model=model, data="tensors") as tc:
+            loss_of(model, batch).backward()
+            tc.step()
+    clean = tracecmp.check(tmp_path / "fp32")
+    assert clean.first_error is None, clean.first_error
+    found = tracecmp.check(tmp_path / "bf16").first_error
+    assert found is not None and found.op in ("aten.addmm.default", "aten.mm.default"), found
