@@ -153,23 +153,37 @@ bool is_sum_like(const std::string& name) {
   return name == "aten::sum" || name == "aten::mean" || name == "aten::nansum";
 }
 
+// The dimensions a sum-like call reduces: its "dim" argument, or all of them when it has none.
+std::vector<int64_t> reduced_dims(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first,
+                                  int64_t rank) {
+  const auto index = schema.argumentIndexWithName("dim");
+  std::vector<int64_t> dims;
+  if (index && stack[first + *index].isIntList()) {
+    for (auto d : stack[first + *index].toIntVector()) dims.push_back(c10::maybe_wrap_dim(d, rank));
+  }
+  if (dims.empty()) {
+    for (int64_t d = 0; d < rank; ++d) dims.push_back(d);
+  }
+  return dims;
+}
+
 // Rewrites the op's arguments on the stack for the device's numerics, before the CPU runs it.
+// Functional ops without a kernel here reach the fallback as their out= variants: same names.
 void apply_numerics(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
   const auto& args = schema.arguments();
   const auto first = stack->size() - args.size();
   const auto* operands = matrix_dtype != c10::ScalarType::Undefined ? matrix_operands(schema.name()) : nullptr;
-  const bool reverse = reversed_reductions && is_sum_like(schema.name()) && schema.overload_name() != "out";
+  const bool reverse = reversed_reductions && is_sum_like(schema.name());
   for (size_t i = 0; i < args.size(); ++i) {
     auto& value = (*stack)[first + i];
-    if (!value.isTensor()) continue;
+    if (!value.isTensor() || (args[i].alias_info() && args[i].alias_info()->isWrite())) continue;
     const auto t = value.toTensor();
     if (!t.defined() || !t.is_floating_point()) continue;
     if (operands && operands->count(args[i].name()) && t.scalar_type() == at::kFloat) {
       value = t.to(matrix_dtype).to(t.scalar_type());  // rounded as the unit reads it, accumulated in fp32
     } else if (reverse && args[i].name() == "self" && t.dim() > 0) {
-      std::vector<int64_t> all(t.dim());
-      for (int64_t d = 0; d < t.dim(); ++d) all[d] = d;
-      value = t.flip(all);  // the same values summed in the opposite order: other rounding
+      // The same values summed in the opposite order along the reduced dimensions: other rounding.
+      value = t.flip(reduced_dims(schema, *stack, first, t.dim()));
     }
   }
 }
@@ -297,6 +311,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("unfold", at::native::unfold);
   m.impl("view_as_real", at::native::view_as_real);
   m.impl("view_as_complex", at::native::view_as_complex);
+  // Ops with a CPU kernel and a generic decomposition, which the npu would otherwise run (rounding
+  // apart from the CPU): the fallback sends them to the CPU kernel like every other op.
+  for (const char* name : {"native_layer_norm", "native_group_norm", "addr", "addr.out", "_stack", "_stack.out",
+                           "any.dims", "any.dims_out", "all.dims", "all.dims_out"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&npu_fallback>()); }
