@@ -194,3 +194,41 @@ def test_check_judges_a_trace_recorded_on_the_device(tmp_path: Path) -> None:
     assert clean.first_error is None, clean.first_error
     found = tracecmp.check(tmp_path / "bf16").first_error
     assert found is not None and found.op in ("aten.addmm.default", "aten.mm.default"), found
+
+
+def test_host_rng_makes_dropout_agree_across_cpu_and_npu(tmp_path: Path) -> None:
+    """The transformer block's attention dropout: the npu draws from its own stream with a fused
+    kernel (native_dropout) where the CPU decomposes it; rng="host" draws both on the CPU."""
+    for rng in ("host", "device"):
+        for device in ("cpu", "npu"):
+            _train("transformer", device, tmp_path / f"{rng}-{device}", rng=rng)
+    assert tracecmp.compare(tmp_path / "host-npu", tmp_path / "host-cpu").first_divergence is None
+    drawn = tracecmp.compare(tmp_path / "device-npu", tmp_path / "device-cpu").first_divergence
+    assert drawn is not None
+    assert (drawn.kind, drawn.op, drawn.module) == ("random", "aten.native_dropout.default", "attn"), drawn
+    assert 'rng="host"' in drawn.reason
+
+
+def test_the_npu_stream_differs_from_the_cpus_for_the_same_seed() -> None:
+    torch.manual_seed(7)
+    on_cpu = torch.randn(64)
+    torch.manual_seed(7)
+    on_npu = torch.randn(64, device="npu").cpu()
+    torch.manual_seed(7)
+    assert torch.equal(torch.randn(64, device="npu").cpu(), on_npu)  # seeded: reproducible
+    assert not torch.equal(on_cpu, on_npu)
+
+
+def test_device_numerics_change_what_they_name_and_nothing_else() -> None:
+    x, y = torch.randn(48, 300), torch.randn(300, 40)
+    xn, yn = x.to("npu"), y.to("npu")
+    assert torch.equal((xn @ yn).cpu(), x @ y) and torch.equal(xn.sum(1).cpu(), x.sum(1))
+    with emulated_npu.numerics("bf16"):
+        rounded = (xn @ yn).cpu()
+        assert torch.equal((xn * 3).cpu(), x * 3)
+    assert torch.equal(rounded, x.bfloat16().float() @ y.bfloat16().float()) and not torch.equal(rounded, x @ y)
+    with emulated_npu.numerics(reversed_sums=True):
+        rows, columns, total = xn.sum(1).cpu(), xn.mean(0).cpu(), xn.sum().cpu()
+    assert torch.equal(rows, x.flip(1).sum(1)) and torch.equal(columns, x.flip(0).mean(0))
+    assert torch.equal(total, x.flip(0, 1).sum())
+    assert not torch.equal(rows, x.sum(1)) and torch.allclose(rows, x.sum(1), rtol=1e-5, atol=1e-5)

@@ -154,6 +154,20 @@ def _strict(j: JudgedNode, node: Node, ctx: RankContext) -> bool:
     return strict
 
 
+def random_reason(what: str, inputs_exact: bool) -> str:
+    """Why a root that drew random numbers is named a random draw, and what removes it.
+
+    >>> random_reason("relative error 1.00e-01 (norm/mean)", True)[:62]
+    'the divergence starts at a random op: it drew other numbers wh'
+    """
+    agree = " while its inputs agree" if inputs_exact else ""
+    return (
+        f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
+        "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
+        'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'
+    )
+
+
 def source_label(op: str, name: str, location: str) -> str:
     """A source as a person names it: the parameter's path, the input's position, or, for a tensor
     the program made from Python data, the line that made it.
@@ -180,13 +194,7 @@ def _root(j: JudgedNode, node: Node, ctx: RankContext, found: tuple[int, float, 
             "source", f"{source_label(op, name, location)} differs from the bench: {what}", channels[channel], part
         )
     if random:
-        agree = " while its inputs agree" if j.inputs_exact else ""
-        reason = (
-            f"the divergence starts at a random op: it drew other numbers{agree} ({what}), so the runs' "
-            "generators differ (seed, generator state or device); seed both with tracecmp.seed_all() and "
-            'capture with TraceCompare(..., rng="host"), or dropout=0.0 to turn dropout off'
-        )
-        return Decision("random", reason, channels[channel], part)
+        return Decision("random", random_reason(what, j.inputs_exact), channels[channel], part)
     structure = structure_note(op_id, inputs, ri)
     if bench_op is None:
         return Decision(

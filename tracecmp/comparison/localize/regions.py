@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, read_by
-from tracecmp.comparison.localize.decide import replayed_root
+from tracecmp.comparison.localize.decide import random_reason, replayed_root
 from tracecmp.comparison.localize.predict import (
     averaged_rounding,
     contracts_nonzero,
@@ -411,6 +411,12 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
         reason = f"target-only ops ({name}) change the values: {what}"
         return "structure", reason, _producer(ri, region, j.worst), (e - x) / unit
     if j.inputs_exact:
+        # A fused kernel that draws (native_dropout on an accelerator against the CPU's bernoulli_
+        # and mul) with every input agreeing: the draw is what differs.
+        members = set(region.target_ops)
+        drawn = next((node.op_id for node in ri.nodes if node.op_id in members and node.random), None)
+        if drawn is not None:
+            return "random", f"{name}: {random_reason(what, True)}", drawn, (e - x) / unit
         reason = f"{name}: output differs ({what}) while every input agrees bitwise"
     elif x > 0:
         reason = f"{name}: output error {e:.2e} ({channels[c]}) is {e / x:.0f}x what its inputs carried in ({x:.1e})"
