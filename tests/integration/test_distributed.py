@@ -224,3 +224,40 @@ def test_a_world_size_that_differs_is_said_plainly(runs: Path, tmp_path: Path) -
     assert any("world sizes differ: target ran on 2 ranks, bench on 1" in w for w in result.warnings), result.warnings
     assert any("target ranks [1] have no bench rank" in w for w in result.warnings)
     assert not result.agrees
+
+
+def _compare_under_torchrun(processes: int, target: Path, bench: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+        + ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+        + ["-m", "tracecmp", "compare", str(target), str(bench), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_compare_as_a_torchrun_job_gives_the_pools_verdict_and_report(
+    runs: Path, tmp_path: Path, processes: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracecmp.cli.main import main
+
+    target, bench = runs / "ddp" / "forward", runs / "ddp" / "bench"
+    assert main(["compare", str(target), str(bench), "-o", str(tmp_path / "pool"), "--workers", "2"]) == 1
+    pooled = capsys.readouterr().out
+    done = _compare_under_torchrun(processes, target, bench, tmp_path / "job")
+    # Process 0 exits 1 (diverged), the others as it decided, unless torchrun ended them first.
+    assert done.returncode == 1 and "exitcode  : 1" in done.stderr, done.stderr[-3000:]
+    assert "exitcode  : 2" not in done.stderr
+    assert [line for line in done.stdout.splitlines() if not line.startswith("wrote")] == [
+        line for line in pooled.splitlines() if not line.startswith("wrote")
+    ]
+    written = sorted(p.name for p in (tmp_path / "pool").iterdir())
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == written and "report.html" in written
+    for name in written:
+        pool, job = ((tmp_path / side / name).read_text().splitlines() for side in ("pool", "job"))
+        assert [line for line in job if "<footer>" not in line] == [line for line in pool if "<footer>" not in line]

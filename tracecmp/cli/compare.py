@@ -74,7 +74,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         metavar="N",
         help="several ranks: compare them in N worker processes (default: one per rank, up to the "
-        "CPUs; in this process for small traces)",
+        "CPUs; in this process for small traces). Under torchrun each process of the job compares "
+        "its share of the ranks and process 0 writes the report",
     )
     parser.add_argument(
         "--max-memory",
@@ -93,7 +94,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tracecmp.comparison import Tolerances, compare
+    from tracecmp.comparison.torchrun import launched_by_torchrun
 
+    if launched_by_torchrun():
+        return _run_in_job(args)
     tolerances = Tolerances.parse(args.tol) if args.tol else None
     result = compare(
         args.target,
@@ -108,6 +112,39 @@ def run(args: argparse.Namespace) -> int:
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
         force=args.force,
     )
+    return _report(result, args)
+
+
+def _run_in_job(args: argparse.Namespace) -> int:
+    """Under torchrun: each process compares its share of the ranks, process 0 reports the job,
+    and every process exits as process 0 does."""
+    from tracecmp.comparison import Tolerances
+    from tracecmp.comparison.api import compare_job
+    from tracecmp.comparison.torchrun import JobGroup
+
+    with JobGroup() as group:
+        code = 2  # what the others exit with if process 0 fails
+        try:
+            result = compare_job(
+                args.target,
+                args.bench,
+                group,
+                tolerances=Tolerances.parse(args.tol) if args.tol else None,
+                steps=args.steps,
+                ranks=args.ranks,
+                exact=args.exact,
+                replay=args.replay,
+                force=args.force,
+            )
+            if result is not None:
+                code = _report(result, args)
+        finally:
+            code = group.share(code)
+    return int(code)
+
+
+def _report(result: Any, args: argparse.Namespace) -> int:
+    """Print the summary, write the tables and the report where asked; the exit code."""
     print(result.summary(top=args.top))
     selection = result.selection()
     if selection is not None:

@@ -14,6 +14,7 @@ from tracecmp.comparison.programs import require_one_model
 from tracecmp.comparison.ranks import attach_cross_rank, compare_ranks
 from tracecmp.comparison.result import CompareResult
 from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.comparison.torchrun import JobGroup, compare_in_job
 from tracecmp.errors import CompareError, DifferentModels
 from tracecmp.trace.reader import Trace, load
 
@@ -92,6 +93,24 @@ def compare(
     if len(result.ranks) > 1:  # order the ranks' roots through their collectives
         attach_cross_rank(result)
     return _warned(models, result)
+
+
+def compare_job(
+    target: str | Path, bench: str | Path, group: JobGroup, *, force: bool = False, **options: Any
+) -> CompareResult | None:
+    """:func:`compare` as one process of a torchrun job (:mod:`tracecmp.comparison.torchrun`):
+    this process compares its share of the ranks; process 0 gets the job's result, the others
+    None. ``options``: :func:`compare`'s ``tolerances`` (a :class:`Tolerances`), ``steps``,
+    ``ranks``, ``exact``, ``replay``.
+
+    >>> with JobGroup() as group:                                          # doctest: +SKIP
+    ...     result = compare_job("runs/target", "runs/bench", group)
+    """
+    options["tolerances"] = options.get("tolerances") or Tolerances()
+    result = compare_in_job(target, bench, group, **options)
+    if result is None:
+        return None
+    return _warned(_models_warning(_as_trace(target, "target"), _as_trace(bench, "bench"), force), result)
 
 
 def _models_warning(t_trace: Trace, b_trace: Trace, force: bool) -> str:

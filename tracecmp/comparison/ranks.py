@@ -351,10 +351,14 @@ class _Job:
 
 def _run_rank(job: _Job) -> RankOutcome:
     """Worker: compare one rank pair (loaded alone) and summarize it."""
-    target = _single_rank(Path(job.target), job.rank)
-    bench = _single_rank(Path(job.bench), job.rank)
-    result = compare_traces(target, bench, ranks=[job.rank], progress=False, **job.options)
-    return rank_outcome(result, job.rank, target.rank(job.rank))
+    return compare_rank(Path(job.target), Path(job.bench), job.rank, job.options)
+
+
+def compare_rank(target: Path, bench: Path, rank: int, options: Mapping[str, Any]) -> RankOutcome:
+    """One rank pair loaded alone, compared, and summarized for the cross-rank pass."""
+    t_trace, b_trace = _single_rank(target, rank), _single_rank(bench, rank)
+    result = compare_traces(t_trace, b_trace, ranks=[rank], progress=False, **options)
+    return rank_outcome(result, rank, t_trace.rank(rank))
 
 
 def _limit_memory(limit: int | None) -> None:
@@ -429,7 +433,8 @@ def _in_worker(job: _Job, memory: int | None, folder: Path) -> RankOutcome:
         return pickle.load(fh)
 
 
-def _rank_folders(path: Path) -> list[int]:
+def rank_folders(path: Path) -> list[int]:
+    """The ranks a trace folder holds (its ``rank<N>`` folders)."""
     return sorted(int(p.name[4:]) for p in path.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
 
 
@@ -497,19 +502,61 @@ def compare_ranks(
     bar = Progress("compare", shown(progress, True), len(jobs), unit="ranks")
     outcomes, failures = _run_jobs(jobs, workers, memory, bar, t_path)
     bar.close()
+    return job_result(
+        JobFolders(t_path, b_path, t_manifest, b_manifest, common, t_ranks, b_ranks),
+        outcomes,
+        failures,
+        warnings,
+        options,
+    )
+
+
+@dataclass(frozen=True)
+class JobFolders:
+    """The two traces of a job as a comparison found them: paths, run manifests, and rank folders."""
+
+    target: Path
+    bench: Path
+    t_manifest: dict[str, Any]
+    b_manifest: dict[str, Any]
+    common: list[int]  # the ranks compared
+    t_ranks: list[int]
+    b_ranks: list[int]
+
+
+def job_result(
+    folders: JobFolders,
+    outcomes: dict[int, RankOutcome],
+    failures: list[str],
+    warnings: list[str],
+    options: Mapping[str, Any],
+) -> CompareResult:
+    """The job's result from its ranks' outcomes, however they were compared (in this process, a
+    pool, or a torchrun job): the cross-rank pass, the ranks' tables side by side, and the traces
+    of the ranks the first divergence and its paths go through, where this process can read them."""
+    t_path, b_path = folders.target, folders.bench
     if not outcomes:
         raise CompareError("no rank could be compared: " + "; ".join(failures), path=t_path)
-    report = cross_rank(outcomes, t_manifest, b_manifest, t_ranks, b_ranks, _rank_manifests(b_path, common))
-    warnings += failures
+    report = cross_rank(
+        outcomes,
+        folders.t_manifest,
+        folders.b_manifest,
+        folders.t_ranks,
+        folders.b_ranks,
+        _rank_manifests(b_path, folders.common),
+    )
+    warnings = warnings + failures
     for outcome in outcomes.values():
         warnings += [w if w.startswith("rank ") else f"rank {outcome.rank}: {w}" for w in outcome.warnings]
     needed = {report.origin.rank} if report.origin is not None else {min(outcomes)}
     needed |= set(report.paths)
-    target_trace = Trace(t_path, t_manifest, {r: load_rank(t_path / f"rank{r}") for r in sorted(needed)})
-    bench_trace = Trace(b_path, b_manifest, {r: load_rank(b_path / f"rank{r}") for r in sorted(needed) if r in b_ranks})
+
+    def readable(path: Path) -> dict[int, RankTrace]:
+        return {r: load_rank(path / f"rank{r}") for r in sorted(needed) if (path / f"rank{r}").is_dir()}
+
     result = CompareResult(
-        target=target_trace,
-        bench=bench_trace,
+        target=Trace(t_path, folders.t_manifest, readable(t_path)),
+        bench=Trace(b_path, folders.b_manifest, readable(b_path)),
         first_divergence=None,
         suspects=[],
         nodes=pd.concat([o.nodes for o in outcomes.values()], ignore_index=True),
@@ -531,9 +578,17 @@ def _common_rank_folders(
 ) -> tuple[list[int], list[int], list[int]]:
     """The ranks to compare (those both traces hold, among ``ranks`` where given), warning of the
     others, and each trace's rank folders; a :class:`CompareError` where there is none."""
-    t_ranks, b_ranks = _rank_folders(t_path), _rank_folders(b_path)
+    t_ranks, b_ranks = rank_folders(t_path), rank_folders(b_path)
     if not t_ranks or not b_ranks:
         raise CompareError("trace holds no rank folders (rank0/ ...)", path=t_path if not t_ranks else b_path)
+    return rank_sets(t_ranks, b_ranks, ranks, warnings, t_path), t_ranks, b_ranks
+
+
+def rank_sets(
+    t_ranks: list[int], b_ranks: list[int], ranks: Iterable[int] | None, warnings: list[str], t_path: Path
+) -> list[int]:
+    """The ranks both traces hold, among ``ranks`` where given, warning of the others; a
+    :class:`CompareError` where there is none."""
     common = sorted(set(t_ranks) & set(b_ranks))
     if ranks is not None:
         wanted = {int(r) for r in ranks}
@@ -548,7 +603,7 @@ def _common_rank_folders(
                 warnings.append(f"rank(s) {only} exist only in the {name} trace and were not compared")
     if not common:
         raise CompareError(f"no common rank to compare (target ranks {t_ranks}, bench ranks {b_ranks})", path=t_path)
-    return common, t_ranks, b_ranks
+    return common
 
 
 def _run_jobs(
