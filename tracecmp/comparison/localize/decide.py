@@ -100,7 +100,8 @@ _MOVERS = frozenset({"all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"}
 def moves_data(node: Node, cls: OpClass, ri: RankInput) -> bool:
     """Whether ``node`` only moves values, each in its own dtype: a copy, a concatenation, FSDP2's
     copies around its collectives (not a cast, which rounds)."""
-    if cls.kind != "copy" and base_name(node.op) not in _MOVERS:
+    if node.kind == "source" or (cls.kind != "copy" and base_name(node.op) not in _MOVERS):
+        # A source judged as a copy of what Python read is no move: Python made it from anything.
         return False
     facts = [ri.own.get(t) for t in (*node.inputs, *node.outputs)]
     if any(f is None or not f[0] for f in facts):
