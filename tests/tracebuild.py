@@ -180,7 +180,7 @@ class TraceBuilder:
         *,
         shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
         dtype: str | torch.dtype | Sequence[str | torch.dtype] = "float32",
-        stats: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        stats: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
         module: str = "",
         phase: str = "forward",
         args: Mapping[str, Any] | None = None,
@@ -404,7 +404,7 @@ class TraceBuilder:
         name: str,
         shapes: list[Sequence[int]] | None,
         dtypes: list[Any],
-        stats: list[Mapping[str, Any]] | None,
+        stats: list[Mapping[str, Any] | None] | None,
         module: str,
         phase: str,
         location: str,
@@ -423,7 +423,7 @@ class TraceBuilder:
             if outs is not None:
                 tensor = outs[index]
                 out_shape, out_dtype, out_stats = tuple(tensor.shape), _dtype_name(tensor.dtype), stats_of(tensor)
-                if stats is not None:
+                if stats is not None and stats[index] is not None:
                     out_stats.update(stats[index])
                 if self.data:
                     self.saved[tid] = tensor.detach().clone()
@@ -432,8 +432,10 @@ class TraceBuilder:
                 out_shape = tuple(shapes[index]) if shapes else ()
                 out_dtype = _dtype_name(dtypes[min(index, len(dtypes) - 1)])
                 out_stats = fake_stats(out_shape)
-                if stats is not None:
+                if stats is not None and stats[index] is not None:
                     out_stats.update(stats[index])
+            if stats is not None and stats[index] is None:  # recorded without statistics
+                out_stats = None
             rows.append(self._tensor_row(tid, op_id, index, out_shape, out_dtype, -1, out_stats))
             refs.append(Ref(tid, op_id, out_shape, out_dtype))
         self.ops.append(

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import tracecmp
-from tracecmp._compat import TORCH_VERSION
 from workloads.realscripts.corpus import SCRIPTS, variant
 from workloads.realscripts.runner import CompareRun, RecordRun, compare_api, judge, record
 
@@ -61,10 +60,6 @@ def test_vision_pool_swap_is_named_at_maxpool_as_the_only_root(vision_bench, wor
     assert judge(case.expect, cmp), cmp.summary
 
 
-@pytest.mark.skipif(
-    TORCH_VERSION < (2, 2),
-    reason="torch 2.1 hands gradients over without an op capture sees: clip_grad_norm_ reads them as unnamed sources",
-)
 def test_nanogpt_clean_bf16_pair_with_eval_readouts_before_step_0_agrees(workdir):
     case = variant("nanogpt", "clean-bf16")
     bench = record(SCRIPTS["nanogpt"], case.bench, workdir, tiny=True)

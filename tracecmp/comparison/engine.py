@@ -34,6 +34,7 @@ from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay
 from tracecmp.numerics.units import eps_of, is_float_dtype
 from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
+from tracecmp.trace.schema import PYTHON_SOURCE
 from tracecmp.verdict.progress import Progress, shown
 
 _STAT_COLUMNS = [
@@ -299,6 +300,8 @@ def _prepare_rank(
         bench_producer=dict(zip(b_ten["tensor_id"].tolist(), b_ten["op_id"].tolist())),
         partner=partner,
         inf_only=inf_only,
+        reentered=_reentered(t_ops, t_lists, t_ten),
+        unrecorded=_unrecorded(pairs, t_lists, b_lists, t_ten, b_ten),
     )
     measured_frame.insert(0, "rank", rank)
     return rank_input, _node_frame(t_ops, rank, pairs, match.member_of), measured_frame, unpaired
@@ -678,6 +681,59 @@ def _states(frame: pd.DataFrame, own: Mapping[int, tuple[bool, bool, str]]) -> d
             filled=bool(filled),
         )
     return states
+
+
+def _reentered(t_ops: pd.DataFrame, t_lists: _IdLists, t_ten: pd.DataFrame) -> dict[int, int]:
+    """Sources that hold a value the trace already made: ``{source op id: that tensor's id}``.
+
+    A tensor made outside the dispatcher's sight over a traced tensor's memory enters as a new
+    source (torch 2.1's ``clip_grad_norm_`` groups the gradients in C++ into tensors capture never
+    saw made). Its content checksum, shape and dtype equal those of the latest tensor an op made
+    before it; one that is not constant (its minimum below its maximum) is taken to be that value."""
+    sources = t_ops.index[(t_ops["kind"] == "source") & (t_ops["op"] == PYTHON_SOURCE)].tolist()
+    if not sources:
+        return {}
+    source_of = {t_lists[2][i][0]: t_lists[0][i] for i in sources if len(t_lists[2][i]) == 1}
+    stats = t_ten[t_ten["has_stats"].to_numpy(bool) & (t_ten["min"].to_numpy() < t_ten["max"].to_numpy())]
+    mine = stats[stats["tensor_id"].isin(list(source_of))]
+    if mine.empty:
+        return {}
+    candidates = stats[stats["checksum"].isin(mine["checksum"].tolist())].sort_values("op_id", kind="stable")
+    made: dict[tuple, int] = {}
+    found: dict[int, int] = {}
+    for tid, shape, dtype, checksum in zip(
+        candidates["tensor_id"].tolist(),
+        candidates["shape"].tolist(),
+        candidates["dtype"].tolist(),
+        candidates["checksum"].tolist(),
+    ):
+        key = (tuple(shape), dtype, checksum)
+        if tid in source_of:
+            if key in made:
+                found[source_of[tid]] = made[key]
+            continue
+        made[key] = tid
+    return found
+
+
+def _unrecorded(
+    pairs: Mapping[int, int], t_lists: _IdLists, b_lists: _IdLists, t_ten: pd.DataFrame, b_ten: pd.DataFrame
+) -> frozenset[int]:
+    """Outputs of paired ops that neither trace holds statistics of, in the same position: what an
+    op returns without values (torch 2.1's CPU flash attention returns undefined tensors for the
+    CUDA kernel's sequence offsets and random seeds). Their op is judged on its other outputs."""
+    t_bare = set(t_ten.loc[~t_ten["has_stats"].to_numpy(bool), "tensor_id"].tolist())
+    b_bare = set(b_ten.loc[~b_ten["has_stats"].to_numpy(bool), "tensor_id"].tolist())
+    if not t_bare or not b_bare:
+        return frozenset()
+    b_outputs = dict(zip(b_lists[0], b_lists[2]))
+    found = set()
+    for op_id, outs in zip(t_lists[0], t_lists[2]):
+        b_op = pairs.get(op_id)
+        if b_op is None or not t_bare.intersection(outs):
+            continue
+        found.update(t for t, b in zip(outs, b_outputs.get(b_op, [])) if t in t_bare and b in b_bare)
+    return frozenset(found)
 
 
 def _inf_only(t_ten: pd.DataFrame) -> dict[int, float]:

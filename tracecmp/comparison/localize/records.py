@@ -72,6 +72,12 @@ class RankInput:
     partner: Mapping[int, int] = field(default_factory=dict)  # target tensor id -> bench tensor id
     # Target tensors holding Inf and no NaN (what overflow makes) -> the rms of their finite values
     inf_only: Mapping[int, float] = field(default_factory=dict)
+    # Sources holding a value the trace already made (a tensor made outside the dispatcher over a
+    # traced tensor's memory): source op id -> that tensor's id, judged as a copy of it
+    reentered: Mapping[int, int] = field(default_factory=dict)
+    # Outputs of paired ops that neither trace holds statistics of: unknown, but no reason to call
+    # their op uncompared when its other outputs are measured
+    unrecorded: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -265,7 +265,11 @@ class RankWalk:
             cls = class_for_call(cls, op, args)
         if is_readout(op) and inputs:
             self.python_reads.append(base.get(inputs[0], inputs[0]))
-        if op == PYTHON_SOURCE and self.python_reads:
+        if op_id in ri.reentered:
+            # A value the trace made, entering again as a new tensor over its memory: a copy of it.
+            cls = OpClass("copy")
+            fin = self._inputs(node._replace(inputs=[ri.reentered[op_id]]), cls)
+        elif op == PYTHON_SOURCE and self.python_reads:
             # Made from Python data after the program read values into Python: judged as a copy of
             # what it read, so it may differ by as much as they did (a loss read within noise and
             # written into a tensor is noise, not a source that differs). Beyond that it is a root.
@@ -319,6 +323,10 @@ class RankWalk:
             m = ri.measured.get(tid)
             if m is None and node.op_id in ri.units:
                 # A compiled unit is a whole graph: what it made unmeasured is unknown, not exact.
+                is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
+                self.state[tid] = TensorState(known=False, exact=False, nonfinite=nonfinite, is_float=is_float)
+                continue
+            if m is None and tid in ri.unrecorded:
                 is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
                 self.state[tid] = TensorState(known=False, exact=False, nonfinite=nonfinite, is_float=is_float)
                 continue
@@ -811,7 +819,7 @@ class RankWalk:
             status = producer_status.get(src, "uncompared")
             return status, VIEW_OF_UNCOMPARED if status == "uncompared" else ""
         ins = [self.lookup(t) for t in inputs]
-        outs = [self.state.get(t) for t in outputs if t not in base]
+        outs = [self.state.get(t) for t in outputs if t not in base and t not in ri.unrecorded]
         measured = [s for s in outs if s is not None and s.measured]
         if not paired:
             return "unpaired", UNPAIRED
