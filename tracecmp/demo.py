@@ -18,6 +18,7 @@ fault mode, and records the faulty outputs, as it would on the real device.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,9 @@ def train(model: nn.Module, steps: int, seed: int = 1234, on_step: Callable[[], 
     """
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        tokens = tokens.to(device)  # drawn on the CPU, then moved: the same tokens on every device
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = []
@@ -225,11 +229,11 @@ def train(model: nn.Module, steps: int, seed: int = 1234, on_step: Callable[[], 
     return losses
 
 
-def capture_run(path: Path, fault: Fault | None, steps: int, seed: int) -> list[float]:
-    """Train one run under capture (and under ``fault`` when given); returns its losses."""
+def capture_run(path: Path, fault: Fault | None, steps: int, seed: int, device: str = "cpu") -> list[float]:
+    """Train one run on ``device`` under capture (and under ``fault`` when given); returns its losses."""
     import tracecmp
 
-    model = build_model(seed)
+    model = build_model(seed).to(device)
     context = fault.apply(model) if fault is not None else contextlib.nullcontext()
     # The emulated NPU says what a real one's trace says: its float32 matrix units may run at
     # reduced precision, so compare treats TF32/HF32-sized rounding there as noise.
@@ -261,10 +265,43 @@ class DemoOutcome:
         return d is not None and d.module == self.fault.module
 
 
+def load_emulated_npu() -> Any:
+    """The emulated NPU of tracecmp's source checkout (``workloads/emulated_npu``), built and loaded.
+
+    It is a test device, not part of the installed package: it is loaded from beside this package's
+    folder, so only a checkout (or an editable install) has it. :class:`TracecmpError` says why it
+    cannot be used (no checkout, no compiler, a torch that cannot host it).
+    """
+    from tracecmp.errors import TracecmpError
+
+    init = Path(__file__).resolve().parents[1] / "workloads" / "emulated_npu" / "__init__.py"
+    if not init.exists():
+        raise TracecmpError(
+            f"--emulated-npu needs tracecmp's source checkout: the emulated npu lives in its "
+            f"workloads/emulated_npu, which is not beside this installation ({init.parents[2]})"
+        )
+    spec = importlib.util.spec_from_file_location("tracecmp_emulated_npu", init)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.load()
+    except (module.EmulatorUnavailable, RuntimeError, OSError) as exc:
+        raise TracecmpError(f"the emulated npu cannot be used here: {exc}") from exc
+    return module
+
+
 def run_demo(
-    out_dir: str | Path = "tracecmp-demo", fault: str = "fp16-matmul", steps: int = 2, seed: int = 1234
+    out_dir: str | Path = "tracecmp-demo",
+    fault: str = "fp16-matmul",
+    steps: int = 2,
+    seed: int = 1234,
+    emulated_npu: bool = False,
 ) -> DemoOutcome:
     """Capture a bench and a faulty target run, compare them, write the report to ``out_dir``.
+
+    ``emulated_npu`` runs the target on the emulated NPU (:func:`load_emulated_npu`) instead of
+    the CPU: capture then takes the accelerator path (statistics deferred on the device).
 
     >>> run_demo("tracecmp-demo").found   # doctest: +SKIP
     True
@@ -280,8 +317,10 @@ def run_demo(
     chosen = FAULTS[fault]
     out = Path(out_dir)
     bench_path, target_path = out / "traces" / "bench", out / "traces" / "target"
+    if emulated_npu:
+        load_emulated_npu()
     bench_losses = capture_run(bench_path, None, steps, seed)
-    target_losses = capture_run(target_path, chosen, steps, seed)
+    target_losses = capture_run(target_path, chosen, steps, seed, "npu" if emulated_npu else "cpu")
     result = compare(target_path, bench_path)
     result.write_tables(out)
     report = write_report(result, out)

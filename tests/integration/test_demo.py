@@ -11,6 +11,8 @@ import pytest
 
 from tracecmp.cli.main import main
 from tracecmp.demo import FAULTS, run_demo
+from tracecmp.errors import TracecmpError
+from workloads import emulated_npu
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,3 +64,9 @@ def test_demo_refuses_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["demo", "-o", str(tmp_path), "--fault", "no-such-fault"]) == 2
     assert main(["demo", "-o", str(tmp_path), "--steps", "0"]) == 2
     assert "steps must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(emulated_npu.torch_can_host(), reason="this torch hosts the emulated npu (test_emulated_npu.py)")
+def test_emulated_npu_demo_says_why_this_torch_cannot_host_it(tmp_path: Path) -> None:
+    with pytest.raises(TracecmpError, match="cannot host the emulated npu"):
+        run_demo(tmp_path / "demo", emulated_npu=True)

@@ -25,17 +25,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--steps", type=int, default=2, help="training steps per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default: %(default)s)")
+    parser.add_argument(
+        "--emulated-npu",
+        action="store_true",
+        help="run the target on the emulated NPU of tracecmp's source checkout (a PrivateUse1 device "
+        "'npu' over host memory, built with c++ on first use) instead of the CPU; the exit code is then "
+        "compare's: 1 when the runs diverge",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit code 0 when the demo ran; it prints whether the divergence found is the emulated one."""
+    """Exit code 0 when the demo ran; it prints whether the divergence found is the emulated one.
+    With ``--emulated-npu``, compare's exit code (the device path gated like a comparison)."""
+    from tracecmp.cli.compare import exit_status
     from tracecmp.demo import FAULTS, run_demo
 
     fault = FAULTS[args.fault]
-    print(f"tracecmp demo: bench runs in fp32 on the CPU; the target emulates {fault.description}")
+    where = "on the emulated npu " if args.emulated_npu else ""
+    print(f"tracecmp demo: bench runs in fp32 on the CPU; the target {where}emulates {fault.description}")
     start = time.perf_counter()
-    outcome = run_demo(args.out, fault=args.fault, steps=args.steps, seed=args.seed)
+    outcome = run_demo(args.out, fault=args.fault, steps=args.steps, seed=args.seed, emulated_npu=args.emulated_npu)
     for name, losses in (("bench ", outcome.bench_losses), ("target", outcome.target_losses)):
         print(f"  {name} losses: {', '.join(f'{v:.6f}' for v in losses)}")
     print()
@@ -51,4 +61,4 @@ def run(args: argparse.Namespace) -> int:
             f"Missed it: localized to {d.module or '<top>'}, but the emulated fault is in {fault.module} ({fault.op})."
         )
     print(f"Report: {outcome.report}  (traces and CSV tables beside it; {time.perf_counter() - start:.1f} s)")
-    return 0
+    return exit_status(outcome.result.status) if args.emulated_npu else 0

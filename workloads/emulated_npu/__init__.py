@@ -113,6 +113,10 @@ def load() -> types.ModuleType:
     global _loaded
     if _loaded is not None:
         return _loaded
+    registered = getattr(torch, DEVICE, None)
+    if getattr(registered, "emulated", False):  # loaded in this process through another import of this file
+        _loaded = registered
+        return registered
     backend = torch._C._get_privateuse1_backend_name()
     if backend not in ("privateuseone", DEVICE):
         raise EmulatorUnavailable(f"torch's PrivateUse1 device is already {backend!r} in this process")
@@ -130,6 +134,7 @@ def _device_module() -> types.ModuleType:
     """``torch.npu``: what torch's seeding and device utilities look up on a custom device."""
     ops = torch.ops.emulated_npu
     module = types.ModuleType("torch.npu", "The emulated NPU (workloads/emulated_npu).")
+    module.emulated = True  # type: ignore[attr-defined]
     module.is_available = lambda: True  # type: ignore[attr-defined]
     module.is_initialized = lambda: True  # type: ignore[attr-defined]
     module._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
@@ -151,9 +156,10 @@ def reset_counters() -> None:
 
 
 def set_numerics(matrix_units: str = "fp32", reversed_sums: bool = False) -> None:
-    """The device's arithmetic: ``matrix_units`` "fp16"/"bf16" rounds the fp32 operands of
-    matmul-like ops (mm, bmm, addmm, baddbmm, mv, convolution) to that dtype before the fp32
-    kernel runs, as an NPU's cube units read them; ``reversed_sums`` sums (sum, mean) in reverse."""
+    """The device's arithmetic: ``matrix_units`` "fp16"/"bf16"/"tf32" rounds the fp32 operands of
+    matmul-like ops (mm, bmm, addmm, baddbmm, mv, convolution) to that precision before the fp32
+    kernel runs, as an NPU's cube units read them ("tf32": a 10-bit mantissa, like Ascend's HF32);
+    ``reversed_sums`` sums (sum, mean, nansum) in reverse order along the reduced dimensions."""
     torch.ops.emulated_npu.set_numerics(matrix_units, reversed_sums)
 
 

@@ -45,8 +45,8 @@ struct FallbackScope {
   ~FallbackScope() { --inside_fallback; }
 };
 
-// Numerics, set from Python: the dtype the matrix units read (Undefined: fp32 as given), and
-// whether sums run in reversed order.
+// Numerics, set from Python: the dtype the matrix units read (Undefined: fp32 as given; Float:
+// TF32, fp32 with a 10-bit mantissa, as an Ascend NPU's HF32), and whether sums run reversed.
 c10::ScalarType matrix_dtype = c10::ScalarType::Undefined;
 bool reversed_reductions = false;
 
@@ -153,6 +153,15 @@ bool is_sum_like(const std::string& name) {
   return name == "aten::sum" || name == "aten::mean" || name == "aten::nansum";
 }
 
+// An fp32 operand as the matrix units read it: in their dtype, or TF32 (the low 13 mantissa bits
+// rounded off, to nearest even) when that dtype is Float.
+at::Tensor round_for_matrix_units(const at::Tensor& t) {
+  if (matrix_dtype != at::kFloat) return t.to(matrix_dtype).to(at::kFloat);
+  const auto bits = t.contiguous().view(at::kInt);
+  const auto rounded = (bits + 0xFFF + bits.bitwise_right_shift(13).bitwise_and(1)).bitwise_and(~0x1FFF);
+  return at::where(t.isfinite(), rounded.view(at::kFloat), t);
+}
+
 // The dimensions a sum-like call reduces: its "dim" argument, or all of them when it has none.
 std::vector<int64_t> reduced_dims(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first,
                                   int64_t rank) {
@@ -180,7 +189,7 @@ void apply_numerics(const c10::FunctionSchema& schema, torch::jit::Stack* stack)
     const auto t = value.toTensor();
     if (!t.defined() || !t.is_floating_point()) continue;
     if (operands && operands->count(args[i].name()) && t.scalar_type() == at::kFloat) {
-      value = t.to(matrix_dtype).to(t.scalar_type());  // rounded as the unit reads it, accumulated in fp32
+      value = round_for_matrix_units(t);  // rounded as the unit reads it, accumulated in fp32
     } else if (reverse && args[i].name() == "self" && t.dim() > 0) {
       // The same values summed in the opposite order along the reduced dimensions: other rounding.
       value = t.flip(reduced_dims(schema, *stack, first, t.dim()));
@@ -277,10 +286,11 @@ void manual_seed(int64_t seed) {
 
 void set_numerics(c10::string_view matrix_units, bool reversed_sums) {
   const std::string units(matrix_units);
-  TORCH_CHECK(units == "fp32" || units == "fp16" || units == "bf16",
-              "emulated npu: matrix units are fp32, fp16 or bf16, not ", units);
+  TORCH_CHECK(units == "fp32" || units == "tf32" || units == "fp16" || units == "bf16",
+              "emulated npu: matrix units are fp32, tf32, fp16 or bf16, not ", units);
   matrix_dtype = units == "fp16"   ? c10::ScalarType::Half
                  : units == "bf16" ? c10::ScalarType::BFloat16
+                 : units == "tf32" ? c10::ScalarType::Float
                                    : c10::ScalarType::Undefined;
   reversed_reductions = reversed_sums;
 }
