@@ -4,6 +4,7 @@
     python benchmarks/bench_distributed.py calls               # one process: what recording a collective costs
     python benchmarks/bench_distributed.py compare --ranks 1,2,4
     python benchmarks/bench_distributed.py accuracy [--setups ddp,fsdp2,tp] [--json]
+    python benchmarks/bench_distributed.py scale [--world 64] [--layers 64] [--processes 4]
 
 ``overhead`` times a 2-rank DDP training step of an MLP stack plain and captured, alternating in
 one launch (medians; the ratio is what to read on a noisy machine), and what a collective costs
@@ -21,6 +22,11 @@ block 1), ``backward`` (block 0's gradient scaled by 1.001, before it is reduced
 0's hidden activation overflows to Inf in forward; NaN follows). Per case: the first divergence right (op, rank,
 step, phase: top-1), and the suspects exactly the fault (one root; each other rank agrees or
 inherited it through a collective).
+
+``scale`` writes a simulated data-parallel job (``workloads/synthetic_job.py``: ``--world`` ranks of
+a residual MLP, DDP buckets all-reduced, a fault on rank 1) and compares it both ways: a process
+pool of ``--processes`` workers, and a torchrun job of ``--processes`` processes over gloo; wall
+time and peak RSS of each process.
 """
 
 from __future__ import annotations
@@ -350,6 +356,60 @@ def accuracy(setups: list[str], width: int, as_json: bool) -> None:
                 print(f"      {s}")
 
 
+def scale_worker(target: str, bench: str) -> None:
+    """One process of a torchrun compare: its wall time and peak RSS, printed by process 0."""
+    import resource
+
+    from tracecmp.comparison.api import compare_job
+    from tracecmp.comparison.torchrun import JobGroup
+
+    start = time.perf_counter()
+    with JobGroup() as group:
+        result = compare_job(target, bench, group)
+        mine = {"wall": time.perf_counter() - start, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+        found = group.gather(mine)
+    if result is not None:
+        d = result.first_divergence
+        exact = [(s.rank, s.op) for s in result.suspects] == [(d.rank, d.op)] if d else False
+        print(json.dumps({"processes": found, "first": f"{d.op} rank {d.rank}" if d else None, "exact": exact}))
+
+
+def scale(world: int, layers: int, processes: int) -> None:
+    import resource
+
+    import torch
+
+    import tracecmp
+
+    sys.path.insert(0, str(ROOT))  # workloads/ and the trace builder in tests/
+    from workloads.synthetic_job import JobShape, write_job
+
+    torch.set_num_threads(1)
+    folder = Path(tempfile.mkdtemp(prefix=f"tracecmp-scale{world}-"))
+    start = time.perf_counter()
+    target, bench = write_job(folder, JobShape(world=world, layers=layers))
+    made = time.perf_counter() - start
+    ops = len(tracecmp.load(target).rank(0).ops_table)
+    size = sum(f.stat().st_size for f in folder.glob("*/rank*/*.parquet"))
+    print(
+        f"{world} ranks x {ops:,} ops ({size / 2**20:.1f} MB of tables, both runs), written in {made:.0f} s "
+        f"(peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB) in {folder}"
+    )
+    pooled = _compare_in_fresh_process(folder, processes)
+    print(
+        f"pool of {processes}: wall {pooled['wall']:.1f} s, comparing process {pooled['rss'] / 1024:.0f} MB, "
+        f"largest worker {pooled['child_rss'] / 1024:.0f} MB, first divergence {pooled['first']}"
+    )
+    start = time.perf_counter()
+    job = json.loads(_torchrun(processes, "scale-worker", str(target), str(bench)).strip().splitlines()[-1])
+    walls = ", ".join(f"{p['wall']:.1f}" for p in job["processes"])
+    rss = ", ".join(f"{p['rss'] / 1024:.0f}" for p in job["processes"])
+    print(
+        f"torchrun, {processes} processes: launch to exit {time.perf_counter() - start:.1f} s; per process wall "
+        f"[{walls}] s, peak RSS [{rss}] MB; first divergence {job['first']}, suspects exactly it: {job['exact']}"
+    )
+
+
 def calls_alone(n: int) -> None:
     """What recording a collective costs, without a second rank to wait for (world size 1)."""
     import torch
@@ -445,6 +505,11 @@ def main() -> None:
     acc.add_argument("--width", type=int, default=16)
     acc.add_argument("--json", action="store_true")
     sub.add_parser("accuracy-worker").add_argument("args", nargs=3)
+    sc = sub.add_parser("scale")
+    sc.add_argument("--world", type=int, default=64)
+    sc.add_argument("--layers", type=int, default=64)
+    sc.add_argument("--processes", type=int, default=4)
+    sub.add_parser("scale-worker").add_argument("args", nargs=2)
     sub.add_parser("overhead-worker").add_argument("args", nargs=3)
     sub.add_parser("capture-worker").add_argument("args", nargs=4)
     args = parser.parse_args()
@@ -457,6 +522,10 @@ def main() -> None:
     elif args.what == "accuracy-worker":
         out, setups, width = args.args
         accuracy_worker(out, setups.split(","), int(width))
+    elif args.what == "scale-worker":
+        scale_worker(*args.args)
+    elif args.what == "scale":
+        scale(args.world, args.layers, args.processes)
     elif args.what == "accuracy":
         accuracy(args.setups.split(","), args.width, args.json)
     elif args.what == "calls":

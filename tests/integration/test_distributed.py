@@ -240,13 +240,22 @@ def _compare_under_torchrun(processes: int, target: Path, bench: Path, out: Path
     )
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A simulated 4-rank DDP job (target and bench), a fault on rank 1: one rank per process."""
+    from workloads.synthetic_job import JobShape, write_job
+
+    return write_job(tmp_path_factory.mktemp("job4"), JobShape(world=4, layers=8, bucket_layers=4))
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_compare_as_a_torchrun_job_gives_the_pools_verdict_and_report(
-    runs: Path, tmp_path: Path, processes: int, capsys: pytest.CaptureFixture[str]
+    runs: Path, four_ranks: tuple[Path, Path], tmp_path: Path, processes: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from tracecmp.cli.main import main
 
-    target, bench = runs / "ddp" / "forward", runs / "ddp" / "bench"
+    # 2 processes: the captured 2-rank DDP run; 4: the simulated 4-rank job.
+    target, bench = (runs / "ddp" / "forward", runs / "ddp" / "bench") if processes == 2 else four_ranks
     assert main(["compare", str(target), str(bench), "-o", str(tmp_path / "pool"), "--workers", "2"]) == 1
     pooled = capsys.readouterr().out
     done = _compare_under_torchrun(processes, target, bench, tmp_path / "job")
