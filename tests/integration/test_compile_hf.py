@@ -2,7 +2,8 @@
 (keyword arguments, a ``labels`` only the loss function reads), the tied embedding's gradient (a
 sum of two parts inside the compiled backward, an eager add outside it) pairs through the
 optimizer that reads it, and a cache's ``torch.tensor([])`` the compiled code makes itself is no
-unpaired bench node. Nothing is left uncompared or unpaired; a fault is still found."""
+unpaired bench node. Nothing is left uncompared or unpaired; a fault is named at its module by
+statistics alone."""
 
 from __future__ import annotations
 
@@ -58,4 +59,7 @@ def test_a_fault_in_the_compiled_target_is_found(bench: Path, tmp_path: Path) ->
     result = tracecmp.compare(_run(tmp_path / "target", compiled=True, layer_norm_epsilon=1e-2), bench)
     assert result.verdict().startswith("DIVERGED"), result.summary()
     first = result.first_divergence
-    assert (first.phase, first.step) == ("forward", 0)
+    # Statistics alone (no replay): the region is narrowed to the first FX node whose recorded value
+    # departs from the bench's, the first layer norm with the wrong epsilon.
+    assert (first.module, first.phase, first.step) == ("transformer.h.0.ln_1", "forward", 0), result.summary()
+    assert "narrowed by statistics to FX node native_layer_norm " in first.reason

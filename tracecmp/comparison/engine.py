@@ -19,6 +19,7 @@ from tracecmp.comparison.compiled import (
     compiled_units,
     covered_by_units,
     judge_units,
+    narrow_units_by_statistics,
     pair_units,
     same_compiled_graphs,
 )
@@ -270,6 +271,7 @@ def _prepare_rank(
         if has_data and run.replay is not False:
             judge_units(units, t_rank, b_rank, pairing, measured, own_errors, run.tol)
         else:
+            narrow_units_by_statistics(units, pairing, measured, run.tol)
             run.warnings.append(
                 f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
                 f'may add {run.tol.region_units:g} rounding units; capture it with data="tensors" to measure them'

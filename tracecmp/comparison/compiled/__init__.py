@@ -6,7 +6,7 @@ one narrowed to its FX nodes (:mod:`.narrow`).
 >>> units.members   # target op ids the alignment leaves out  # doctest: +SKIP
 """
 
-from tracecmp.comparison.compiled.judge import judge_units
+from tracecmp.comparison.compiled.judge import judge_units, narrow_units_by_statistics
 from tracecmp.comparison.compiled.narrow import run_part
 from tracecmp.comparison.compiled.pairing import Pairing, covered_by_units, pair_units
 from tracecmp.comparison.compiled.units import GRAPH_MODE_NOTE, CompiledUnits, compiled_units, same_compiled_graphs
@@ -18,6 +18,7 @@ __all__ = [
     "compiled_units",
     "covered_by_units",
     "judge_units",
+    "narrow_units_by_statistics",
     "pair_units",
     "run_part",
     "same_compiled_graphs",

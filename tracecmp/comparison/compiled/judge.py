@@ -12,7 +12,14 @@ import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from tracecmp.comparison.compiled.narrow import PartReplay, as_tensor, narrow_region, recorded_by_node, run_part
+from tracecmp.comparison.compiled.narrow import (
+    PartReplay,
+    as_tensor,
+    narrow_by_statistics,
+    narrow_region,
+    recorded_by_node,
+    run_part,
+)
 from tracecmp.comparison.compiled.pairing import Pairing
 from tracecmp.comparison.compiled.units import CompiledUnits, Unit
 from tracecmp.comparison.tolerances import Tolerances
@@ -60,6 +67,17 @@ def judge_units(
                 units.warnings.append(
                     f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed ({type(exc).__name__}: {exc})"
                 )
+
+
+def narrow_units_by_statistics(
+    units: CompiledUnits, pairing: Pairing, measured: Mapping[int, Any], tol: Tolerances
+) -> None:
+    """Where no replay can run (the target holds statistics only): each region's first FX node
+    that departs from the bench by its recorded statistics, for the reason and module of a region
+    found wrong (:func:`narrow_by_statistics`)."""
+    for unit in units.units:
+        if unit.kind == "region":
+            unit.narrowed, unit.narrowed_module = narrow_by_statistics(unit, pairing, measured, tol)
 
 
 def _judge_region(

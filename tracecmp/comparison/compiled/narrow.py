@@ -192,6 +192,84 @@ def narrow_region(
     return "", ""
 
 
+def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, Any], tol: Tolerances) -> tuple[str, str]:
+    """Without tensors: the first FX node (graph order) whose recorded value departs from the
+    bench's value of the eager op it stands for by more than its inputs carry in, judged by
+    statistics; why, and its module. ("", "") where none departs or nothing inside is recorded.
+
+    Capture records what the compiled code dispatched for a node: every node under aot_eager, the
+    extern kernels (matmuls, convolutions) under inductor, whose fused kernels dispatch nothing. A
+    node whose value departs while what it reads was recorded and agreed is named itself; one that
+    reads values no op recorded names the earliest of them after the last agreeing values (the
+    fused code that fed it). A node nothing records, or whose value has no eager counterpart (a
+    ``native_dropout`` against eager's ``bernoulli_``), adds what the region is allowed as a whole
+    (``region_units``) to what flows through it.
+    """
+    part, index = unit.graph.parts.get(unit.call.part), pairing.index(unit.call)
+    if part is None or index is None:
+        return "", ""
+    carried_in = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
+    computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
+    judged = {n.name for n in computing}
+    recorded = {
+        name: pairing.t_outputs[ops[-1]][0] for name, ops in unit.call.nodes.items() if pairing.t_outputs.get(ops[-1])
+    }
+    peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
+    level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
+    agreeing: set[str] = set()
+    unmatched: set[str] = set()
+    for n in part.nodes:
+        incoming = max((level.get(i, carried_in) for i in n.inputs), default=carried_in)
+        if n.name not in judged or _is_view(n.op):
+            level[n.name] = incoming
+            continue
+        unit_eps = EPS.get(canonical_dtype(n.dtypes[0]) if n.dtypes else "float32", FP32_EPS)
+        tensor = recorded.get(n.name)
+        shape = pairing.t_shape.get(tensor) if tensor is not None else None
+        bench = pairing.bench_tensor(unit, n.name, shape, peers, tensor) if shape is not None else None
+        mine = pairing.t_stats.get(tensor) if tensor is not None else None
+        theirs = pairing.b_stats.get(pairing.measured_as(bench)) if bench is not None else None
+        if mine is None or theirs is None:
+            if mine is None:  # fused code: what it computed is nowhere in the trace
+                unmatched.add(n.name)
+            level[n.name] = incoming * PROPAGATION + tol.region_units * unit_eps
+            continue
+        departure = _stats_departure(mine, theirs)
+        level[n.name] = departure
+        if departure <= tol.margin * incoming * PROPAGATION + tol.local * unit_eps:
+            agreeing.add(n.name)
+            continue
+        cause = _unmatched_cause(n, index.by_name, unmatched, agreeing)
+        eager = n.original or n.op
+        if cause is not None:
+            return (
+                f"narrowed by statistics to {_where(cause)}, in code no op recorded: the values it feeds "
+                f"({n.name}) differ from the bench's {eager} by {departure:.1e}, more than they carried in "
+                f"({incoming:.1e})",
+                cause.module,
+            )
+        return (
+            f"narrowed by statistics to {_where(n)}: its recorded value differs from the bench's {eager} by "
+            f"{departure:.1e}, more than its inputs carried in ({incoming:.1e})",
+            n.module,
+        )
+    return "", ""
+
+
+def _stats_departure(mine: tuple[float, float, float, float], theirs: tuple[float, float, float, float]) -> float:
+    """Relative distance of two tensors' (min, max, mean, norm): extremes against the larger
+    magnitude, norms against the larger norm (lower bounds of the elementwise error, as metrics.py's)."""
+    lo, hi, _, norm = mine
+    b_lo, b_hi, _, b_norm = theirs
+    values = (lo, hi, norm, b_lo, b_hi, b_norm)
+    if not all(math.isfinite(v) for v in values):
+        return 0.0 if values[:3] == values[3:] else math.inf
+    amax = max(abs(lo), abs(hi), abs(b_lo), abs(b_hi), 1e-300)
+    ext = max(abs(hi - b_hi), abs(lo - b_lo)) / amax
+    size = max(abs(norm), abs(b_norm), 1e-300)
+    return max(ext, abs(norm - b_norm) / size)
+
+
 def _wrong_kernels(
     part: GraphPart, ref: Mapping[str, Any], honest: Mapping[str, Any], recorded: Mapping[str, Any], tol: Tolerances
 ) -> dict[str, float]:
