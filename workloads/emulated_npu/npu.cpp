@@ -47,8 +47,9 @@ struct FallbackScope {
 
 // Numerics, set from Python: the dtype the matrix units read (Undefined: fp32 as given; Float:
 // TF32, fp32 with a 10-bit mantissa, as an Ascend NPU's HF32), and whether sums run reversed.
-c10::ScalarType matrix_dtype = c10::ScalarType::Undefined;
-bool reversed_reductions = false;
+// Atomic: the autograd engine runs backward ops on a thread of its own.
+std::atomic<c10::ScalarType> matrix_dtype{c10::ScalarType::Undefined};
+std::atomic<bool> reversed_reductions{false};
 
 // The device's random stream: a CPU Mersenne twister of its own, seeded apart from the CPU's.
 std::mutex rng_mutex;
@@ -156,7 +157,8 @@ bool is_sum_like(const std::string& name) {
 // An fp32 operand as the matrix units read it: in their dtype, or TF32 (the low 13 mantissa bits
 // rounded off, to nearest even) when that dtype is Float.
 at::Tensor round_for_matrix_units(const at::Tensor& t) {
-  if (matrix_dtype != at::kFloat) return t.to(matrix_dtype).to(at::kFloat);
+  const c10::ScalarType units = matrix_dtype.load();
+  if (units != at::kFloat) return t.to(units).to(at::kFloat);
   const auto bits = t.contiguous().view(at::kInt);
   const auto rounded = (bits + 0xFFF + bits.bitwise_right_shift(13).bitwise_and(1)).bitwise_and(~0x1FFF);
   return at::where(t.isfinite(), rounded.view(at::kFloat), t);
