@@ -246,19 +246,21 @@ def test_device_numerics_change_what_they_name_and_nothing_else() -> None:
     assert not torch.equal(rows, x.sum(1)) and torch.allclose(rows, x.sum(1), rtol=1e-5, atol=1e-5)
 
 
-def _demo_run(path: Path, device: str) -> list[float]:
+def _demo_run(path: Path, device: str, data: str = "stats") -> list[float]:
     model = build_model().to(device)
-    with tracecmp.TraceCompare(path):  # every optimizer.step() ends a step
+    with tracecmp.TraceCompare(path, data=data):  # every optimizer.step() ends a step
         return train(model, STEPS)
 
 
 @pytest.mark.parametrize(
-    "units,declared",
+    "units,declared,data",
     [
-        ("tf32", "high"),
+        ("tf32", "high", "stats"),
+        ("bf16", "medium", "tensors"),
         pytest.param(
             "bf16",
             "medium",
+            "stats",
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="statistics-mode localization bounds a reduced-precision matmul by TF32's unit even "
@@ -268,7 +270,7 @@ def _demo_run(path: Path, device: str) -> list[float]:
     ],
 )
 def test_a_clean_npu_target_with_declared_matrix_units_agrees_with_a_cpu_bench(
-    tmp_path: Path, units: str, declared: str
+    tmp_path: Path, units: str, declared: str, data: str
 ) -> None:
     """The demo's model: the npu's matrix units round fp32 operands, and the run says so
     (``torch.set_float32_matmul_precision``, which the trace records)."""
@@ -277,7 +279,7 @@ def test_a_clean_npu_target_with_declared_matrix_units_agrees_with_a_cpu_bench(
     torch.set_float32_matmul_precision(declared)
     try:
         with emulated_npu.numerics(units):
-            target = _demo_run(tmp_path / "target", "npu")
+            target = _demo_run(tmp_path / "target", "npu", data)
     finally:
         torch.set_float32_matmul_precision(precision)
     assert target != bench  # the matrix units did round
