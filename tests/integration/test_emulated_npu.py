@@ -133,17 +133,19 @@ def test_statistics_of_a_device_tensor_stay_on_the_device(values: torch.Tensor) 
 
 def test_capture_waits_for_the_device_at_most_once_per_step(tmp_path: Path) -> None:
     """The emulator counts every copy to the host, .item() and value-sized op: capture adds at
-    most one per recorded step to what the program does itself, however many ops it records."""
+    most one per recorded step to what the program does itself, however many ops it records, and
+    so does watching for overflows (``overflow="record"`` reads the statistics as they arrive)."""
     emulated_npu.reset_counters()
     _train("transformer", "npu")
     plain = emulated_npu.counters()
-    emulated_npu.reset_counters()
-    _train("transformer", "npu", tmp_path / "t")
-    traced = emulated_npu.counters()
-    recorded = len(tracecmp.load(tmp_path / "t").to_frame())
-    waits = (traced.d2h_copies + traced.syncs) - (plain.d2h_copies + plain.syncs)
-    assert recorded > 500
-    assert 1 <= waits <= STEPS, f"capture waited {waits} times for {STEPS} steps ({recorded} ops): {traced}"
+    for overflow in (None, "record"):
+        emulated_npu.reset_counters()
+        _train("transformer", "npu", tmp_path / str(overflow), overflow=overflow)
+        traced = emulated_npu.counters()
+        recorded = len(tracecmp.load(tmp_path / str(overflow)).to_frame())
+        waits = (traced.d2h_copies + traced.syncs) - (plain.d2h_copies + plain.syncs)
+        assert recorded > 500
+        assert 1 <= waits <= STEPS, f"capture waited {waits} times for {STEPS} steps ({recorded} ops): {traced}"
 
 
 def test_saved_device_tensors_hold_the_device_values(tmp_path: Path) -> None:
