@@ -54,6 +54,7 @@ struct Config {
   PyObject* parameter_type = nullptr;  // torch.nn.Parameter
   PyObject* strided = nullptr;         // torch.strided
   PyObject* stack_len = nullptr;       // torch._C._len_torch_dispatch_stack: other modes below this one
+  PyObject* graph_task = nullptr;      // torch._C._current_graph_task_id: -1 outside a backward
   bool ready = false;
 };
 extern Config g;
@@ -70,7 +71,7 @@ struct Names {
   X(version) X(group) X(key) X(_version) X(requires_grad) X(is_inference) X(is_cpu) X(dtype)    \
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
-  X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(schema) X(parts) \
+  X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(grad_module) X(schema) X(parts) \
   X(kinds) X(append) X(_rollback) X(layout) X(collective) X(write_only) X(_unbumped) X(_base)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)

@@ -524,10 +524,25 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (node.p == Py_None) {
     int optimizer = truth(md.p, s.in_optimizer);
     if (optimizer < 0) return nullptr;
-    phase.reset(Py_NewRef(optimizer ? s.optimizer : s.forward));
-    PyObject* current = item(sd.p, s.current);
-    if (current == nullptr) return nullptr;
-    module.reset(Py_NewRef(current));
+    long task = -1;
+    if (!optimizer) {
+      Ref id(call0(g.graph_task));
+      if (!id) return nullptr;
+      task = PyLong_AsLong(id.p);
+      if (task == -1 && PyErr_Occurred()) return nullptr;
+    }
+    if (task != -1) {
+      // Backward's final callbacks (DDP's bucket copy-out, FSDP2's post-backward): no node runs
+      // them; they belong to the module whose gradient they move (mode._unnoded_context).
+      phase.reset(Py_NewRef(s.backward));
+      module.reset(call_method(scope, s.grad_module, {tensors.p}));
+      if (!module) return nullptr;
+    } else {
+      phase.reset(Py_NewRef(optimizer ? s.optimizer : s.forward));
+      PyObject* current = item(sd.p, s.current);
+      if (current == nullptr) return nullptr;
+      module.reset(Py_NewRef(current));
+    }
     location.reset(locate(md.p));
     seq.reset(PyLong_FromLong(-1));
     if (!location || !seq) return nullptr;

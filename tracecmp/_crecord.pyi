@@ -121,6 +121,7 @@ def configure(
     parameter_type: type,
     strided: Any,
     stack_len: Callable[[], int],
+    graph_task: Callable[[], int],
 ) -> None:
     """Once per process, before any dispatch(): the reference's helpers and types (kept for the
     process's life). ``slow`` is the reference ``CaptureMode.__torch_dispatch__``, called for every

@@ -159,6 +159,14 @@ def test_the_recorded_all_reduce_statistics_are_the_reduced_gradients(runs: Path
     )
 
 
+def test_ddp_copies_its_buckets_out_in_backward_under_each_gradients_module(runs: Path) -> None:
+    # The copy-out runs in the autograd engine's final callback, where no node is running.
+    ops = tracecmp.load(runs / "ddp" / "bench").rank(0).ops
+    copies = ops[(ops["op"] == "aten.copy_.default") & (ops["step"] == 0)]
+    assert len(copies) == 4 and set(copies["phase"]) == {"backward"}
+    assert sorted(copies["module"]) == ["module.down", "module.down", "module.up", "module.up"]
+
+
 def test_each_collective_names_its_group_reduction_and_match_key(runs: Path) -> None:
     for setup, kinds in (("ddp", {"all_reduce"}), ("fsdp2", {"all_gather", "reduce_scatter"}), ("tp", {"all_reduce"})):
         if setup not in AVAILABLE:

@@ -59,6 +59,8 @@ from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA, UNREAD_SOURCE
 
 _NO_STATS = (None,) * 7
+# -1 outside a backward; torch without it never tells backward's final callbacks apart.
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _NOT_AN_OP = (False, False, -1)  # inplace, random, seq_nr of source and alias.update nodes
 _SEQ_NONE = 1 << 63  # engine nodes such as AccumulateGrad carry UINT64_MAX, not a sequence number
 _is_grad_enabled = torch.is_grad_enabled
@@ -200,8 +202,7 @@ class CaptureMode(TorchDispatchMode):
         scope = self.scope
         node = _current_autograd_node()
         if node is None:
-            phase = "optimizer" if self.in_optimizer else "forward"
-            module = scope.current
+            phase, module = self._unnoded_context(tensors)
             location = self._locator.location(1)
             seq = -1
         else:
@@ -313,8 +314,8 @@ class CaptureMode(TorchDispatchMode):
         key = scan(args, kwargs, tensors)
         node = _current_autograd_node()
         if node is None:
-            phase = "optimizer" if self.in_optimizer else "forward"
-            module, location, seq = self.scope.current, self._locator.location(2), -1
+            phase, module = self._unnoded_context(tensors)
+            location, seq = self._locator.location(2), -1
         else:
             phase = "backward"
             module, location, seq = self._backward_context(node)
@@ -450,6 +451,16 @@ class CaptureMode(TorchDispatchMode):
             self._on_overflow()
         if len(self.rows) >= self._max_ops or self.saved_bytes >= self._max_bytes:
             self._on_full()
+
+    def _unnoded_context(self, tensors: list[torch.Tensor]) -> tuple[str, str]:
+        """(phase, module) of an op no autograd node runs: the optimizer's, forward's, or that of
+        backward's final callbacks (DDP's bucket copy-out, FSDP2's post-backward reduce-scatter),
+        which belongs to the module whose parameter's gradient it moves."""
+        if self.in_optimizer:
+            return "optimizer", self.scope.current
+        if _current_graph_task_id() != -1:
+            return "backward", self.scope.grad_module(tensors)
+        return "forward", self.scope.current
 
     def _backward_context(self, node: Any) -> tuple[str, str, int]:
         """(module, location, seq_nr) of an op run by the autograd engine for ``node``."""
@@ -886,6 +897,7 @@ def _native_helpers() -> dict[str, Any]:
         parameter_type=torch.nn.Parameter,
         strided=torch.strided,
         stack_len=_dispatch_stack_len,
+        graph_task=_current_graph_task_id,
     )
 
 

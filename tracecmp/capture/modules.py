@@ -105,6 +105,7 @@ class ModuleScope:
         self.inputs: _Named = {}
         self._extra: _Named = {}  # grads and optimizer state, rebuilt lazily
         self._extra_stamp: Any = None
+        self._grads: _Named = {}  # parameters' gradients -> their modules, for grad_module
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._marks: list[int] = []
@@ -208,6 +209,22 @@ class ModuleScope:
             self._rebuild_extra()
             self._extra_stamp = stamp
         return "source.tensor", _lookup(self._extra, tensor) or ""
+
+    def grad_module(self, tensors: list[torch.Tensor]) -> str:
+        """The module of the parameter whose gradient is among ``tensors`` ("" when none is):
+        what an op of backward's final callbacks, which no autograd node runs, belongs to."""
+        for fresh in (False, True):
+            if fresh:  # gradients are made and replaced as training goes: look at them again, once
+                self._grads = {}
+                for name, ref in self.params.values():
+                    grad = getattr(ref(), "grad", None)
+                    if isinstance(grad, torch.Tensor):
+                        _named(self._grads, name.rpartition(".")[0], grad)
+            for t in tensors:
+                module = _lookup(self._grads, t)
+                if module is not None:
+                    return module
+        return ""
 
     def _rebuild_extra(self) -> None:
         """Name gradients (``fc1.weight.grad``) and optimizer state (``fc1.weight.exp_avg``)."""
