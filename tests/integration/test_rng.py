@@ -315,3 +315,34 @@ def test_host_rng_holds_in_steps_that_are_not_recorded(tmp_path: Path, force_hos
         tc.step()
     assert force_host == ["aten.randn.default", "aten.rand.default"]
     assert tracecmp.load(tmp_path / "t").to_frame()["op"].tolist() == ["aten.rand.default"]
+
+
+class FusedOrNot(torch.nn.Module):
+    """Dropout as an accelerator runs it (one fused native_dropout) or as the CPU does (F.dropout:
+    bernoulli_, div_, mul)."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = aten.native_dropout.default(h, 0.5, True)[0] if self.fused else F.dropout(h, 0.5)
+        return h.relu()
+
+
+def test_a_fused_dropout_against_its_decomposition_is_named_a_random_draw(tmp_path: Path) -> None:
+    """Alignment pairs the fused call with the bench's ops as a region; its inputs agree and its
+    output does not, because it drew: named a random draw, as a lone random op is."""
+    for name, fused, seed in (("target", True, 1), ("bench", False, 2)):
+        torch.manual_seed(0)
+        model, x = FusedOrNot(fused), torch.randn(4, 8)
+        torch.manual_seed(seed)
+        with tracecmp.TraceCompare(tmp_path / name, model=model) as tc:
+            model(x).sum().backward()
+            tc.step()
+    first = tracecmp.compare(tmp_path / "target", tmp_path / "bench").first_divergence
+    assert first is not None
+    assert (first.kind, first.op, first.phase) == ("random", "aten.native_dropout.default", "forward"), first
+    assert first.region is not None and 'rng="host"' in first.reason
