@@ -70,11 +70,11 @@ def _on_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value.cpu() for name, value in values.items()}
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "transformer", "convnet"])
 def test_tracing_on_the_device_leaves_results_bitwise_equal(tmp_path: Path, name: str) -> None:
     plain = _train(name, "npu")
     traced = _train(name, "npu", tmp_path / "t")
-    assert plain["param.head.weight" if name == "transformer" else "param.fc1.weight"].device.type == "npu"
+    assert all(value.device.type == "npu" for key, value in plain.items() if not key.endswith(".step"))
     plain, traced = _on_host(plain), _on_host(traced)
     assert plain.keys() == traced.keys() and any(k.startswith("state.") for k in plain)
     assert [k for k in plain if not torch.equal(plain[k], traced[k])] == []

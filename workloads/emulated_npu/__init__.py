@@ -4,7 +4,9 @@ Tests, benchmarks and ``tracecmp demo --emulated-npu`` run tracecmp's accelerato
 no accelerator exists. Tensors report ``device.type == "npu"``; each aten op runs on the CPU
 kernels; the emulator counts what would block the host on a real device (:func:`counters`).
 Its numerics differ from the CPU's as an NPU's do, on request (:func:`set_numerics`), and its
-random stream always does: ``torch.manual_seed(s)`` seeds it apart from the CPU's.
+random stream always does: ``torch.manual_seed(s)`` seeds it apart from the CPU's. Not emulated:
+LSTM/GRU (torch runs their fused cells, CUDA-only kernels, on every device but the CPU) and
+collectives (gloo takes no npu tensors).
 
 >>> npu = load()                                    # doctest: +SKIP
 >>> torch.ones(2, device="npu").device.type         # doctest: +SKIP

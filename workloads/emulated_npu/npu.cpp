@@ -74,10 +74,11 @@ NpuAllocator allocator;
 REGISTER_ALLOCATOR(kNpu, &allocator);
 
 // A CPU tensor over the same memory (no copy): how the CPU kernels read and write npu tensors.
+// It holds ``t`` until it dies itself, so an alias of a temporary stays valid.
 at::Tensor host_alias(const at::Tensor& t) {
   if (t.is_cpu()) return t;
   auto base = static_cast<char*>(t.storage().mutable_data()) + t.storage_offset() * t.element_size();
-  return at::from_blob(base, t.sizes(), t.strides(), t.options().device(at::kCPU));
+  return at::from_blob(base, t.sizes(), t.strides(), [keep = t](void*) {}, t.options().device(at::kCPU));
 }
 
 // --- the kernels a backend must own ------------------------------------------------------------
@@ -141,12 +142,11 @@ const std::set<std::string>& data_dependent_ops() {
 // Which arguments of a matmul-like op the matrix units read (the bias and accumulator stay fp32).
 const std::set<std::string>* matrix_operands(const std::string& name) {
   static const std::set<std::string> mm{"self", "mat2"}, addmm{"mat1", "mat2"}, bmm{"batch1", "batch2"},
-      mv{"self", "vec", "mat"}, conv{"input", "weight"};
+      mv{"self", "vec", "mat"};
   if (name == "aten::mm" || name == "aten::bmm") return &mm;
   if (name == "aten::addmm" || name == "aten::_addmm_activation") return &addmm;
   if (name == "aten::baddbmm" || name == "aten::addbmm") return &bmm;
   if (name == "aten::mv" || name == "aten::addmv") return &mv;
-  if (name == "aten::convolution" || name == "aten::_convolution") return &conv;
   return nullptr;
 }
 
@@ -236,6 +236,39 @@ void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// --- convolution: torch hands every device but the CPU's and CUDA's to these two ops ----------
+// The operands as the CPU kernel reads them: through the matrix units' rounding, then aliased.
+at::Tensor matrix_operand(const at::Tensor& t) {
+  const bool rounds = matrix_dtype != c10::ScalarType::Undefined && t.scalar_type() == at::kFloat;
+  return host_alias(rounds ? round_for_matrix_units(t) : t);
+}
+
+at::Tensor on_npu(const at::Tensor& t) { return t.defined() ? t.to(kDevice) : t; }
+
+at::Tensor npu_convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                           bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
+  if (!inside_fallback) ++fallback_ops;
+  FallbackScope scope;
+  const auto host_bias = bias && bias->defined() ? std::optional<at::Tensor>(host_alias(*bias)) : std::nullopt;
+  return on_npu(at::convolution(matrix_operand(input), matrix_operand(weight), host_bias, stride, padding, dilation,
+                                transposed, output_padding, groups));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
+    int64_t groups, std::array<bool, 3> output_mask) {
+  if (!inside_fallback) ++fallback_ops;
+  FallbackScope scope;
+  const std::vector<int64_t> bias_sizes{grad_output.size(1)};
+  auto [grad_input, grad_weight, grad_bias] = at::convolution_backward(
+      matrix_operand(grad_output), matrix_operand(input), matrix_operand(weight),
+      output_mask[2] ? c10::OptionalIntArrayRef(bias_sizes) : std::nullopt, stride, padding, dilation, transposed,
+      output_padding, groups, output_mask);
+  return {on_npu(grad_input), on_npu(grad_weight), on_npu(grad_bias)};
+}
+
 // --- device guard and hooks: one device, one in-order queue -------------------------------------
 struct NpuGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kNpu; }
@@ -323,6 +356,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("unfold", at::native::unfold);
   m.impl("view_as_real", at::native::view_as_real);
   m.impl("view_as_complex", at::native::view_as_complex);
+  m.impl("convolution_overrideable", npu_convolution);
+  m.impl("convolution_backward_overrideable", npu_convolution_backward);
   // Ops with a CPU kernel and a generic decomposition, which the npu would otherwise run (rounding
   // apart from the CPU): the fallback sends them to the CPU kernel like every other op.
   for (const char* name : {"native_layer_norm", "native_group_norm", "addr", "addr.out", "_stack", "_stack.out",
