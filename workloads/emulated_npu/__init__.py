@@ -6,7 +6,8 @@ kernels; the emulator counts what would block the host on a real device (:func:`
 Its numerics differ from the CPU's as an NPU's do, on request (:func:`set_numerics`), and its
 random stream always does: ``torch.manual_seed(s)`` seeds it apart from the CPU's. Not emulated:
 LSTM/GRU (torch runs their fused cells, CUDA-only kernels, on every device but the CPU) and
-collectives (gloo takes no npu tensors).
+collectives (gloo takes no npu tensors, and a backend written in Python replaces the whole process
+group, so its collectives never reach the dispatcher where capture records them).
 
 >>> npu = load()                                    # doctest: +SKIP
 >>> torch.ones(2, device="npu").device.type         # doctest: +SKIP
