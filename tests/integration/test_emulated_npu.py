@@ -241,6 +241,10 @@ def test_device_numerics_change_what_they_name_and_nothing_else() -> None:
     with emulated_npu.numerics("tf32"):
         tf32 = (xn @ yn).cpu()
     assert torch.equal(tf32, _tf32(x) @ _tf32(y)) and not torch.equal(tf32, x @ y)
+    image, kernel = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+    with emulated_npu.numerics("fp16"):
+        convolved = torch.nn.functional.conv2d(image.to("npu"), kernel.to("npu")).cpu()
+    assert torch.equal(convolved, torch.nn.functional.conv2d(image.half().float(), kernel.half().float()))
     with emulated_npu.numerics(reversed_sums=True):
         rows, columns, total = xn.sum(1).cpu(), xn.mean(0).cpu(), xn.sum().cpu()
     assert torch.equal(rows, x.flip(1).sum(1)) and torch.equal(columns, x.flip(0).mean(0))
