@@ -310,3 +310,18 @@ def test_demo_on_the_emulated_npu_exits_1_and_names_the_fault(tmp_path: Path) ->
     assert "Found it: the first divergence is in head (aten.mm.default), where the emulated fault is." in done.stdout
     target = tracecmp.load(tmp_path / "demo" / "traces" / "target").tensors_frame()
     assert (target["device"] == "npu:0").mean() > 0.9
+
+
+def test_a_compiled_model_traces_on_the_device(tmp_path: Path) -> None:
+    """Its backward runs on the autograd engine's device thread, whose Python stack starts at
+    capture's hooks (where torch.compile's backward regions begin)."""
+    torch._dynamo.reset()  # compiled under capture, as a first call would be
+    model = make_model("mlp").to("npu")
+    batch = tuple(t.to("npu") for t in example_batch("mlp"))
+    compiled = torch.compile(model, backend="aot_eager")
+    with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
+        loss_of(compiled, batch).backward()
+        tc.step()
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete and set(trace.to_frame()["phase"]) >= {"forward", "backward"}
+    assert all(p.grad is not None and p.grad.device.type == "npu" for p in model.parameters())

@@ -58,7 +58,10 @@ class Locator:
 
     def location(self, depth: int) -> str:
         """``"file.py:LINE"`` of the first user frame ``depth`` levels above the caller, or ""."""
-        frame: FrameType | None = sys._getframe(depth + 1)
+        try:
+            frame: FrameType | None = sys._getframe(depth + 1)
+        except ValueError:  # a stack that shallow: a hook an autograd device thread calls from C++
+            return ""
         verdict_of = self._code.get
         while frame is not None:
             code = frame.f_code
@@ -82,7 +85,10 @@ class Locator:
 
     def stack(self, depth: int) -> str:
         """Every user frame, outermost first, one ``path:LINE in function`` per line."""
-        frame: FrameType | None = sys._getframe(depth + 1)
+        try:
+            frame: FrameType | None = sys._getframe(depth + 1)
+        except ValueError:  # as in location()
+            return ""
         lines: list[str] = []
         while frame is not None and len(lines) < _STACK_LIMIT:
             verdict = self._code.get(id(frame.f_code))
