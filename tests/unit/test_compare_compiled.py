@@ -94,7 +94,9 @@ def test_a_clean_region_pairs_with_the_op_it_replaces_and_agrees(tmp_path: Path)
     relu_out = tracecmp.load(bench).rank(0).ops.query("op == 'aten.relu.default'")["outputs"].iloc[0][0]
     assert measured["bench_tensor_id"].tolist() == [relu_out]
     assert region["status"] == "agrees"
-    assert any("without a replay" in w for w in result.warnings)
+    assert result.status == "agree", result.summary()
+    # What statistics cannot see inside is said, and does not block agreement.
+    assert any("judged by statistics" in n for n in result.notes) and not result.warnings
 
 
 def test_a_region_computing_wrong_is_a_root(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ class _RankRun:
     tol: Tolerances
     wanted_steps: set[int] | None
     warnings: list[str]  # the comparison's warnings, appended to
+    notes: list[str]  # and its notes (what statistics could not tell)
     bar: Progress
     replay: bool | None
     reduced: str | None  # the precision float32 matmul may run at, where it may run reduced
@@ -94,12 +95,14 @@ def compare_traces(
     if tol.allow_tf32 is None:
         tol = tol.replace(allow_tf32=reduced_precision_possible(t_trace) or reduced_precision_possible(b_trace))
     warnings: list[str] = []
+    notes: list[str] = []
     common = _common_ranks(t_trace, b_trace, ranks, warnings)
     total = sum(len(t_trace.rank(r).ops_table) for r in common)
     run = _RankRun(
         tol=tol,
         wanted_steps=None if steps is None else {int(s) for s in steps},
         warnings=warnings,
+        notes=notes,
         bar=Progress("compare", shown(progress, total > _PROGRESS_NODES), total * 3),
         replay=False if exact else replay,
         reduced=reduced_matmul_precision(t_trace, b_trace) if tol.allow_tf32 else None,
@@ -133,6 +136,7 @@ def compare_traces(
         unpaired_bench=pd.concat(unpaired_frames, ignore_index=True),
         tolerances=tol,
         warnings=warnings,
+        notes=notes,
         exact=exact,
         ranks=[ri.rank for ri in rank_inputs],
         steps=sorted(compared_steps),
@@ -271,11 +275,13 @@ def _prepare_rank(
         if has_data and run.replay is not False:
             judge_units(units, t_rank, b_rank, pairing, measured, own_errors, run.tol)
         else:
-            narrow_units_by_statistics(units, pairing, measured, run.tol)
-            run.warnings.append(
-                f"rank {rank}: compiled regions judged without a replay (the target holds no tensors): each "
-                f'may add {run.tol.region_units:g} rounding units; capture it with data="tensors" to measure them'
-            )
+            unseen = narrow_units_by_statistics(units, pairing, measured, run.tol)
+            if unseen:
+                run.notes.append(
+                    f"rank {rank}: compiled regions judged by statistics: {unseen} of their graphs' nodes ran in fused "
+                    f"code no op records, where a fault smaller than {run.tol.region_units:g} rounding units is not "
+                    'told apart; capture the target with data="tensors" to replay them'
+                )
         run.warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
 
     unpaired = _unpaired_bench(b_ops, match, pairing, units, b_base, rank)

@@ -81,6 +81,7 @@ class RankOutcome:
     last: str  # where the target rank's trace ends (step, phase, op)
     manifest: dict[str, Any] = field(default_factory=dict)  # the target rank manifest's info
     skipped: list[SkippedStep] = field(default_factory=list)  # steps its loss scaler skipped on caught overflows
+    notes: list[str] = field(default_factory=list)  # what statistics could not tell, not blocking agreement
 
 
 class Carried(NamedTuple):
@@ -217,6 +218,7 @@ def rank_outcome(result: Any, rank: int, t_rank: RankTrace) -> RankOutcome:
         unpaired=unpaired,
         roots=roots,
         warnings=list(result.warnings),
+        notes=list(result.notes),
         steps=list(result.steps),
         calls=calls,
         complete=t_rank.complete,
@@ -564,6 +566,7 @@ def job_result(
         unpaired_bench=pd.concat([o.unpaired for o in outcomes.values()], ignore_index=True),
         tolerances=options.get("tolerances") if hasattr(options.get("tolerances"), "replace") else _tolerances(options),
         warnings=_dedupe(warnings),
+        notes=_dedupe([n for o in outcomes.values() for n in o.notes]),
         exact=bool(options.get("exact", False)),
         ranks=sorted(outcomes),
         steps=sorted({s for o in outcomes.values() for s in o.steps}),

@@ -69,6 +69,8 @@ class CompareResult:
     unpaired_bench: pd.DataFrame
     tolerances: Tolerances = field(default_factory=Tolerances)
     warnings: list[str] = field(default_factory=list)
+    # what statistics alone could not tell (faults below a stated size), which does not block agreement
+    notes: list[str] = field(default_factory=list)
     exact: bool = False
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
@@ -241,6 +243,7 @@ class CompareResult:
             lines += self._uncompared_lines()
         if self.job is not None:
             lines += ["", self.job.summary()]
+        lines += [f"note: {n}" for n in self.notes]
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

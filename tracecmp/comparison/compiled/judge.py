@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 from tracecmp.comparison.compiled.narrow import (
     PartReplay,
     as_tensor,
+    is_view_op,
     narrow_by_statistics,
     narrow_region,
     recorded_by_node,
@@ -71,13 +72,26 @@ def judge_units(
 
 def narrow_units_by_statistics(
     units: CompiledUnits, pairing: Pairing, measured: Mapping[int, Any], tol: Tolerances
-) -> None:
+) -> int:
     """Where no replay can run (the target holds statistics only): each region's first FX node
-    that departs from the bench by its recorded statistics, for the reason and module of a region
-    found wrong (:func:`narrow_by_statistics`)."""
+    that departs from the bench by its recorded statistics (:func:`narrow_by_statistics`), which
+    makes the region a root by its own evidence, named at that node's module. Returns how many
+    computing nodes ran in fused code that no op records (what statistics cannot see into)."""
+    unseen = 0
     for unit in units.units:
         if unit.kind == "region":
             unit.narrowed, unit.narrowed_module = narrow_by_statistics(unit, pairing, measured, tol)
+            unit.departed = bool(unit.narrowed)
+            part = unit.graph.parts.get(unit.call.part)
+            nodes = part.nodes if part is not None else ()
+            unseen += sum(
+                n.op not in _NOT_COMPUTING and n.name not in unit.call.nodes and not is_view_op(n.op) for n in nodes
+            )
+    return unseen
+
+
+# FX nodes that compute nothing of their own: what the region takes, returns and unpacks.
+_NOT_COMPUTING = ("placeholder", "output", "getitem")
 
 
 def _judge_region(

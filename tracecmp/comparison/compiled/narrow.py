@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from tracecmp.aten.args import decode_call
+from tracecmp.aten.opclass import base_name, draws_random
 from tracecmp.aten.schema import VIEW, op_info, resolve
 from tracecmp.comparison.compiled.pairing import Pairing
-from tracecmp.comparison.compiled.units import PROPAGATION, Unit
+from tracecmp.comparison.compiled.units import PROPAGATION, PartIndex, Unit
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.numerics.replay.measure import Scale
-from tracecmp.numerics.units import EPS, FP32_EPS, canonical_dtype
+from tracecmp.numerics.units import EPS, FP32_EPS, canonical_dtype, eps_of, is_float_dtype
 from tracecmp.trace.compiled import GraphNode, GraphPart, RegionCall
 
 _MISSING = object()
@@ -154,7 +155,7 @@ def narrow_region(
     unmatched: set[str] = set()  # computing nodes with no eager counterpart (a custom op, a fused pattern)
     for n in computing:
         r, h = as_tensor(ref.get(n.name)), as_tensor(honest.get(n.name))
-        if r is None or h is None or not r.is_floating_point() or _is_view(n.op):
+        if r is None or h is None or not r.is_floating_point() or is_view_op(n.op):
             continue
         scale = Scale.of(r)
         honest_error = scale.error(h)
@@ -193,17 +194,19 @@ def narrow_region(
 
 
 def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, Any], tol: Tolerances) -> tuple[str, str]:
-    """Without tensors: the first FX node (graph order) whose recorded value departs from the
-    bench's value of the eager op it stands for by more than its inputs carry in, judged by
-    statistics; why, and its module. ("", "") where none departs or nothing inside is recorded.
+    """Without tensors: the first FX node (graph order) that departs from what the bench computes;
+    why, and its module. ("", "") where none does, as far as statistics and the graph tell.
 
     Capture records what the compiled code dispatched for a node: every node under aot_eager, the
-    extern kernels (matmuls, convolutions) under inductor, whose fused kernels dispatch nothing. A
-    node whose value departs while what it reads was recorded and agreed is named itself; one that
-    reads values no op recorded names the earliest of them after the last agreeing values (the
-    fused code that fed it). A node nothing records, or whose value has no eager counterpart (a
-    ``native_dropout`` against eager's ``bernoulli_``), adds what the region is allowed as a whole
-    (``region_units``) to what flows through it.
+    extern kernels (matmuls, convolutions) under inductor, whose fused kernels dispatch nothing.
+    A node departs when its recorded value differs from the bench's value of the eager op it
+    stands for by more than its inputs carried in; one that reads values the bench cannot vouch
+    for (no op recorded them: fused code; or the bench never ran their op: code the target added)
+    names the earliest of them after the last agreeing values. A forward node
+    the graph rounds to a lower precision and back, where the bench has no such casts, departs by
+    structure (:func:`_round_trip`), recorded or not. What no op recorded may carry what the region
+    is allowed as a whole (``region_units``); a recorded node with no eager counterpart, its own
+    rounding.
     """
     part, index = unit.graph.parts.get(unit.call.part), pairing.index(unit.call)
     if part is None or index is None:
@@ -215,45 +218,107 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
         name: pairing.t_outputs[ops[-1]][0] for name, ops in unit.call.nodes.items() if pairing.t_outputs.get(ops[-1])
     }
     peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
+    module_of = _forward_modules(unit)
     level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
     agreeing: set[str] = set()
-    unmatched: set[str] = set()
+    unrecorded: set[str] = set()  # nodes the bench cannot vouch for: fused code, ops it never ran
     for n in part.nodes:
         incoming = max((level.get(i, carried_in) for i in n.inputs), default=carried_in)
-        if n.name not in judged or _is_view(n.op):
-            level[n.name] = incoming
+        level[n.name] = incoming
+        if n.name not in judged or is_view_op(n.op):
             continue
+        low = _round_trip(n, unit, index, pairing) if unit.call.part == "forward" else None
+        if low is not None:
+            return (
+                f"narrowed to {_where(low)}: the graph rounds its value to {low.dtypes[0]} and back, a round "
+                "trip the bench does not make",
+                low.module,
+            )
         unit_eps = EPS.get(canonical_dtype(n.dtypes[0]) if n.dtypes else "float32", FP32_EPS)
         tensor = recorded.get(n.name)
-        shape = pairing.t_shape.get(tensor) if tensor is not None else None
-        bench = pairing.bench_tensor(unit, n.name, shape, peers, tensor) if shape is not None else None
-        mine = pairing.t_stats.get(tensor) if tensor is not None else None
-        theirs = pairing.b_stats.get(pairing.measured_as(bench)) if bench is not None else None
-        if mine is None or theirs is None:
-            if mine is None:  # fused code: what it computed is nowhere in the trace
-                unmatched.add(n.name)
+        if tensor is None:  # fused code: what it computed is nowhere in the trace
+            unrecorded.add(n.name)
             level[n.name] = incoming * PROPAGATION + tol.region_units * unit_eps
             continue
-        departure = _stats_departure(mine, theirs)
-        level[n.name] = departure
-        if departure <= tol.margin * incoming * PROPAGATION + tol.local * unit_eps:
+        bench = pairing.bench_tensor(unit, n.name, pairing.t_shape.get(tensor, ()), peers, tensor)
+        theirs = pairing.b_stats.get(pairing.measured_as(bench)) if bench is not None else None
+        mine = pairing.t_stats.get(tensor)
+        if mine is None or theirs is None:  # no bench value: its own rounding on what came in
+            if not pairing.has_counterpart(unit.call, n) and not _draws(n):
+                # An op the bench never ran: a suspect for what departs after it. A random one is
+                # the same draw made otherwise (native_dropout against eager's bernoulli_).
+                unrecorded.add(n.name)
+            level[n.name] = incoming * PROPAGATION + tol.local * unit_eps
+            continue
+        departure = level[n.name] = _stats_departure(mine, theirs)
+        if departure <= tol.margin * (incoming * PROPAGATION + tol.local * unit_eps):
             agreeing.add(n.name)
             continue
-        cause = _unmatched_cause(n, index.by_name, unmatched, agreeing)
-        eager = n.original or n.op
-        if cause is not None:
-            return (
-                f"narrowed by statistics to {_where(cause)}, in code no op recorded: the values it feeds "
-                f"({n.name}) differ from the bench's {eager} by {departure:.1e}, more than they carried in "
-                f"({incoming:.1e})",
-                cause.module,
-            )
+        cause = _unmatched_cause(n, index.by_name, unrecorded, agreeing)
+        where, what = (cause, "which the bench cannot vouch for: the values it feeds") if cause else (n, "its value")
         return (
-            f"narrowed by statistics to {_where(n)}: its recorded value differs from the bench's {eager} by "
-            f"{departure:.1e}, more than its inputs carried in ({incoming:.1e})",
-            n.module,
+            f"narrowed by statistics to {_where(where)}, {what} ({n.name}) differ from the bench's "
+            f"{n.original or n.op} by {departure:.1e}, more than came in ({incoming:.1e})",
+            where.module or module_of.get(where.seq_nr, ""),
         )
     return "", ""
+
+
+_CASTS = ("_to_copy", "convert_element_type")
+
+
+def _round_trip(n: GraphNode, unit: Unit, index: PartIndex, pairing: Pairing) -> GraphNode | None:
+    """Where ``n`` narrows a float value to a lower precision the bench does not narrow it to (no
+    eager counterpart of the cast), and a cast within two nodes widens it back: the node computed
+    in the lower precision between them, else ``n`` itself (a value rounded and nothing else)."""
+    narrowed = _cast_dtypes(n, index)
+    if narrowed is None or eps_of(narrowed[0]) <= eps_of(narrowed[1]) or not n.shapes:
+        return None
+    if pairing.bench_tensor(unit, n.name, n.shapes[0], []) is not None:
+        return None
+    low, wide = narrowed
+    frontier: list[tuple[GraphNode, GraphNode | None]] = [(n, None)]
+    for _ in range(3):
+        reached = []
+        for node, between in frontier:
+            for user in index.users[node.name]:
+                cast = _cast_dtypes(user, index)
+                if cast == (wide, low):
+                    return between or n
+                if user.dtypes and canonical_dtype(user.dtypes[0]) == low:
+                    reached.append((user, between or (None if is_view_op(user.op) else user)))
+        frontier = reached
+    return None
+
+
+def _cast_dtypes(n: GraphNode, index: PartIndex) -> tuple[str, str] | None:
+    """``(to, from)`` of a float cast node, else None."""
+    source = index.by_name.get(n.inputs[0]) if n.inputs else None
+    if base_name(n.op) not in _CASTS or not n.dtypes or source is None or not source.dtypes:
+        return None
+    to, made_from = canonical_dtype(n.dtypes[0]), canonical_dtype(source.dtypes[0])
+    return (to, made_from) if to != made_from and is_float_dtype(to) and is_float_dtype(made_from) else None
+
+
+def _draws(n: GraphNode) -> bool:
+    """Whether the node's op drew random numbers (the schema says it may, its arguments that it did)."""
+    func = resolve(n.op) if n.op.count(".") >= 2 else None
+    if func is None or not hasattr(func, "_schema") or not op_info(func).random:
+        return False
+    try:
+        args = json.loads(n.args)
+    except ValueError:
+        args = {}
+    return draws_random(n.op, args if isinstance(args, dict) else None)
+
+
+def _forward_modules(unit: Unit) -> dict[int, str]:
+    """A backward part's nodes carry no module stack: the module of the forward node of the same
+    autograd sequence number stands for theirs."""
+    forward = unit.graph.parts.get("forward") if unit.call.part == "backward" else None
+    if forward is None:
+        return {}
+    return {n.seq_nr: n.module for n in forward.nodes if n.seq_nr >= 0 and n.module}
 
 
 def _stats_departure(mine: tuple[float, float, float, float], theirs: tuple[float, float, float, float]) -> float:
@@ -310,7 +375,7 @@ def _wrong_kernels(
     return wrong
 
 
-def _is_view(op: str) -> bool:
+def is_view_op(op: str) -> bool:
     """Whether ``op`` returns views of its inputs (it computes nothing to compare)."""
     func = resolve(op) if op.count(".") >= 2 else None
     if func is None or not hasattr(func, "_schema"):

@@ -160,6 +160,11 @@ class Pairing:
         groups = self.bench.get(key, [])
         return groups[ordinal] if ordinal is not None and ordinal < len(groups) else []
 
+    def has_counterpart(self, call: RegionCall, node: GraphNode) -> bool:
+        """Whether the bench ran an eager op ``node`` stands for (a decomposition's op has one even
+        where its value pairs with none; an op the target's code added has none)."""
+        return bool(self._group(call, node))
+
     def _output_at(self, call: RegionCall, node: GraphNode, at: int) -> int | None:
         """Output ``at`` of the bench op, among those ``node`` stands for, that is its eager op."""
         eager = node.original or node.op

@@ -72,6 +72,7 @@ class Unit:
     rounding: float | None = None  # a decomposition's rounding: its ops' honest replay errors, summed
     narrowed: str = ""  # the FX node a root was narrowed to, for its reason
     narrowed_module: str = ""  # and that node's module: the root's, in the verdict
+    departed: bool = False  # a node inside departed from the bench by its statistics (narrow_by_statistics)
 
     def decide(
         self, node: Node, errors: tuple[float, float, float], ri: Any, tol: Tolerances, lookup: Callable[[int], Any]
@@ -106,6 +107,9 @@ class Unit:
                 )
             rounding = max(own, honest)
             how = f"its own rounding, {rounding:.1e} by a replay of its graph"
+        elif self.departed:
+            # Values recorded inside the region departed from the bench's beyond what flowed in.
+            return "computation", f"the {what} ({self.replaces}) computes something else: {self.narrowed}", "region"
         elif self.rounding is not None:
             rounding = self.rounding
             how = f"its ops' own rounding, {rounding:.1e} by replaying them"
