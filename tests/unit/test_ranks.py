@@ -225,3 +225,12 @@ def test_what_a_rank_sent_and_got_back_reduced_is_its_own_roots_not_a_new_one() 
     lines = {line.rank: line for line in report.ranks}
     assert (lines[0].status, lines[1].status) == ("inherited", "root")
     assert "aten.gelu.default" in lines[1].first
+
+
+def test_a_torchrun_job_gives_each_rank_to_one_process_that_can_read_it() -> None:
+    from tracecmp.comparison.torchrun import assign_ranks
+
+    # Shared storage: round the processes; each node's own disk: its own ranks; a rank no process
+    # reads is left out (the verdict names it).
+    assert assign_ranks([{0, 1, 2, 3}] * 3, range(4)) == {0: 0, 1: 1, 2: 2, 3: 0}
+    assert assign_ranks([{0, 1}, {0, 1}, {2, 3}, {2, 3}], range(5)) == {0: 0, 1: 1, 2: 2, 3: 3}
