@@ -6,13 +6,16 @@ Two stages, like the engine users already run them on one machine:
    the target against the same rank of the bench, under a memory limit of its own
    (``max_memory`` bytes of data per worker, ``RLIMIT_DATA``); one rank pair at a time, so the
    memory a comparison needs does not grow with the number of ranks. A worker hands back only
-   tables of verdicts and what the rank's collectives carried (:class:`RankOutcome`).
+   tables of verdicts and what the rank's collectives carried (:class:`RankOutcome`). Under
+   torchrun the job's processes share the ranks out instead (:mod:`tracecmp.comparison.torchrun`).
 2. **Across ranks**, on those summaries (:func:`cross_rank`): collectives matched by their
    keys order the ranks' events (:mod:`tracecmp.trace.links`). A collective whose received data
    diverges on one rank while some *other* contributor sent divergent data is *inherited*, not a
-   root: the rank's divergence was carried in. The first root of the whole job, in that order,
-   is the answer; each rank's first divergence is attributed to its own root or to the
-   collective that carried it in, with the path from the root through the collective.
+   root: the rank's divergence was carried in; one that hands a rank back its own diverged
+   contribution carries that rank's root (:class:`Carried`). The first root of the whole job, in
+   that order, is the answer; each rank's first divergence is attributed to its own root or to
+   the collective that carried it in, with the path from the root through the collective. The
+   job table and the suspects read the same roots (:attr:`JobReport.roots`).
 
 The result is an ordinary :class:`~tracecmp.comparison.result.CompareResult` whose
 ``first_divergence`` is the job's first root and whose ``job`` (a :class:`JobReport`) shows the
