@@ -155,6 +155,7 @@ def counters() -> Counters:
 
 
 def reset_counters() -> None:
+    """Start the emulator's counts (:func:`counters`) from zero."""
     torch.ops.emulated_npu.reset_counters()
 
 
