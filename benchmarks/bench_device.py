@@ -12,6 +12,7 @@ device path, not how fast an NPU is.
     PYTHONPATH=$PWD python benchmarks/bench_device.py                 # 3 rounds of 2 steps
     PYTHONPATH=$PWD python benchmarks/bench_device.py --rounds 5 --steps 3
 
+A second table counts the host waits of the capture options on workloads' small MLP (2 steps).
 Rounds alternate plain and traced steps on each device so machine noise hits both alike.
 """
 
@@ -29,6 +30,7 @@ import torch
 import tracecmp
 from benchmarks.bench_overhead import build
 from workloads import emulated_npu
+from workloads.models import example_batch, make_model, make_optimizer, train_step
 
 MODEL = "transformer512"
 
@@ -86,6 +88,33 @@ def measure(device: str, rounds: int, steps: int) -> dict[str, Any]:
     }
 
 
+OPTIONS: dict[str, dict[str, Any]] = {
+    "stats": {},
+    'overflow="record"': {"overflow": "record"},
+    'overflow="raise"': {"overflow": "raise"},
+    'data="tensors"': {"data": "tensors"},
+}
+
+
+def waits_by_option(steps: int = 2) -> list[tuple[str, int, int]]:
+    """(option, host waits, ops recorded) of ``steps`` Adam steps of workloads' mlp on the npu."""
+    rows = []
+    for name, options in OPTIONS.items():
+        torch.manual_seed(0)
+        model = make_model("mlp").to("npu")
+        batch = tuple(t.to("npu") for t in example_batch("mlp"))
+        opt = make_optimizer(model)
+        emulated_npu.reset_counters()
+        with tempfile.TemporaryDirectory() as folder:
+            with tracecmp.TraceCompare(Path(folder) / "t", model=model, **options) as tc:
+                for _ in range(steps):
+                    train_step(model, opt, batch)
+                    tc.step()
+            counts = emulated_npu.counters()
+            rows.append((name, counts.d2h_copies + counts.syncs, len(tracecmp.load(Path(folder) / "t").to_frame())))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -103,6 +132,11 @@ def main() -> None:
             f"| {r['ops_per_step']:.0f} | {waits[0]} | {waits[1]} |",
             flush=True,
         )
+    print()
+    print("| workloads' mlp on the npu, 2 steps | host waits | ops recorded |")
+    print("|---|---|---|")
+    for name, waits, ops in waits_by_option():
+        print(f"| {name} | {waits} | {ops} |")
 
 
 if __name__ == "__main__":
