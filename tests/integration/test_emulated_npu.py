@@ -84,6 +84,21 @@ def test_tracing_on_the_device_leaves_results_bitwise_equal(tmp_path: Path, name
     assert "npu:0" in devices and devices <= {"npu:0", "cpu"}
 
 
+def test_the_emulator_counts_what_would_wait_for_a_device() -> None:
+    """The counters the tests below read: each kind of host wait counts once, and the CPU
+    fallback's own copies (every op here) not at all."""
+    emulated_npu.reset_counters()
+    x = torch.arange(6.0).to("npu")
+    y = (x * 2 - 4).relu()
+    counted = emulated_npu.counters()
+    assert counted[:3] == (0, 1, 0) and counted.ops >= 3  # mul, sub, relu: no wait among them
+    y.sum().item()
+    y.nonzero()
+    torch.npu.synchronize()
+    host = y.cpu()
+    assert emulated_npu.counters()[:3] == (1, 1, 3) and host.tolist() == [0.0, 0.0, 0.0, 2.0, 4.0, 6.0]
+
+
 def _stat_rows(trace: tracecmp.Trace) -> Any:
     """The forward and backward ops' output statistics, in execution order (the optimizer differs
     by device: torch's Adam runs foreach kernels on accelerators, a loop on the CPU)."""
