@@ -229,6 +229,31 @@ def test_host_rng_makes_dropout_agree_across_cpu_and_npu(tmp_path: Path) -> None
     assert 'rng="host"' in drawn.reason
 
 
+class Noisy(torch.nn.Module):
+    """Draws in forward: noise made on the activations' device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h + 0.1 * torch.randn(h.shape, device=h.device)
+
+
+def test_host_rng_makes_randn_agree_across_cpu_and_npu(tmp_path: Path) -> None:
+    for rng in ("host", "device"):
+        for device in ("cpu", "npu"):
+            torch.manual_seed(0)
+            model, x = Noisy().to(device), torch.randn(4, 8).to(device)
+            with tracecmp.TraceCompare(tmp_path / f"{rng}-{device}", model=model, rng=rng) as tc:
+                model(x).sum().backward()
+                tc.step()
+    assert tracecmp.compare(tmp_path / "host-npu", tmp_path / "host-cpu").first_divergence is None
+    drawn = tracecmp.compare(tmp_path / "device-npu", tmp_path / "device-cpu").first_divergence
+    assert drawn is not None and (drawn.kind, drawn.op) == ("random", "aten.randn.default"), drawn
+
+
 def test_the_npu_stream_differs_from_the_cpus_for_the_same_seed() -> None:
     torch.manual_seed(7)
     on_cpu = torch.randn(64)
