@@ -68,6 +68,12 @@ def judge_units(
                 units.warnings.append(
                     f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed ({type(exc).__name__}: {exc})"
                 )
+            # What the recorded nodes show comes first: a replay runs the region from inputs that
+            # already carry the departure of a node upstream, and may name a later one.
+            narrowed = narrow_by_statistics(unit, pairing, measured, tol)
+            if narrowed[0]:
+                unit.narrowed, unit.narrowed_module = narrowed
+                unit.departed = True
 
 
 def narrow_units_by_statistics(

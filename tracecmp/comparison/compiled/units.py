@@ -95,6 +95,9 @@ class Unit:
         unit = EPS.get(canonical_dtype(dtype), FP32_EPS)
         floor = tol.local * unit
         what = f"{self.kind} {self.replaces}" if self.kind == "decomposition" else f"compiled region {self.graph.id}"
+        if self.departed:
+            # Values recorded inside the region departed from the bench's beyond what flowed in.
+            return "computation", f"the {what} ({self.replaces}) computes something else: {self.narrowed}", "region"
         if self.own is not None:
             own, honest = self.own
             if own > max(tol.replay_margin * honest, tol.replay_local * unit):
@@ -107,9 +110,6 @@ class Unit:
                 )
             rounding = max(own, honest)
             how = f"its own rounding, {rounding:.1e} by a replay of its graph"
-        elif self.departed:
-            # Values recorded inside the region departed from the bench's beyond what flowed in.
-            return "computation", f"the {what} ({self.replaces}) computes something else: {self.narrowed}", "region"
         elif self.rounding is not None:
             rounding = self.rounding
             how = f"its ops' own rounding, {rounding:.1e} by replaying them"
