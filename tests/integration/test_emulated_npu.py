@@ -10,7 +10,9 @@ cannot host it the module is skipped with the reason; in CI on a torch that can
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -365,3 +367,34 @@ def test_a_compiled_model_traces_on_the_device(tmp_path: Path) -> None:
     trace = tracecmp.load(tmp_path / "t")
     assert trace.complete and set(trace.to_frame()["phase"]) >= {"forward", "backward"}
     assert all(p.grad is not None and p.grad.device.type == "npu" for p in model.parameters())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_two_rank_ddp_job_on_the_device_names_the_rank_at_fault(tmp_path: Path) -> None:
+    """npu_dist_program.py: DDP over gloo on the npu (its collectives through host copies); capture
+    records them at the dispatcher, so rank 0 inherits rank 1's fault through the all-reduce."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+        + ["--master_port", str(_free_port()), "-m", "tests.integration.npu_dist_program", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert all(json.loads((tmp_path / f"facts-{rank}.json").read_text())["transparent"] for rank in (0, 1))
+    clean = tracecmp.compare(tmp_path / "clean", tmp_path / "bench")
+    assert clean.first_divergence is None and [line.status for line in clean.job.ranks] == ["agrees", "agrees"]
+    result = tracecmp.compare(tmp_path / "forward", tmp_path / "bench")
+    first = result.first_divergence
+    assert first is not None and (first.rank, first.op, first.phase) == (1, "aten.gelu.default", "forward")
+    assert [(d.rank, d.op) for d in result.suspects] == [(1, "aten.gelu.default")], result.summary()
+    rank0, rank1 = result.job.ranks
+    assert rank1.status == "root" and rank0.status == "inherited" and "c10d.allreduce_" in rank0.source

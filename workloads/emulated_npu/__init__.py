@@ -5,9 +5,8 @@ no accelerator exists. Tensors report ``device.type == "npu"``; each aten op run
 kernels; the emulator counts what would block the host on a real device (:func:`counters`).
 Its numerics differ from the CPU's as an NPU's do, on request (:func:`set_numerics`), and its
 random stream always does: ``torch.manual_seed(s)`` seeds it apart from the CPU's. Not emulated:
-LSTM/GRU (torch runs their fused cells, CUDA-only kernels, on every device but the CPU) and
-collectives (gloo takes no npu tensors, and a backend written in Python replaces the whole process
-group, so its collectives never reach the dispatcher where capture records them).
+LSTM/GRU (torch runs their fused cells, CUDA-only kernels, on every device but the CPU).
+Collectives: :func:`serve_collectives` gives a gloo process group a backend for the npu.
 
 >>> npu = load()                                    # doctest: +SKIP
 >>> torch.ones(2, device="npu").device.type         # doctest: +SKIP
@@ -147,6 +146,12 @@ def _device_module() -> types.ModuleType:
     module.manual_seed = lambda seed: ops.manual_seed(int(seed))  # type: ignore[attr-defined]
     module.manual_seed_all = module.manual_seed  # type: ignore[attr-defined]
     return module
+
+
+def serve_collectives(group: torch.distributed.ProcessGroup | None = None) -> None:
+    """Give ``group`` (default: the default group), made with gloo, a backend for the npu: gloo's
+    collectives on host copies of the npu tensors, waited for and copied back."""
+    torch.ops.emulated_npu.serve_collectives((group or torch.distributed.group.WORLD).boxed())
 
 
 def counters() -> Counters:

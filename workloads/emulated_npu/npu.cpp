@@ -22,6 +22,7 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
 #include <atomic>
@@ -306,6 +307,85 @@ const bool hooks_registered = [] {
   return true;
 }();
 
+// --- collectives: gloo's, on host copies (gloo takes CPU and CUDA tensors only) ---------------
+// A collective that completed before it was returned: its gloo work was waited for.
+class CompletedWork final : public c10d::Work {
+ public:
+  explicit CompletedWork(std::vector<at::Tensor> tensors)
+      : tensors_(std::move(tensors)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {
+    future_->markCompleted(c10::IValue(tensors_));
+    finish();
+  }
+  std::vector<at::Tensor> result() override { return tensors_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+std::vector<at::Tensor> to_host(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> host;
+  for (const auto& t : tensors) host.push_back(t.cpu());
+  return host;
+}
+
+void copy_back(std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& host) {
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(host[i]);
+}
+
+// The npu's backend in a process group: each collective copies to the host, runs gloo's, waits,
+// and copies back (counted by the emulator as any copy is: a real device's would not copy).
+class NpuOverGloo final : public c10d::Backend {
+ public:
+  explicit NpuOverGloo(c10::intrusive_ptr<c10d::Backend> gloo)
+      : Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)) {}
+  const std::string getBackendName() const override { return "npu-over-gloo"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    auto host = to_host(tensors);
+    gloo_->allreduce(host, opts)->wait();
+    copy_back(tensors, host);
+    return c10::make_intrusive<CompletedWork>(tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    auto host = to_host(tensors);
+    gloo_->broadcast(host, opts)->wait();
+    copy_back(tensors, host);
+    return c10::make_intrusive<CompletedWork>(tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    std::vector<std::vector<at::Tensor>> host_outputs;
+    for (const auto& group : outputs) host_outputs.push_back(to_host(group));
+    auto host_inputs = to_host(inputs);
+    gloo_->allgather(host_outputs, host_inputs, opts)->wait();
+    std::vector<at::Tensor> flat;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      copy_back(outputs[i], host_outputs[i]);
+      flat.insert(flat.end(), outputs[i].begin(), outputs[i].end());
+    }
+    return c10::make_intrusive<CompletedWork>(flat);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override { return gloo_->barrier(opts); }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+};
+
+// Gives the process group (made with gloo for the CPU) a backend for the npu.
+void serve_collectives(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  auto backend = c10::make_intrusive<NpuOverGloo>(group->getBackend(c10::DeviceType::CPU));
+  group->setBackend(kNpu, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+}
+
 // --- what Python calls (torch.ops.emulated_npu.*) -----------------------------------------------
 std::vector<int64_t> counters() { return {d2h_copies, h2d_copies, syncs, fallback_ops}; }
 
@@ -338,6 +418,7 @@ TORCH_LIBRARY(emulated_npu, m) {
   m.def("synchronize() -> ()", &synchronize);
   m.def("manual_seed(int seed) -> ()", &manual_seed);
   m.def("set_numerics(str matrix_units, bool reversed_sums) -> ()", &set_numerics);
+  m.def("serve_collectives(__torch__.torch.classes.c10d.ProcessGroup group) -> ()", &serve_collectives);
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
