@@ -272,17 +272,7 @@ def _prepare_rank(
     inf_only = _inf_only(t_ten)
     own_errors, region_replays, has_data = _replay(t_rank, b_rank, t_ops["op_id"].tolist(), match, rank, run)
     if units and pairing is not None:
-        if has_data and run.replay is not False:
-            judge_units(units, t_rank, b_rank, pairing, measured, own_errors, run.tol)
-        else:
-            unseen = narrow_units_by_statistics(units, pairing, measured, run.tol)
-            if unseen:
-                run.notes.append(
-                    f"rank {rank}: compiled regions judged by statistics: {unseen} of their graphs' nodes ran in fused "
-                    f"code no op records, where a fault smaller than {run.tol.region_units:g} rounding units is not "
-                    'told apart; capture the target with data="tensors" to replay them'
-                )
-        run.warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
+        _judge_units(units, (t_rank, b_rank), pairing, measured, own_errors if has_data else None, run)
 
     unpaired = _unpaired_bench(b_ops, match, pairing, units, b_base, rank)
     region_ops, region_values = _region_context(match, t_graph, b_graph, t_ten, b_ten)
@@ -313,6 +303,30 @@ def _prepare_rank(
     )
     measured_frame.insert(0, "rank", rank)
     return rank_input, _node_frame(t_ops, rank, pairs, match.member_of), measured_frame, unpaired
+
+
+def _judge_units(
+    units: CompiledUnits,
+    ranks: tuple[RankTrace, RankTrace],
+    pairing: Pairing,
+    measured: Mapping[int, TensorState],
+    own_errors: Mapping[int, OwnError] | None,
+    run: _RankRun,
+) -> None:
+    """Judge a compiled target's units: by a replay where the target holds tensors (``own_errors``
+    given), else by the statistics of their recorded nodes, saying what those cannot see."""
+    rank = ranks[0].rank
+    if own_errors is not None and run.replay is not False:
+        judge_units(units, ranks[0], ranks[1], pairing, measured, own_errors, run.tol)
+    else:
+        unseen = narrow_units_by_statistics(units, pairing, measured, run.tol)
+        if unseen:
+            run.notes.append(
+                f"rank {rank}: compiled regions judged by statistics: {unseen} of their graphs' nodes ran in fused "
+                f"code no op records, where a fault smaller than {run.tol.region_units:g} rounding units is not "
+                'told apart; capture the target with data="tensors" to replay them'
+            )
+    run.warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
 
 
 _IdLists = tuple[list[int], list[list[int]], list[list[int]]]
