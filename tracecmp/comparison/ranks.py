@@ -379,40 +379,55 @@ _OUT_OF_MEMORY = 3  # a worker's exit status when the memory limit stopped it
 
 def _worker_main() -> None:
     """``python -c 'from tracecmp.comparison.ranks import _worker_main; _worker_main()' JOB OUT``:
-    compare the rank pair described by the JSON file JOB, write its outcome to OUT."""
+    compare the rank pairs described by the JSON file JOB one after another, writing each one's
+    outcome (or why it failed) into the folder OUT."""
+    import gc
     import pickle
 
-    job_file, out_file = sys.argv[1], sys.argv[2]
+    job_file, out = sys.argv[1], Path(sys.argv[2])
     spec = json.loads(Path(job_file).read_text())
     _limit_memory(spec.get("max_memory"))
     options = dict(spec["options"])
     if options.get("tolerances") is not None:
         options["tolerances"] = Tolerances().replace(**options["tolerances"])
-    try:
-        outcome = _run_rank(_Job(spec["target"], spec["bench"], int(spec["rank"]), options))
-    except MemoryError:
-        sys.exit(_OUT_OF_MEMORY)
-    except TracecmpError as err:
-        print(f"tracecmp: {err}", file=sys.stderr)
-        sys.exit(2)
-    with open(out_file, "wb") as fh:  # this process's own result, read back by its parent alone
-        pickle.dump(outcome, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    for rank in spec["ranks"]:
+        try:
+            outcome = _run_rank(_Job(spec["target"], spec["bench"], int(rank), options))
+        except MemoryError:
+            outcome = None
+            gc.collect()  # what the failed comparison held, before the next rank
+            (out / f"failed-{rank}.txt").write_text(_OUT_OF_MEMORY_TEXT)
+        except TracecmpError as err:
+            outcome = None
+            (out / f"failed-{rank}.txt").write_text(str(err))
+        if outcome is not None:
+            with open(out / f"outcome-{rank}.pickle", "wb") as fh:  # read back by this process's parent alone
+                pickle.dump(outcome, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        del outcome
 
 
-def _in_worker(job: _Job, memory: int | None, folder: Path) -> RankOutcome:
-    """Run ``job`` in a fresh interpreter (not a fork of this one, which may hold threads; not
-    ``multiprocessing``'s spawn, which re-imports the caller's script) and read its outcome."""
+_OUT_OF_MEMORY_TEXT = "out of memory"
+
+
+def _in_worker(
+    jobs: list[_Job], memory: int | None, folder: Path
+) -> tuple[dict[int, RankOutcome], dict[int, str | MemoryError]]:
+    """Run ``jobs`` in one fresh interpreter (not a fork of this one, which may hold threads; not
+    ``multiprocessing``'s spawn, which re-imports the caller's script), one after another: their
+    outcomes by rank, and why the others failed (a MemoryError where the memory limit stopped one)."""
     import dataclasses
     import pickle
     import subprocess
 
-    options = dict(job.options)
+    first = jobs[0]
+    options = dict(first.options)
     if options.get("tolerances") is not None and dataclasses.is_dataclass(options["tolerances"]):
         options["tolerances"] = {
             f.name: getattr(options["tolerances"], f.name) for f in dataclasses.fields(options["tolerances"])
         }
-    spec = {"target": job.target, "bench": job.bench, "rank": job.rank, "options": options, "max_memory": memory}
-    job_file, out_file = folder / f"job-{job.rank}.json", folder / f"outcome-{job.rank}.pickle"
+    ranks = [job.rank for job in jobs]
+    spec = {"target": first.target, "bench": first.bench, "ranks": ranks, "options": options, "max_memory": memory}
+    job_file = folder / f"job-{ranks[0]}.json"
     job_file.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     done = subprocess.run(
@@ -421,21 +436,29 @@ def _in_worker(job: _Job, memory: int | None, folder: Path) -> RankOutcome:
             "-c",
             "from tracecmp.comparison.ranks import _worker_main; _worker_main()",
             str(job_file),
-            str(out_file),
+            str(folder),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-    if done.returncode == _OUT_OF_MEMORY:
-        raise MemoryError(memory)
-    if done.returncode != 0:
-        raise CompareError(
-            f"rank {job.rank} could not be compared: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f'worker exit status {done.returncode}'}"
-        )
-    with open(out_file, "rb") as fh:
-        return pickle.load(fh)
+    outcomes: dict[int, RankOutcome] = {}
+    failed: dict[int, str | MemoryError] = {}
+    for rank in ranks:
+        result, failure = folder / f"outcome-{rank}.pickle", folder / f"failed-{rank}.txt"
+        if result.exists():
+            with open(result, "rb") as fh:
+                outcomes[rank] = pickle.load(fh)
+        elif failure.exists():
+            text = failure.read_text()
+            failed[rank] = MemoryError(memory) if text == _OUT_OF_MEMORY_TEXT else text
+        else:  # the worker died before it got to this rank
+            last = (
+                done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"worker exit status {done.returncode}"
+            )
+            failed[rank] = MemoryError(memory) if done.returncode == _OUT_OF_MEMORY else last
+    return outcomes, failed
 
 
 def rank_folders(path: Path) -> list[int]:
@@ -627,20 +650,31 @@ def _run_jobs(
         import tempfile
         from concurrent.futures import ThreadPoolExecutor
 
+        # One interpreter per worker, comparing its share of the ranks one after another: starting
+        # one per rank would cost an import of torch each.
+        batches = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
         with tempfile.TemporaryDirectory(prefix="tracecmp-ranks-") as folder, ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(_in_worker, job, memory, Path(folder)): job.rank for job in jobs}
-            for future, rank in futures.items():
-                try:
-                    outcomes[rank] = future.result()
-                except MemoryError:
-                    failures.append(
-                        f"rank {rank} could not be compared: it needs more than the "
-                        f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)"
-                    )
-                except CompareError as err:
-                    failures.append(str(err).split(": ", 1)[-1] if str(err).startswith(str(t_path)) else str(err))
-                bar.update(advance=1)
+            futures = [pool.submit(_in_worker, batch, memory, Path(folder)) for batch in batches]
+            failed: dict[int, str | MemoryError] = {}
+            for future, batch in zip(futures, batches):
+                done, lost = future.result()
+                outcomes.update(done)
+                failed.update(lost)
+                bar.update(advance=len(batch))
+        failures = [_failure_text(rank, why, memory, t_path) for rank, why in sorted(failed.items())]
+        outcomes = dict(sorted(outcomes.items()))  # rank order, however the workers shared them
     return outcomes, failures
+
+
+def _failure_text(rank: int, why: str | MemoryError, memory: int | None, t_path: Path) -> str:
+    """Why a worker could not compare ``rank``, in the verdict's words."""
+    if isinstance(why, MemoryError):
+        return (
+            f"rank {rank} could not be compared: it needs more than the "
+            f"{(memory or 0) / 2**30:.1f} GiB a worker may use (max_memory, or fewer workers)"
+        )
+    text = why.split(": ", 1)[-1] if why.startswith(str(t_path)) else why
+    return f"rank {rank} could not be compared: {text.removeprefix('tracecmp: ')}"
 
 
 def _tolerances(options: Mapping[str, Any]) -> Any:
