@@ -356,9 +356,18 @@ def accuracy(setups: list[str], width: int, as_json: bool) -> None:
                 print(f"      {s}")
 
 
+def peak_rss_kb() -> int:
+    """This process's own peak RSS in KiB: VmHWM (ru_maxrss carries the parent's over fork and exec)."""
+    import resource
+
+    for line in Path("/proc/self/status").read_text().splitlines() if Path("/proc/self/status").exists() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def scale_worker(target: str, bench: str) -> None:
     """One process of a torchrun compare: its wall time and peak RSS, printed by process 0."""
-    import resource
 
     from tracecmp.comparison.api import compare_job
     from tracecmp.comparison.torchrun import JobGroup
@@ -366,7 +375,7 @@ def scale_worker(target: str, bench: str) -> None:
     start = time.perf_counter()
     with JobGroup() as group:
         result = compare_job(target, bench, group)
-        mine = {"wall": time.perf_counter() - start, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+        mine = {"wall": time.perf_counter() - start, "rss": peak_rss_kb()}
         found = group.gather(mine)
     if result is not None:
         d = result.first_divergence
@@ -477,7 +486,8 @@ start = time.perf_counter()
 r = tracecmp.compare({str(folder / "target")!r}, {str(folder / "bench")!r}, workers={workers}, progress=False)
 wall = time.perf_counter() - start
 d = r.first_divergence
-print(json.dumps({{"wall": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+from benchmarks.bench_distributed import peak_rss_kb
+print(json.dumps({{"wall": wall, "rss": peak_rss_kb(),
                    "child_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                    "first": f"{{d.op}} rank {{d.rank}}" if d else None, "nodes": len(r.nodes)}}))
 """
