@@ -1,4 +1,4 @@
-"""A 2-rank DDP job on the emulated npu, captured, for test_emulated_npu.py.
+"""A 2-rank DDP job on the emulated npu, captured, for emulated_npu_cases.py.
 
 ``torchrun --nproc_per_node 2 -m tests.integration.npu_dist_program OUT`` trains a small MLP on
 ``npu`` for two steps per variant over gloo (``workloads.emulated_npu.serve_collectives``: gloo's

@@ -66,7 +66,7 @@ def test_demo_refuses_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "steps must be at least 1" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(emulated_npu.torch_can_host(), reason="this torch hosts the emulated npu (test_emulated_npu.py)")
+@pytest.mark.skipif(emulated_npu.torch_can_host(), reason="this torch hosts the emulated npu (emulated_npu_cases.py)")
 def test_emulated_npu_demo_says_why_this_torch_cannot_host_it(tmp_path: Path) -> None:
     with pytest.raises(TracecmpError, match="cannot host the emulated npu"):
         run_demo(tmp_path / "demo", emulated_npu=True)
