@@ -248,7 +248,7 @@ def test_a_fault_inside_a_region_is_narrowed_to_its_node(
     target = _faulty_gelu_trace(compiled, tmp_path / "b", compiled="boundary", data="tensors")
     first = tracecmp.compare(target, benches["tensors"]).first_divergence
     assert first is not None and first.op.startswith("compiled.")
-    assert "narrowed to FX node gelu" in first.reason and "tracecmp_tests.gelu.default" in first.reason
+    assert "to FX node gelu (tracecmp_tests.gelu.default" in first.reason  # by the replay, or by statistics
     assert "blocks.1.mlp.act" in first.reason
     # Graph mode: every node is an op of the trace, and localization names it.
     target = _faulty_gelu_trace(compiled, tmp_path / "g", compiled="graph")

@@ -209,7 +209,9 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
     rounding.
     """
     part, index = unit.graph.parts.get(unit.call.part), pairing.index(unit.call)
-    if part is None or index is None:
+    if part is None or index is None or unit.call.part != "forward":
+        # A backward part's matmuls have twins of one shape that its compiled code runs in any
+        # order: which recorded value is whose, statistics cannot tell (a replay can).
         return "", ""
     carried_in = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
     computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
@@ -218,7 +220,6 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
         name: pairing.t_outputs[ops[-1]][0] for name, ops in unit.call.nodes.items() if pairing.t_outputs.get(ops[-1])
     }
     peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
-    module_of = _forward_modules(unit)
     level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
     agreeing: set[str] = set()
     unrecorded: set[str] = set()  # nodes the bench cannot vouch for: fused code, ops it never ran
@@ -227,7 +228,7 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
         level[n.name] = incoming
         if n.name not in judged or is_view_op(n.op):
             continue
-        low = _round_trip(n, unit, index, pairing) if unit.call.part == "forward" else None
+        low = _round_trip(n, unit, index, pairing)
         if low is not None:
             return (
                 f"narrowed to {_where(low)}: the graph rounds its value to {low.dtypes[0]} and back, a round "
@@ -265,7 +266,7 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
         return (
             f"narrowed by statistics to {_where(where)}, {what} ({n.name}) differ from the bench's "
             f"{n.original or n.op} by {departure:.1e}, more than came in ({incoming:.1e})",
-            where.module or module_of.get(where.seq_nr, ""),
+            where.module,
         )
     return "", ""
 
@@ -337,15 +338,6 @@ def _draws(n: GraphNode) -> bool:
     except ValueError:
         args = {}
     return draws_random(n.op, args if isinstance(args, dict) else None)
-
-
-def _forward_modules(unit: Unit) -> dict[int, str]:
-    """A backward part's nodes carry no module stack: the module of the forward node of the same
-    autograd sequence number stands for theirs."""
-    forward = unit.graph.parts.get("forward") if unit.call.part == "backward" else None
-    if forward is None:
-        return {}
-    return {n.seq_nr: n.module for n in forward.nodes if n.seq_nr >= 0 and n.module}
 
 
 def _stats_departure(mine: tuple[float, float, float, float], theirs: tuple[float, float, float, float]) -> float:
