@@ -12,7 +12,12 @@ after a change must be equal::
     python -m benchmarks.localization.recompare /tmp/loc --out after.jsonl      # on the new code
     python -m benchmarks.localization.recompare --diff before.jsonl after.jsonl
 
-``--fused`` and ``--data`` plan the cases as the benchmark run that kept them did.
+``--fused`` and ``--data`` plan the cases as the benchmark run that kept them did. ``--realsize``
+reads a ``realsize.py --keep --workdir DIR`` folder instead (``DIR/<model>/clean-*`` and
+``DIR/<model>/cases/*``, each against its fp32 bench). ``--tracecmp-from TREE`` compares with the
+``tracecmp`` package of another checkout (with its built extensions), this script unchanged::
+
+    python -m benchmarks.localization.recompare --realsize /tmp/rs --out before.jsonl --tracecmp-from /tmp/old
 """
 
 from __future__ import annotations
@@ -71,6 +76,26 @@ def recompare(work: Path, cases: list[Any], out: Path) -> int:
     return done
 
 
+def recompare_realsize(work: Path, out: Path) -> int:
+    """Compare every kept real-size pair in ``work``; one JSON line per pair into ``out``."""
+    import tracecmp
+
+    done = 0
+    with out.open("w") as sink:
+        for model in sorted(p for p in work.iterdir() if p.is_dir()):
+            for target in sorted(model.glob("clean-*")) + sorted((model / "cases").glob("*")):
+                if not (target / "manifest.json").exists():
+                    continue
+                bench = model / ("bench-fp32-scaler" if "amp-fp16" in target.name else "bench-fp32")
+                try:
+                    line = fingerprint(tracecmp.compare(str(target), str(bench)))
+                except Exception as exc:  # a failing compare is a result to keep, not a crash
+                    line = {"error": f"{type(exc).__name__}: {exc}"}
+                sink.write(json.dumps({"id": f"{model.name}/{target.name}", **line}, sort_keys=True) + "\n")
+                done += 1
+    return done
+
+
 def diff(before: Path, after: Path) -> int:
     """Print the cases whose fingerprints differ; exit status 1 when any does."""
     old = {json.loads(line)["id"]: line for line in before.read_text().splitlines()}
@@ -97,13 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the kept run's --seed")
     parser.add_argument("--sites", type=int, default=4, help="the kept run's --sites")
     parser.add_argument("--diff", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="compare two fingerprint files")
+    parser.add_argument("--realsize", action="store_true", help="WORKDIR was kept by realsize.py")
+    parser.add_argument("--tracecmp-from", type=Path, help="compare with the tracecmp package of this checkout")
     args = parser.parse_args(argv)
     if args.diff:
         return diff(*args.diff)
     if args.workdir is None or args.out is None:
         parser.error("give WORKDIR and --out, or --diff BEFORE AFTER")
+    if args.tracecmp_from is not None:
+        sys.path.insert(0, str(args.tracecmp_from.resolve()))  # before tracecmp is first imported
+        sys.modules.pop("tracecmp", None)
     torch.set_num_threads(1)  # as the benchmark's workers: compares do not depend on it, replays might
     warnings.simplefilter("ignore")
+    if args.realsize:
+        count = recompare_realsize(args.workdir, args.out)
+        print(f"{count} pairs compared into {args.out}", file=sys.stderr)
+        return 0 if count else 2
     if args.fused:
         from benchmarks.localization.fused import plan_fused
 
