@@ -326,11 +326,7 @@ class RankWalk:
                 is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
                 self.state[tid] = TensorState(known=False, exact=False, nonfinite=nonfinite, is_float=is_float)
                 continue
-            if m is None and tid in ri.unrecorded:
-                is_float, nonfinite, _ = ri.own.get(tid, (True, False, ""))
-                self.state[tid] = TensorState(known=False, exact=False, nonfinite=nonfinite, is_float=is_float)
-                continue
-            if m is None:
+            if m is None:  # its inputs' error carried through (an unrecorded output: ri.unrecorded)
                 self.state[tid] = self._carried(node, tid, fin)
                 continue
             if m.nonfinite_mismatch and (fin.given_in or fin.hands_nonfinite):
@@ -819,7 +815,8 @@ class RankWalk:
             status = producer_status.get(src, "uncompared")
             return status, VIEW_OF_UNCOMPARED if status == "uncompared" else ""
         ins = [self.lookup(t) for t in inputs]
-        outs = [self.state.get(t) for t in outputs if t not in base and t not in ri.unrecorded]
+        outs_all = [self.state.get(t) if t not in base else None for t in outputs]
+        outs = [s for t, s in zip(outputs, outs_all) if t not in base]
         measured = [s for s in outs if s is not None and s.measured]
         if not paired:
             return "unpaired", UNPAIRED
@@ -837,7 +834,8 @@ class RankWalk:
             return "uncompared", WRITES_NOTHING
         if op_id in self.undecided_set:
             return "uncompared", UNDECIDED
-        if len(measured) < len([s for s in outs if s is not None and not s.uninit]):
+        recorded = [s for t, s in zip(outputs, outs_all) if s is not None and not s.uninit and t not in ri.unrecorded]
+        if len(measured) < len(recorded):
             return "uncompared", UNMEASURED
         if all(s.exact for s in measured):
             return "agrees", ""
