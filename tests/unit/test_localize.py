@@ -463,3 +463,19 @@ def test_a_copy_of_a_slice_of_a_diverged_bucket_is_data_movement_not_a_root(tmp_
     assert [d.op for d in result.suspects] == ["c10d.allreduce_.default"], result.summary()
     copy = result.nodes[result.nodes["op"] == "aten.copy_.default"].iloc[0]
     assert copy["status"] == "diverged" and not copy["root_kind"]
+
+
+def test_a_copy_that_changes_what_it_copies_is_a_root_away_from_collectives(tmp_path: Path) -> None:
+    # Only a collective's copies are judged as data movement: a clone in the optimizer that scales
+    # what it copies is a root, even where its input already carries error from a root before it.
+    from tests.tracebuild import twin
+
+    def recipe(b: TraceBuilder, is_target: bool) -> None:
+        gen = torch.Generator().manual_seed(0)
+        value = torch.randn(256, generator=gen)
+        w = b.param("fc.weight", value * (1 + 1e-6) if is_target else value)
+        b.op("aten.clone.default", [w], b.value(w) * (1.01 if is_target else 1.0), module="fc", phase="optimizer")
+
+    twin(recipe, tmp_path / "t", tmp_path / "b")
+    result = tracecmp.compare(tmp_path / "t", tmp_path / "b")
+    assert "aten.clone.default" in [d.op for d in result.suspects], result.summary()

@@ -851,6 +851,19 @@ def classify(op: str) -> OpClass:
     return OpClass("other", accumulates=True)
 
 
+# Where torch's collectives live: c10d's in-place ops and the functional ones (with their wait_tensor).
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+
+
+def is_collective(op: str) -> bool:
+    """Whether ``op`` is a collective (or the wait on one's result).
+
+    >>> is_collective("c10d.allreduce_.default"), is_collective("aten.add.Tensor")
+    (True, False)
+    """
+    return op.startswith(COLLECTIVE_NAMESPACES)
+
+
 def is_copy(op: str) -> bool:
     """Ops whose output holds the same values as their (first) input: what an extra op usually is."""
     return base_name(op) in {

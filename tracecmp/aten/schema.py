@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from tracecmp.aten.opclass import is_collective
+
 # Return kinds.
 FRESH = 0  # a new tensor (gets statistics)
 WRITE = 1  # the argument it names, written in place (a new version, gets statistics)
@@ -29,8 +31,6 @@ BUFFER = 4  # one of the op's arguments handed back, partly written: not a new v
 
 # record_function ranges (the optimizer's "Optimizer.step#Adam.step") reach the dispatcher as ops.
 _SKIPPED_NAMESPACES = ("profiler.",)
-# Collectives: their outputs are ready only once the returned Work completes.
-_COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 # Allocators whose results hold whatever was in memory: their statistics would differ run to run.
 _UNINITIALIZED = ("aten::empty", "aten::new_empty", "aten::_empty")
 # Returns that are a kernel's workspace for its backward: their bytes differ between identical
@@ -176,7 +176,7 @@ def _build(func: Any) -> OpInfo:
         writes=tuple(refs[i] for i in writes),
         dropout=dropout,
         rewritable=host_rng or bool(dropout),
-        collective=name.startswith(_COLLECTIVE_NAMESPACES),
+        collective=is_collective(name),
         write_only=tuple(arguments[i].name for i in writes if arguments[i].kwarg_only),
     )
 

@@ -5,9 +5,9 @@ and calibration, its arguments, and its replay where the trace holds tensors.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from tracecmp.aten.opclass import OpClass, base_name, given_nonfinite
+from tracecmp.aten.opclass import base_name, classify, given_nonfinite, is_collective
 from tracecmp.comparison.localize.arguments import arg_difference, structure_note
 from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN, group_key
 from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
@@ -64,7 +64,7 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
     if any(s.nonfinite_mismatch and s.given for s in outs):
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
         return Decision("", "", "nan_count", -1)
-    if not j.inputs_exact and moves_data(node, j.cls, ri):
+    if not j.inputs_exact and moves_data(node, ctx):
         # Its outputs hold what its inputs held, so what differs came in with them. Statistics
         # could say otherwise: a slice of a DDP bucket shows the bucket's error against its own,
         # smaller, magnitude. Where its inputs agree bitwise, the bitwise rule still judges it.
@@ -98,13 +98,63 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
 _MOVERS = frozenset({"all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"})
 
 
-def moves_data(node: Node, cls: OpClass, ri: RankInput) -> bool:
-    """Whether ``node`` only moves values, each in its own dtype: a copy, a concatenation, FSDP2's
-    copies around its collectives (not a cast, which rounds)."""
-    if node.kind == "source" or (cls.kind != "copy" and base_name(node.op) not in _MOVERS):
-        # A source judged as a copy of what Python read is no move: Python made it from anything.
+def _moves(node: Node) -> bool:
+    """Whether ``node`` is an op that may only move values: a copy, a concatenation, a view that
+    carries statistics of its own, FSDP2's copies."""
+    if node.kind == "view":
+        return True
+    # A source judged as a copy of what Python read is no move: Python made it from anything.
+    return node.kind == "op" and (classify(node.op).kind == "copy" or base_name(node.op) in _MOVERS)
+
+
+def collective_moves(nodes: Sequence[Node], view_base: Mapping[int, int]) -> frozenset[int]:
+    """The op ids of the moving ops (see ``_moves``) that carry a collective's data: out of what a
+    collective made (a DDP bucket's slice copied into its gradient, a functional all-gather's
+    chunks concatenated), into what a collective reads (a gradient copied into its bucket), and
+    along chains of such copies made out of place. A copy anywhere else is judged as any op is:
+    a fault injected into a ``clone`` is its own root.
+
+    >>> from tracecmp.graph.nodes import Node
+    >>> def op(i, name, ins, outs):
+    ...     return Node(i, 0, "backward", "op", name, name, "", "", "", ins, outs, False, "")
+    >>> reduced = op(1, "c10d.allreduce_.default", [1], [1])
+    >>> sorted(collective_moves([reduced, op(2, "aten.copy_.default", [3, 2], [3]), op(3, "aten.clone.default", [4], [5])], {2: 1}))
+    [2]
+    """
+    base = view_base.get
+    made: set[int] = set()
+    movers: set[int] = set()
+    for node in nodes:
+        ins, outs = {base(t, t) for t in node.inputs}, {base(t, t) for t in node.outputs}
+        if is_collective(node.op):
+            made |= outs
+        elif _moves(node) and ins & made:
+            movers.add(node.op_id)
+            if not _in_place(node, ins, outs):  # else it wrote the gradient, not the collective's data
+                made |= outs
+    read: set[int] = set()
+    for node in reversed(nodes):
+        ins, outs = {base(t, t) for t in node.inputs}, {base(t, t) for t in node.outputs}
+        if is_collective(node.op):
+            read |= ins
+        elif _moves(node) and outs & read:
+            movers.add(node.op_id)
+            if not _in_place(node, ins, outs):
+                read |= ins
+    movers.update(n.op_id for n in nodes if n.kind == "op" and base_name(n.op) in _MOVERS)
+    return frozenset(movers)
+
+
+def _in_place(node: Node, ins: set[int], outs: set[int]) -> bool:
+    return base_name(node.op).endswith("_") or bool(ins & outs)
+
+
+def moves_data(node: Node, ctx: RankContext) -> bool:
+    """Whether ``node`` only moves a collective's values, each in its own dtype (see
+    :func:`collective_moves`; a cast rounds, so it is none)."""
+    if node.op_id not in ctx.collective_moves:
         return False
-    facts = [ri.own.get(t) for t in (*node.inputs, *node.outputs)]
+    facts = [ctx.ri.own.get(t) for t in (*node.inputs, *node.outputs)]
     if any(f is None or not f[0] for f in facts):
         return False
     return len({f[2] for f in facts if f is not None}) == 1

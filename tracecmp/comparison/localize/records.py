@@ -124,6 +124,8 @@ class RankContext:
     tf32_spread: tuple[float, ...] | None = None  # per channel, how far its TF32 calls stray (calibrate)
     # op -> (the calls that speak for its replay giving it bit for bit, whether they are its own)
     bitwise_ops: Mapping[str, tuple[int, bool]] | None = None
+    # Copies that carry a collective's data (decide.collective_moves): judged as data movement
+    collective_moves: frozenset[int] = frozenset()
 
 
 def metric_dict(j: JudgedNode, part: int = -1) -> dict[str, float]:

@@ -25,7 +25,7 @@ from tracecmp.comparison.localize.calibrate import (
     ops_reproduced_bitwise,
     tf32_spread_of,
 )
-from tracecmp.comparison.localize.decide import decide_node
+from tracecmp.comparison.localize.decide import collective_moves, decide_node
 from tracecmp.comparison.localize.history import (
     crossed_pairs,
     drift_of,
@@ -545,6 +545,7 @@ class RankWalk:
             bounds_hold,
             tf32_spread,
             bitwise_ops,
+            collective_moves(ri.nodes, ri.view_base),
         )
 
     def _judge(self, j: JudgedNode, node: Node, tainted_in: bool) -> None:
