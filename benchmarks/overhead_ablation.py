@@ -189,7 +189,7 @@ def chunk_cost(workdir: Path, rounds: int) -> None:
             step()
             tc.step()
         assert tc._mode is not None
-        ops, tensors, _ = tc._mode.take()
+        ops, tensors, _, _ = tc._mode.take()
     shutil.rmtree(workdir / "chunk")
 
     stages: dict[str, Callable[[], Any]] = {

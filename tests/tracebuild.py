@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from tracecmp.capture.stats import STAT_FIELDS, reference_stats
-from tracecmp.trace.schema import OPS_SCHEMA, TENSORS_SCHEMA
+from tracecmp.trace.schema import CHECKS_SCHEMA, OPS_SCHEMA, TENSORS_SCHEMA
 from tracecmp.trace.writer import RankWriter, write_run_manifest
 
 __all__ = ["Ref", "TraceBuilder", "stats_of", "fake_stats", "twin"]
@@ -126,9 +126,36 @@ class TraceBuilder:
         self.saved: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}  # real values of tensors given as tensors (for call())
         self.compiled: dict[str, Any] | None = None  # a record of compiled regions (trace/compiled.py), if any
+        self.checks: list[dict[str, Any]] | None = None  # self-check rows (capture/selfcheck.py), if any
         self._next_tensor = 0
 
     # -- building ------------------------------------------------------------------------------
+
+    def self_check(
+        self,
+        of: Ref,
+        residual: float,
+        limit: float = 4.0,
+        *,
+        sampled: int = 16,
+        how: str = "rows",
+        coarse: float | None = None,
+    ) -> None:
+        """Record what capture's self-check found for the op that made ``of`` (its output 0;
+        ``coarse``: see ``CHECKS_SCHEMA``, default the residual); a builder given none writes a
+        trace recorded without self-checks."""
+        self.checks = self.checks or []
+        self.checks.append(
+            {
+                "op_id": of.op_id,
+                "index": 0,
+                "residual": residual,
+                "limit": limit,
+                "coarse": residual if coarse is None else coarse,
+                "sampled": sampled,
+                "how": how,
+            }
+        )
 
     def step(self) -> None:
         """Start the next step (like ``TraceCompare.step()``)."""
@@ -377,12 +404,23 @@ class TraceBuilder:
                 if t["tensor_id"] in self.saved:
                     t["data_key"] = f"{index}/t{t['tensor_id']}"
                     data[t["data_key"]] = self.saved[t["tensor_id"]]
+            last = start + size >= len(self.ops)
+            op_ids = {o["op_id"] for o in ops}
+            # The last chunk takes the checks of ops no chunk holds (a malformed trace, on purpose).
+            orphan = last and self.checks is not None
+            held = {o["op_id"] for o in self.ops} if orphan else set()
+            checks = (
+                None
+                if self.checks is None
+                else [c for c in self.checks if c["op_id"] in op_ids or (orphan and c["op_id"] not in held)]
+            )
             writer.write_chunk(
                 _columns(ops, OPS_SCHEMA.names),
                 _columns(tensors, TENSORS_SCHEMA.names),
                 data or None,
                 steps=sorted({o["step"] for o in ops}),
                 compiled=self.compiled if index == 0 else None,
+                checks=None if checks is None else _columns(checks, CHECKS_SCHEMA.names),
             )
         writer.close(complete=self.complete)
         return root

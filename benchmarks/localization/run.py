@@ -26,10 +26,11 @@ from workloads.localization.models import FAMILIES
 from workloads.localization.runner import CAPTURE, DATA_MODES, MODEL_SEED, Result, bench_key, record_run, run_case
 
 
-def _init_worker(data: str = "stats", tf32_rounding: str = "nearest") -> None:
+def _init_worker(data: str = "stats", tf32_rounding: str = "nearest", self_check: str = "off") -> None:
     torch.set_num_threads(1)  # bitwise-equal reductions in bench and target whatever the worker
     warnings.simplefilter("ignore")
     CAPTURE["data"] = data
+    CAPTURE["self_check"] = self_check
     TF32_ROUNDING["how"] = tf32_rounding
 
 
@@ -48,14 +49,15 @@ def _case_task(args: tuple[Case, str, str, bool, int]) -> Result:
     return run_case(case, Path(bench), Path(work), keep, timeout_s)
 
 
-def _pool_map(fn: Any, items: list[Any], jobs: int, data: str, tf32_rounding: str) -> Iterable[Any]:
+def _pool_map(fn: Any, items: list[Any], jobs: int, data: str, tf32_rounding: str, self_check: str) -> Iterable[Any]:
     if jobs <= 1:
-        _init_worker(data, tf32_rounding)
+        _init_worker(data, tf32_rounding, self_check)
         yield from map(fn, items)
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(data, tf32_rounding)) as pool:
+    initargs = (data, tf32_rounding, self_check)
+    with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=initargs) as pool:
         yield from pool.imap_unordered(fn, items)
 
 
@@ -257,8 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         help="how the tf32 background rounds matmul/conv inputs: to nearest even, or toward "
         "zero (a tensor core fed float32 as is)",
     )
+    parser.add_argument(
+        "--self-check",
+        choices=("off", "sample", "full"),
+        default="off",
+        help="both runs check each op's own computation at capture (TraceCompare(self_check=...))",
+    )
     args = parser.parse_args(argv)
-    _init_worker(args.data, args.tf32_rounding)
+    _init_worker(args.data, args.tf32_rounding, args.self_check)
 
     families = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in families if m not in FAMILIES]
@@ -289,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         benches = {bench_key(c): (c.bench_family, c.bench, str(work / "benches" / bench_key(c))) for c in cases}
         failed_bench: dict[str, str] = {}
-        for path, err in _pool_map(_bench_task, list(benches.values()), args.jobs, args.data, args.tf32_rounding):
+        for path, err in _pool_map(
+            _bench_task, list(benches.values()), args.jobs, args.data, args.tf32_rounding, args.self_check
+        ):
             if err:
                 failed_bench[path] = err
         results: list[Result] = []
@@ -317,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                 todo.append((c, path, str(work), args.keep, args.timeout))
         # Slow models first so the pool does not end on one long tail.
         todo.sort(key=lambda t: FAMILIES.index(t[0].model) if t[0].model in FAMILIES else 0, reverse=True)
-        for i, r in enumerate(_pool_map(_case_task, todo, args.jobs, args.data, args.tf32_rounding), 1):
+        for i, r in enumerate(
+            _pool_map(_case_task, todo, args.jobs, args.data, args.tf32_rounding, args.self_check), 1
+        ):
             results.append(r)
             bad = (r.expect_divergence and not r.top1) or (not r.expect_divergence and r.outcome != "clean")
             if bad or i % 25 == 0:

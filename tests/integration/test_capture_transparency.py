@@ -13,13 +13,17 @@ import tracecmp
 from workloads.models import example_batch, loss_of, make_model, make_optimizer
 
 
-def _run(name: str, trace_to: Path | None, data: str = "stats") -> dict[str, Any]:
+def _run(name: str, trace_to: Path | None, data: str = "stats", self_check: str = "off") -> dict[str, Any]:
     """Two training steps from a fixed seed; every loss, gradient, parameter and optimizer state."""
     torch.manual_seed(1234)  # dropout draws from the global generator
     model, batch = make_model(name), example_batch(name)
     opt = make_optimizer(model, "adam")
     seen: dict[str, Any] = {}
-    session = tracecmp.TraceCompare(trace_to, model=model, data=data) if trace_to else contextlib.nullcontext()
+    session = (
+        tracecmp.TraceCompare(trace_to, model=model, data=data, self_check=self_check)
+        if trace_to
+        else contextlib.nullcontext()
+    )
     with session as tc:
         for step in range(2):
             loss = loss_of(model, batch)
@@ -43,12 +47,30 @@ def _run(name: str, trace_to: Path | None, data: str = "stats") -> dict[str, Any
     return seen
 
 
-@pytest.mark.parametrize("name,data", [("mlp", "stats"), ("mlp", "tensors"), ("gpt2", "stats"), ("convnet", "stats")])
-def test_results_are_bitwise_equal(tmp_path: Path, name: str, data: str) -> None:
+@pytest.mark.parametrize(
+    "name,data,self_check",
+    [
+        ("mlp", "stats", "off"),
+        ("mlp", "tensors", "off"),
+        ("gpt2", "stats", "off"),
+        ("convnet", "stats", "off"),
+        ("gpt2", "stats", "sample"),
+        ("convnet", "stats", "sample"),
+        ("lstm", "stats", "full"),
+    ],
+)
+def test_results_are_bitwise_equal(tmp_path: Path, name: str, data: str, self_check: str) -> None:
     plain = _run(name, None)
-    traced = _run(name, tmp_path / "t", data)
+    traced = _run(name, tmp_path / "t", data, self_check)
     assert plain.keys() == traced.keys()
     assert any(k.startswith("state.") for k in plain)
     different = [k for k in plain if not torch.equal(plain[k], traced[k])]
     assert different == []
-    assert tracecmp.load(tmp_path / "t").complete
+    trace = tracecmp.load(tmp_path / "t")
+    assert trace.complete
+    checks = trace.rank(0).checks
+    if self_check == "off":
+        assert checks is None
+    else:  # every op the checker knows was checked, and an honest run passes every check
+        assert checks is not None and len(checks) > 10
+        assert (checks["residual"] <= checks["limit"]).all(), checks.sort_values("residual").tail()

@@ -288,8 +288,8 @@ def test_a_denormal_where_the_exact_result_is_zero_is_an_error():
 
 
 def test_medium_matmul_precision_means_a_bf16_honest_model(tmp_path):
+    from tracecmp.aten.rounding import REDUCED_MODELS
     from tracecmp.numerics.precision import reduced_matmul_precision
-    from tracecmp.numerics.rounding import REDUCED_MODELS
 
     traces = []
     for name, precision in (("a", "high"), ("b", "medium")):

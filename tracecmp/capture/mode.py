@@ -51,12 +51,20 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
+from tracecmp.capture.selfcheck import Check, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.trace.args import TENSOR_MARK, ArgsEncoder, scan, scan_value
 from tracecmp.trace.columns import Columns
-from tracecmp.trace.schema import ALIAS_UPDATE_OP, OPS_SCHEMA, STAT_COLUMNS, TENSORS_SCHEMA, UNREAD_SOURCE
+from tracecmp.trace.schema import (
+    ALIAS_UPDATE_OP,
+    CHECKS_SCHEMA,
+    OPS_SCHEMA,
+    STAT_COLUMNS,
+    TENSORS_SCHEMA,
+    UNREAD_SOURCE,
+)
 
 _NO_STATS = (None,) * 7
 # -1 outside a backward; torch without it never tells backward's final callbacks apart.
@@ -125,6 +133,7 @@ class CaptureMode(TorchDispatchMode):
         only: Selection | None = None,
         rank: int = 0,
         ddp: torch.nn.Module | None = None,
+        checker: SelfChecker | None = None,
     ) -> None:
         super().__init__()
         self.ids = TensorIds()
@@ -135,6 +144,10 @@ class CaptureMode(TorchDispatchMode):
         self.in_optimizer = False
         self.rows = Columns(OPS_SCHEMA, number_array=native.NUMBER_ARRAY)
         self.tensor_rows = Columns(TENSORS_SCHEMA, number_array=native.NUMBER_ARRAY)
+        # Self-checks (capture/selfcheck.py): rows of the ops checked, None when they are off.
+        self._checker = checker
+        self.check_rows = Columns(CHECKS_SCHEMA) if checker is not None else None
+        self._pending_checks: list[tuple[int, str, torch.Tensor]] = []  # (check row, column, value on the device)
         self.saved: dict[str, torch.Tensor] = {}
         self.saved_bytes = 0
         self.devices: dict[torch.device, tuple[str, int]] = {}
@@ -167,8 +180,8 @@ class CaptureMode(TorchDispatchMode):
         # What was not recorded, or recorded without statistics, and why: reason -> count.
         self.skipped: dict[str, int] = {}
         if (
-            _crecord is not None and USE_NATIVE and self._only is None
-        ):  # the C path knows no only=: per op, it is Python's call
+            _crecord is not None and USE_NATIVE and self._only is None and checker is None
+        ):  # the C path knows no only= and no self-checks: per op, they are Python's call
             # The C copy of __torch_dispatch__ (csrc/record_dispatch.cpp), bound to this mode:
             # torch looks the method up on the instance, so it shadows the reference below, which
             # it calls for the ops it does not handle itself.
@@ -237,6 +250,9 @@ class CaptureMode(TorchDispatchMode):
                 inputs.append(self._enter(t, rec, phase, module, location, stack, unread=_among(t, unread)))
         if self.collectives.awaited_groups:  # reads a collective's output: it completed (collectives.py)
             self.collectives.complete_inputs(info, args, kwargs, tensors)
+        checker = self._checker
+        # Before the call: an in-place op overwrites the inputs its check recomputes from.
+        plan = checker.prepare(func, args, kwargs) if checker is not None and call is func else None
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -281,6 +297,9 @@ class CaptureMode(TorchDispatchMode):
                 stack,
             )
         )
+        if plan is not None:
+            assert checker is not None
+            self._record_checks(op_id, checker.finish(plan, out))
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
@@ -362,6 +381,20 @@ class CaptureMode(TorchDispatchMode):
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
+
+    def _record_checks(self, op_id: int, checks: list[Check]) -> None:
+        """Append an op's self-check rows; a residual still on its device is read at ``take``."""
+        rows = self.check_rows
+        assert rows is not None
+        for check in checks:
+            residual, coarse = check.residual, check.coarse
+            if isinstance(residual, torch.Tensor):
+                self._pending_checks.append((len(rows), "residual", residual))
+                residual = float("nan")
+            if isinstance(coarse, torch.Tensor):
+                self._pending_checks.append((len(rows), "coarse", coarse))
+                coarse = float("nan")
+            rows.append((op_id, check.index, residual, check.limit, coarse, check.sampled, check.how))
 
     def _skip(self, reason: str) -> None:
         """Count a value recorded without statistics (or not recorded), by why."""
@@ -806,15 +839,18 @@ class CaptureMode(TorchDispatchMode):
             if rec is not None:
                 del self.ids.known[rec.key]
 
-    def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor]]:
-        """Hand over the buffered op rows, tensor rows and saved tensors, and start empty buffers."""
+    def take(self) -> tuple[Columns, Columns, dict[str, torch.Tensor], Columns | None]:
+        """Hand over the buffered op rows, tensor rows, saved tensors and self-check rows (None
+        when self-checks are off), and start empty buffers."""
         self.collectives.settle()
         self._gather_deferred_stats()
+        self._gather_deferred_checks()
         if self.watch is not None:
             self.watch.scan(self.rows, self.tensor_rows)
-        taken = self.rows, self.tensor_rows, self.saved
+        taken = self.rows, self.tensor_rows, self.saved, self.check_rows
         self.rows = Columns(OPS_SCHEMA, number_array=native.NUMBER_ARRAY)
         self.tensor_rows = Columns(TENSORS_SCHEMA, number_array=native.NUMBER_ARRAY)
+        self.check_rows = Columns(CHECKS_SCHEMA) if self._checker is not None else None
         self.saved, self.saved_bytes = {}, 0
         self._sweep()
         return taken
@@ -844,6 +880,15 @@ class CaptureMode(TorchDispatchMode):
         if keep < len(producers):
             tensors.truncate(keep)
             self._pending = [(index, packed) for index, packed in self._pending if index < keep]
+        checks = self.check_rows
+        if checks is not None and len(checks):
+            last = ops.values("op_id", len(ops) - 1)[0] if len(ops) else -1
+            checked = checks.values("op_id")
+            kept = len(checked)
+            while kept and checked[kept - 1] > last:
+                kept -= 1
+            checks.truncate(kept)
+            self._pending_checks = [pending for pending in self._pending_checks if pending[0] < kept]
 
     def _gather_deferred_stats(self) -> None:
         """Bring the statistics computed on accelerators to the host: one transfer per device."""
@@ -858,6 +903,19 @@ class CaptureMode(TorchDispatchMode):
             for (index, _), packed in zip(items, host):
                 for name, value in zip(STAT_COLUMNS, unpack_stats(packed)):
                     self.tensor_rows.set(index, name, value)
+
+    def _gather_deferred_checks(self) -> None:
+        """Bring the self-check residuals computed on accelerators to the host: one transfer per device."""
+        if not self._pending_checks or self.check_rows is None:
+            return
+        by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+        for pending in self._pending_checks:
+            by_device.setdefault(pending[2].device, []).append(pending)
+        self._pending_checks = []
+        for items in by_device.values():
+            host = torch.stack([value.reshape(()).to(torch.float64) for _, _, value in items]).cpu().tolist()
+            for (index, column, _), value in zip(items, host):
+                self.check_rows.set(index, column, value)
 
     def _sweep(self) -> None:
         """Forget the write history of view families nobody holds any more."""

@@ -28,6 +28,7 @@ DATA_MODES = ("stats", "tensors")
 RNG_MODES = ("device", "host")
 OVERFLOW_MODES = (None, "record", "raise")
 COMPILED_MODES = ("boundary", "graph")
+SELF_CHECK_MODES = ("off", "sample", "full")
 ERROR_MODES = ("warn", "raise")
 
 
@@ -49,6 +50,9 @@ class CaptureOptions:
     on_error: str = "warn"
     only: Selection | None = None
     compiled: str = "boundary"
+    self_check: str = "off"
+    self_check_sample: int = 16
+    self_check_seed: int = 0
 
     @classmethod
     def of(
@@ -68,6 +72,9 @@ class CaptureOptions:
         on_error: str = "warn",
         only: Selection | Mapping[str, Any] | str | None = None,
         compiled: str = "boundary",
+        self_check: str = "off",
+        self_check_sample: int = 16,
+        self_check_seed: int = 0,
     ) -> CaptureOptions:
         """The options ``TraceCompare(...)`` was given, checked and normalised (CaptureError if not)."""
         if data not in DATA_MODES:
@@ -82,6 +89,12 @@ class CaptureOptions:
             raise CaptureError(f"on_error must be one of {ERROR_MODES}, not {on_error!r}")
         if compiled not in COMPILED_MODES:
             raise CaptureError(f"compiled must be one of {COMPILED_MODES}, not {compiled!r}")
+        if self_check not in SELF_CHECK_MODES:
+            raise CaptureError(f"self_check must be one of {SELF_CHECK_MODES}, not {self_check!r}")
+        if isinstance(self_check_sample, bool) or not isinstance(self_check_sample, int) or self_check_sample < 1:
+            raise CaptureError(f"self_check_sample must be a positive number of elements, not {self_check_sample!r}")
+        if isinstance(self_check_seed, bool) or not isinstance(self_check_seed, int):
+            raise CaptureError(f"self_check_seed must be an integer, not {self_check_seed!r}")
         selected: frozenset[int] | None = None
         if steps is not None:
             try:
@@ -112,6 +125,9 @@ class CaptureOptions:
             on_error=on_error,
             only=selection,
             compiled=compiled,
+            self_check=self_check,
+            self_check_sample=self_check_sample,
+            self_check_seed=self_check_seed,
         )
 
     def manifest(self, model: torch.nn.Module | None) -> dict[str, Any]:
@@ -126,4 +142,7 @@ class CaptureOptions:
             "overflow": self.overflow,
             "only": None if self.only is None else self.only.to_dict(),
             "compiled": self.compiled,
+            "self_check": self.self_check,
+            "self_check_sample": self.self_check_sample,
+            "self_check_seed": self.self_check_seed,
         }

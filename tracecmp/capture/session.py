@@ -26,6 +26,7 @@ from tracecmp.capture.native import announce_references
 from tracecmp.capture.options import CaptureOptions
 from tracecmp.capture.rng import DropoutOff, Rewrites
 from tracecmp.capture.select import Selection
+from tracecmp.capture.selfcheck import SelfChecker
 from tracecmp.capture.watch import OverflowWatch
 from tracecmp.errors import (
     CaptureError,
@@ -99,6 +100,21 @@ def _rewrap_optimizer_steps() -> list[tuple[type, Any]]:
             cls.step.hooked = True  # type: ignore[attr-defined]
             rewrapped.append((cls, step))
     return rewrapped
+
+
+def _checker(opts: CaptureOptions) -> SelfChecker | None:
+    """The self-checker a session's options ask for, None when they are off."""
+    if opts.self_check == "off":
+        return None
+    # What the program declared float32 matmuls may run at ("high": TF32, "medium": bf16), on any
+    # device: CPU backends may take it too (oneDNN), and a check must not fail what was allowed.
+    declared = {"high": "tf32", "medium": "bf16"}.get(torch.get_float32_matmul_precision())
+    return SelfChecker(
+        sample=opts.self_check_sample,
+        seed=opts.self_check_seed,
+        full=opts.self_check == "full",
+        reduced_precision=declared,
+    )
 
 
 class TraceCompare:
@@ -177,6 +193,13 @@ class TraceCompare:
     A session records the process that opened it: a child forked while it runs (DataLoader
     workers) holds nothing of it and computes what it would without tracecmp.
 
+    ``self_check="sample"`` checks each op's own computation as it runs: a few of its output
+    elements (rows, for matmuls, convolutions and normalizations) computed again in float64 from
+    its own inputs, against what its dtype and precision allow (:mod:`tracecmp.capture.selfcheck`;
+    ``self_check_sample`` elements a call, drawn from a generator of tracecmp's own seeded by
+    ``self_check_seed``, never the program's). ``"full"`` recomputes every element. A fault in an
+    op's kernel is then seen with no bench at all, and where a bench run drifted far from the target.
+
     The keyword options, checked, are ``tc.options`` (:class:`~tracecmp.capture.options.CaptureOptions`).
 
     >>> import torch, tracecmp, tempfile
@@ -211,6 +234,9 @@ class TraceCompare:
         on_error: str = "warn",
         only: Selection | Mapping[str, Any] | str | None = None,
         compiled: str = "boundary",
+        self_check: str = "off",
+        self_check_sample: int = 16,
+        self_check_seed: int = 0,
     ) -> None:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise CaptureError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -229,6 +255,9 @@ class TraceCompare:
             on_error=on_error,
             only=only,
             compiled=compiled,
+            self_check=self_check,
+            self_check_sample=self_check_sample,
+            self_check_seed=self_check_seed,
         )
         # None: a fresh folder under $TRACECMP_DIR (capture/folders.py), made when the session starts.
         self.path: Path | None = None if path is None else Path(path)
@@ -351,6 +380,7 @@ class TraceCompare:
             only=opts.only,
             rank=rank,
             ddp=_ddp_module(self.model),
+            checker=_checker(opts),
         )
         self._regions = RegionCapture(self._mode, self._scope, locator, opts.compiled)
         TraceCompare._active = self
@@ -714,13 +744,13 @@ class TraceCompare:
             return
         if len(mode.rows) >= _PROGRESS_ROWS and sys.stderr.isatty():
             print(f"tracecmp: writing {len(mode.rows):,} ops up to step {self._step} ...", file=sys.stderr, flush=True)
-        rows, tensor_rows, saved = mode.take()
+        rows, tensor_rows, saved, checks = mode.take()
         compiled = self._regions.take() if self._regions is not None else None
         manifest = writer.writer.manifest
         if self.model is None and manifest["device"] == "cpu":
             manifest["device"] = mode.accelerator() or "cpu"
         try:
-            mode.chunk = writer.submit(rows, tensor_rows, saved or None, compiled, self._last_finished) + 1
+            mode.chunk = writer.submit(rows, tensor_rows, saved or None, compiled, self._last_finished, checks) + 1
             self._update_info()
             watch = mode.watch
             found = watch is not None and watch.found is not None and "first_overflow" not in manifest["info"]

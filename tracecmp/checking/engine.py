@@ -16,14 +16,15 @@ from typing import Iterable
 import pandas as pd
 
 from tracecmp.aten.opclass import classify
+from tracecmp.aten.rounding import REDUCED_MODELS
 from tracecmp.checking.result import NODE_COLUMNS, CheckResult
 from tracecmp.checking.standards import OpVerdict, Standards, judge_replay
 from tracecmp.checking.statistics import StatisticsChecker
 from tracecmp.errors import TracecmpError
+from tracecmp.graph.checks import OwnCheck, own_checks
 from tracecmp.numerics.fits import FIT_BOUND, ModelFit, model_fits
 from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precision_possible
 from tracecmp.numerics.replay import OwnError, Replayer, Skipped, auto_workers, replay_ops, run_in_workers
-from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.numerics.units import EPS
 from tracecmp.trace.reader import RankTrace, Trace, load
 from tracecmp.verdict.progress import Progress, shown
@@ -112,6 +113,11 @@ def check(
     first = divergences[0] if divergences else None
     suspects = sorted(divergences, key=lambda d: (-d.score if not math.isnan(d.score) else 0.0, d.step, d.op_id))
     evidence = _evidence(evidence_kinds, warnings)
+    if evidence_kinds & {"self-check", "statistics"}:
+        notes.append(
+            "a pass says each op computed what its arguments asked; a changed argument or op (a GELU "
+            "approximation, an eps) needs a bench run: tracecmp compare TARGET BENCH"
+        )
     steps_seen = sorted({int(s) for s in nodes["step"].unique()}) if len(nodes) else []
     return CheckResult(
         trace=trace,
@@ -191,6 +197,11 @@ def _evidence(evidence_kinds: set[str], warnings: list[str]) -> str:
     """What the verdicts rest on ("tensors", "statistics", "mixed" or "none"), warning where
     statistics alone are."""
     evidence = "mixed" if len(evidence_kinds) > 1 else (next(iter(evidence_kinds)) if evidence_kinds else "none")
+    if evidence_kinds == {"self-check"}:
+        evidence = "self-check"
+    elif evidence_kinds - {"self-check"}:
+        kinds = evidence_kinds - {"self-check"}
+        evidence = "mixed" if len(evidence_kinds) > 1 else next(iter(kinds))
     if "statistics" in evidence_kinds:
         warnings.append(
             "statistics-only evidence for some ops: judged on random inputs drawn to their statistics, which "
@@ -238,8 +249,28 @@ def _check_rank(rank: RankTrace, ops: pd.DataFrame, run: _CheckRun) -> dict[int,
             )
         fallback = op_ids
     if fallback:
+        checked = own_checks(rank.checks, dict(zip(rank.ops["op_id"].tolist(), rank.ops["op"].tolist())))
+        for op_id in [o for o in fallback if o in checked]:
+            verdicts[op_id] = _self_check_verdict(op_id, checked[op_id])
+        fallback = [o for o in fallback if o not in checked]
+    if fallback:
         verdicts.update(_statistics_verdicts(rank, fallback, count, run))
     return verdicts
+
+
+def _self_check_verdict(op_id: int, check: OwnCheck) -> OpVerdict:
+    """An op judged by its own check at capture: its sampled outputs against float64 values
+    recomputed from its own inputs (capture/selfcheck.py)."""
+    score = check.residual / check.limit if check.limit > 0 else math.inf
+    metrics = {"self_check_residual": check.residual, "self_check_limit": check.limit}
+    checks = f"self-check ({check.how}, {check.sampled})"
+    if check.failed:
+        return OpVerdict(
+            op_id, "error", "self-check", check.describe(), "computation", score, metrics=metrics, checks=checks
+        )
+    if math.isnan(check.residual):
+        return OpVerdict(op_id, "skipped", reason="its self-check at capture measured nothing")
+    return OpVerdict(op_id, "pass", "self-check", check.describe(), score=score, metrics=metrics, checks=checks)
 
 
 def _replay_verdicts(

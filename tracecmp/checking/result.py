@@ -54,7 +54,8 @@ class CheckResult:
 
     ``nodes`` has one row per computing op (see :data:`NODE_COLUMNS`): ``status`` is pass,
     warning, error or skipped; ``evidence`` "tensors" (replayed on its recorded inputs) or
-    "statistics" (on random inputs drawn to its statistics: weaker); ``own_error`` and
+    "statistics" (on random inputs drawn to its statistics: weaker) or "self-check" (its
+    outputs recomputed in float64 from its own inputs at capture, on a sample); ``own_error`` and
     ``honest_error`` the normwise relative errors of the recorded output and of an honest replay
     against float64; ``error_units`` the former in rounding units of the dtype; ``reason`` the
     finding, or why the op was skipped.
@@ -70,7 +71,7 @@ class CheckResult:
     standards: Standards = field(default_factory=Standards)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    evidence: str = "tensors"  # "tensors", "statistics", "mixed" or "none"
+    evidence: str = "tensors"  # "tensors", "statistics", "self-check", "mixed" or "none"
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
 
@@ -97,7 +98,7 @@ class CheckResult:
         status = self.nodes["status"].value_counts()
         out = {"ops": len(self.nodes), **{s: int(status.get(s, 0)) for s in ("pass", "warning", "error", "skipped")}}
         evidence = self.nodes.loc[self.nodes["status"] != "skipped", "evidence"].value_counts()
-        for name in ("tensors", "statistics"):
+        for name in ("tensors", "self-check", "statistics"):
             if evidence.get(name, 0):
                 out[f"by {name}"] = int(evidence[name])
         return out
@@ -212,6 +213,8 @@ class CheckResult:
         evidence = str(row.iloc[0]["evidence"])
         if evidence == "statistics":
             return "statistics only (random inputs drawn to the recorded statistics): weaker than a replay of recorded inputs"
+        if evidence == "self-check":
+            return "its own check at capture: sampled outputs recomputed in float64 from its own inputs"
         return "a replay of its recorded inputs in float64 and in its own dtypes"
 
     def to_frame(self) -> pd.DataFrame:

@@ -43,10 +43,10 @@ from typing import Any
 import torch
 
 from tracecmp.aten.opclass import classify
+from tracecmp.aten.rounding import reduced_models
 from tracecmp.checking.standards import OpVerdict, Standards
 from tracecmp.numerics.replay.calls import calls_of, invoke, returned_tensors, static_skip_reason
 from tracecmp.numerics.replay.records import RecordedOp
-from tracecmp.numerics.rounding import reduced_models
 from tracecmp.numerics.units import EPS
 
 _PIN = 1e-13  # a statistic agreeing this closely (of its scale) across draws is pinned

@@ -102,6 +102,20 @@ def add_capture_options(parser: argparse.ArgumentParser) -> None:
         help="hand steps to the writer every S seconds (default 1)",
     )
     parser.add_argument(
+        "--self-check",
+        choices=("off", "sample", "full"),
+        default="off",
+        help="check each op's own computation against its inputs in float64 as it runs: on a sample "
+        "of its outputs, or all of them (default off)",
+    )
+    parser.add_argument(
+        "--self-check-sample",
+        type=int,
+        default=16,
+        metavar="N",
+        help="with --self-check sample: output elements (or rows) checked per op call (default 16)",
+    )
+    parser.add_argument(
         "--on-error",
         choices=("warn", "raise"),
         default="warn",
@@ -144,6 +158,8 @@ def capture_options(args: argparse.Namespace) -> dict[str, Any]:
         "flush_secs": args.flush_secs,
         "overwrite": args.force,
         "on_error": args.on_error,
+        "self_check": args.self_check,
+        "self_check_sample": args.self_check_sample,
     }
 
 
@@ -152,6 +168,7 @@ def options_argv(args: argparse.Namespace) -> list[str]:
     argv = ["-o", args.out] if args.out else []
     argv += ["--steps", "all" if args.steps is None else ",".join(map(str, sorted(args.steps)))]
     argv += ["--data", args.data, "--rng", args.rng, "--flush-secs", repr(args.flush_secs), "--on-error", args.on_error]
+    argv += ["--self-check", args.self_check, "--self-check-sample", str(args.self_check_sample)]
     for flag, on in (
         ("--force", args.force),
         ("--stack", args.stack),

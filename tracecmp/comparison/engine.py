@@ -29,6 +29,7 @@ from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.errors import CompareError
 from tracecmp.graph import view_bases
+from tracecmp.graph.checks import own_checks
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precision_possible
 from tracecmp.numerics.replay import OwnError, RegionReplay, replay_rank, replay_regions
@@ -209,6 +210,10 @@ def _node_table(
     own_errors = {(ri.rank, op): own for ri in rank_inputs for op, own in ri.own_errors.items()}
     nodes["own_error"] = [own_errors[k].error if k in own_errors else math.nan for k in keys]
     nodes["honest_error"] = [own_errors[k].honest if k in own_errors else math.nan for k in keys]
+    checks = {(ri.rank, op): c for ri in rank_inputs for op, c in ri.own_checks.items()}
+    nodes["self_check"] = [
+        checks[k].residual / checks[k].limit if k in checks and checks[k].limit > 0 else math.nan for k in keys
+    ]
     return nodes[list(NODE_COLUMNS)]
 
 
@@ -300,6 +305,7 @@ def _prepare_rank(
         inf_only=inf_only,
         reentered=_reentered(t_ops, t_lists, t_ten),
         unrecorded=_unrecorded(pairs, t_lists, b_lists, t_ten, b_ten),
+        own_checks=own_checks(t_rank.checks, dict(zip(t_ops["op_id"].tolist(), t_ops["op"].tolist()))),
     )
     measured_frame.insert(0, "rank", rank)
     return rank_input, _node_frame(t_ops, rank, pairs, match.member_of), measured_frame, unpaired

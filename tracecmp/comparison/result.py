@@ -33,6 +33,7 @@ NODE_COLUMNS = (
     "introduced",
     "own_error",
     "honest_error",
+    "self_check",
     "metric",
     "root_kind",
     "reason",
@@ -52,7 +53,9 @@ class CompareResult:
     ``nodes`` has one row per target node (see :data:`NODE_COLUMNS`; ``status`` is one of
     :data:`tracecmp.verdict.records.STATUSES`, ``error``/``introduced`` are in rounding units of the
     node's dtype; ``own_error``/``honest_error`` are the replay's relative errors of the recorded
-    output and of an honest replay, NaN where the op was not replayed); ``tensors`` one row per
+    output and of an honest replay, NaN where the op was not replayed; ``self_check`` the
+    target's own check at capture, its residual over what the op's dtype allows (over 1 failed),
+    NaN where it was not checked); ``tensors`` one row per
     compared tensor; ``unpaired_bench`` the bench nodes that
     found no partner.
 

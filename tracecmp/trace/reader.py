@@ -17,6 +17,7 @@ from tracecmp.errors import TraceFormatError, TraceNotFoundError, TraceVersionEr
 from tracecmp.trace import boundedjson
 from tracecmp.trace.compiled import CompiledRecord
 from tracecmp.trace.schema import (
+    CHECKS_SCHEMA,
     FORMAT_NAME,
     FORMAT_VERSION,
     OPS_SCHEMA,
@@ -222,6 +223,8 @@ class RankTrace:
     tensors_table: pa.Table
     data_files: dict[int, Path] = field(default_factory=dict)
     compiled: CompiledRecord = field(default_factory=CompiledRecord)  # torch.compile'd regions, if any
+    # Self-checks at capture (CHECKS_SCHEMA), None where the run was recorded without them
+    checks_table: pa.Table | None = None
 
     @property
     def complete(self) -> bool:
@@ -270,6 +273,12 @@ class RankTrace:
         with nulls would become float64 in pandas and keep only 53 of the checksum's 64 bits.
         """
         return _fill_integer_nulls(self.tensors_table).to_pandas()
+
+    @cached_property
+    def checks(self) -> pd.DataFrame | None:
+        """One row per op output the capture checked against its own inputs (``residual`` over
+        ``limit`` is a failed check); None where the run was recorded without self-checks."""
+        return None if self.checks_table is None else self.checks_table.to_pandas()
 
     def load_tensor(self, tensor_id: int) -> Any:
         """The saved tensor ``tensor_id`` (only with ``data="tensors"``), read through safetensors."""
@@ -351,7 +360,7 @@ def load_rank(folder: Path) -> RankTrace:
     manifest = read_manifest(folder / RANK_MANIFEST, "rank manifest")
     _check_fields(manifest, _RANK_FIELDS, folder / RANK_MANIFEST)
     chunks = _chunk_records(folder, manifest)
-    ops_parts, tensor_parts, data_files, compiled_parts = [], [], {}, []
+    ops_parts, tensor_parts, data_files, compiled_parts, check_parts = [], [], {}, [], []
     for index, chunk in enumerate(chunks):
         ops_table = _read_table(_check_file(folder, chunk.get("ops"), "ops"), OPS_SCHEMA)
         tensors_table = _read_table(_check_file(folder, chunk.get("tensors"), "tensors"), TENSORS_SCHEMA)
@@ -364,6 +373,13 @@ def load_rank(folder: Path) -> RankTrace:
         tensor_parts.append(tensors_table)
         if "data" in chunk:
             data_files[index] = _check_file(folder, chunk["data"], "data")
+        if "checks" in chunk:
+            checks_table = _read_table(_check_file(folder, chunk["checks"], "checks"), CHECKS_SCHEMA)
+            if checks_table.num_rows != rows.get("checks"):
+                raise TraceFormatError(
+                    "chunk's self-checks hold another row count than its record", path=folder / chunk_record_name(index)
+                )
+            check_parts.append(checks_table)
         if "compiled" in chunk:
             compiled_parts.append(
                 _read_json(_check_file(folder, chunk["compiled"], "compiled"), "compiled-regions record")
@@ -371,6 +387,13 @@ def load_rank(folder: Path) -> RankTrace:
     ops = pa.concat_tables(ops_parts) if ops_parts else OPS_SCHEMA.empty_table()
     tensors = pa.concat_tables(tensor_parts) if tensor_parts else TENSORS_SCHEMA.empty_table()
     _check_references(folder, ops, tensors)
+    checks = None
+    if check_parts:
+        if len(check_parts) != len(chunks):
+            raise TraceFormatError("only some chunks hold self-checks", path=folder)
+        checks = pa.concat_tables(check_parts)
+        if len(checks) and not pc.all(pc.is_in(checks.column("op_id"), value_set=ops.column("op_id"))).as_py():
+            raise TraceFormatError("self-checks name ops the trace does not hold", path=folder)
     try:
         compiled = CompiledRecord.from_json(compiled_parts)
     except TraceFormatError as exc:
@@ -379,7 +402,7 @@ def load_rank(folder: Path) -> RankTrace:
     manifest["ops"] = ops.num_rows
     manifest["tensors"] = tensors.num_rows
     manifest["steps"] = sorted({s for chunk in chunks for s in chunk.get("steps", [])})
-    return RankTrace(manifest.get("rank", 0), folder, manifest, ops, tensors, data_files, compiled)
+    return RankTrace(manifest.get("rank", 0), folder, manifest, ops, tensors, data_files, compiled, checks)
 
 
 def _check_references(folder: Path, ops: pa.Table, tensors: pa.Table) -> None:

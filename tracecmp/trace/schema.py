@@ -9,6 +9,8 @@ A trace is one folder per run::
     RUN/rank<R>/tensors-<K>.parquet  one row per tensor value (a version: in-place ops make new ones)
     RUN/rank<R>/data-<K>.safetensors whole tensors, only with ``data="tensors"``
     RUN/rank<R>/compiled-<K>.json  torch.compile'd regions: their graphs and calls (trace/compiled.py)
+    RUN/rank<R>/checks-<K>.parquet one row per self-checked op output (capture/selfcheck.py), with
+                                   ``self_check`` on
 
 A chunk's files are written to temporary names and renamed, then its commit record (also renamed
 into place) lists them with their size and CRC-32; a reader trusts only recorded chunks whose bytes
@@ -88,6 +90,23 @@ TENSORS_SCHEMA = pa.schema(
         ("inf_count", pa.int64()),
         ("checksum", pa.int64()),
         ("data_key", pa.string()),  # key in the chunk's safetensors file, "" if not saved
+    ]
+)
+
+
+# An op's own computation checked at capture on a sample of its outputs, in float64 from its own
+# inputs (capture/selfcheck.py): one row per checked output. An op without rows was not checked.
+CHECKS_SCHEMA = pa.schema(
+    [
+        ("op_id", pa.int64()),
+        ("index", pa.int32()),  # position among the op's tensor outputs
+        ("residual", pa.float64()),  # largest sampled |output - float64 value| in the op's own allowance
+        ("limit", pa.float64()),  # the residual an honest kernel stays within (dtype, precision, length)
+        # A float32 matmul/conv allowed reduced precision (TF32): its residual under that precision's
+        # whole allowance, in units of limit; ``residual`` is then its best rounding model's. Else equal.
+        ("coarse", pa.float64()),
+        ("sampled", pa.int32()),  # output elements (or rows) recomputed
+        ("how", pa.string()),  # "pointwise", "rows", "batch", "full", "exact"
     ]
 )
 

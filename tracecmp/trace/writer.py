@@ -20,6 +20,7 @@ from tracecmp.errors import TracecmpError
 from tracecmp.trace.args import memory_order
 from tracecmp.trace.columns import Columns
 from tracecmp.trace.schema import (
+    CHECKS_SCHEMA,
     FORMAT_NAME,
     FORMAT_VERSION,
     MEMORY_ORDER_KEY,
@@ -210,7 +211,7 @@ def remove_extra_ranks(root: Path, world_size: int) -> None:
             pass  # something of the user's is in it: leave the folder
 
 
-_TRACE_FILES = ("chunk-*", "ops-*", "tensors-*", "data-*", "compiled-*", "*.tmp")
+_TRACE_FILES = ("chunk-*", "ops-*", "tensors-*", "data-*", "compiled-*", "checks-*", "*.tmp")
 
 
 class RankWriter:
@@ -274,12 +275,18 @@ class RankWriter:
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] = (),
         compiled: Mapping[str, Any] | None = None,
+        checks: Mapping[str, Sequence[Any]] | None = None,
     ) -> None:
-        """Commit one chunk given as column lists for ops and tensors, and optionally whole tensors
-        and the record of compiled regions."""
+        """Commit one chunk given as column lists for ops and tensors, and optionally whole tensors,
+        the record of compiled regions and self-checks."""
         ops_table = pa.Table.from_pydict({k: ops[k] for k in OPS_SCHEMA.names}, schema=OPS_SCHEMA)
         tensors_table = pa.Table.from_pydict({k: tensors[k] for k in TENSORS_SCHEMA.names}, schema=TENSORS_SCHEMA)
-        self.write_tables(ops_table, tensors_table, data, steps, compiled=compiled)
+        checks_table = (
+            None
+            if checks is None
+            else pa.Table.from_pydict({k: checks[k] for k in CHECKS_SCHEMA.names}, schema=CHECKS_SCHEMA)
+        )
+        self.write_tables(ops_table, tensors_table, data, steps, compiled=compiled, checks=checks_table)
 
     def write_rows(
         self,
@@ -287,9 +294,17 @@ class RankWriter:
         tensor_rows: Columns,
         data: Mapping[str, torch.Tensor] | None = None,
         compiled: Mapping[str, Any] | None = None,
+        checks: Columns | None = None,
     ) -> None:
-        """Commit one chunk given as capture's row buffers (``OPS_SCHEMA`` and ``TENSORS_SCHEMA``)."""
-        self.write_tables(op_rows.table(), tensor_rows.table(), data, compiled=compiled)
+        """Commit one chunk given as capture's row buffers (``OPS_SCHEMA``, ``TENSORS_SCHEMA`` and
+        ``CHECKS_SCHEMA``)."""
+        self.write_tables(
+            op_rows.table(),
+            tensor_rows.table(),
+            data,
+            compiled=compiled,
+            checks=None if checks is None else checks.table(),
+        )
 
     def write_tables(
         self,
@@ -298,11 +313,14 @@ class RankWriter:
         data: Mapping[str, torch.Tensor] | None = None,
         steps: Sequence[int] | None = None,
         compiled: Mapping[str, Any] | None = None,
+        checks: pa.Table | None = None,
     ) -> None:
         """Commit one chunk: its two tables (``steps``: those its ops belong to, read from them when None).
 
         ``compiled`` is the chunk's record of compiled regions (:mod:`tracecmp.trace.compiled`),
-        written as ``compiled-<K>.json`` when given.
+        written as ``compiled-<K>.json`` when given; ``checks`` its self-checks
+        (``CHECKS_SCHEMA``), written as ``checks-<K>.parquet`` when given, even empty: a chunk
+        recorded with self-checks on says so.
 
         The chunk's record ``chunk-<K>.json`` (its files' sizes and CRC-32s, row counts, steps) is
         renamed into place last: it is the commit. Each chunk costs the same whatever came before,
@@ -316,6 +334,7 @@ class RankWriter:
             f"tensors-{index:05d}.parquet",
             f"data-{index:05d}.safetensors",
             f"compiled-{index:05d}.json",
+            f"checks-{index:05d}.parquet",
         )
         try:
             entry: dict[str, Any] = {
@@ -342,6 +361,9 @@ class RankWriter:
             if compiled:
                 text = json.dumps(compiled, separators=(",", ":"), allow_nan=False).encode()
                 entry["compiled"] = self._commit(names[3], [text])
+            if checks is not None:
+                entry["checks"] = self._commit(names[4], [parquet_bytes(checks)])
+                entry["rows"]["checks"] = checks.num_rows
             write_json_atomic(self.dir / chunk_record_name(index), entry, fsync=self.fsync)
         except BaseException:
             for name in names:  # no record lists them: readers ignore them, a full disk wants the space
@@ -408,17 +430,18 @@ class BackgroundWriter:
         data: Mapping[str, torch.Tensor] | None = None,
         compiled: Mapping[str, Any] | None = None,
         whole_through: int | None = None,
+        checks: Columns | None = None,
     ) -> int:
         """Hand over one chunk (rows the caller no longer touches); returns its index.
 
         ``compiled``: the chunk's record of compiled regions. ``whole_through``: the last step whose
-        ops are all in this chunk or in earlier ones.
+        ops are all in this chunk or in earlier ones. ``checks``: its self-check rows.
         """
         self._raise_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tracecmp-writer", daemon=True)
             self._thread.start()
-        self._queue.put((op_rows, tensor_rows, data, compiled, whole_through))
+        self._queue.put((op_rows, tensor_rows, data, compiled, checks, whole_through))
         index = self.submitted
         self.submitted = index + 1
         return index
@@ -466,8 +489,8 @@ class BackgroundWriter:
                 if item is None:
                     return
                 if self._error is None:
-                    *chunk, whole_through = item
-                    self.writer.write_rows(*chunk)
+                    op_rows, tensor_rows, data, compiled, checks, whole_through = item
+                    self.writer.write_rows(op_rows, tensor_rows, data, compiled, checks)
                     if whole_through is not None:
                         self.last_step = whole_through
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread, never lost

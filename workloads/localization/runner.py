@@ -36,7 +36,7 @@ MODEL_SEED = 1234
 DATA_MODES = ("stats", "tensors")
 # What both runs record (``TraceCompare(data=...)``); ``--data`` sets it in every worker. With
 # tensors, compare also replays each target op on its recorded inputs (tracecmp.numerics.replay).
-CAPTURE = {"data": "stats"}
+CAPTURE = {"data": "stats", "self_check": "off"}
 
 
 class HarnessError(Exception):
@@ -147,7 +147,9 @@ def record_run(family: str, plan: Plan, path: Path, weight: str = "", weight_see
     torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
     try:
         with injector.outer():
-            with tracecmp.TraceCompare(str(path), model=workload.model, data=CAPTURE["data"]) as tc:
+            with tracecmp.TraceCompare(
+                str(path), model=workload.model, data=CAPTURE["data"], self_check=CAPTURE["self_check"]
+            ) as tc:
                 with injector.inner():
                     workload.train_step(optimizer)
                 tc.step()

@@ -8,6 +8,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from tracecmp.aten.opclass import base_name, classify, given_nonfinite, is_collective
+from tracecmp.aten.rounding import REDUCED_MODELS
 from tracecmp.comparison.localize.arguments import arg_difference, structure_note
 from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN, group_key
 from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
@@ -16,7 +17,6 @@ from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node
 from tracecmp.numerics.fits import ModelFit
 from tracecmp.numerics.replay import OwnError
-from tracecmp.numerics.rounding import REDUCED_MODELS
 from tracecmp.numerics.units import EPS, FP32_EPS, REDUCED_EPS, TINY
 from tracecmp.trace.compiled import BOUNDARY_OPS
 
@@ -64,6 +64,11 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
     if any(s.nonfinite_mismatch and s.given for s in outs):
         # NaN/Inf the program handed in differ from the bench's: mean and norm say nothing then.
         return Decision("", "", "nan_count", -1)
+    own_check = ri.own_checks.get(op_id) if kind == "op" else None
+    if own_check is not None and own_check.failed:
+        # The op's output, recomputed in float64 from its own inputs at capture, is off by more
+        # than its dtype allows: its own evidence, whatever its inputs carried or drifted.
+        return Decision("computation", own_check.describe(), "self_check", -1, True)
     if not j.inputs_exact and moves_data(node, ctx):
         # Its outputs hold what its inputs held, so what differs came in with them. Statistics
         # could say otherwise: a slice of a DDP bucket shows the bucket's error against its own,
@@ -91,6 +96,10 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
         # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
         # replay decides; the statistics only estimated.
         return Decision("", "", "replay", -1)
+    if not strict and not replayed and own_check is not None and own_check.passed:
+        # Statistics against the bench only estimated what the inputs explain; the op's own
+        # check at capture found it computing what its inputs and arguments ask.
+        return Decision("", "", "self_check", -1)
     return _root(j, node, ctx, (channel, e, x, part), replayed)
 
 

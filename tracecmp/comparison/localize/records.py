@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from tracecmp.aten.opclass import OpClass
 from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.graph.checks import OwnCheck
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import ModelFit
 from tracecmp.numerics.replay import OwnError, RegionReplay
@@ -78,6 +79,8 @@ class RankInput:
     # Outputs of paired ops that neither trace holds statistics of: unknown, but no reason to call
     # their op uncompared when its other outputs are measured
     unrecorded: frozenset[int] = frozenset()
+    # The target's self-checks at capture (graph.checks): op id -> its worst output's check
+    own_checks: Mapping[int, OwnCheck] = field(default_factory=dict)
 
 
 @dataclass

@@ -15,10 +15,10 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from tracecmp.aten.opclass import base_name
+from tracecmp.aten.rounding import FP32_UNIT
 from tracecmp.aten.schema import resolve
 from tracecmp.numerics.replay.calls import invoke, last_error, returned_tensors
 from tracecmp.numerics.replay.records import OwnError
-from tracecmp.numerics.rounding import FP32_UNIT
 from tracecmp.numerics.units import TINY
 from tracecmp.trace.args import memory_order
 

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from tracecmp.aten.rounding import FP32_UNIT, REDUCED_MODELS, correctly_rounded, reduced_models
 from tracecmp.aten.schema import SCRATCH_NAMES
 from tracecmp.numerics.replay.calls import calls_of, invoke, last_error, returned_tensors, static_skip_reason
 from tracecmp.numerics.replay.measure import (
@@ -34,7 +35,6 @@ from tracecmp.numerics.replay.measure import (
     shared_order,
 )
 from tracecmp.numerics.replay.records import Call, OwnError, RecordedOp, Skipped
-from tracecmp.numerics.rounding import FP32_UNIT, REDUCED_MODELS, correctly_rounded, reduced_models
 from tracecmp.trace.saved import SavedTensors
 
 CACHE_BYTES = 256 << 20  # recent recorded values kept while walking (the next op mostly reads them)

@@ -13,10 +13,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from tracecmp.aten.rounding import REDUCED_MODELS
 from tracecmp.errors import TracecmpError, TraceFormatError
 from tracecmp.numerics.replay.records import OwnError, Skipped
 from tracecmp.numerics.replay.replayer import CACHE_BYTES, Replayer
-from tracecmp.numerics.rounding import REDUCED_MODELS
 
 _PROGRESS_EVERY = 1000
 

@@ -1,0 +1,315 @@
+"""The capture-time self-check recomputes sampled outputs in float64 and tells kernel faults from rounding."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tracecmp.capture.selfcheck import Check, SelfChecker
+
+aten = torch.ops.aten
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _run(
+    func: Any, args: tuple, kwargs: dict | None = None, *, tamper: Callable | None = None, **opts: Any
+) -> list[Check]:
+    """prepare / op / finish as the recording mode does; ``tamper`` fakes a faulty kernel's output."""
+    kwargs = kwargs or {}
+    checker = SelfChecker(**opts)
+    plan = checker.prepare(func, args, kwargs)
+    assert plan is not None, func
+    out = func(*args, **kwargs)
+    checks = checker.finish(plan, tamper(out) if tamper else out)
+    assert checks, func
+    return checks
+
+
+def _randn(
+    gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, positive: bool = False
+) -> torch.Tensor:
+    t = torch.randn(*shape, generator=gen)
+    return (t.abs() if positive else t).to(dtype)
+
+
+def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> list[tuple[str, Any, tuple, dict]]:
+    """One call of each checked kind, with inputs of ``dtype`` and accumulation length ``k``."""
+    r = lambda *s: _randn(gen, *s, dtype=dtype, positive=positive)
+    a, b, a_t = r(24, k), r(k, 20), r(k, 24).t()  # a_t: a transposed (strided) operand
+    y = torch.softmax(r(6, k).float(), 1).to(dtype)
+    return [
+        ("mm", aten.mm.default, (a, b), {}),
+        ("mm strided", aten.mm.default, (a_t, b), {}),
+        ("addmm", aten.addmm.default, (r(20), a, b), {"beta": 0.5, "alpha": 2.0}),
+        ("bmm", aten.bmm.default, (r(3, 5, k), r(3, k, 4)), {}),
+        ("baddbmm", aten.baddbmm.default, (r(1, 5, 1), r(3, 5, k), r(3, k, 4)), {}),
+        ("mv", aten.mv.default, (a, r(k)), {}),
+        ("addmv", aten.addmv.default, (r(24), a, r(k)), {}),
+        ("dot", aten.dot.default, (r(k), r(k)), {}),
+        ("sum rows", aten.sum.dim_IntList, (a, [1]), {}),
+        ("sum strided", aten.sum.dim_IntList, (a_t, [1]), {}),
+        ("sum of squares", aten.sum.dim_IntList, (a * a, [1]), {}),
+        ("mean keepdim", aten.mean.dim, (r(4, k, 3), [1], True), {}),
+        ("softmax", aten._softmax.default, (a, 1, False), {}),
+        ("log_softmax", aten._log_softmax.default, (a_t, 1, False), {}),
+        ("softmax backward", aten._softmax_backward_data.default, (r(6, k), y, 1, dtype), {}),
+        ("log_softmax backward", aten._log_softmax_backward_data.default, (r(6, k), y.log(), 1, dtype), {}),
+        ("layer_norm", aten.native_layer_norm.default, (a + 3, [k], r(k), r(k), 1e-5), {}),
+    ]
+
+
+def _pointwise_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, Any, tuple, dict]]:
+    r = lambda *s: _randn(gen, *s, dtype=dtype)
+    return [
+        ("add alpha", aten.add.Tensor, (r(8, 16), r(16)), {"alpha": -0.3}),
+        ("sub", aten.sub.Tensor, (r(8, 16).t(), r(16, 1)), {}),
+        ("mul_ in place", aten.mul_.Tensor, (r(8, 16), 2.5), {}),
+        ("div", aten.div.Tensor, (r(8, 16), r(8, 16)), {}),
+        ("addcmul", aten.addcmul.default, (r(8, 16), r(8, 16), r(16)), {"value": 0.7}),
+        ("lerp", aten.lerp.Scalar, (r(8, 16), r(8, 16), 0.3), {}),
+        ("exp", aten.exp.default, (r(8, 16),), {}),
+        ("gelu", aten.gelu.default, (r(8, 16) * 3,), {}),
+        ("gelu tanh", aten.gelu.default, (r(8, 16) * 3,), {"approximate": "tanh"}),
+        ("silu", aten.silu.default, (r(8, 16),), {}),
+        ("tanh", aten.tanh.default, (r(8, 16),), {}),
+        ("sigmoid", aten.sigmoid.default, (r(8, 16),), {}),
+        ("rsqrt", aten.rsqrt.default, (r(8, 16).abs(),), {}),
+        ("pow", aten.pow.Tensor_Scalar, (r(8, 16), 3), {}),
+        ("where", aten.where.self, (r(8, 16) > 0, r(8, 16), r(1)), {}),
+    ]
+
+
+def _conv_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, Any, tuple, dict]]:
+    r = lambda *s: _randn(gen, *s, dtype=dtype)
+    transposed = (r(2, 4, 6, 6), r(4, 3, 3, 3), r(3), [2, 2], [1, 1], [1, 1], True, [1, 1], 1)
+    return [
+        *([("conv transposed", aten.convolution.default, transposed, {})] if dtype == torch.float32 else []),
+        (
+            "conv2d",
+            aten.convolution.default,
+            (r(2, 8, 10, 10), r(6, 8, 3, 3), r(6), [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+            {},
+        ),
+        ("conv1d grouped", aten.convolution.default, (r(2, 8, 30), r(8, 4, 5), None, [2], [2], [1], False, [0], 2), {}),
+    ]
+
+
+def _all_cases(
+    gen: torch.Generator, dtype: torch.dtype, k: int, positive: bool = False
+) -> list[tuple[str, Any, tuple, dict]]:
+    return [*_cases(gen, dtype, positive, k), *_pointwise_cases(gen, dtype), *_conv_cases(gen, dtype)]
+
+
+def _bigger(out: Any, factor: float) -> Any:
+    return tuple(t * factor for t in out) if isinstance(out, tuple) else out * factor
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampled_residual_agrees_with_a_full_float64_replay(dtype: torch.dtype) -> None:
+    # A sample's largest residual never exceeds the full replay's; both are within the bound.
+    gen = torch.Generator().manual_seed(0)
+    for name, func, args, kwargs in _all_cases(gen, dtype, 33):
+        full = _run(func, args, kwargs, full=True)
+        sampled = _run(func, args, kwargs, sample=4, seed=3)
+        for s, f in zip(sampled, full):
+            assert s.index == f.index and s.how == f.how, name
+            assert s.residual <= f.residual + 1e-12 <= f.limit, (name, s, f)
+            assert f.sampled >= s.sampled, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("positive", [False, True])
+def test_honest_kernels_stay_within_the_limit(dtype: torch.dtype, positive: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for k in (1, 7, 130, 4096) if dtype == torch.float32 else (1, 64, 1024):
+        for seed in range(2):
+            for name, func, args, kwargs in _cases(gen, dtype, positive, k):
+                for check in _run(func, args, kwargs, seed=seed):
+                    assert 0 <= check.residual <= check.limit, (name, k, check)
+    for name, func, args, kwargs in [*_pointwise_cases(gen, dtype), *_conv_cases(gen, dtype)]:
+        for check in _run(func, args, kwargs, sample=64):
+            assert 0 <= check.residual <= check.limit, (name, check)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_honest_within_limit_at_any_thread_count(threads: int) -> None:
+    gen, before = torch.Generator().manual_seed(2), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in DTYPES:
+            big = _randn(gen, 3, 20000, dtype=dtype)
+            for func, args in [
+                (aten.sum.default, (big,)),
+                (aten.sum.dim_IntList, (big, [1])),
+                (aten.mean.default, (big.abs(),)),
+            ]:
+                for check in _run(func, args):
+                    assert check.residual <= check.limit, (func, dtype, check)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_copies_are_exact_and_casts_round_once() -> None:
+    x = torch.randn(9, 7).t()
+    assert _run(aten.clone.default, (x,))[0][1:5] == (0.0, 0.0, 16, "exact")
+    (cast,) = _run(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+    assert cast.limit == 0.5 and 0 < cast.residual <= 0.5
+    (copied,) = _run(aten.copy_.default, (torch.zeros(4, 5), torch.randn(5)))
+    assert copied.residual == 0.0
+    (embedded,) = _run(aten.embedding.default, (torch.randn(10, 8), torch.tensor([[1, 2], [3, 9]])))
+    assert embedded.residual == 0.0
+    (wrong,) = _run(aten.clone.default, (x,), tamper=lambda o: o + 1e-6)
+    assert wrong.residual > wrong.limit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_scaled_output_exceeds_the_limit(dtype: torch.dtype) -> None:
+    factor = 1 + (1e-3 if dtype == torch.float32 else 0.05)
+    gen = torch.Generator().manual_seed(4)
+    for positive in (False, True):
+        for k in (7, 130, 4096) if dtype == torch.float32 else (7, 512):
+            for name, func, args, kwargs in _all_cases(gen, dtype, k, positive):
+                check = _run(func, args, kwargs, tamper=lambda o: _bigger(o, factor))[0]
+                assert check.residual > check.limit, (name, k, positive, check)
+
+
+@pytest.mark.parametrize("rounded_to", [torch.float16, torch.bfloat16])
+def test_float32_inputs_silently_rounded_exceed_the_limit(rounded_to: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for k in (7, 130, 4096):
+        for name, func, args, kwargs in _all_cases(gen, torch.float32, k):
+            if name in ("where", "softmax backward", "log_softmax backward", "dot"):
+                # a select; a probability row rounded still sums to about 1; one dot product of
+                # 4096 random terms may by chance be too small for the signal to show
+                continue
+            rounded = tuple(
+                a.to(rounded_to).float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+            )
+            faulty = func(*rounded, **kwargs)
+            check = _run(func, args, kwargs, tamper=lambda _, faulty=faulty: faulty)[0]
+            assert check.residual > check.limit, (name, k, check)
+
+
+def test_relative_noise_exceeds_the_limit() -> None:
+    gen = torch.Generator().manual_seed(6)
+    noisy = lambda o: (
+        _bigger(o, 1) if not isinstance(o, torch.Tensor) else o * (1 + 1e-3 * torch.randn(o.shape, generator=gen))
+    )
+    for name, func, args, kwargs in _all_cases(gen, torch.float32, 512):
+        if func is aten.native_layer_norm.default:
+            check = _run(func, args, kwargs, tamper=lambda o: (noisy(o[0]), *o[1:]))[0]
+        else:
+            check = _run(func, args, kwargs, tamper=noisy)[0]
+        assert check.residual > check.limit, (name, check)
+
+
+def test_non_finite_outputs() -> None:
+    x = torch.tensor([1.0, -1.0, 0.0, float("nan"), float("inf")])
+    (honest,) = _run(aten.div.Tensor, (x, torch.zeros(5)))  # inf, -inf, nan, nan, inf: as float64
+    assert honest.residual == 0.0
+    (faulty,) = _run(aten.exp.default, (x,), tamper=lambda o: torch.where(o.isnan(), o, o.nan_to_num(posinf=1.0)))
+    assert faulty.residual == math.inf
+    (overflow,) = _run(aten.mul.Tensor, (torch.full((4,), 60000.0, dtype=torch.float16), 2.0))
+    assert overflow.residual == 0.0  # inf is what rounding to float16 gives
+
+
+def test_reduced_precision_declared_widens_float32_matmuls() -> None:
+    gen = torch.Generator().manual_seed(7)
+    a, b = _randn(gen, 16, 256), _randn(gen, 256, 16)
+    tf32 = (a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float(),)  # what bf16 matrix units compute
+    (strict,) = _run(aten.mm.default, (a, b), tamper=lambda _: tf32[0])
+    (declared,) = _run(aten.mm.default, (a, b), tamper=lambda _: tf32[0], reduced_precision="bf16")
+    assert strict.residual > strict.limit and declared.residual <= declared.limit
+    with pytest.raises(ValueError):
+        SelfChecker(reduced_precision="fp8")
+
+
+def test_transparent_to_the_program() -> None:
+    gen = torch.Generator().manual_seed(8)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    x = _randn(gen, 32, 32).requires_grad_()
+    cases = [*_all_cases(gen, torch.float32, 32), ("add_", aten.add_.Tensor, (_randn(gen, 32, 32), x.detach()), {})]
+    for name, func, args, kwargs in cases:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func._schema.arguments[0].alias_info is not None:  # in place: the op itself writes self
+            tensors = tensors[1:]
+        versions, values = [t._version for t in tensors], [t.clone() for t in tensors]
+        checker = SelfChecker()
+        plan = checker.prepare(func, args, kwargs)
+        assert plan is not None, name
+        checker.finish(plan, func(*args, **kwargs))
+        assert [t._version for t in tensors] == versions, name
+        assert all(torch.equal(t, v) for t, v in zip(tensors, values)), name
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.is_grad_enabled()
+    plan = SelfChecker().prepare(aten.mul.Tensor, (x, 2.0), {})
+    (check,) = SelfChecker().finish(plan, x * 2.0)
+    assert isinstance(check.residual, float) and x.grad is None
+
+
+def test_in_place_ops_are_checked_against_the_values_before_the_write() -> None:
+    x = torch.randn(6, 6)
+    checker = SelfChecker(full=True)
+    plan = checker.prepare(aten.mul_.Tensor, (x, 3.0), {})
+    (check,) = checker.finish(plan, x.mul_(3.0))
+    assert check.residual <= 0.5 and check.sampled == 36  # one rounding of the product
+
+
+def test_uncheckable_ops_give_no_plan() -> None:
+    checker, x = SelfChecker(), torch.randn(4, 4)
+    meta = torch.empty(4, 4, device="meta")
+    for func, args, kwargs in [
+        (aten.bernoulli.default, (x.abs().clamp(max=1),), {}),  # random
+        (aten.nonzero.default, (x,), {}),  # not modelled
+        (aten.add.Tensor, (torch.ones(3, dtype=torch.int64), 1), {}),  # integer
+        (aten.mul.Tensor, (torch.randn(3, dtype=torch.complex64), 2), {}),  # complex
+        (aten.add.Tensor, (torch.empty(0), 1.0), {}),  # empty
+        (aten.add.Tensor, (meta, meta), {}),  # no data
+        (aten.mm.default, (x.to_sparse(), x), {}),  # sparse
+        (aten.add.out, (x, x), {"out": torch.empty(4, 4)}),  # writes out=
+        (aten.remainder.Tensor, (x, x), {}),  # discontinuous in a rounded quotient
+        (aten.div.Tensor_mode, (x, x), {"rounding_mode": "floor"}),
+        (
+            aten.convolution.default,
+            (x[None, None].half(), x[None, None].half(), None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1),
+            {},
+        ),
+    ]:
+        assert checker.prepare(func, args, kwargs) is None, func
+    plan = checker.prepare(aten.lt.Tensor, (x, x), {})
+    assert plan is not None and checker.finish(plan, x < x) == []
+    assert checker.prepare(aten.lt.Tensor, (x, x), {}) is None  # learned: its output is never floating
+
+
+@pytest.mark.parametrize("rounding", ["to nearest even", "toward zero"])
+def test_a_declared_tf32_matmul_is_held_to_float32_under_the_rounding_that_reproduces_it(rounding: str) -> None:
+    # A device feeding TF32 units: operands rounded, products summed in float32. Under its
+    # rounding model the call has only float32's freedom, so a fault 100x inside TF32's whole
+    # allowance still fails; against that allowance alone (coarse) it passes.
+    from tracecmp.aten.rounding import REDUCED_MODELS
+
+    rounded = dict(REDUCED_MODELS["tf32"])[rounding]
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 24, generator=gen)
+    device = lambda x, y: rounded(x) @ rounded(y)  # noqa: E731
+    for conv in (False, True):
+        if conv:
+            x, w = torch.randn(2, 4, 9, 9, generator=gen), torch.randn(6, 4, 3, 3, generator=gen)
+            func, args = aten.convolution.default, (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+            out = torch.convolution(rounded(x), rounded(w), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+        else:
+            func, args, out = aten.mm.default, (a, b), device(a, b)
+        for fault, fails in ((0.0, False), (1e-5, True)):
+            (check,) = _run(
+                func, args, tamper=lambda o, f=fault, v=out: v * (1 + f), reduced_precision="tf32", sample=64
+            )
+            assert (check.residual > check.limit) == fails, (conv, fault, check)
+            assert check.coarse <= check.limit, (conv, fault, check)
+    # Without the declaration a TF32 call is itself a fault of float32.
+    (check,) = _run(aten.mm.default, (a, b), tamper=lambda o: device(a, b))
+    assert check.residual > check.limit

@@ -1,0 +1,726 @@
+"""Capture-time self-check: did each op compute what its own recorded inputs ask? (issue 36)
+
+Around one op call, :meth:`SelfChecker.prepare` gathers, *before* the op runs (an in-place op
+overwrites its inputs), the input values behind a small random sample of output elements or rows;
+:meth:`SelfChecker.finish` recomputes those outputs from them in float64 and compares. A kernel
+fault (a wrong scale, inputs silently rounded to fp16/bf16, noise) is so visible on the op that made
+it, without any bench run.
+
+The residual of one sampled element, ``ref`` its float64 recomputation::
+
+    r = |out - ref| / (eps_out * |ref| + eps_acc * scale + tiny)
+
+``eps_out`` is the output dtype's machine epsilon, ``eps_acc`` the epsilon of the precision the
+kernel works in (float32 on CPU for float32, bf16 and fp16 ops; TF32/bf16/fp16 where float32
+matmuls or convolutions may run on reduced-precision matrix units), ``tiny`` the output dtype's
+smallest normal number (flushed subnormals and exact zeros stay finite), and ``scale`` the
+magnitude of what the kernel combined: the same op applied to absolute inputs (``|A| @ |B| +
+|bias|``, ``conv(|x|, |w|) + |b|``, ``sum |x|``), for pointwise ops the largest of ``|f(|x|...)|`` and
+the inputs' own magnitudes (so an internal step such as ``1 + erf(x)`` in gelu, or ``alpha * b``
+in add, does not pass for a fault). The residual of a check is the largest over its sample; an
+output non-finite where the (output-rounded) reference is finite, or the reverse, gives ``inf``,
+both non-finite of the same class give 0.
+
+Why honest kernels stay within :func:`limit_for`: rounding the result once costs at most half an
+``eps_out`` relative to ``|ref|`` (r <= 1/2); a few-ulp transcendental, or steps of the working
+precision, cost a few ``eps_acc`` of ``scale``. Summing ``n`` terms adds, beside that, an error
+that grows like ``sqrt(n)`` rounding steps of the running sum (randomly signed roundings), which
+is at most ``scale``. Because ``r`` is a mediant of the two sources, r <= max(output part,
+accumulation part), and the accumulation part only counts in proportion to its share of the
+denominator, ``eps_acc / (eps_out + eps_acc)``: it matters at float32 (share 1/2), hardly at bf16
+(share 2^-16). Hence ``limit = BASE + GROWTH * sqrt(n) * eps_acc / (eps_out + eps_acc)``. A fault
+of relative size ``d`` gives ``r ~ d / eps_out * |ref| / (|ref| + scale)``: 8400 for 1e-3 on a
+float32 pointwise op, still ~300 for a K=4096 random-sign float32 matmul (|ref|/scale ~
+1/sqrt(K), limit 19), and 6.4 for 5% on bf16, all above the limit (``tests/unit/test_selfcheck.py``).
+The same 1/sqrt(n) makes a fault in one long random-sign sum (a dot product, a full ``sum`` of
+10^5 terms) hard to see: such calls check, but their residual separates less.
+
+Pointwise ops of 16-bit outputs may round intermediate terms (``alpha * b`` in add) at their own
+precision: the terms' cancellation ``|f(|x|)| - |f(x)|`` joins the scale at ``eps_out``. A reduction
+to a single element keeps per-thread partial sums in the output dtype, so 16-bit ones accumulate at
+``eps_out``. Left out: out= overloads, random ops, ops whose result jumps with a rounded quotient
+(remainder, floor_divide, rounding div), pointwise ops of integer-only inputs, 16-bit transposed
+convolutions (CPU sums overlapping taps at 16 bits), ``_addmm_activation`` with gelu,
+``convolution_backward`` and ``native_layer_norm_backward``.
+
+>>> import torch
+>>> checker = SelfChecker(sample=8)
+>>> a, b = torch.randn(64, 64), torch.randn(64, 64)
+>>> plan = checker.prepare(torch.ops.aten.mm.default, (a, b), {})
+>>> [c.residual <= c.limit for c in checker.finish(plan, a @ b)]
+[True]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from tracecmp.aten.rounding import REDUCED_MODELS
+
+__all__ = ["Check", "Plan", "SelfChecker", "limit_for"]
+
+aten = torch.ops.aten
+F64 = torch.float64
+EPS32 = torch.finfo(torch.float32).eps
+# Epsilons of the formats a float32 matmul/conv may run at on matrix units (10 or 7 mantissa bits).
+REDUCED_EPS = {"tf32": 2.0**-10, "bf16": 2.0**-7, "fp16": 2.0**-10}
+# limit = BASE + GROWTH * sqrt(n) * share (module docstring). BASE covers output rounding (1/2) and
+# few-ulp kernels; GROWTH covers randomly signed roundings of a running sum of n terms, including
+# positive-only sums, where the running sum is as large as the result (measured in the tests).
+BASE = 3.0
+GROWTH = 0.5
+# Exact copies: same dtype must be bit-equal; a cast may round once (half an ulp).
+EXACT_LIMIT = {True: 0.0, False: 0.5}
+
+
+class Check(NamedTuple):
+    """The self-check of one output of one op call (see the module docstring for ``residual``).
+
+    >>> Check(0, 0.4, 3.4, 16, "pointwise").residual <= 3.4
+    True
+    """
+
+    index: int  # position among the op's tensor outputs, in tree_flatten order of ``out``
+    residual: float | torch.Tensor  # float on CPU; a 0-d float64 tensor on the output's device elsewhere
+    limit: float  # what an honest kernel stays within for this op, dtype, accumulation length
+    sampled: int  # elements (pointwise, exact, matmul, batch) or rows (rows) recomputed
+    how: str  # "pointwise", "matmul", "batch", "rows", "exact"
+    # A float32 matmul/conv allowed reduced precision: its residual under the precision's whole
+    # allowance, in units of ``limit`` (``residual`` is then the best of its rounding models, held
+    # to float32 accumulation). Elsewhere equal to ``residual``.
+    coarse: float | torch.Tensor | None = None
+
+
+class _Target(NamedTuple):
+    """One output to compare: which, where its sampled values are, and their float64 recomputation."""
+
+    index: int
+    gather: Callable[[torch.Tensor], torch.Tensor]  # the op's output -> its sampled values
+    # -> (ref, scale[, excess]) float64; excess: terms' magnitude the kernel may round at eps_out
+    ref: Callable[[], tuple[torch.Tensor, ...]]
+    n: int  # accumulation length (terms summed per output element)
+    eps_acc: float | None  # working precision's epsilon; None: min(eps_out, float32's)
+    how: str
+    sampled: int
+    source_dtype: torch.dtype | None = None  # exact copies: the dtype copied from
+    # float32 matmul/conv at a declared reduced precision: the recomputation with its operands
+    # rounded by each way a device may round them (aten.rounding.REDUCED_MODELS)
+    fitted: Callable[[], list[torch.Tensor]] | None = None
+
+
+class Plan(NamedTuple):
+    """What :meth:`SelfChecker.prepare` gathered for one op call; handed back to ``finish``."""
+
+    func: Any
+    targets: tuple[_Target, ...]
+
+
+def limit_for(n: int, eps_out: float, eps_acc: float) -> float:
+    """The residual an honest kernel stays within, summing ``n`` terms (module docstring).
+
+    >>> round(limit_for(1, 2.0**-23, 2.0**-23), 3)
+    3.25
+    """
+    return BASE + GROWTH * math.sqrt(n) * eps_acc / (eps_out + eps_acc)
+
+
+def _plain(t: object) -> bool:
+    """A dense tensor with data: not a subclass (fake, functional, DTensor), sparse, or meta."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_meta  # type: ignore[union-attr]
+
+
+def _real(t: torch.Tensor) -> bool:
+    return not (t.is_complex() or t.numel() == 0)
+
+
+def _bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments by schema name, defaults filled in."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Elements at row-major logical ``index`` of ``t`` (any strides, expanded views too): a fresh
+    tensor of index's shape, so gathering never copies the whole of ``t``."""
+    return torch.take(t, index.to(t.device))
+
+
+def _row_index(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """Flat indices of whole rows ``rows`` of a row-major (R, length) layout: shape (k, length)."""
+    return rows[:, None] * length + torch.arange(length)
+
+
+def _nonneg(x: Any) -> Any:
+    """|x| for the scale: tensors and numbers alike, bools (masks, flags) untouched."""
+    if isinstance(x, torch.Tensor):
+        return x if x.dtype == torch.bool else x.abs()
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return abs(x)
+    return x
+
+
+def _finite_scale(scale: torch.Tensor) -> torch.Tensor:
+    # An absolute-input recomputation may overflow (exp(|x|)) or leave its domain: an unbounded or
+    # undefined scale would excuse anything, so count it as nothing beyond the relative term.
+    return torch.nan_to_num(scale, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _eps_matrix(dtype: torch.dtype, device: torch.device, conv: bool, declared: str | None) -> float | None:
+    """Working epsilon of a matmul or convolution, where it may differ from the default."""
+    if dtype == torch.float32:
+        if declared is not None:
+            return REDUCED_EPS[declared]
+        if device.type == "cuda":
+            if conv:
+                return REDUCED_EPS["tf32"] if torch.backends.cudnn.allow_tf32 else None
+            precision = torch.get_float32_matmul_precision()
+            if precision == "medium":
+                return REDUCED_EPS["bf16"]
+            if precision == "high" or torch.backends.cuda.matmul.allow_tf32:
+                return REDUCED_EPS["tf32"]
+    elif device.type == "cuda" and not conv:
+        # cuBLAS may reduce split-K partial sums in the output's own 16-bit format where allowed.
+        flag = {
+            torch.float16: "allow_fp16_reduced_precision_reduction",
+            torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+        }
+        if getattr(torch.backends.cuda.matmul, flag.get(dtype, ""), False):
+            return torch.finfo(dtype).eps
+    return None
+
+
+class SelfChecker:
+    """Recomputes a sample of each op call's outputs in float64 and reports residuals.
+
+    ``sample``: elements (or rows) per output; ``seed``: of the checker's own CPU generator (the
+    program's RNG is never touched); ``full``: recompute every element; ``reduced_precision``:
+    "tf32", "bf16" or "fp16" where the device's matrix units run float32 matmuls/convolutions so.
+
+    >>> import torch
+    >>> checker = SelfChecker(sample=4)
+    >>> x = torch.randn(10)
+    >>> plan = checker.prepare(torch.ops.aten.exp.default, (x,), {})
+    >>> check, = checker.finish(plan, torch.exp(x))
+    >>> (check.how, check.sampled, check.residual <= check.limit)
+    ('pointwise', 4, True)
+    >>> checker.prepare(torch.ops.aten.bernoulli.default, (x,), {}) is None
+    True
+    """
+
+    def __init__(self, sample: int = 16, seed: int = 0, full: bool = False, reduced_precision: str | None = None):
+        if reduced_precision is not None and reduced_precision not in REDUCED_EPS:
+            raise ValueError(
+                f"reduced_precision must be one of {sorted(REDUCED_EPS)} or None, not {reduced_precision!r}"
+            )
+        self.sample, self.full, self.reduced_precision = sample, full, reduced_precision
+        self._gen = torch.Generator().manual_seed(seed)
+        self._kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
+
+    # --- the two calls around an op ---
+
+    def prepare(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Plan | None:
+        """Gather what the check of this call needs; None where the op is not checkable.
+
+        >>> import torch
+        >>> SelfChecker().prepare(torch.ops.aten.nonzero.default, (torch.ones(3),), {}) is None
+        True
+        """
+        kind = self._kinds.get(func, _UNSEEN)
+        if kind is _UNSEEN:
+            kind = self._kinds[func] = _classify(func)
+        if kind is None:
+            return None
+        try:
+            with torch.no_grad():
+                targets = kind(self, func, args, kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            # An argument combination this module does not model: leave the call unchecked
+            # rather than fail the user's program.
+            return None
+        return Plan(func, targets) if targets else None
+
+    def finish(self, plan: Plan, out: Any) -> list[Check]:
+        """Compare the op's outputs ``out`` against the float64 recomputation planned for them.
+
+        >>> import torch
+        >>> checker, x = SelfChecker(), torch.randn(5)
+        >>> plan = checker.prepare(torch.ops.aten.mul.Tensor, (x, 2.0), {})
+        >>> [c.residual for c in checker.finish(plan, x * 2.0)]
+        [0.0]
+        """
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        checks = []
+        with torch.no_grad():
+            for target in plan.targets:
+                if target.index >= len(outs):
+                    continue
+                o = outs[target.index]
+                if not (_plain(o) and o.is_floating_point() and o.numel()):
+                    continue
+                checks.append(self._compare(target, o))
+        if not checks and plan.targets and plan.targets[0].how == "pointwise":
+            # A pointwise op of floating inputs whose output is not floating (a comparison) always is.
+            self._kinds[plan.func] = None
+        return checks
+
+    @staticmethod
+    def _compare(target: _Target, out: torch.Tensor) -> Check:
+        got = target.gather(out.detach())
+        ref, scale, *excess = target.ref()
+        # Compute where the output lives unless that is the host (a copy to the CPU): a device
+        # tensor never comes back to the host here.
+        device = got.device if got.device.type != "cpu" else ref.device
+        got = got.to(device, F64)
+        if ref.device != device:
+            ref, scale = ref.to(device), scale.to(device)
+        eps_out, tiny = _finfo(out.dtype)
+        eps_acc = target.eps_acc if target.eps_acc is not None else min(eps_out, EPS32)
+        if excess:
+            scale = scale + excess[0].to(scale.device) * (eps_out / eps_acc)
+        r = (got - ref).abs() / (eps_out * ref.abs() + eps_acc * scale + tiny)
+        limit = (
+            EXACT_LIMIT[target.source_dtype == out.dtype]
+            if target.how == "exact"
+            else limit_for(target.n, eps_out, eps_acc)
+        )
+        rounded = ref.to(out.dtype).to(F64)  # overflow to inf by the output's rounding is honest
+        residual = _worst(r, got, rounded)
+        if target.fitted is None:
+            return Check(target.index, residual, limit, target.sampled, target.how, residual)
+        # Where a rounding model of the device reproduces the call, float32 accumulation is all
+        # the freedom left: a fault far inside the reduced precision's allowance shows.
+        fitted_limit = limit_for(target.n, eps_out, EPS32)
+        best = None
+        for model in target.fitted():
+            model = model.to(device)
+            worst = _worst((got - model).abs() / (eps_out * model.abs() + EPS32 * scale + tiny), got, rounded)
+            best = (
+                worst
+                if best is None
+                else (min(best, worst) if isinstance(worst, float) else torch.minimum(best, worst))
+            )
+        coarse = residual * (fitted_limit / limit)
+        return Check(target.index, best, fitted_limit, target.sampled, target.how, coarse)
+
+    # --- sampling (the checker's own generator, on the CPU) ---
+
+    def _sample(self, n: int) -> torch.Tensor:
+        """``sample`` random flat indices below n, or all of them (full, or n small)."""
+        if self.full or n <= self.sample:
+            return torch.arange(n)
+        return torch.randint(n, (self.sample,), generator=self._gen)
+
+
+def _worst(r: torch.Tensor, got: torch.Tensor, rounded: torch.Tensor) -> float | torch.Tensor:
+    """The largest residual ``r``, with non-finite values judged by class (module docstring): a
+    float on the CPU, a 0-d tensor on the device elsewhere (no host synchronisation)."""
+    if got.device.type == "cpu":
+        residual = float(r.max())
+        if math.isfinite(residual):  # every element finite on both sides: the usual case
+            return residual
+    same_class = (got == rounded) | (got.isnan() & rounded.isnan())
+    worst = torch.where(got.isfinite() & rounded.isfinite(), r, torch.where(same_class, 0.0, math.inf)).max()
+    return float(worst) if got.device.type == "cpu" else worst
+
+
+def _rounding_models(dtype: torch.dtype, eps_acc: float | None) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+    """How a device may round the float32 operands of a matmul/conv allowed ``eps_acc``."""
+    if dtype != torch.float32 or eps_acc is None:
+        return ()
+    precision = "bf16" if eps_acc == REDUCED_EPS["bf16"] else "tf32" if eps_acc == REDUCED_EPS["tf32"] else None
+    return tuple(rounding for _, rounding in REDUCED_MODELS[precision]) if precision else ()
+
+
+_UNSEEN = object()
+_FINFO: dict[torch.dtype, tuple[float, float]] = {}
+
+
+def _finfo(dtype: torch.dtype) -> tuple[float, float]:
+    """(eps, smallest normal) of a floating dtype, cached (torch.finfo is slow to build)."""
+    if dtype not in _FINFO:
+        info = torch.finfo(dtype)
+        _FINFO[dtype] = (info.eps, info.tiny)
+    return _FINFO[dtype]
+
+
+# --- pointwise ---
+
+# Discontinuous in a computed quotient (a/b rounded near an integer jumps by |b|): a float32 kernel
+# and a float64 recomputation may honestly land on different sides.
+_DISCONTINUOUS = {"floor_divide", "floor_divide_", "remainder", "remainder_"}
+_DISCONTINUOUS_OVERLOADS = {"Tensor_mode", "Scalar_mode", "decimals"}  # div(rounding_mode=), round(decimals=)
+
+
+# One correctly rounded operation per element (or an exact one): the result is the float64 value
+# rounded once, so no intermediate term earns an allowance and a fault of a few units shows.
+_ROUNDED_ONCE = frozenset(
+    name + suffix
+    for name in (
+        "mul", "div", "neg", "abs", "relu", "sqrt", "reciprocal", "clamp", "clamp_min", "clamp_max",
+        "maximum", "minimum", "where", "masked_fill", "threshold_backward", "leaky_relu", "hardtanh",
+        "sign", "fill", "add", "sub",
+    )
+    for suffix in ("", "_")
+)  # fmt: skip
+
+
+def _pointwise(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors or any(isinstance(a, (list, tuple)) for a in (*args, *kwargs.values())):
+        return None
+    if not all(_plain(t) and _real(t) for t in tensors) or not any(t.is_floating_point() for t in tensors):
+        return None
+    shapes = {t.shape for t in tensors}
+    shape = shapes.pop() if len(shapes) == 1 else torch.broadcast_shapes(*shapes)
+    devices = {t.device for t in tensors if t.dim()}
+    if len(devices) > 1:
+        return None
+    flat = checker._sample(math.prod(shape))
+
+    def gathered(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        t = a.detach()
+        if t.dim() == 0:  # a (possibly host) scalar tensor broadcasts as it is; copy: in-place ops write it
+            return t.to(F64 if t.dtype != torch.bool else t.dtype, copy=True)
+        t = _take(t.expand(shape), flat)
+        return t if t.dtype == torch.bool else t.to(F64)
+
+    g_args = [gathered(a) for a in args]
+    g_kwargs = {k: (F64 if k == "dtype" and v is not None else gathered(v)) for k, v in kwargs.items()}
+    rounded_once = func.overloadpacket.__name__ in _ROUNDED_ONCE and _bind(func, args, kwargs).get("alpha", 1) == 1
+
+    def ref() -> tuple[torch.Tensor, ...]:
+        # Each call on fresh copies: an in-place overload writes its (gathered) self.
+        fresh = lambda a: a.clone() if isinstance(a, torch.Tensor) else a
+        value = func(*map(fresh, g_args), **{k: fresh(v) for k, v in g_kwargs.items()})
+        if rounded_once:
+            zero = torch.zeros_like(value)
+            return value, zero, zero
+        on_abs = _finite_scale(func(*map(_nonneg, g_args), **{k: _nonneg(v) for k, v in g_kwargs.items()}).abs())
+        scale = on_abs
+        for a in (*g_args, *g_kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.dtype != torch.bool:
+                scale = torch.maximum(scale, a.abs().to(scale.device))
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                scale = scale.clamp(min=abs(a))
+        # How far the op's terms cancel (|f(|x|)| - |f(x)|): 16-bit kernels may round such
+        # intermediate terms (alpha * b in add) at the output's own precision.
+        return value, scale, (on_abs - value.abs()).clamp(min=0)
+
+    return (_Target(0, lambda o: _take(o, flat), ref, 1, None, "pointwise", flat.numel()),)
+
+
+# --- matmul family ---
+
+
+def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_Target, ...] | None:
+    b = _bind(func, args, kwargs)
+    name = func.overloadpacket.__name__
+    if name == "_addmm_activation" and b["use_gelu"]:
+        return None  # the fused gelu's approximation differs by backend
+    first, second = {
+        "mm": ("self", "mat2"),
+        "bmm": ("self", "mat2"),
+        "addmm": ("mat1", "mat2"),
+        "_addmm_activation": ("mat1", "mat2"),
+        "baddbmm": ("batch1", "batch2"),
+        "mv": ("self", "vec"),
+        "addmv": ("mat", "vec"),
+        "dot": ("self", "tensor"),
+    }[name]
+    bias = b["self"] if first != "self" else None
+    beta, alpha = b.get("beta", 1), b.get("alpha", 1)
+    if beta == 0:
+        bias = None  # torch ignores self (NaN included) when beta is 0
+    A, B = b[first].detach(), b[second].detach()
+    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in (A, B)):
+        return None
+    if bias is not None and not (_plain(bias) and _real(bias)):
+        return None
+    out_shape = {"mv": A.shape[:1], "addmv": A.shape[:1], "dot": torch.Size()}.get(name)
+    if out_shape is None:
+        out_shape = (*A.shape[:-1], B.shape[-1])
+    # One layout for all: A (batch, m, K), B (batch, K, n).
+    A3 = A.reshape((1,) * (3 - A.dim()) + A.shape) if A.dim() < 3 else A
+    B3 = B[:, None] if B.dim() == 1 else B
+    B3 = B3[None] if B3.dim() == 2 else B3
+    batch, m, K = A3.shape
+    n = B3.shape[-1]
+    flat = checker._sample(batch * m * n)
+    bb, i, j = flat // (m * n), (flat // n) % m, flat % n
+    rows32 = _take(A3, _row_index(bb * m + i, K))
+    cols32 = _take(B3.transpose(-1, -2), _row_index(bb * n + j, K))
+    rows, cols = rows32.to(F64), cols32.to(F64)
+    bias_g = _take(bias.detach().expand(out_shape), flat).to(F64) if bias is not None else None
+    relu = name == "_addmm_activation"
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        value = alpha * (rows * cols).sum(-1)
+        scale = abs(alpha) * (rows.abs() * cols.abs()).sum(-1)
+        if bias_g is not None:
+            value, scale = value + beta * bias_g, scale + abs(beta) * bias_g.abs()
+        return (value.clamp(min=0) if relu else value), scale
+
+    eps_acc = _eps_matrix(A.dtype, A.device, False, checker.reduced_precision)
+    models = _rounding_models(A.dtype, eps_acc)
+
+    def fitted() -> list[torch.Tensor]:
+        out = []
+        for rounding in models:
+            value = alpha * (rounding(rows32).to(F64) * rounding(cols32).to(F64)).sum(-1)
+            value = value + beta * bias_g if bias_g is not None else value
+            out.append(value.clamp(min=0) if relu else value)
+        return out
+
+    n_acc = K + (bias is not None)
+    target = _Target(
+        0, lambda o: _take(o, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted if models else None
+    )
+    return (target,)
+
+
+# --- convolution ---
+
+
+def _convolution(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    b = _bind(func, args, kwargs)
+    x, w, bias = b["input"], b["weight"], b["bias"]
+    tensors = [t for t in (x, w, bias) if t is not None]
+    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors) or x.dim() != w.dim():
+        return None
+    if b["transposed"] and w.dtype in (torch.float16, torch.bfloat16):
+        return None  # 16-bit transposed convolutions may sum overlapping taps at 16 bits (CPU col2im)
+    picked = checker._sample(x.shape[0])
+    xs32 = x.detach().index_select(0, picked.to(x.device))
+    xs = xs32.to(F64)
+    w64 = w.detach().to(F64)
+    b64 = bias.detach().to(F64) if bias is not None else None
+    rest = (b["stride"], b["padding"], b["dilation"], b["transposed"], b["output_padding"], b["groups"])
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        value = torch.convolution(xs, w64, b64, *rest)
+        scale = torch.convolution(xs.abs(), w64.abs(), b64.abs() if b64 is not None else None, *rest)
+        return value, scale
+
+    def gather(o: torch.Tensor) -> torch.Tensor:
+        return o.index_select(0, picked.to(o.device))
+
+    per_output = (w.shape[0] // b["groups"] if b["transposed"] else w.shape[1]) * math.prod(w.shape[2:])
+    eps_acc = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
+    models = _rounding_models(w.dtype, eps_acc) if x.dtype == torch.float32 else ()
+
+    def fitted() -> list[torch.Tensor]:
+        w32 = w.detach()
+        return [torch.convolution(r(xs32).to(F64), r(w32).to(F64), b64, *rest) for r in models]
+
+    n = per_output + (bias is not None)
+    return (_Target(0, gather, ref, n, eps_acc, "batch", picked.numel(), None, fitted if models else None),)
+
+
+# --- reductions and row ops (softmax, layer norm) ---
+
+
+def _row_view(x: torch.Tensor, dims: Sequence[int]) -> tuple[torch.Tensor, int, int]:
+    """``x`` viewed with ``dims`` (the reduced or normalized ones) moved last, no copy: the view,
+    its number of rows (flat over the kept dims, in order) and the row length."""
+    red = sorted({d % x.dim() for d in dims}) if x.dim() else []
+    kept = [d for d in range(x.dim()) if d not in red]
+    return x.permute(*kept, *red), math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in red)
+
+
+def _rows(view: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows ``rows`` of a ``_row_view``, (k, length) float64."""
+    return _take(view, _row_index(rows, length)).to(F64)
+
+
+def _reduction(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    b = _bind(func, args, kwargs)
+    x = b["self"].detach()
+    if not (_plain(x) and _real(x) and x.is_floating_point()):
+        return None
+    dims = b.get("dim")
+    view, count, length = _row_view(x, range(x.dim()) if not dims else dims)
+    rows = checker._sample(count)
+    values = _rows(view, rows, length)
+    divisor = length if func.overloadpacket.__name__ == "mean" else 1
+    out_dtype = b.get("dtype") or x.dtype
+    # A reduction to one element runs in parallel with per-thread partial sums kept in the output
+    # dtype (TensorIterator's two-pass reduction): a 16-bit output then accumulates at its own eps.
+    eps_acc = torch.finfo(out_dtype).eps if count == 1 and out_dtype in (torch.float16, torch.bfloat16) else None
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        return values.sum(-1) / divisor, values.abs().sum(-1) / divisor
+
+    return (_Target(0, lambda o: _take(o, rows), ref, length, eps_acc, "rows", rows.numel()),)
+
+
+def _softmax(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    b = _bind(func, args, kwargs)
+    name = func.overloadpacket.__name__
+    backward = name.endswith("_backward_data")
+    tensors = [b["grad_output"].detach(), b["output"].detach()] if backward else [b["self"].detach()]
+    if (
+        not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors)
+        or len({t.shape for t in tensors}) > 1
+    ):
+        return None
+    dims = [b["dim"]]
+    _, count, length = _row_view(tensors[0], dims)
+    rows = checker._sample(count)
+    values = [_rows(_row_view(t, dims)[0], rows, length) for t in tensors]
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        if name == "_softmax":
+            value = torch.softmax(values[0], -1)
+            return value, value.abs()
+        if name == "_log_softmax":
+            shifted = values[0] - values[0].max(-1, keepdim=True).values
+            lse = shifted.exp().sum(-1, keepdim=True).log()
+            return shifted - lse, shifted.abs() + lse.abs() + 1
+        g, y = values
+        if name == "_softmax_backward_data":
+            return y * (g - (g * y).sum(-1, keepdim=True)), y.abs() * (g.abs() + (g * y).abs().sum(-1, keepdim=True))
+        return g - y.exp() * g.sum(-1, keepdim=True), g.abs() + y.exp() * g.abs().sum(-1, keepdim=True)
+
+    def gather(o: torch.Tensor) -> torch.Tensor:
+        return _take(_row_view(o, dims)[0], _row_index(rows, length))
+
+    return (_Target(0, gather, ref, length, None, "rows", rows.numel()),)
+
+
+def _layer_norm(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    b = _bind(func, args, kwargs)
+    x, weight, bias = b["input"], b["weight"], b["bias"]
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+        return None
+    x = x.detach()
+    view, count, length = _row_view(x, range(x.dim() - len(b["normalized_shape"]), x.dim()))
+    rows = checker._sample(count)
+    values = _rows(view, rows, length)
+    w = weight.detach().reshape(-1).to(F64) if weight is not None else None
+    bb = bias.detach().reshape(-1).to(F64) if bias is not None else None
+    eps = b["eps"]
+
+    @functools.lru_cache(maxsize=None)  # shared by the three outputs' checks
+    def stats() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean = values.mean(-1, keepdim=True)
+        rstd = (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
+        return mean, rstd, values.abs().mean(-1, keepdim=True)
+
+    def normalized() -> tuple[torch.Tensor, torch.Tensor]:
+        mean, rstd, mean_abs = stats()
+        value = (values - mean) * rstd
+        # Errors of the mean (~ mean|x|), of x - mean, and of rstd relative (~ mean|x| * rstd) all
+        # reach the output multiplied by rstd * |w|; the bias adds its own rounding.
+        scale = (mean_abs + (values - mean).abs()) * rstd * (1 + mean_abs * rstd)
+        if w is not None:
+            value, scale = value * w, scale * w.abs()
+        if bb is not None:
+            value, scale = value + bb, scale + bb.abs()
+        return value, scale
+
+    def mean_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        mean, _, mean_abs = stats()
+        return mean[:, 0], mean_abs[:, 0]
+
+    def rstd_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        _, rstd, mean_abs = stats()
+        return rstd[:, 0], (rstd * (1 + mean_abs * rstd))[:, 0]
+
+    per_row = lambda o: _take(o, rows)
+    return (
+        _Target(0, lambda o: _take(o, _row_index(rows, length)), normalized, length, None, "rows", rows.numel()),
+        _Target(1, per_row, mean_ref, length, None, "rows", rows.numel()),
+        _Target(2, per_row, rstd_ref, length, None, "rows", rows.numel()),
+    )
+
+
+# --- copies and casts: the output is the input's value ---
+
+
+def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_Target, ...] | None:
+    b = _bind(func, args, kwargs)
+    name = func.overloadpacket.__name__
+    if name == "embedding":
+        weight, indices = b["weight"].detach(), b["indices"].detach()
+        if not (_plain(weight) and _plain(indices) and _real(weight) and indices.numel()) or weight.dim() != 2:
+            return None
+        width = weight.shape[1]
+        flat = checker._sample(indices.numel() * width)
+        picked = _take(indices, flat // width).to(torch.int64) * width + (flat % width).to(indices.device)
+        src = _take(weight, picked)
+    else:
+        source = (b["src"] if name == "copy_" else b["self"]).detach()
+        shape = b["self"].shape
+        if not (_plain(source) and _plain(b["self"]) and _real(source)) or source.is_complex():
+            return None
+        flat = checker._sample(math.prod(shape))
+        src = _take(source.expand(shape), flat)
+    # The source's own values, exactly (float64 holds every real dtype but 64-bit integers' tails).
+    value = src.to(F64)
+    scale = torch.zeros((), dtype=F64, device=value.device)
+    return (_Target(0, lambda o: _take(o, flat), lambda: (value, scale), 1, None, "exact", flat.numel(), src.dtype),)
+
+
+def _classify(func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
+    """Which checker an op overload gets (cached by the caller per overload)."""
+    special = _special().get(func)
+    if special is not None:
+        return special
+    if torch.Tag.pointwise not in func.tags or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    if func.overloadpacket.__name__ in _DISCONTINUOUS or func._overloadname in _DISCONTINUOUS_OVERLOADS:
+        return None
+    # In-place overloads write only self (checked on a gathered copy); out= overloads are left out.
+    writes = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if writes and (len(writes) > 1 or writes[0] is not func._schema.arguments[0] or writes[0].kwarg_only):
+        return None
+    return _pointwise
+
+
+_SPECIAL: dict[Any, Callable[..., tuple[_Target, ...] | None]] = {}
+
+
+def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
+    """The non-pointwise overloads checked, built once (a name missing from this torch is skipped)."""
+    if not _SPECIAL:
+        table = {
+            _matmul: ["mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "_addmm_activation"],
+            _convolution: ["convolution"],
+            _reduction: ["sum.dim_IntList", "mean.dim", "sum", "mean"],
+            _softmax: ["_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"],
+            _layer_norm: ["native_layer_norm"],
+            _copy: ["_to_copy", "copy_", "clone", "embedding"],
+        }
+        for kind, names in table.items():
+            for name in names:
+                packet, _, overload = name.partition(".")
+                op = getattr(getattr(aten, packet, None), overload or "default", None)
+                if op is not None:
+                    _SPECIAL[op] = kind
+    return _SPECIAL
