@@ -49,6 +49,7 @@ CONFIGS = (
     "plain",
     "tracecmp-stats",
     "tracecmp-stats-det",
+    "tracecmp-selfcheck",
     "tracecmp-tensors",
     "msprobe-statistics",
     "msprobe-tensor",
@@ -237,7 +238,8 @@ def worker(name: str, config: str, steps: int, workdir: Path) -> dict[str, Any]:
 
         path = workdir / "trace"
         data = "tensors" if config == "tracecmp-tensors" else "stats"
-        with tracecmp.TraceCompare(path, model=model, data=data) as tc:
+        options = {"self_check": "sample"} if config == "tracecmp-selfcheck" else {}
+        with tracecmp.TraceCompare(path, model=model, data=data, **options) as tc:
             step()
             tc.step()
             tc.sync()

@@ -147,6 +147,9 @@ class RealResult(Result):
     beyond: dict[str, int] | None = None  # tensors compared from the drift on (or all), and those off by a fault's size
 
 
+SELF_CHECK_ENV = "TRACECMP_BENCH_SELF_CHECK"
+
+
 def _dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
@@ -162,7 +165,9 @@ def capture(
     shutil.rmtree(path, ignore_errors=True)
     start = time.perf_counter()
     with injector.outer():
-        with tracecmp.TraceCompare(str(path), model=workload.model, data=data) as tc:
+        # --self-check reaches capture processes (spawned) through the environment.
+        self_check = os.environ.get(SELF_CHECK_ENV, "off")
+        with tracecmp.TraceCompare(str(path), model=workload.model, data=data, self_check=self_check) as tc:
             for _ in range(STEPS["n"]):
                 # inner() per step: tc.step() may leave and re-enter capture's mode, which pops
                 # any mode entered above it.
@@ -496,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the site rule")
     parser.add_argument("--data", choices=("stats", "tensors"), default="stats")
     parser.add_argument(
+        "--self-check", choices=("off", "sample", "full"), default="off", help="every run checks each op at capture"
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=2,
@@ -516,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every case result here")
     parser.add_argument("--markdown", type=Path, help="write the report here as well")
     args = parser.parse_args(argv)
+    os.environ[SELF_CHECK_ENV] = args.self_check
     _init_worker(args.steps)
     families = [m for m in args.models.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]

@@ -59,7 +59,15 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
         ("softmax backward", aten._softmax_backward_data.default, (r(6, k), y, 1, dtype), {}),
         ("log_softmax backward", aten._log_softmax_backward_data.default, (r(6, k), y.log(), 1, dtype), {}),
         ("layer_norm", aten.native_layer_norm.default, (a + 3, [k], r(k), r(k), 1e-5), {}),
+        ("layer_norm backward", aten.native_layer_norm_backward.default, _layer_norm_backward_args(a, r), {}),
     ]
+
+
+def _layer_norm_backward_args(x: torch.Tensor, r: Callable) -> tuple:
+    k = x.shape[-1]
+    w, b = r(k), r(k)
+    _, mean, rstd = aten.native_layer_norm.default(x + 3, [k], w, b, 1e-5)
+    return (r(*x.shape), x + 3, [k], mean, rstd, w, b, [True, True, True])
 
 
 def _pointwise_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, Any, tuple, dict]]:
@@ -200,7 +208,7 @@ def test_relative_noise_exceeds_the_limit() -> None:
         _bigger(o, 1) if not isinstance(o, torch.Tensor) else o * (1 + 1e-3 * torch.randn(o.shape, generator=gen))
     )
     for name, func, args, kwargs in _all_cases(gen, torch.float32, 512):
-        if func is aten.native_layer_norm.default:
+        if func in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default):
             check = _run(func, args, kwargs, tamper=lambda o: (noisy(o[0]), *o[1:]))[0]
         else:
             check = _run(func, args, kwargs, tamper=noisy)[0]

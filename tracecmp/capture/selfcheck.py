@@ -375,6 +375,13 @@ _ROUNDED_ONCE = frozenset(
     )
     for suffix in ("", "_")
 )  # fmt: skip
+# Accurate to a few units of their result everywhere (vectorized libm): no intermediate term of
+# another size, and f(|x|) would be no measure (exp(|x|) for exp(-20)).
+_RELATIVE = frozenset(
+    name + suffix
+    for name in ("exp", "exp2", "log", "log2", "log10", "sigmoid", "tanh", "rsqrt")
+    for suffix in ("", "_")
+)
 
 
 def _pointwise(
@@ -403,25 +410,24 @@ def _pointwise(
 
     g_args = [gathered(a) for a in args]
     g_kwargs = {k: (F64 if k == "dtype" and v is not None else gathered(v)) for k, v in kwargs.items()}
-    rounded_once = func.overloadpacket.__name__ in _ROUNDED_ONCE and _bind(func, args, kwargs).get("alpha", 1) == 1
+    name = func.overloadpacket.__name__
+    rounded_once = name in _ROUNDED_ONCE and _bind(func, args, kwargs).get("alpha", 1) == 1
+    relative = rounded_once or name in _RELATIVE
 
     def ref() -> tuple[torch.Tensor, ...]:
         # Each call on fresh copies: an in-place overload writes its (gathered) self.
         fresh = lambda a: a.clone() if isinstance(a, torch.Tensor) else a
         value = func(*map(fresh, g_args), **{k: fresh(v) for k, v in g_kwargs.items()})
-        if rounded_once:
+        if relative:
             zero = torch.zeros_like(value)
             return value, zero, zero
+        # The op on absolute values: the size of its terms before they cancel (|a| + |alpha b|
+        # for add, |x| for gelu's x (1 + erf)), what intermediate roundings are relative to. An
+        # input's own size is no such measure: addcmul's value * t1 * t2 may be far below t1.
         on_abs = _finite_scale(func(*map(_nonneg, g_args), **{k: _nonneg(v) for k, v in g_kwargs.items()}).abs())
-        scale = on_abs
-        for a in (*g_args, *g_kwargs.values()):
-            if isinstance(a, torch.Tensor) and a.dtype != torch.bool:
-                scale = torch.maximum(scale, a.abs().to(scale.device))
-            elif isinstance(a, (int, float)) and not isinstance(a, bool):
-                scale = scale.clamp(min=abs(a))
         # How far the op's terms cancel (|f(|x|)| - |f(x)|): 16-bit kernels may round such
         # intermediate terms (alpha * b in add) at the output's own precision.
-        return value, scale, (on_abs - value.abs()).clamp(min=0)
+        return value, on_abs, (on_abs - value.abs()).clamp(min=0)
 
     return (_Target(0, lambda o: _take(o, flat), ref, 1, None, "pointwise", flat.numel()),)
 
@@ -660,6 +666,41 @@ def _layer_norm(
     )
 
 
+def _layer_norm_backward(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """The input gradient (output 0) of sampled rows, from the saved mean and rstd the op reads:
+    ``rstd * (g w - mean(g w) - xhat mean(g w xhat))`` with ``xhat = (x - mean) rstd``. The weight
+    and bias gradients sum over every row and are left unchecked."""
+    b = _bind(func, args, kwargs)
+    grad, x, mean, rstd, weight = b["grad_out"], b["input"], b["mean"], b["rstd"], b["weight"]
+    if not b["output_mask"][0]:
+        return None
+    tensors = [t for t in (grad, x, mean, rstd, weight) if t is not None]
+    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+        return None
+    dims = range(x.dim() - len(b["normalized_shape"]), x.dim())
+    view, count, length = _row_view(x.detach(), dims)
+    rows = checker._sample(count)
+    xs = _rows(view, rows, length)
+    gs = _rows(_row_view(grad.detach(), dims)[0], rows, length)
+    mu = _take(mean.detach().reshape(-1), rows).to(F64)[:, None]
+    rs = _take(rstd.detach().reshape(-1), rows).to(F64)[:, None]
+    w = weight.detach().reshape(-1).to(F64) if weight is not None else None
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        xhat = (xs - mu) * rs
+        gw = gs * w if w is not None else gs
+        value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+        # Each term's rounding reaches the output times rstd: the row means of |g w| and |g w xhat|
+        # bound what their sums may carry, and xhat is known to |x| + |mean| (x - mean cancels).
+        spread = (xs.abs() + mu.abs()) * rs
+        scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * (gw.abs() * spread).mean(-1, keepdim=True))
+        return value, scale
+
+    return (_Target(0, lambda o: _take(o, _row_index(rows, length)), ref, length, None, "rows", rows.numel()),)
+
+
 # --- copies and casts: the output is the input's value ---
 
 
@@ -715,6 +756,7 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             _reduction: ["sum.dim_IntList", "mean.dim", "sum", "mean"],
             _softmax: ["_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"],
             _layer_norm: ["native_layer_norm"],
+            _layer_norm_backward: ["native_layer_norm_backward"],
             _copy: ["_to_copy", "copy_", "clone", "embedding"],
         }
         for kind, names in table.items():
