@@ -51,7 +51,20 @@ FAULTS: dict[str, tuple[set[Any], Callable[..., Any], str]] = {
     "matmul-fp16-inputs": (_MATMULS, lambda f, a, k: f(*tree_map(_fp16, a), **k), "blocks.1.mlp.fc1"),
     "matmul-fp16": (_MATMULS, lambda f, a, k: tree_map(_fp16, f(*tree_map(_fp16, a), **k)), "blocks.1.mlp.fc1"),
     "softmax-fp16": ({A._softmax.default}, lambda f, a, k: _fp16(f(_fp16(a[0]), a[1], a[2])), "blocks.0.attn"),
+    "matmul-bf16-rounding": (
+        _MATMULS,
+        lambda f, a, k: f(*a, **k).to(torch.bfloat16).to(torch.float32),
+        "blocks.0.mlp.fc2",
+    ),
+    "gelu-scale-1e-3": ({A.gelu.default}, lambda f, a, k: f(*a, **k) * (1 + 1e-3), "blocks.1.mlp.act"),
+    "layer-norm-noise": ({A.native_layer_norm.default}, lambda f, a, k: _noisy(f(*a, **k), 1e-3), "blocks.1.ln2"),
 }
+
+
+def _noisy(out: tuple[torch.Tensor, ...], size: float) -> tuple[torch.Tensor, ...]:
+    """A kernel adding relative noise of ``size`` to its first output (its own generator)."""
+    noise = torch.randn(out[0].shape, generator=torch.Generator().manual_seed(7))
+    return (out[0] * (1 + size * noise), *out[1:])
 
 
 class _Device(TorchDispatchMode):
@@ -79,6 +92,7 @@ def capture(
     tf32: bool = False,
     data: str = "tensors",
     only: Any = None,
+    self_check: str = "off",
 ) -> Path:
     """One Adam step of the demo transformer under capture (and under ``fault``)."""
     model = build_model().to(dtype)
@@ -95,7 +109,7 @@ def capture(
         ]
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    extra = {} if only is None else {"only": only}
+    extra = {"self_check": self_check, **({} if only is None else {"only": only})}
     try:
         with device, tracecmp.TraceCompare(path, model=model, data=data, **extra) as tc:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -93,6 +93,42 @@ def test_statistics_alone_find_no_error_in_a_clean_run_and_skip_what_they_cannot
     assert "a mask" in reasons["aten.masked_fill.Scalar"]
 
 
+@pytest.mark.parametrize(
+    "fault,op",
+    [
+        ("gelu-tanh", "aten.gelu.default"),
+        ("layer-norm-eps", "aten.native_layer_norm.default"),
+        ("matmul-fp16-inputs", "aten.addmm.default"),
+        ("matmul-fp16", "aten.addmm.default"),
+        ("softmax-fp16", "aten._softmax.default"),
+        ("matmul-bf16-rounding", "aten.addmm.default"),
+        ("gelu-scale-1e-3", "aten.gelu.default"),
+        ("layer-norm-noise", "aten.native_layer_norm.default"),
+    ],
+)
+def test_statistics_with_self_checks_name_every_kernel_fault(tmp_path, fault, op):
+    result = tracecmp.check(capture(tmp_path / "run", fault, data="stats", self_check="sample"))
+    d = result.first_error
+    assert d is not None and (d.op, d.module, d.phase) == (op, FAULTS[fault][2], "forward"), result.summary()
+    assert "its own check at capture failed" in d.reason
+    assert len(result.suspects) == 1, result.summary()
+    counts = result.counts()
+    assert counts["by self-check"] >= 0.9 * (counts["pass"] + counts["warning"] + counts["error"])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "autocast-bf16", "tf32-declared"])
+def test_statistics_with_self_checks_pass_clean_runs(tmp_path, kind):
+    options = {
+        "float32": {},
+        "bfloat16": {"dtype": torch.bfloat16},
+        "autocast-bf16": {"autocast": True},
+        "tf32-declared": {"tf32": True},
+    }[kind]
+    result = tracecmp.check(capture(tmp_path / "run", data="stats", self_check="sample", **options))
+    assert result.first_error is None, result.summary()
+    assert any("needs a bench run" in note for note in result.notes)
+
+
 def test_a_capture_restricted_to_a_block_keeps_its_tensors_and_check_replays_them(tmp_path):
     def size(path: Path) -> int:
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

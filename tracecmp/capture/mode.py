@@ -251,8 +251,12 @@ class CaptureMode(TorchDispatchMode):
         if self.collectives.awaited_groups:  # reads a collective's output: it completed (collectives.py)
             self.collectives.complete_inputs(info, args, kwargs, tensors)
         checker = self._checker
-        # Before the call: an in-place op overwrites the inputs its check recomputes from.
-        plan = checker.prepare(func, args, kwargs) if checker is not None and call is func else None
+        plan = None
+        if checker is not None and call is func:
+            # Before the call: an in-place op overwrites the inputs its check recomputes from. The
+            # check's own ops skip the modes below this one (they may change what an op computes).
+            with _disable_current_modes():
+                plan = checker.prepare(func, args, kwargs)
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -299,7 +303,8 @@ class CaptureMode(TorchDispatchMode):
         )
         if plan is not None:
             assert checker is not None
-            self._record_checks(op_id, checker.finish(plan, out))
+            with _disable_current_modes():
+                self._record_checks(op_id, checker.finish(plan, out))
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
