@@ -15,11 +15,12 @@ kernel works in (float32 on CPU for float32, bf16 and fp16 ops; TF32/bf16/fp16 w
 matmuls or convolutions may run on reduced-precision matrix units), ``tiny`` the output dtype's
 smallest normal number (flushed subnormals and exact zeros stay finite), and ``scale`` the
 magnitude of what the kernel combined: the same op applied to absolute inputs (``|A| @ |B| +
-|bias|``, ``conv(|x|, |w|) + |b|``, ``sum |x|``), for pointwise ops the largest of ``|f(|x|...)|`` and
-the inputs' own magnitudes (so an internal step such as ``1 + erf(x)`` in gelu, or ``alpha * b``
-in add, does not pass for a fault). The residual of a check is the largest over its sample; an
-output non-finite where the (output-rounded) reference is finite, or the reverse, gives ``inf``,
-both non-finite of the same class give 0.
+|bias|``, ``conv(|x|, |w|) + |b|``, ``sum |x|``), for pointwise ops ``|f(|x|...)|``, the size of
+the op's terms before they cancel (so an internal step such as ``1 + erf(x)`` in gelu, or ``alpha
+* b`` in add, does not pass for a fault), and 0 for ops rounded once or accurate to their result
+(``mul``, ``exp``). The residual of a check is the largest over its sample; an output non-finite
+where the (output-rounded) reference is finite gives ``inf``; an element whose reference is itself
+NaN or Inf (from NaN/Inf inputs, ``gelu(-inf)``) is not judged: kernels differ there.
 
 Why honest kernels stay within :func:`limit_for`: rounding the result once costs at most half an
 ``eps_out`` relative to ``|ref|`` (r <= 1/2); a few-ulp transcendental, or steps of the working
@@ -331,7 +332,9 @@ def _worst(r: torch.Tensor, got: torch.Tensor, rounded: torch.Tensor) -> float |
         residual = float(r.max())
         if math.isfinite(residual):  # every element finite on both sides: the usual case
             return residual
-    same_class = (got == rounded) | (got.isnan() & rounded.isnan())
+    # Where float64 itself makes NaN or Inf (from NaN/Inf inputs, gelu(-inf) = -inf * 0) kernels
+    # legitimately differ: such an element says nothing. NaN or Inf where float64 is finite is a fault.
+    same_class = ~rounded.isfinite()
     worst = torch.where(got.isfinite() & rounded.isfinite(), r, torch.where(same_class, 0.0, math.inf)).max()
     return float(worst) if got.device.type == "cpu" else worst
 
@@ -418,6 +421,11 @@ def _pointwise(
         # Each call on fresh copies: an in-place overload writes its (gathered) self.
         fresh = lambda a: a.clone() if isinstance(a, torch.Tensor) else a
         value = func(*map(fresh, g_args), **{k: fresh(v) for k, v in g_kwargs.items()})
+        # An element computed from NaN/Inf is judged by nobody's float64: kernels differ there
+        # (fp32 gelu(inf) is NaN). NaN marks it unjudged (see _worst).
+        for a in (*g_args, *g_kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                value = torch.where(a.isfinite(), value, math.nan)
         if relative:
             zero = torch.zeros_like(value)
             return value, zero, zero

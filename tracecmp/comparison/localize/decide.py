@@ -14,7 +14,7 @@ from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN,
 from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
 from tracecmp.comparison.localize.records import Decision, JudgedNode, RankContext, RankInput
 from tracecmp.comparison.tolerances import Tolerances
-from tracecmp.graph.nodes import Node
+from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import ModelFit
 from tracecmp.numerics.replay import OwnError
 from tracecmp.numerics.units import EPS, FP32_EPS, REDUCED_EPS, TINY
@@ -96,9 +96,10 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
         # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
         # replay decides; the statistics only estimated.
         return Decision("", "", "replay", -1)
-    if not strict and not replayed and own_check is not None and own_check.passed:
+    if not strict and not replayed and own_check is not None and own_check.passed and not nonfinite_mismatch(outs):
         # Statistics against the bench only estimated what the inputs explain; the op's own
-        # check at capture found it computing what its inputs and arguments ask.
+        # check at capture found it computing what its inputs and arguments ask. NaN/Inf counts
+        # that differ are exact evidence over every element, which a sample cannot outweigh.
         return Decision("", "", "self_check", -1)
     return _root(j, node, ctx, (channel, e, x, part), replayed)
 
@@ -123,7 +124,7 @@ def collective_moves(nodes: Sequence[Node], view_base: Mapping[int, int]) -> fro
     along chains of such copies made out of place. A copy anywhere else is judged as any op is:
     a fault injected into a ``clone`` is its own root.
 
-    >>> from tracecmp.graph.nodes import Node
+    >>> from tracecmp.graph.nodes import Node, TensorState
     >>> def op(i, name, ins, outs):
     ...     return Node(i, 0, "backward", "op", name, name, "", "", "", ins, outs, False, "")
     >>> reduced = op(1, "c10d.allreduce_.default", [1], [1])
@@ -167,6 +168,11 @@ def moves_data(node: Node, ctx: RankContext) -> bool:
     if any(f is None or not f[0] for f in facts):
         return False
     return len({f[2] for f in facts if f is not None}) == 1
+
+
+def nonfinite_mismatch(outs: list[TensorState]) -> bool:
+    """Whether any output holds NaN/Inf in other places or numbers than the bench's."""
+    return any(s.nonfinite_mismatch for s in outs)
 
 
 def _furthest_excess(j: JudgedNode, ctx: RankContext, tainted: bool) -> tuple[float, int, float, float, float, int]:
