@@ -57,6 +57,7 @@ FAULTS: dict[str, tuple[set[Any], Callable[..., Any], str]] = {
         "blocks.0.mlp.fc2",
     ),
     "gelu-scale-1e-3": ({A.gelu.default}, lambda f, a, k: f(*a, **k) * (1 + 1e-3), "blocks.1.mlp.act"),
+    "gelu-scale-5e-2": ({A.gelu.default}, lambda f, a, k: f(*a, **k) * (1 + 5e-2), "blocks.1.mlp.act"),
     "layer-norm-noise": ({A.native_layer_norm.default}, lambda f, a, k: _noisy(f(*a, **k), 1e-3), "blocks.1.ln2"),
 }
 

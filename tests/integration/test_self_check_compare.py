@@ -1,0 +1,55 @@
+"""``compare`` with self-checks at capture: a bf16-autocast target against its float32 bench, where
+the runs drift apart by bf16's rounding, and a 5% fault in one GELU call (emulated as a device
+kernel would make it, :mod:`workloads.kernel_faults`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tracecmp
+from workloads.kernel_faults import FAULTS, capture
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    return capture(tmp_path_factory.mktemp("bench") / "run", data="stats")
+
+
+def test_a_faulty_kernel_in_a_drifted_autocast_run_is_named_by_its_own_check(tmp_path, bench):
+    target = capture(tmp_path / "run", "gelu-scale-5e-2", data="stats", autocast=True, self_check="sample")
+    result = tracecmp.compare(target, bench)
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module) == ("aten.gelu.default", FAULTS["gelu-scale-5e-2"][2]), result.summary()
+    assert "its own check at capture failed" in d.reason
+    assert [s.op for s in result.suspects] == ["aten.gelu.default"], result.summary()
+    gelu = result.nodes[(result.nodes["op"] == "aten.gelu.default") & (result.nodes["module"] == d.module)]
+    assert (gelu["self_check"] > 1).all()
+
+
+def test_a_clean_autocast_run_with_self_checks_agrees(tmp_path, bench):
+    target = capture(tmp_path / "run", data="stats", autocast=True, self_check="sample")
+    result = tracecmp.compare(target, bench)
+    assert not result.suspects, result.summary()
+    assert result.nodes["self_check"].notna().sum() > 100
+
+
+def test_a_fault_inside_the_drift_is_found_only_by_the_ops_own_check(tmp_path, bench):
+    # 1e-3 relative noise in a float32 layer norm of a bf16-autocast run: far inside what bf16's
+    # drift leaves between the runs, so statistics against the bench read AGREE; the op's own
+    # check at capture sees it at once.
+    unchecked = tracecmp.compare(capture(tmp_path / "off", "layer-norm-noise", data="stats", autocast=True), bench)
+    assert not unchecked.suspects, unchecked.summary()
+    target = capture(tmp_path / "on", "layer-norm-noise", data="stats", autocast=True, self_check="sample")
+    result = tracecmp.compare(target, bench)
+    assert [(s.op, s.module) for s in result.suspects] == [
+        ("aten.native_layer_norm.default", FAULTS["layer-norm-noise"][2])
+    ], result.summary()
