@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+import sys
+
 from tracecmp.verdict import progress
-from tracecmp.verdict.progress import Progress, shown
+from tracecmp.verdict.progress import Progress, shown, shown_anywhere
 
 
 @pytest.fixture
@@ -15,7 +17,10 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-def test_compare_check_and_ranks_lines(clock: list[float], capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_check_and_ranks_lines(
+    clock: list[float], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     bar = Progress("compare", True, 3)
     clock[0] += 1.25
     bar.update("rank 0: measuring", 1)
@@ -40,3 +45,20 @@ def test_silent_unless_enabled(capsys: pytest.CaptureFixture[str]) -> None:
     bar.close()
     assert bar.done == 5 and capsys.readouterr().err == ""
     assert shown(True, False) and not shown(False, True)
+
+
+def test_off_a_terminal_a_line_per_tenth_and_stage(clock: list[float], capsys: pytest.CaptureFixture[str]) -> None:
+    check = Progress("check", True, 100)
+    check.update("rank 0: self-checks")
+    for _ in range(25):
+        clock[0] += 0.5
+        check.update(advance=1)
+    check.update("rank 0: statistics")
+    check.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "tracecmp check:   0% rank 0: self-checks (0.0s)",
+        "tracecmp check:  10% rank 0: self-checks (5.0s)",
+        "tracecmp check:  20% rank 0: self-checks (10.0s)",
+        "tracecmp check:  25% rank 0: statistics (12.5s)",
+    ]
+    assert shown_anywhere(None, True) and not shown_anywhere(None, False) and not shown_anywhere(False, True)

@@ -27,11 +27,11 @@ from tracecmp.numerics.precision import reduced_matmul_precision, reduced_precis
 from tracecmp.numerics.replay import OwnError, Replayer, Skipped, auto_workers, replay_ops, run_in_workers
 from tracecmp.numerics.units import EPS
 from tracecmp.trace.reader import RankTrace, Trace, load
-from tracecmp.verdict.progress import Progress, shown
+from tracecmp.verdict.progress import Progress, shown_anywhere
 from tracecmp.verdict.records import Divergence
 
 DATA_MODES = ("auto", "tensors", "statistics")
-_PROGRESS_OPS = 2_000  # bar on a terminal only, as compare's; off a terminal too (as asked) is yet to decide
+_PROGRESS_OPS = 2_000  # a bar on a terminal, a line per tenth elsewhere (a log, a CI job)
 
 
 class CheckError(TracecmpError):
@@ -96,7 +96,9 @@ def check(
     plans = _plans(trace, chosen, wanted_steps)
     total = sum(len(ops) for _, _, ops in plans)
     frames, verdicts_all = [], []
-    bar = Progress("check", shown(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops")
+    bar = Progress(
+        "check", shown_anywhere(progress, total >= _PROGRESS_OPS), total, label_width=26, time_width=6, rate="ops"
+    )
     run = _CheckRun(data, std, reduced, workers, bar, warnings, notes)
     evidence_kinds: set[str] = set()
     try:
@@ -250,8 +252,10 @@ def _check_rank(rank: RankTrace, ops: pd.DataFrame, run: _CheckRun) -> dict[int,
         fallback = op_ids
     if fallback:
         checked = own_checks(rank.checks, dict(zip(rank.ops["op_id"].tolist(), rank.ops["op"].tolist())))
-        for op_id in [o for o in fallback if o in checked]:
+        by_check = [o for o in fallback if o in checked]
+        for op_id in by_check:
             verdicts[op_id] = _self_check_verdict(op_id, checked[op_id])
+        run.bar.update(f"rank {rank.rank}: self-checks", advance=len(by_check))
         fallback = [o for o in fallback if o not in checked]
     if fallback:
         verdicts.update(_statistics_verdicts(rank, fallback, count, run))
