@@ -114,12 +114,7 @@ def check(
     divergences = _divergences(verdicts_all)
     first = divergences[0] if divergences else None
     suspects = sorted(divergences, key=lambda d: (-d.score if not math.isnan(d.score) else 0.0, d.step, d.op_id))
-    evidence = _evidence(evidence_kinds, warnings)
-    if evidence_kinds & {"self-check", "statistics"}:
-        notes.append(
-            "a pass says each op computed what its arguments asked; a changed argument or op (a GELU "
-            "approximation, an eps) needs a bench run: tracecmp compare TARGET BENCH"
-        )
+    evidence = _evidence(evidence_kinds, warnings, notes)
     steps_seen = sorted({int(s) for s in nodes["step"].unique()}) if len(nodes) else []
     return CheckResult(
         trace=trace,
@@ -195,9 +190,14 @@ def _divergences(verdicts_all: list[tuple[int, pd.DataFrame, dict[int, OpVerdict
     return divergences
 
 
-def _evidence(evidence_kinds: set[str], warnings: list[str]) -> str:
-    """What the verdicts rest on ("tensors", "statistics", "mixed" or "none"), warning where
-    statistics alone are."""
+def _evidence(evidence_kinds: set[str], warnings: list[str], notes: list[str]) -> str:
+    """What the verdicts rest on ("tensors", "statistics", "self-check", "mixed" or "none"),
+    warning where statistics alone are, noting what no evidence of one run can see."""
+    if evidence_kinds & {"self-check", "statistics"}:
+        notes.append(
+            "a pass says each op computed what its arguments asked; a changed argument or op (a GELU "
+            "approximation, an eps) needs a bench run: tracecmp compare TARGET BENCH"
+        )
     evidence = "mixed" if len(evidence_kinds) > 1 else (next(iter(evidence_kinds)) if evidence_kinds else "none")
     if evidence_kinds == {"self-check"}:
         evidence = "self-check"

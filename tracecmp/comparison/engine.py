@@ -124,6 +124,7 @@ def compare_traces(
     for ri in rank_inputs:
         covered_by_units(ri, verdicts)
     nodes = _node_table(node_frames, rank_inputs, verdicts)
+    notes.extend(_self_check_notes(rank_inputs))
     first = roots[0] if roots else None
     suspects = sorted(roots, key=lambda d: -d.score)
     regions = [region for ri in rank_inputs for region in ri.regions.values()]
@@ -215,6 +216,19 @@ def _node_table(
         checks[k].residual / checks[k].limit if k in checks and checks[k].limit > 0 else math.nan for k in keys
     ]
     return nodes[list(NODE_COLUMNS)]
+
+
+def _self_check_notes(rank_inputs: list[RankInput]) -> list[str]:
+    """What the target's self-checks at capture covered, per rank that has them."""
+    notes = []
+    for ri in rank_inputs:
+        if ri.own_checks:
+            failed = sum(c.failed for c in ri.own_checks.values())
+            notes.append(
+                f"rank {ri.rank}: {len(ri.own_checks):,} target ops checked themselves at capture "
+                f"(float64 on a sample of their outputs), {failed:,} failed"
+            )
+    return notes
 
 
 def _tensor_table(tensor_frames: list[pd.DataFrame], nodes: pd.DataFrame) -> pd.DataFrame:

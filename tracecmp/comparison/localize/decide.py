@@ -14,6 +14,7 @@ from tracecmp.comparison.localize.calibrate import M_MIN, M_RATIO, TF32_LAM_MIN,
 from tracecmp.comparison.localize.predict import STRICT_KAPPA, within_tf32
 from tracecmp.comparison.localize.records import Decision, JudgedNode, RankContext, RankInput
 from tracecmp.comparison.tolerances import Tolerances
+from tracecmp.graph.checks import OwnCheck
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import ModelFit
 from tracecmp.numerics.replay import OwnError
@@ -96,10 +97,7 @@ def decide_node(j: JudgedNode, node: Node, ctx: RankContext, tainted: bool = Fal
         # amplified more than the op's class foresaw (Adam's update of a gradient near 0). The
         # replay decides; the statistics only estimated.
         return Decision("", "", "replay", -1)
-    if not strict and not replayed and own_check is not None and own_check.passed and not nonfinite_mismatch(outs):
-        # Statistics against the bench only estimated what the inputs explain; the op's own
-        # check at capture found it computing what its inputs and arguments ask. NaN/Inf counts
-        # that differ are exact evidence over every element, which a sample cannot outweigh.
+    if not strict and not replayed and _cleared_by_own_check(own_check, outs):
         return Decision("", "", "self_check", -1)
     return _root(j, node, ctx, (channel, e, x, part), replayed)
 
@@ -119,17 +117,18 @@ def _moves(node: Node) -> bool:
 
 def collective_moves(nodes: Sequence[Node], view_base: Mapping[int, int]) -> frozenset[int]:
     """The op ids of the moving ops (see ``_moves``) that carry a collective's data: out of what a
-    collective made (a DDP bucket's slice copied into its gradient, a functional all-gather's
-    chunks concatenated), into what a collective reads (a gradient copied into its bucket), and
-    along chains of such copies made out of place. A copy anywhere else is judged as any op is:
-    a fault injected into a ``clone`` is its own root.
+        collective made (a DDP bucket's slice copied into its gradient, a functional all-gather's
+        chunks concatenated), into what a collective reads (a gradient copied into its bucket), and
+        along chains of such copies made out of place. A copy anywhere else is judged as any op is:
+        a fault injected into a ``clone`` is its own root.
 
-    >>> from tracecmp.graph.nodes import Node, TensorState
-    >>> def op(i, name, ins, outs):
-    ...     return Node(i, 0, "backward", "op", name, name, "", "", "", ins, outs, False, "")
-    >>> reduced = op(1, "c10d.allreduce_.default", [1], [1])
-    >>> sorted(collective_moves([reduced, op(2, "aten.copy_.default", [3, 2], [3]), op(3, "aten.clone.default", [4], [5])], {2: 1}))
-    [2]
+        >>> from tracecmp.graph.checks import OwnCheck
+    from tracecmp.graph.nodes import Node, TensorState
+        >>> def op(i, name, ins, outs):
+        ...     return Node(i, 0, "backward", "op", name, name, "", "", "", ins, outs, False, "")
+        >>> reduced = op(1, "c10d.allreduce_.default", [1], [1])
+        >>> sorted(collective_moves([reduced, op(2, "aten.copy_.default", [3, 2], [3]), op(3, "aten.clone.default", [4], [5])], {2: 1}))
+        [2]
     """
     base = view_base.get
     made: set[int] = set()
@@ -170,9 +169,11 @@ def moves_data(node: Node, ctx: RankContext) -> bool:
     return len({f[2] for f in facts if f is not None}) == 1
 
 
-def nonfinite_mismatch(outs: list[TensorState]) -> bool:
-    """Whether any output holds NaN/Inf in other places or numbers than the bench's."""
-    return any(s.nonfinite_mismatch for s in outs)
+def _cleared_by_own_check(own_check: OwnCheck | None, outs: list[TensorState]) -> bool:
+    """Whether the op's own check at capture clears it of a suspicion from statistics alone, which
+    only estimated what its inputs explain. NaN/Inf counts that differ from the bench's are exact
+    evidence over every element, which a sample cannot outweigh."""
+    return own_check is not None and own_check.passed and not any(s.nonfinite_mismatch for s in outs)
 
 
 def _furthest_excess(j: JudgedNode, ctx: RankContext, tainted: bool) -> tuple[float, int, float, float, float, int]:
