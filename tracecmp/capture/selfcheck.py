@@ -76,6 +76,9 @@ REDUCED_EPS = {"tf32": 2.0**-10, "bf16": 2.0**-7, "fp16": 2.0**-10}
 # positive-only sums, where the running sum is as large as the result (measured in the tests).
 BASE = 3.0
 GROWTH = 0.5
+# Ops that only move values are recomputed whole in float64: up to this many input elements
+# (128 MiB of float64), so that a check never holds much more memory than the op itself.
+MOVED_MAX = 1 << 24
 # Exact copies: same dtype must be bit-equal; a cast may round once (half an ulp).
 EXACT_LIMIT = {True: 0.0, False: 0.5}
 
@@ -736,6 +739,27 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
     return (_Target(0, lambda o: _take(o, flat), lambda: (value, scale), 1, None, "exact", flat.numel(), src.dtype),)
 
 
+def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_Target, ...] | None:
+    """Ops that only move or make values (a reshape's copy, a scatter into zeros, a concatenation,
+    a constant): the same op on float64 copies of the inputs, sampled, must be the output exactly.
+    Recomputed whole, as cheap as the op itself (it only moves memory)."""
+    tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    if not all(_plain(t) and _real(t) for t in tensors) or sum(t.numel() for t in tensors) > MOVED_MAX:
+        return None
+    widened = lambda a: a.detach().to(F64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+    f_args = [[widened(t) for t in a] if isinstance(a, (list, tuple)) else widened(a) for a in args]
+    f_kwargs = {k: (F64 if k == "dtype" and v is not None else widened(v)) for k, v in kwargs.items()}
+    value = func(*f_args, **f_kwargs)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return None
+    flat = checker._sample(value.numel())
+    picked = _take(value, flat)
+    scale = torch.zeros((), dtype=F64, device=picked.device)
+    # Exact where the output keeps float64's values (same dtype as what it moved): limit 0.
+    dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+    return (_Target(0, lambda o: _take(o, flat), lambda: (picked, scale), 1, None, "exact", flat.numel(), dtype),)
+
+
 def _classify(func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
     """Which checker an op overload gets (cached by the caller per overload)."""
     special = _special().get(func)
@@ -766,6 +790,22 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             _layer_norm: ["native_layer_norm"],
             _layer_norm_backward: ["native_layer_norm_backward"],
             _copy: ["_to_copy", "copy_", "clone", "embedding"],
+            _moved: [
+                "_unsafe_view",
+                "select_backward",
+                "slice_backward",
+                "cat",
+                "stack",
+                "index_select",
+                "gather",
+                "repeat",
+                "constant_pad_nd",
+                "zeros_like",
+                "ones_like",
+                "full_like",
+                "new_zeros",
+                "new_ones",
+            ],
         }
         for kind, names in table.items():
             for name in names:

@@ -257,6 +257,8 @@ def _check_rank(rank: RankTrace, ops: pd.DataFrame, run: _CheckRun) -> dict[int,
             verdicts[op_id] = _self_check_verdict(op_id, checked[op_id])
         run.bar.update(f"rank {rank.rank}: self-checks", advance=len(by_check))
         fallback = [o for o in fallback if o not in checked]
+        if run.workers is None:  # the few ops left may not pay for starting workers
+            count = auto_workers(len(fallback))
     if fallback:
         verdicts.update(_statistics_verdicts(rank, fallback, count, run))
     return verdicts
