@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import sys
+
+import pytest
 
 from tracecmp.verdict import progress
 from tracecmp.verdict.progress import Progress, shown, shown_anywhere
