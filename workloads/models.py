@@ -129,9 +129,10 @@ def example_batch(name: str, seed: int = 0, batch: int = 4) -> tuple[torch.Tenso
 
 
 def make_optimizer(model: nn.Module, kind: str = "adam") -> torch.optim.Optimizer:
-    """Adam (lr 1e-2) or SGD with momentum (lr 0.1) over ``model``'s parameters."""
-    if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=1e-2)
+    """Adam (lr 1e-2; "adam-foreach": over parameter lists, as on accelerators) or SGD with
+    momentum (lr 0.1) over ``model``'s parameters."""
+    if kind in ("adam", "adam-foreach"):
+        return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=kind == "adam-foreach")
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     raise ValueError(f"unknown optimizer {kind!r}")

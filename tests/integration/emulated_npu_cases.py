@@ -180,7 +180,7 @@ def test_self_checks_on_the_device_stay_there_until_the_hand_over(tmp_path: Path
     waits = (counted.d2h_copies + counted.syncs) - (plain_waits.d2h_copies + plain_waits.syncs)
     assert [k for k in plain if not torch.equal(plain[k], traced[k])] == []
     checks = tracecmp.load(tmp_path / "t").rank(0).checks
-    assert checks is not None and len(checks) > 150  # the optimizer runs _foreach_ ops here: not checked
+    assert checks is not None and len(checks) > 300  # the optimizer's _foreach_ ops included
     assert checks["residual"].notna().all() and (checks["residual"] <= checks["limit"]).all()
     assert 1 <= waits <= 2 * STEPS, f"capture waited {waits} times for {STEPS} steps ({len(checks)} checks)"
 

@@ -13,11 +13,13 @@ import tracecmp
 from workloads.models import example_batch, loss_of, make_model, make_optimizer
 
 
-def _run(name: str, trace_to: Path | None, data: str = "stats", self_check: str = "off") -> dict[str, Any]:
+def _run(
+    name: str, trace_to: Path | None, data: str = "stats", self_check: str = "off", optimizer: str = "adam"
+) -> dict[str, Any]:
     """Two training steps from a fixed seed; every loss, gradient, parameter and optimizer state."""
     torch.manual_seed(1234)  # dropout draws from the global generator
     model, batch = make_model(name), example_batch(name)
-    opt = make_optimizer(model, "adam")
+    opt = make_optimizer(model, optimizer)
     seen: dict[str, Any] = {}
     session = (
         tracecmp.TraceCompare(trace_to, model=model, data=data, self_check=self_check)
@@ -74,3 +76,13 @@ def test_results_are_bitwise_equal(tmp_path: Path, name: str, data: str, self_ch
     else:  # every op the checker knows was checked, and an honest run passes every check
         assert checks is not None and len(checks) > 10
         assert (checks["residual"] <= checks["limit"]).all(), checks.sort_values("residual").tail()
+
+
+def test_self_checks_of_a_foreach_optimizer_are_transparent_and_pass(tmp_path: Path) -> None:
+    plain = _run("transformer", None, optimizer="adam-foreach")
+    traced = _run("transformer", tmp_path / "t", "stats", "sample", optimizer="adam-foreach")
+    assert [k for k in plain if not torch.equal(plain[k], traced[k])] == []
+    rank = tracecmp.load(tmp_path / "t").rank(0)
+    checks = rank.checks.merge(rank.ops[["op_id", "op"]], on="op_id")
+    foreach = checks[checks["op"].str.startswith("aten._foreach_")]
+    assert len(foreach) > 50 and (foreach["residual"] <= foreach["limit"]).all()

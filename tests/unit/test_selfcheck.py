@@ -324,3 +324,32 @@ def test_a_declared_tf32_matmul_is_held_to_float32_under_the_rounding_that_repro
     # Without the declaration a TF32 call is itself a fault of float32.
     (check,) = _run(aten.mm.default, (a, b), tamper=lambda o: device(a, b))
     assert check.residual > check.limit
+
+
+def test_foreach_ops_are_checked_per_tensor_of_their_lists() -> None:
+    # What optimizers run on accelerators (foreach Adam): each list position is its own output,
+    # in-place ones read back from the list they wrote.
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.rand(5, 3, generator=gen) + 0.1 for _ in range(3)]
+    ys = [torch.randn(5, 3, generator=gen) for _ in range(3)]
+    copies = lambda: [x.clone() for x in xs]  # noqa: E731
+    cases = [
+        (aten._foreach_mul_.Scalar, lambda: (copies(), 0.9), {}),
+        (aten._foreach_addcmul_.Scalar, lambda: (copies(), ys, ys), {"value": 0.001}),
+        (aten._foreach_addcdiv_.ScalarList, lambda: (copies(), ys, xs, [0.1, 0.2, 0.3]), {}),
+        (aten._foreach_lerp_.Scalar, lambda: (copies(), ys, 0.1), {}),
+        (aten._foreach_add_.List, lambda: (copies(), ys), {"alpha": -0.1}),
+        (aten._foreach_sqrt.default, lambda: (xs,), {}),
+    ]
+    for func, make, kwargs in cases:
+        for fault in (False, True):
+            args = make()
+            checker = SelfChecker()
+            plan = checker.prepare(func, args, kwargs)
+            assert plan is not None, func
+            out = func(*args, **kwargs)
+            if fault:  # the kernel went wrong on the second tensor only
+                (out[1] if out is not None else args[0][1]).mul_(1.001)
+            checks = checker.finish(plan, out)
+            assert [c.index for c in checks] == [0, 1, 2], func
+            assert [c.residual > c.limit for c in checks] == [False, fault, False], (func, checks)

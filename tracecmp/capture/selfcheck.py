@@ -123,6 +123,8 @@ class Plan(NamedTuple):
 
     func: Any
     targets: tuple[_Target, ...]
+    # What the op wrote where it returns nothing (an in-place _foreach_ op: its self list)
+    written: tuple[torch.Tensor, ...] = ()
 
 
 def limit_for(n: int, eps_out: float, eps_acc: float) -> float:
@@ -254,7 +256,10 @@ class SelfChecker:
             # An argument combination this module does not model: leave the call unchecked
             # rather than fail the user's program.
             return None
-        return Plan(func, targets) if targets else None
+        if not targets:
+            return None
+        written = tuple(args[0]) if kind is _foreach and func._schema.returns == [] else ()
+        return Plan(func, targets, written)
 
     def finish(self, plan: Plan, out: Any) -> list[Check]:
         """Compare the op's outputs ``out`` against the float64 recomputation planned for them.
@@ -265,7 +270,7 @@ class SelfChecker:
         >>> [c.residual for c in checker.finish(plan, x * 2.0)]
         [0.0]
         """
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)] or list(plan.written)
         checks = []
         with torch.no_grad():
             for target in plan.targets:
@@ -274,7 +279,10 @@ class SelfChecker:
                 o = outs[target.index]
                 if not (_plain(o) and o.is_floating_point() and o.numel()):
                     continue
-                checks.append(self._compare(target, o))
+                try:
+                    checks.append(self._compare(target, o))
+                except (RuntimeError, TypeError, ValueError, IndexError):
+                    continue  # a call this module does not model after all: unchecked, never the program's error
         if not checks and plan.targets and plan.targets[0].how == "pointwise":
             # A pointwise op of floating inputs whose output is not floating (a comparison) always is.
             self._kinds[plan.func] = None
@@ -760,8 +768,62 @@ def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[st
     return (_Target(0, lambda o: _take(o, flat), lambda: (picked, scale), 1, None, "exact", flat.numel(), dtype),)
 
 
+# How a _foreach_ overload's per-tensor call is spelled: its lists' elements are tensors or scalars.
+_FOREACH_OVERLOADS = {
+    "List": ("Tensor", "default"),
+    "Scalar": ("Scalar", "default"),
+    "ScalarList": ("Scalar", "default"),
+}
+
+
+def _foreach(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """A pointwise ``_foreach_`` op (what optimizers run on accelerators): each list position
+    checked as the plain op's call on that position's tensors and scalars, output ``i`` the list's
+    ``i``-th tensor."""
+    packet = getattr(aten, func.overloadpacket.__name__[len("_foreach_") :], None)
+    if packet is None or not args or not isinstance(args[0], (list, tuple)):
+        return None
+    wanted = _FOREACH_OVERLOADS.get(func._overloadname, ("Tensor", "Scalar", "default"))
+    targets: list[_Target] = []
+    for i in range(len(args[0])):
+        call = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+        for name in wanted:
+            single = getattr(packet, name, None)
+            bound = _bound_call(single, call, kwargs) if single is not None else None
+            if bound is None or _classify(single) is not _pointwise:
+                continue
+            found = _pointwise(checker, single, *bound)
+            if found:
+                targets.extend(t._replace(index=i) for t in found)
+            break
+    return tuple(targets) or None
+
+
+def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
+    """``(args, kwargs)`` for ``func`` where they fit its schema by kind (tensor or number),
+    positional values beyond its positional arguments passed as its keyword-only ones in order
+    (``_foreach_addcdiv_``'s scalars are ``addcdiv_``'s ``value``); None where they do not fit."""
+    arguments = func._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    keyword = [a for a in arguments if a.kwarg_only]
+    extra = list(args[len(positional) :])
+    if len(extra) > len(keyword):
+        return None
+    kwargs = {**kwargs, **{a.name: value for a, value in zip(keyword, extra)}}
+    for value, arg in zip(args, positional):
+        if (str(arg.type) in ("Tensor", "Optional[Tensor]")) != isinstance(value, torch.Tensor):
+            return None
+    if not all(name in {a.name for a in arguments} for name in kwargs):
+        return None
+    return list(args[: len(positional)]), kwargs
+
+
 def _classify(func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
     """Which checker an op overload gets (cached by the caller per overload)."""
+    if func.overloadpacket.__name__.startswith("_foreach_"):
+        return _foreach
     special = _special().get(func)
     if special is not None:
         return special
