@@ -167,7 +167,12 @@ def _trace(
 
 
 def _checksums(path: Path) -> np.ndarray:
-    tensors = tracecmp.load(path).rank(0).tensors
+    """The checksums of every value the ops made, in order (sources left out: a tensor the
+    program still holds may enter the trace again as a source where its record was collected
+    first, which depends on when the garbage collector ran)."""
+    rank = tracecmp.load(path).rank(0)
+    sources = set(rank.ops.loc[rank.ops["kind"] == "source", "op_id"].tolist())
+    tensors = rank.tensors[~rank.tensors["op_id"].isin(sources)]
     return tensors["checksum"].fillna(0).to_numpy()
 
 
