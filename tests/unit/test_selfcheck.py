@@ -120,7 +120,18 @@ def _conv_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, Any
             {},
         ),
         ("conv1d grouped", aten.convolution.default, (r(2, 8, 30), r(8, 4, 5), None, [2], [2], [1], False, [0], 2), {}),
+        *(
+            [("conv2d backward", aten.convolution_backward.default, _conv_backward_args(r), {})]
+            if dtype == torch.float32  # 16-bit input gradients are not checked
+            else []
+        ),
     ]
+
+
+def _conv_backward_args(r: Callable) -> tuple:
+    x, w = r(2, 8, 10, 10), r(6, 4, 3, 3)
+    grad = r(2, 6, 10, 10)
+    return (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2, [True, True, False])
 
 
 def _all_cases(
@@ -146,7 +157,7 @@ def _runnable(cases: list[tuple[str, Any, tuple, dict]]) -> list[tuple[str, Any,
 
 
 def _bigger(out: Any, factor: float) -> Any:
-    return tuple(t * factor for t in out) if isinstance(out, tuple) else out * factor
+    return tuple(t * factor if t is not None else t for t in out) if isinstance(out, tuple) else out * factor
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -243,7 +254,11 @@ def test_relative_noise_exceeds_the_limit() -> None:
         _bigger(o, 1) if not isinstance(o, torch.Tensor) else o * (1 + 1e-3 * torch.randn(o.shape, generator=gen))
     )
     for name, func, args, kwargs in _all_cases(gen, torch.float32, 512):
-        if func in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default):
+        if func in (
+            aten.native_layer_norm.default,
+            aten.native_layer_norm_backward.default,
+            aten.convolution_backward.default,
+        ):
             check = _run(func, args, kwargs, tamper=lambda o: (noisy(o[0]), *o[1:]))[0]
         else:
             check = _run(func, args, kwargs, tamper=noisy)[0]

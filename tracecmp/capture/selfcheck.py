@@ -571,6 +571,46 @@ def _convolution(
     return (_Target(0, gather, ref, n, eps_acc, "batch", picked.numel(), None, fitted if models else None),)
 
 
+def _convolution_backward(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """The input gradient (output 0) of sampled batch elements, from their output gradient and
+    the weight; the weight and bias gradients sum over the batch and are left unchecked."""
+    b = _bind(func, args, kwargs)
+    grad, x, w = b["grad_output"], b["input"], b["weight"]
+    if not b["output_mask"][0]:
+        return None
+    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in (grad, x, w)) or x.dim() != w.dim():
+        return None
+    if w.dtype in (torch.float16, torch.bfloat16):
+        return None  # CPU kernels may sum a 16-bit input gradient's taps at 16 bits (measured: 50x)
+    picked = checker._sample(x.shape[0])
+    gs32 = grad.detach().index_select(0, picked.to(grad.device))
+    shape = (picked.numel(), *x.shape[1:])
+    rest = (b["stride"], b["padding"], b["dilation"], b["transposed"], b["output_padding"], b["groups"])
+
+    def input_grad(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        empty = torch.empty(shape, dtype=F64, device=g.device)
+        return aten.convolution_backward.default(g, empty, weight, None, *rest, [True, False, False])[0]
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        g64, w64 = gs32.to(F64), w.detach().to(F64)
+        return input_grad(g64, w64), input_grad(g64.abs(), w64.abs())
+
+    def gather(o: torch.Tensor) -> torch.Tensor:
+        return o.index_select(0, picked.to(o.device))
+
+    # Each input element sums over the output channels of its group and the kernel's taps.
+    per_input = (w.shape[1] if b["transposed"] else w.shape[0] // b["groups"]) * math.prod(w.shape[2:])
+    eps_acc = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
+    models = _rounding_models(w.dtype, eps_acc) if grad.dtype == torch.float32 else ()
+
+    def fitted() -> list[torch.Tensor]:
+        return [input_grad(r(gs32).to(F64), r(w.detach()).to(F64)) for r in models]
+
+    return (_Target(0, gather, ref, per_input, eps_acc, "batch", picked.numel(), None, fitted if models else None),)
+
+
 # --- reductions and row ops (softmax, layer norm) ---
 
 
@@ -864,6 +904,7 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
         table = {
             _matmul: ["mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "_addmm_activation"],
             _convolution: ["convolution"],
+            _convolution_backward: ["convolution_backward"],
             _reduction: ["sum.dim_IntList", "mean.dim", "sum", "mean"],
             _softmax: ["_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"],
             _layer_norm: ["native_layer_norm"],
