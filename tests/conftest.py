@@ -23,6 +23,15 @@ def _seed_torch() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The test on one thread (bitwise-reproducible reductions), the count restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _restore_threads() -> Iterator[None]:
     """A module that runs on one thread (captures that must reproduce bit for bit) leaves the rest

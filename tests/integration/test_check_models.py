@@ -21,13 +21,15 @@ from tracecmp.demo import BATCH, SEQ, VOCAB, build_model
 from tracecmp.render.check_report import write_report
 from workloads.kernel_faults import FAULTS, capture
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The clean runs every check must pass: capture() options per kind.
+CLEAN_RUNS: dict[str, dict[str, Any]] = {
+    "float32": {},
+    "bfloat16": {"dtype": torch.bfloat16},
+    "autocast-bf16": {"autocast": True},
+    "tf32-declared": {"tf32": True},
+}
 
 
 @pytest.mark.parametrize(
@@ -48,14 +50,9 @@ def test_check_names_the_faulty_kernel_on_tensors(tmp_path, fault, op):
     assert result.counts()["by tensors"] >= 0.9 * result.counts()["ops"]
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "autocast-bf16", "tf32-declared"])
+@pytest.mark.parametrize("kind", list(CLEAN_RUNS))
 def test_clean_runs_have_no_error(tmp_path, kind):
-    options = {
-        "float32": {},
-        "bfloat16": {"dtype": torch.bfloat16},
-        "autocast-bf16": {"autocast": True},
-        "tf32-declared": {"tf32": True},
-    }[kind]
+    options = CLEAN_RUNS[kind]
     result = tracecmp.check(capture(tmp_path / "run", **options))
     assert result.first_error is None, result.summary()
     judged = result.counts()["pass"] + result.counts()["warning"]
@@ -116,14 +113,9 @@ def test_statistics_with_self_checks_name_every_kernel_fault(tmp_path, fault, op
     assert counts["by self-check"] >= 0.9 * (counts["pass"] + counts["warning"] + counts["error"])
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "autocast-bf16", "tf32-declared"])
+@pytest.mark.parametrize("kind", list(CLEAN_RUNS))
 def test_statistics_with_self_checks_pass_clean_runs(tmp_path, kind):
-    options = {
-        "float32": {},
-        "bfloat16": {"dtype": torch.bfloat16},
-        "autocast-bf16": {"autocast": True},
-        "tf32-declared": {"tf32": True},
-    }[kind]
+    options = CLEAN_RUNS[kind]
     result = tracecmp.check(capture(tmp_path / "run", data="stats", self_check="sample", **options))
     assert result.first_error is None, result.summary()
     assert any("needs a bench run" in note for note in result.notes)

@@ -5,18 +5,11 @@ kernel would make it, :mod:`workloads.kernel_faults`)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tracecmp
 from workloads.kernel_faults import FAULTS, capture
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
