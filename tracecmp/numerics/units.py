@@ -33,6 +33,17 @@ TF32_EPS = 2.0**-10
 # ``set_float32_matmul_precision("medium")``), keyed as ``REDUCED_MODELS``.
 REDUCED_EPS = {"tf32": TF32_EPS, "bf16": EPS["bfloat16"]}
 
+
+def reduced_unit(reduced: str | None) -> float:
+    """The unit a float32 matmul/conv allowed reduced precision rounds its operands to: bf16's where
+    the run declared it (``"medium"``), else TF32's (TF32 on GPUs, HF32 on NPUs).
+
+    >>> reduced_unit("bf16") == EPS["bfloat16"], reduced_unit(None) == TF32_EPS
+    (True, True)
+    """
+    return REDUCED_EPS.get(reduced or "tf32", TF32_EPS)
+
+
 _ALIASES = {
     "fp64": "float64",
     "double": "float64",

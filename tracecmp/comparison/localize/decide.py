@@ -213,7 +213,7 @@ def _strict(j: JudgedNode, node: Node, ctx: RankContext) -> bool:
     # be running at TF32 unless the trace shows exact ones; an error too small for TF32 is not that.
     # A call TF32 rounding of its own operands can explain (from their statistics: K and sizes,
     # at most) is not held to the bitwise rule, even its op's only call; one beyond that can't be TF32.
-    tf32_like = tf32 and within_tf32(j, node, ctx.lookup, ctx.tol)
+    tf32_like = tf32 and within_tf32(j, node, ctx.lookup, ctx.tol, ctx.ri.reduced_precision)
     # A compiled region's fused code may reduce in another order from one run to the next (inductor's
     # parallel reductions on the CPU): the rest of the run vouches for eager kernels, not for it.
     compiled = node.op in BOUNDARY_OPS.values()

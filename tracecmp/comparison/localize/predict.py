@@ -14,7 +14,7 @@ from tracecmp.comparison.adam import adam_update_bound
 from tracecmp.comparison.localize.records import CAP, JudgedNode
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node, TensorState
-from tracecmp.numerics.units import TF32_EPS, TINY
+from tracecmp.numerics.units import TINY, reduced_unit
 
 _LINEAR_UNARY = {"mul", "mul_", "div", "div_", "true_divide", "neg", "neg_"}
 
@@ -347,10 +347,13 @@ def averaged_rounding(unit: float, out: TensorState, tf32: bool) -> float:
     return max(unit / math.sqrt(neff), out.unit * bias)
 
 
-def within_tf32(j: JudgedNode, node: Node, lookup: Callable[[int], TensorState | None], tol: Tolerances) -> bool:
-    """Whether TF32 rounding of this matmul/conv's operands can account for its output error at
-    most: each product moves by at most 2 TF32 units (2^-10 each, truncation's), so an output
-    element by 2u (|A||B|)_ij <= 2u K max|a| max|b|, and the output's norm by 2u ||A|| ||B||."""
+def within_tf32(
+    j: JudgedNode, node: Node, lookup: Callable[[int], TensorState | None], tol: Tolerances, reduced: str | None
+) -> bool:
+    """Whether TF32 rounding (or the declared ``reduced`` precision's) of this matmul/conv's operands
+    can account for its output error at most: each product moves by at most 2 units (TF32's 2^-10
+    each, truncation's), so an output element by 2u (|A||B|)_ij <= 2u K max|a| max|b|, and the
+    output's norm by 2u ||A|| ||B||."""
     ins = [(pos, lookup(t)) for pos, t in enumerate(node.inputs)]
     floats = [(pos, s) for pos, s in ins if s is not None and s.is_float and not s.uninit]
     operands = _operands(j.cls, floats)[:2]  # attention: its first product, q k^T
@@ -358,7 +361,7 @@ def within_tf32(j: JudgedNode, node: Node, lookup: Callable[[int], TensorState |
     if len(operands) != 2 or not outs:
         return True  # nothing to bound it by: as before, TF32-like
     (_, a), (_, b) = operands
-    unit = 2.0 * TF32_EPS
+    unit = 2.0 * reduced_unit(reduced)
     for out in outs:
         k = math.sqrt(max(a.numel * b.numel / max(out.numel, 1), 1.0))
         bound_ext = unit * k * a.amax * b.amax / max(out.amax, TINY)

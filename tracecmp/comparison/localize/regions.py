@@ -22,7 +22,7 @@ from tracecmp.comparison.localize.records import JudgedNode, NodeVerdict, RankIn
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.replay import OwnError, RegionReplay
-from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY
+from tracecmp.numerics.units import EPS, FP32_EPS, TINY, reduced_unit
 from tracecmp.verdict.records import Divergence, Region
 
 # A region member as RankInput.region_ops holds it: (kind, op, args, input ids, output ids).
@@ -238,7 +238,7 @@ def _through_region_op(
             continue
         x = predicted_error(cls, base_name(op), float_x, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
         carried = predicted_error(budget_cls, base_name(op), float_r, out) if cls.kind != "factory" else (0.0, 0.0, 0.0)
-        own = _own_rounding(cls, float_x, out, floor, tol, exact_matmul)
+        own = _own_rounding(cls, float_x, out, floor, tol, exact_matmul, ri.reduced_precision)
         inherited[tid] = _with_error(out, x)
         budget[tid] = _with_error(out, tuple(c + f for c, f in zip(carried, own)))
 
@@ -250,9 +250,11 @@ def _own_rounding(
     floor: float,
     tol: Tolerances,
     exact_matmul: bool,
+    reduced: str | None,
 ) -> tuple[float, float, float]:
     """An honest kernel's own rounding of ``out`` per channel: its dtype's unit (at least the region's
-    output floor; TF32's where a float32 contraction may use it), scaled by the accumulation's kappa."""
+    output floor; the reduced precision's where a float32 contraction may use it), scaled by the
+    accumulation's kappa."""
     unit, lam, tf32 = max(out.unit, floor), (2.0 if cls.accumulates else 1.0), False
     if (
         cls.precision_variable
@@ -261,7 +263,7 @@ def _own_rounding(
         and 0 < unit <= FP32_EPS
         and contracts_nonzero(cls, float_x)
     ):
-        unit, lam, tf32 = TF32_EPS, 0.5, True
+        unit, lam, tf32 = reduced_unit(reduced), 0.5, True
     fresh = unit * lam * (local_kappa(cls, float_x, out) if cls.accumulates else 1.0)
     return (fresh, averaged_rounding(fresh, out, tf32), fresh)
 

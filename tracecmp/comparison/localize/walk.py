@@ -61,7 +61,7 @@ from tracecmp.comparison.localize.repeats import one_root_per_fault
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.graph.nodes import Node, TensorState
 from tracecmp.numerics.fits import model_fits
-from tracecmp.numerics.units import EPS, FP32_EPS, TF32_EPS, TINY, eps_of, is_float_dtype
+from tracecmp.numerics.units import EPS, FP32_EPS, TINY, eps_of, is_float_dtype, reduced_unit
 from tracecmp.trace.schema import PYTHON_SOURCE, UNREAD_SOURCE
 from tracecmp.verdict.records import Divergence, Drift, SkippedStep, layer_site
 
@@ -472,8 +472,8 @@ class RankWalk:
             and 0 < unit <= FP32_EPS
             and contracts_nonzero(cls, float_ins)
         ):
-            # TF32 rounding, not accumulation order, then sets the local error.
-            unit, rounding.lam, rounding.uses_tf32 = TF32_EPS, 0.5, True
+            # TF32 (or declared bf16) rounding, not accumulation order, then sets the local error.
+            unit, rounding.lam, rounding.uses_tf32 = reduced_unit(self.ri.reduced_precision), 0.5, True
         rounding.kappa_local = local_kappa(cls, float_ins, out, role) if cls.accumulates else 1.0
         # Reordered (or TF32-rounded) terms differ by a unit each, amplified where they cancel.
         unit *= rounding.kappa_local
