@@ -65,3 +65,19 @@ def test_nanogpt_clean_bf16_pair_with_eval_readouts_before_step_0_agrees(workdir
     bench = record(SCRIPTS["nanogpt"], case.bench, workdir, tiny=True)
     cmp = _compared(record(SCRIPTS["nanogpt"], case.target, workdir, tiny=True), bench)
     assert judge(case.expect, cmp), cmp.summary
+
+
+def test_vision_relu6_that_changes_no_value_agrees_with_a_note_naming_it(vision_bench, workdir):
+    case = variant("vision", "bug-relu6")
+    cmp = _compared(record(SCRIPTS["vision"], case.target, workdir, tiny=True), vision_bench)
+    assert cmp.returncode == 0 and not cmp.roots, cmp.summary
+    assert judge(case.expect, cmp), cmp.summary
+    assert "note: layer1.0.relu computes with hardtanh_ where the bench computes with relu_" in cmp.summary
+
+
+def test_nanogpt_softmax_in_bf16_against_a_flash_attention_bench_is_the_only_root(workdir):
+    case = variant("nanogpt", "bug-softmax-bf16-vs-flash")
+    bench = record(SCRIPTS["nanogpt"], case.bench, workdir, tiny=True)
+    cmp = _compared(record(SCRIPTS["nanogpt"], case.target, workdir, tiny=True), bench)
+    assert cmp.returncode == 1 and cmp.first.get("kind") == "precision", cmp.summary
+    assert judge(case.expect, cmp), cmp.summary

@@ -87,14 +87,26 @@ def _fused(
     return b.write(path)
 
 
-def _eager(path: Path, *, fault: Callable[[torch.Tensor], torch.Tensor] | None = None, data: bool = False) -> Path:
-    """The same attention spelled out: q k^T, scale, softmax, @ v."""
+def _eager(
+    path: Path,
+    *,
+    fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    data: bool = False,
+    bf16_softmax: bool = False,
+) -> Path:
+    """The same attention spelled out: q k^T, scale, softmax, @ v (``bf16_softmax``: the softmax in
+    bfloat16 between two casts, ``softmax(s.to(bf16)).float()``)."""
     b = TraceBuilder(data=data)
     _, q, k, v = _qkv(b)
     kt = b.call(A.transpose.int, k, -2, -1, module="attn")
     s = b.call(A.matmul.default, q, kt, module="attn")
     s = b.call(A.mul.Tensor, s, SCALE, module="attn")
-    p = b.call(A._softmax.default, s, -1, False, module="attn")
+    if bf16_softmax:
+        s = b.call(A._to_copy.default, s, dtype=torch.bfloat16, module="attn")
+        p = b.call(A._softmax.default, s, -1, False, module="attn")
+        p = b.call(A._to_copy.default, p, dtype=torch.float32, module="attn")
+    else:
+        p = b.call(A._softmax.default, s, -1, False, module="attn")
     out = b.call(A.matmul.default, p, v, module="attn", fault=fault)
     _tail(b, out)
     return b.write(path)
@@ -131,6 +143,20 @@ def test_a_fault_inside_the_fused_part_is_named_at_its_region(tmp_path, directio
     (region,) = result.regions
     assert d.region == region.region_id and d.op_id in region.target_ops and f"region {region.region_id}" in d.reason
     assert [s.op for s in result.suspects] == [expected]
+
+
+@pytest.mark.parametrize("data", [False, True])
+def test_a_softmax_in_bf16_inside_an_attention_matched_as_a_region_is_a_precision_root(tmp_path, data):
+    """Its error is within what the region's own ops (a bfloat16 softmax among them) allow at the
+    boundary; the round trip through bfloat16, which no op of the fused bench makes, is the fault."""
+    target = _eager(tmp_path / "t", bf16_softmax=True, data=data)
+    result = tracecmp.compare(target, _fused(tmp_path / "b", data=data))
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module, d.kind) == ("aten._softmax.default", "attn", "precision"), (
+        result.summary()
+    )
+    assert "round trip" in d.reason and len(result.suspects) == 1 and d.region is not None
+    assert d.score > 1.0  # in float32 units, not the region's bf16 budget's
 
 
 def test_a_vendor_fused_op_the_cpu_cannot_run_is_replayed_through_the_bench_ops(tmp_path):

@@ -1053,6 +1053,12 @@ def _holds_nonfinite(value: Any) -> bool:
     return False
 
 
+# Ops besides matmul-like ones that autocast runs in lower precision, narrowing their inputs: PReLU,
+# and the bias add of a linear or convolution that decomposes into a matmul and an add (the bias
+# narrowed to the matmul's dtype, the sum widened for the next float32 op).
+AUTOCAST_ELEMENTWISE = frozenset({"prelu", "_prelu_kernel", "add", "add_", "sub", "sub_"})
+
+
 # Ops whose exact result is infinite where an input is 0 (a pole): log(0) = -inf, 1/0 = inf.
 POLES = frozenset(
     {

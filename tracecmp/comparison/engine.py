@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from tracecmp.aten.opclass import draws_random
+from tracecmp.aten.opclass import base_name, draws_random, is_copy
 from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
 from tracecmp.comparison.compiled import (
     GRAPH_MODE_NOTE,
@@ -38,6 +38,7 @@ from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
 from tracecmp.trace.schema import PYTHON_SOURCE
 from tracecmp.verdict.progress import Progress, shown
+from tracecmp.verdict.records import Divergence
 
 _STAT_COLUMNS = [
     "tensor_id",
@@ -125,6 +126,7 @@ def compare_traces(
         covered_by_units(ri, verdicts)
     nodes = _node_table(node_frames, rank_inputs, verdicts)
     notes.extend(_self_check_notes(rank_inputs))
+    notes.extend(substitution_notes(rank_inputs, roots))
     first = roots[0] if roots else None
     suspects = sorted(roots, key=lambda d: -d.score)
     regions = [region for ri in rank_inputs for region in ri.regions.values()]
@@ -229,6 +231,45 @@ def _self_check_notes(rank_inputs: list[RankInput]) -> list[str]:
                 f"(float64 on a sample of their outputs), {failed:,} failed"
             )
     return notes
+
+
+def substitution_notes(rank_inputs: list[RankInput], roots: list[Divergence]) -> list[str]:
+    """Where the target computes with another function than the bench and no value shows it: a
+    region of one computing op a side whose names differ (``hardtanh_`` for ``relu_``: a ReLU6 no
+    activation reached 6 with), that is no root. Not a divergence, since every value agrees; a
+    change of the program all the same, which later steps may show.
+
+    >>> substitution_notes([], [])
+    []
+    """
+    root_regions = {(d.rank, d.region) for d in roots if d.region is not None}
+    found: dict[tuple[str, str, str], int] = {}
+    for ri in rank_inputs:
+        for region in ri.regions.values():
+            if region.kind not in ("fused", "rewritten") or (ri.rank, region.region_id) in root_regions:
+                continue
+            sides = [
+                [
+                    ri.region_ops[(side, o)][1]
+                    for o in ops
+                    if (side, o) in ri.region_ops
+                    and ri.region_ops[(side, o)][0] == "op"
+                    and not is_copy(ri.region_ops[(side, o)][1])
+                ]
+                for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+            ]
+            if len(sides[0]) != 1 or len(sides[1]) != 1:
+                continue
+            mine, theirs = (base_name(op) for op in (sides[0][0], sides[1][0]))
+            if mine.rstrip("_") != theirs.rstrip("_"):
+                key = (region.module or "<top>", mine, theirs)
+                found[key] = found.get(key, 0) + 1
+    return [
+        f"{module} computes with {mine} where the bench computes with {theirs} ({calls} call{'s' * (calls > 1)}): "
+        "every value agrees within noise in the compared steps, so it is no root; another function all the same, "
+        "which later values may show"
+        for (module, mine, theirs), calls in found.items()
+    ]
 
 
 def _tensor_table(tensor_frames: list[pd.DataFrame], nodes: pd.DataFrame) -> pd.DataFrame:

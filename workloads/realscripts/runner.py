@@ -233,11 +233,20 @@ def first_divergence(summary: str) -> dict[str, str]:
 def judge(expect: Expect, cmp: CompareRun | None) -> bool:
     """Does the comparison say what issue #34 asks of this variant? A clean pair: AGREE, exit 0
     (INCOMPLETE, exit 3, is not agreement). A bug: DIVERGED, exit 1, first at one of the expected
-    modules and ops, and the only root where ``expect.single``."""
+    modules and ops, and the only root where ``expect.single``; a bug that changes no value: AGREE,
+    exit 0, with a note that names its module and op."""
     if cmp is None:
         return False
     if expect.module is None:
         return cmp.returncode == 0 and cmp.word == "AGREE"
+    if expect.equal_values:
+        notes = [line for line in cmp.summary.splitlines() if line.startswith("note: ")]
+        named = any(
+            f"note: {module or '<top>'} computes with " in line and any(op in line for op in expect.ops)
+            for line in notes
+            for module in expect.modules()
+        )
+        return cmp.returncode == 0 and cmp.word == "AGREE" and named
     if cmp.returncode != 1 or cmp.word != "DIVERGED" or not cmp.first:
         return False
     first = cmp.first

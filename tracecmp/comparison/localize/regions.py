@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
-from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, read_by
+from tracecmp.aten.opclass import AUTOCAST_ELEMENTWISE, OpClass, base_name, classify, given_nonfinite, read_by
 from tracecmp.comparison.localize.decide import random_reason, replayed_root
 from tracecmp.comparison.localize.predict import (
     averaged_rounding,
@@ -372,6 +372,11 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
         )
     if not j.outputs or all(s.exact for _, s in j.outputs):
         return "", "", None, 0.0
+    narrowed = _round_trip_inside(region, ri)
+    if narrowed is not None:
+        op_id, reason, wide = narrowed
+        score = max((e / wide for e in j.e if not math.isnan(e)), default=0.0)  # in the bench precision's units
+        return "precision", f"{name}: {reason}", op_id, score
     replay = ri.region_replays.get(region.region_id)
     if replay is not None:
         unit = EPS.get(replay.dtype, FP32_EPS)
@@ -427,6 +432,49 @@ def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[st
             f"{name}: output error {e:.2e} ({channels[c]}) beyond an honest implementation's rounding ({j.r[c]:.1e})"
         )
     return "computation", reason, _producer(ri, region, j.worst), (e - x) / unit
+
+
+def _round_trip_inside(region: Region, ri: RankInput) -> tuple[int, str, float] | None:
+    """The target op of a forward region that the target alone computes in a lower precision, why,
+    and the unit of the precision it should have had: it narrows a float value to that precision just before the op and widens the result back
+    just after, inside the region, while none of the bench's ops there makes a tensor of that
+    precision (a hand-written attention's softmax in bfloat16 against a float32 fused attention).
+    Autocast's narrowing for matmul-like ops (and PReLU, a bias add) is no such round trip."""
+    if region.phase != "forward" or not region.bench_ops:
+        return None
+    entries = [(o, ri.region_ops.get(("t", o))) for o in region.target_ops]
+    ops = [(o, e) for o, e in entries if e is not None and e[0] == "op"]
+    base: dict[int, int] = {}  # a view's tensor -> the tensor it shows
+    for _, e in entries:
+        if e is not None and e[0] == "view" and e[3]:
+            base.update({t: base.get(e[3][0], e[3][0]) for t in e[4]})
+
+    def unit(side: str, tid: int) -> float:
+        s = ri.region_values.get((side, base.get(tid, tid) if side == "t" else tid))
+        return s.unit if s is not None and s.is_float else 0.0
+
+    casts = {e[4][0]: (o, e[3][0]) for o, e in ops if base_name(e[1]) == "_to_copy" and e[3] and e[4]}
+    bench_units = {unit("b", t) for o in region.bench_ops for t in ri.region_ops.get(("b", o), ("", "", "", [], []))[4]}
+    for o, (_, op, _, inputs, outputs) in ops:
+        name = base_name(op)
+        if not outputs or name == "_to_copy" or name in AUTOCAST_ELEMENTWISE or classify(op).kind == "contract":
+            continue
+        low = unit("t", outputs[0])
+        if low <= FP32_EPS or low in bench_units:
+            continue
+        narrowing = [casts[t] for t in (base.get(t, t) for t in inputs) if t in casts]
+        wide = [unit("t", src) for _, src in narrowing if 0 < unit("t", src) < low]
+        if not wide:
+            continue
+        widening = [c for t, (c, src) in casts.items() if base.get(src, src) == outputs[0] and unit("t", t) == wide[0]]
+        if widening:
+            reason = (
+                f"the target computes {name} at a lower precision than the bench: it narrows its input just before "
+                f"it (op {narrowing[0][0]}) and widens the result back just after (op {widening[0]}), a round trip "
+                "no op of the bench's makes"
+            )
+            return o, reason, wide[0]
+    return None
 
 
 # Two float64 replays of the same function by different ops differ by float64 rounding times the

@@ -11,7 +11,15 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from tracecmp.aten.opclass import OpClass, base_name, classify, given_nonfinite, is_readout, takes_call_args
+from tracecmp.aten.opclass import (
+    AUTOCAST_ELEMENTWISE,
+    OpClass,
+    base_name,
+    classify,
+    given_nonfinite,
+    is_readout,
+    takes_call_args,
+)
 from tracecmp.comparison.adam import ADAM_UPDATES
 from tracecmp.comparison.localize.arguments import class_for_call, constant_shift
 from tracecmp.comparison.localize.calibrate import (
@@ -109,11 +117,6 @@ UNMEASURED = (
     "an output has no statistics to compare on one side (no bench partner for it, or not recorded): "
     'capture both runs with the same options, or the target with data="tensors"'
 )
-
-# Ops besides matmul-like ones that autocast runs in lower precision, narrowing their inputs: PReLU,
-# and the bias add of a linear or convolution that decomposes into a matmul and an add (the bias
-# narrowed to the matmul's dtype, the sum widened for the next float32 op).
-AUTOCAST_ELEMENTWISE = frozenset({"prelu", "_prelu_kernel", "add", "add_", "sub", "sub_"})
 
 # Python reads remembered for the tensors made from Python data after them (see Walk.python_reads).
 PYTHON_READS_KEPT = 16
