@@ -419,6 +419,33 @@ def test_only_needs_tensors():
         tracecmp.TraceCompare("/tmp/never", only={"modules": ["a"]})
 
 
+def test_calls_alike_whose_statistics_pin_nothing_are_drawn_once_but_grid_evidence_still_is(tmp_path, monkeypatch):
+    """Four layers' matmuls, the third computed in float16: the first call's draws show that a matmul's
+    statistics pin nothing, so the second and fourth are not drawn again; the third's extremes lie on
+    the float16 grid, which only draws can put down to chance, so it is drawn and found."""
+    g = torch.Generator().manual_seed(3)
+    b = TraceBuilder()
+    x = b.source("input.0", torch.randn(16, 32, generator=g))
+    for layer in range(4):
+        w = b.param(f"fc{layer}.weight", torch.randn(32, 32, generator=g), module=f"fc{layer}")
+        half = (lambda t, w=w: _fp16(_fp16(b.value(x)) @ _fp16(b.value(w)))) if layer == 2 else None
+        b.call(A.mm.default, x, w, module=f"fc{layer}", fault=half)
+    rank = tracecmp.load(b.write(tmp_path / "t")).rank(0)
+    checker = StatisticsChecker(rank)
+    drawn: list[int] = []
+    real_draw = StatisticsChecker._draw
+    monkeypatch.setattr(
+        StatisticsChecker, "_draw", lambda self, op, *a, **k: drawn.append(op.op_id) or real_draw(self, op, *a, **k)
+    )
+    ops = rank.ops
+    mms = [int(o) for o in ops.loc[ops["op"] == "aten.mm.default", "op_id"]]
+    verdicts = [checker.check(o) for o in mms]
+    assert [v.status for v in verdicts] == ["skipped", "skipped", "error", "skipped"]
+    assert verdicts[1].reason == verdicts[0].reason and "pin none" in verdicts[0].reason
+    assert "float16 grid" in verdicts[2].reason
+    assert drawn == [mms[0], mms[2]]
+
+
 def test_a_statistics_checker_judges_one_op(tmp_path):
     rank = tracecmp.load(record(tmp_path / "run", faults={"gelu": scale(1 + 3e-5)})).rank(0)
     ops = rank.ops

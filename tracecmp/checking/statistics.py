@@ -100,6 +100,38 @@ def on_grid(value: float, grid: torch.dtype) -> bool:
         return False
 
 
+def _signature(op: RecordedOp, specs: list[TensorSpec], judged: list[tuple[int, int, TensorSpec]]) -> tuple:
+    """What decides whether a call's statistics pin its outputs' numbers: the op, its arguments,
+    its inputs' shapes, dtypes and signs, and which outputs are judged (the layers of a model call
+    their ops alike)."""
+    inputs = tuple((s.shape, s.dtype, s.min < 0, s.max > 0, s.min == s.max, s.nan > 0, s.inf > 0) for s in specs)
+    return op.name, op.args, inputs, tuple((i, s.dtype) for i, _, s in judged)
+
+
+def _testable_without_pins(judged: list[tuple[int, int, TensorSpec]], finite_inputs: bool) -> bool:
+    """Whether a call's outputs give the tests that need no pinned statistics something to test:
+    NaN/Inf from finite inputs, or float extremes that both lie on a coarser grid."""
+    for _, _, out in judged:
+        if out.nan + out.inf > 0 and finite_inputs:
+            return True
+        if out.dtype in ("float32", "float64") and out.min != out.max:
+            if any(on_grid(out.min, grid) and on_grid(out.max, grid) for _, grid in _GRIDS):
+                return True
+    return False
+
+
+def _pins_nothing(op: RecordedOp, judged: list[tuple[int, int, TensorSpec]]) -> OpVerdict:
+    """The skipped verdict of a call whose statistics pin none of its outputs' numbers."""
+    grid = any(out.dtype in ("float32", "float64") and out.min != out.max for _, _, out in judged)
+    tested = " (only that its output is on no coarser precision grid could be tested)" if grid else ""
+    return OpVerdict(
+        op.op_id,
+        "skipped",
+        reason="its statistics pin none of its outputs' numbers (they depend on "
+        f'every input value){tested}: capture its region with data="tensors" to check it',
+    )
+
+
 def _grid_of(dtype: str, lo: float, hi: float) -> str:
     """The coarsest grid finer dtypes' values ``lo`` and ``hi`` both lie on, "" for none."""
     if dtype not in ("float32", "float64") or not (math.isfinite(lo) and math.isfinite(hi)):
@@ -123,6 +155,9 @@ class StatisticsChecker:
         self.reduced = reduced
         self.standards = standards or Standards()
         self.seed = seed
+        # Calls (see _signature) whose statistics pinned none of their outputs' numbers: a later
+        # call alike draws again only where the NaN or the precision-grid test has something to test.
+        self._pins_nothing: set[tuple] = set()
         table = rank.tensors_table.select(
             [
                 "tensor_id",
@@ -269,13 +304,16 @@ class StatisticsChecker:
         judged: list[tuple[int, int, TensorSpec]],
         seed: int,
     ) -> OpVerdict:
+        finite_inputs = all(spec.nan == 0 and spec.inf == 0 for spec in specs if spec.dtype in _FLOATS)
+        signature = _signature(op, specs, judged)
+        if signature in self._pins_nothing and not _testable_without_pins(judged, finite_inputs):
+            return _pins_nothing(op, judged)
         drawn = self._draw(op, args, specs, judged, seed)
         if isinstance(drawn, OpVerdict):
             return drawn
         golden_stats, honest_stats = drawn
         found = _Findings()
         findings, checks = found.findings, found.checks
-        finite_inputs = all(spec.nan == 0 and spec.inf == 0 for spec in specs if spec.dtype in _FLOATS)
         positional = sum(1 for spec in specs if spec.numel > 1 and spec.min != spec.max) > 1
         for k, (_, _, out) in enumerate(judged):
             # NaN/Inf from finite inputs.
@@ -302,15 +340,8 @@ class StatisticsChecker:
             elif out.dtype in ("float32", "float64") and out.min != out.max:
                 checks.add("grid")
         if not findings and not checks - {"grid", "nonfinite"}:
-            tested = (
-                " (only that its output is on no coarser precision grid could be tested)" if "grid" in checks else ""
-            )
-            return OpVerdict(
-                op.op_id,
-                "skipped",
-                reason="its statistics pin none of its outputs' numbers (they depend on "
-                f'every input value){tested}: capture its region with data="tensors" to check it',
-            )
+            self._pins_nothing.add(signature)
+            return _pins_nothing(op, judged)
         return _verdict(op, judged, found)
 
     def _draw(
