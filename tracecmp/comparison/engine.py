@@ -38,7 +38,6 @@ from tracecmp.trace import boundedjson
 from tracecmp.trace.reader import RankTrace, Trace
 from tracecmp.trace.schema import PYTHON_SOURCE
 from tracecmp.verdict.progress import Progress, shown
-from tracecmp.verdict.records import Divergence
 
 _STAT_COLUMNS = [
     "tensor_id",
@@ -126,7 +125,7 @@ def compare_traces(
         covered_by_units(ri, verdicts)
     nodes = _node_table(node_frames, rank_inputs, verdicts)
     notes.extend(_self_check_notes(rank_inputs))
-    notes.extend(substitution_notes(rank_inputs, roots))
+    notes.extend(substitution_notes(rank_inputs, verdicts))
     first = roots[0] if roots else None
     suspects = sorted(roots, key=lambda d: -d.score)
     regions = [region for ri in rank_inputs for region in ri.regions.values()]
@@ -233,20 +232,20 @@ def _self_check_notes(rank_inputs: list[RankInput]) -> list[str]:
     return notes
 
 
-def substitution_notes(rank_inputs: list[RankInput], roots: list[Divergence]) -> list[str]:
+def substitution_notes(rank_inputs: list[RankInput], verdicts: Mapping[tuple[int, int], NodeVerdict]) -> list[str]:
     """Where the target computes with another function than the bench and no value shows it: a
     region of one computing op a side whose names differ (``hardtanh_`` for ``relu_``: a ReLU6 no
-    activation reached 6 with), that is no root. Not a divergence, since every value agrees; a
-    change of the program all the same, which later steps may show.
+    activation reached 6 with) whose ops all agree with the bench within noise. Not a divergence,
+    since no value differs; a change of the program all the same, which later steps may show.
 
-    >>> substitution_notes([], [])
+    >>> substitution_notes([], {})
     []
     """
-    root_regions = {(d.rank, d.region) for d in roots if d.region is not None}
     found: dict[tuple[str, str, str], int] = {}
     for ri in rank_inputs:
         for region in ri.regions.values():
-            if region.kind not in ("fused", "rewritten") or (ri.rank, region.region_id) in root_regions:
+            statuses = {verdicts[(ri.rank, o)].status for o in region.target_ops if (ri.rank, o) in verdicts}
+            if region.kind not in ("fused", "rewritten") or not statuses <= {"agrees", "noise"}:
                 continue
             sides = [
                 [
