@@ -60,6 +60,7 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
         ("log_softmax", aten._log_softmax.default, (a_t, 1, False), {}),
         ("softmax backward", aten._softmax_backward_data.default, (r(6, k), y, 1, dtype), {}),
         ("log_softmax backward", aten._log_softmax_backward_data.default, (r(6, k), y.log(), 1, dtype), {}),
+        *_attention_cases(r, k),
         *(
             [
                 ("layer_norm", aten.native_layer_norm.default, (a + 3, [k], r(k), r(k), 1e-5), {}),
@@ -68,6 +69,21 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
             if _layer_norm_runs(dtype)
             else []
         ),
+    ]
+
+
+def _attention_cases(r: Callable, k: int) -> list[tuple[str, Any, tuple, dict]]:
+    """Fused attention over ``k`` keys, where this torch has the CPU kernel (2.2 and later)."""
+    packet = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if packet is None:
+        return []
+    flash = packet.default
+    q, keys, values = r(2, 2, 6, 8) * 2, r(2, 2, k, 8) * 2, r(2, 2, k, 8)
+    square = r(1, 2, k, 8) * 2
+    return [
+        ("attention", flash, (q, keys, values, 0.0, False), {}),
+        ("attention causal", flash, (square, square * 0.5, r(1, 2, k, 8), 0.0, True), {}),
+        ("attention masked", flash, (q, keys, values), {"attn_mask": r(6, k) * 3}),
     ]
 
 
@@ -254,15 +270,9 @@ def test_relative_noise_exceeds_the_limit() -> None:
         _bigger(o, 1) if not isinstance(o, torch.Tensor) else o * (1 + 1e-3 * torch.randn(o.shape, generator=gen))
     )
     for name, func, args, kwargs in _all_cases(gen, torch.float32, 512):
-        if func in (
-            aten.native_layer_norm.default,
-            aten.native_layer_norm_backward.default,
-            aten.convolution_backward.default,
-        ):
-            check = _run(func, args, kwargs, tamper=lambda o: (noisy(o[0]), *o[1:]))[0]
-        else:
-            check = _run(func, args, kwargs, tamper=noisy)[0]
-        assert check.residual > check.limit, (name, check)
+        # ops of several outputs (layer norm, its backward, attention): noise in the first
+        check = _run(func, args, kwargs, tamper=lambda o: (noisy(o[0]), *o[1:]) if isinstance(o, tuple) else noisy(o))
+        assert check[0].residual > check[0].limit, (name, check)
 
 
 def test_non_finite_outputs() -> None:
@@ -319,6 +329,17 @@ def test_in_place_ops_are_checked_against_the_values_before_the_write() -> None:
     plan = checker.prepare(aten.mul_.Tensor, (x, 3.0), {})
     (check,) = checker.finish(plan, x.mul_(3.0))
     assert check.residual <= 0.5 and check.sampled == 36  # one rounding of the product
+
+
+def test_fused_attention_with_dropout_or_unequal_causal_lengths_is_left_unchecked() -> None:
+    packet = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if packet is None:
+        pytest.skip("this torch has no CPU flash attention")
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+    checker = SelfChecker()
+    assert checker.prepare(packet.default, (q, k, k, 0.1), {}) is None  # its dropout draws
+    assert checker.prepare(packet.default, (q, k, k, 0.0, True), {}) is None  # kernels align it differently
+    assert checker.prepare(packet.default, (q, k, k, 0.0, False), {}) is not None
 
 
 def test_uncheckable_ops_give_no_plan() -> None:

@@ -42,7 +42,11 @@ to a single element keeps per-thread partial sums in the output dtype, so 16-bit
 ``eps_out``. Left out: out= overloads, random ops, ops whose result jumps with a rounded quotient
 (remainder, floor_divide, rounding div), pointwise ops of integer-only inputs, 16-bit transposed
 convolutions (CPU sums overlapping taps at 16 bits), ``_addmm_activation`` with gelu,
-``convolution_backward`` and ``native_layer_norm_backward``.
+16-bit ``convolution_backward``, fused attention with dropout (its draws) or a causal mask over
+unequal lengths (kernels align it differently), and attention's backward. Fused attention's output
+rows are recomputed from the row's query and its batch and head's keys and values; its ``scale`` is
+the weighted ``|v|``, widened by the scores' own reach (``|q|·|k|``, whose float32 rounding exp turns
+into relative error), and 16-bit kernels may round the weights at the output's precision.
 
 >>> import torch
 >>> checker = SelfChecker(sample=8)
@@ -686,6 +690,62 @@ def _softmax(
     return (_Target(0, gather, ref, length, None, "rows", rows.numel()),)
 
 
+def _attention(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """Fused attention's output, a sample of query rows: softmax(q k^T * scale + mask) v in float64
+    from the row's query and its batch and head's keys and values."""
+    b = _bind(func, args, kwargs)
+    q, k, v = (b[name].detach() for name in ("query", "key", "value"))
+    mask = b.get("attn_mask", b.get("attn_bias"))
+    if b.get("dropout_p", 0.0) != 0.0 or not all(_plain(t) and _real(t) and t.is_floating_point() for t in (q, k, v)):
+        return None  # dropout draws: no recomputation reproduces it
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        return None  # grouped-query heads and other layouts are left out
+    batch, heads, length, width = q.shape
+    source = k.shape[2]
+    causal = bool(b.get("is_causal", False))
+    if causal and length != source:
+        return None  # kernels align a causal mask of unequal lengths differently
+    if mask is not None and not (_plain(mask) and mask.dim() <= 4):
+        return None
+    factor = b.get("scale") or 1.0 / math.sqrt(width)
+    rows = checker._sample(batch * heads * length)
+    pair, position = rows // length, rows % length
+    queries = _take(q, _row_index(rows, width)).to(F64)  # (r, E)
+    keys = k.reshape(batch * heads, source, width)[pair.to(k.device)].to(F64)  # (r, S, E)
+    values = v.reshape(batch * heads, source, v.shape[-1])[pair.to(v.device)].to(F64)  # (r, S, Ev)
+    bias = None
+    if mask is not None:
+        full = mask.detach().expand(batch, heads, length, source).reshape(batch * heads * length, source)
+        bias = full[rows.to(mask.device)]
+    ahead = torch.arange(source)[None, :] > position[:, None] if causal else None
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.einsum("re,rse->rs", queries, keys) * factor
+        # exp(s) errs by the absolute error of s: a unit of what its products add up to
+        reach = torch.einsum("re,rse->rs", queries.abs(), keys.abs()) * abs(factor)
+        if bias is not None:
+            if bias.dtype == torch.bool:
+                scores = scores.masked_fill(~bias.to(scores.device), -math.inf)
+            else:
+                scores = scores + bias.to(scores.device, F64)
+        if ahead is not None:
+            scores = scores.masked_fill(ahead.to(scores.device), -math.inf)
+        weights = torch.softmax(scores, -1)
+        value = torch.einsum("rs,rsv->rv", weights, values)
+        weighted = torch.einsum("rs,rsv->rv", weights, values.abs())
+        spread = torch.einsum("rs,rsv->rv", weights * reach, values.abs())
+        # Scores and sums run in float32; 16-bit kernels round the weights to the output's dtype
+        # before they weight the values: that part is rounded at eps_out (the excess).
+        return value, _finite_scale(weighted + spread), _finite_scale(weighted)
+
+    def gather(o: torch.Tensor) -> torch.Tensor:
+        return _take(o, _row_index(rows, o.shape[-1]))
+
+    return (_Target(0, gather, ref, source, None, "rows", rows.numel()),)
+
+
 def _layer_norm(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
@@ -908,6 +968,13 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             _reduction: ["sum.dim_IntList", "mean.dim", "sum", "mean"],
             _softmax: ["_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"],
             _layer_norm: ["native_layer_norm"],
+            _attention: [
+                "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_fused_attention_overrideable",
+            ],
             _layer_norm_backward: ["native_layer_norm_backward"],
             _copy: ["_to_copy", "copy_", "clone", "embedding"],
             _moved: [
