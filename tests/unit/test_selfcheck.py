@@ -62,6 +62,11 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
         ("log_softmax backward", aten._log_softmax_backward_data.default, (r(6, k), y.log(), 1, dtype), {}),
         *_attention_cases(r, k),
         *(
+            [("embedding backward", aten.embedding_dense_backward.default, _embedding_backward_args(gen, r, k), {})]
+            if dtype == torch.float32  # 16-bit gradients are summed at their own precision: 5% may hide
+            else []
+        ),
+        *(
             [
                 ("layer_norm", aten.native_layer_norm.default, (a + 3, [k], r(k), r(k), 1e-5), {}),
                 ("layer_norm backward", aten.native_layer_norm_backward.default, _layer_norm_backward_args(a, r), {}),
@@ -70,6 +75,11 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
             else []
         ),
     ]
+
+
+def _embedding_backward_args(gen: torch.Generator, r: Callable, k: int) -> tuple:
+    """``k`` tokens of a 12-row vocabulary, row 3 the padding row."""
+    return (r(2, k, 6), torch.randint(0, 12, (2, k), generator=gen), 12, 3, False)
 
 
 def _attention_cases(r: Callable, k: int) -> list[tuple[str, Any, tuple, dict]]:
@@ -329,6 +339,23 @@ def test_in_place_ops_are_checked_against_the_values_before_the_write() -> None:
     plan = checker.prepare(aten.mul_.Tensor, (x, 3.0), {})
     (check,) = checker.finish(plan, x.mul_(3.0))
     assert check.residual <= 0.5 and check.sampled == 36  # one rounding of the product
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("by_frequency", [False, True])
+def test_a_16_bit_embedding_gradient_is_held_to_sums_at_its_own_precision(
+    dtype: torch.dtype, by_frequency: bool
+) -> None:
+    gen = torch.Generator().manual_seed(2)
+    for tokens in (64, 4096):
+        grad = torch.randn(tokens, 32, generator=gen).to(dtype)
+        indices = torch.randint(0, 20, (tokens,), generator=gen)
+        for check in _run(aten.embedding_dense_backward.default, (grad, indices, 20, -1, by_frequency), sample=64):
+            assert 0 <= check.residual <= check.limit, (tokens, check)
+        rounded = _run(
+            aten.embedding_dense_backward.default, (grad, indices, 20, -1, by_frequency), tamper=lambda o: o * 1.5
+        )
+        assert rounded[0].residual > rounded[0].limit
 
 
 def test_fused_attention_with_dropout_or_unequal_causal_lengths_is_left_unchecked() -> None:

@@ -858,6 +858,45 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
     return (_Target(0, lambda o: _take(o, flat), lambda: (value, scale), 1, None, "exact", flat.numel(), src.dtype),)
 
 
+def _embedding_backward(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """An embedding's weight gradient at a sample of (row, column) of rows the batch used: the sum of
+    that column of ``grad_output`` over the tokens of that row (over their count, with
+    ``scale_grad_by_freq``; zero for ``padding_idx``)."""
+    b = _bind(func, args, kwargs)
+    grad, indices = b["grad_output"].detach(), b["indices"].detach()
+    if not (_plain(grad) and _plain(indices) and _real(grad) and grad.is_floating_point() and indices.numel()):
+        return None
+    width = grad.shape[-1]
+    tokens = indices.numel()
+    if grad.numel() != tokens * width:
+        return None
+    flat_indices = indices.reshape(-1).to(torch.int64)
+    picked = checker._sample(tokens * width)
+    token, column = picked // width, picked % width
+    rows = _take(flat_indices, token)  # the weight rows sampled: rows some token used
+    same = flat_indices[None, :] == rows[:, None].to(flat_indices.device)  # (k, tokens)
+    columns = _take(grad, torch.arange(tokens)[None, :] * width + column[:, None]).to(F64)  # (k, tokens)
+    counts = same.sum(-1)
+    # On the CPU the longest sum is known at no cost; elsewhere the batch bounds it (no host wait).
+    terms = int(counts.max()) if same.device.type == "cpu" else tokens
+    padding, by_frequency = b["padding_idx"], bool(b["scale_grad_by_freq"])
+    flat_out = rows * width + column
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        used = same.to(F64)
+        value, scale = (used * columns).sum(-1), (used * columns.abs()).sum(-1)
+        if by_frequency:
+            value, scale = value / counts.clamp(min=1), scale / counts.clamp(min=1)
+        keep = (rows != padding).to(value.device, F64)
+        return value * keep, scale * keep
+
+    # 16-bit gradients are summed at their own precision (the CPU kernel: 46x the float32 allowance).
+    eps_acc = torch.finfo(grad.dtype).eps if grad.dtype in (torch.float16, torch.bfloat16) else None
+    return (_Target(0, lambda o: _take(o, flat_out), ref, max(terms, 1), eps_acc, "rows", picked.numel()),)
+
+
 def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_Target, ...] | None:
     """Ops that only move or make values (a reshape's copy, a scatter into zeros, a concatenation,
     a constant): the same op on float64 copies of the inputs, sampled, must be the output exactly.
@@ -976,6 +1015,7 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
                 "_scaled_dot_product_fused_attention_overrideable",
             ],
             _layer_norm_backward: ["native_layer_norm_backward"],
+            _embedding_backward: ["embedding_dense_backward"],
             _copy: ["_to_copy", "copy_", "clone", "embedding"],
             _moved: [
                 "_unsafe_view",
