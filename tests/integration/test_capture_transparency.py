@@ -86,3 +86,17 @@ def test_self_checks_of_a_foreach_optimizer_are_transparent_and_pass(tmp_path: P
     checks = rank.checks.merge(rank.ops[["op_id", "op"]], on="op_id")
     foreach = checks[checks["op"].str.startswith("aten._foreach_")]
     assert len(foreach) > 50 and (foreach["residual"] <= foreach["limit"]).all()
+
+
+def test_self_checks_of_a_fused_optimizer_are_transparent_and_pass(tmp_path: Path) -> None:
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 4):
+        pytest.skip("fused AdamW on the CPU needs torch 2.4")
+    plain = _run("transformer", None, optimizer="adamw-fused")
+    traced = _run("transformer", tmp_path / "t", "stats", "sample", optimizer="adamw-fused")
+    assert [k for k in plain if not torch.equal(plain[k], traced[k])] == []
+    rank = tracecmp.load(tmp_path / "t").rank(0)
+    checks = rank.checks.merge(rank.ops[["op_id", "op"]], on="op_id")
+    fused = checks[checks["op"].str.startswith("aten._fused_adamw_")]
+    # every parameter's new value, first and second moment, each step
+    assert len(fused) >= 3 * 2 * sum(1 for _ in make_model("transformer").parameters())
+    assert (fused["residual"] <= fused["limit"]).all(), fused.sort_values("residual").tail()

@@ -358,6 +358,40 @@ def test_a_16_bit_embedding_gradient_is_held_to_sums_at_its_own_precision(
         assert rounded[0].residual > rounded[0].limit
 
 
+@pytest.mark.parametrize("name", ["_fused_adam_", "_fused_adamw_"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_adam_step_is_checked_per_parameter_and_moment(name: str, amsgrad: bool, dtype: torch.dtype) -> None:
+    """Each parameter's new value, first and second moment, from the values before the step; a
+    parameter written 5% (bf16) or 1e-3 (float32) off is far outside."""
+    op = getattr(aten, name, None)
+    if op is None or tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 4):
+        pytest.skip("no fused Adam on the CPU before torch 2.4")
+    gen = torch.Generator().manual_seed(0)
+
+    def step(tamper: float) -> list[Check]:
+        params = [_randn(gen, 300, dtype=dtype), _randn(gen, 7, 5, dtype=dtype)]
+        grads = [_randn(gen, *p.shape, dtype=dtype) for p in params]
+        avgs = [_randn(gen, *p.shape, dtype=dtype) * 0.1 for p in params]
+        squares = [_randn(gen, *p.shape, dtype=dtype, positive=True) * 0.01 for p in params]
+        highest = [v * 1.5 for v in squares] if amsgrad else []
+        steps = [torch.tensor(3.0), torch.tensor(3.0)]
+        args = (params, grads, avgs, squares, highest, steps)
+        kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=amsgrad, maximize=False)
+        checker = SelfChecker(sample=64)
+        plan = checker.prepare(op.default, args, kwargs)
+        assert plan is not None
+        op.default(*args, **kwargs)
+        params[0].mul_(tamper)
+        return checker.finish(plan, None)
+
+    honest = step(1.0)
+    assert len(honest) == 6 and all(c.residual <= c.limit for c in honest), honest
+    faulty = step(1.05 if dtype == torch.bfloat16 else 1.001)
+    assert faulty[0].index == 0 and faulty[0].residual > faulty[0].limit
+    assert all(c.residual <= c.limit for c in faulty[1:])
+
+
 def test_fused_attention_with_dropout_or_unequal_causal_lengths_is_left_unchecked() -> None:
     packet = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if packet is None:

@@ -262,8 +262,7 @@ class SelfChecker:
             return None
         if not targets:
             return None
-        written = tuple(args[0]) if kind is _foreach and func._schema.returns == [] else ()
-        return Plan(func, targets, written)
+        return Plan(func, targets, _written(kind, func, args, kwargs))
 
     def finish(self, plan: Plan, out: Any) -> list[Check]:
         """Compare the op's outputs ``out`` against the float64 recomputation planned for them.
@@ -951,6 +950,91 @@ def _foreach(
     return tuple(targets) or None
 
 
+def _fused_adam(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """A fused Adam or AdamW step (``_fused_adam_``, ``_fused_adamw_``): for a sample of each
+    parameter's elements, the new parameter, first and second moment recomputed in float64 from the
+    values before the step. Outputs are the lists it writes, in order: parameters, first moments,
+    second moments (see :func:`_written`). Steps with a loss scaler's ``grad_scale``/``found_inf``
+    are left out (whether the step ran at all is the scaler's decision)."""
+    b = _bind(func, args, kwargs)
+    if b.get("grad_scale") is not None or b.get("found_inf") is not None:
+        return None
+    params, grads, avgs, squares, highest, steps = (
+        list(b[name]) for name in ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")
+    )
+    count = len(params)
+    amsgrad, maximize = bool(b["amsgrad"]), bool(b["maximize"])
+    beta1, beta2, decay, eps = (float(b[name]) for name in ("beta1", "beta2", "weight_decay", "eps"))
+    lr = b["lr"].detach().to(F64) if isinstance(b["lr"], torch.Tensor) else float(b["lr"])
+    decoupled = func.overloadpacket.__name__ == "_fused_adamw_"
+    if not all(len(group) == count for group in (grads, avgs, squares, steps)) or (amsgrad and len(highest) != count):
+        return None
+    targets: list[_Target] = []
+    for i in range(count):
+        tensors = [params[i], grads[i], avgs[i], squares[i]] + ([highest[i]] if amsgrad else [])
+        if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+            continue
+        flat = checker._sample(params[i].numel())
+        p, g, m, v, *top = (_take(t.detach(), flat).to(F64) for t in tensors)
+        step = steps[i].detach().to(F64)  # already advanced by the optimizer before the call
+        targets.extend(
+            _adam_targets(i, count, flat, (p, g, m, v, top), step, lr, (beta1, beta2, decay, eps), decoupled, maximize)
+        )
+    return tuple(targets) or None
+
+
+def _adam_targets(
+    i: int,
+    count: int,
+    flat: torch.Tensor,
+    values: tuple,
+    step: torch.Tensor,
+    lr: float | torch.Tensor,
+    hyper: tuple[float, float, float, float],
+    decoupled: bool,
+    maximize: bool,
+) -> list[_Target]:
+    """The three recomputed outputs of parameter ``i``'s Adam step (see :func:`_fused_adam`)."""
+    p, g, m, v, top = values
+    beta1, beta2, decay, eps = hyper
+    g = -g if maximize else g
+    if decoupled:
+        kept = p * (1 - lr * decay)
+    else:
+        kept, g = p, g + decay * p
+    m_new = beta1 * m + (1 - beta1) * g
+    v_new = beta2 * v + (1 - beta2) * g * g
+    second = torch.maximum(top[0], v_new) if top else v_new
+    correction1, correction2 = 1 - beta1**step, 1 - beta2**step
+    update = (lr / correction1) * m_new / (second.sqrt() / correction2.sqrt() + eps)
+    # Each term is rounded a few times at the working precision (the bias corrections, a root, a
+    # quotient): the terms' own sizes are the scale.
+    results = (
+        (kept - update, kept.abs() + 4 * update.abs()),
+        (m_new, (beta1 * m).abs() + ((1 - beta1) * g).abs()),
+        (v_new, (beta2 * v).abs() + ((1 - beta2) * g * g).abs()),
+    )
+    return [
+        _Target(k * count + i, lambda o: _take(o, flat), lambda r=r: r, 1, None, "pointwise", flat.numel())
+        for k, r in enumerate(results)
+    ]
+
+
+def _written(
+    kind: Callable[..., Any], func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, ...]:
+    """What an op that returns nothing wrote, in its checks' output order: an in-place
+    ``_foreach_`` op's self list; a fused Adam step's parameters, first and second moments."""
+    if kind is _foreach and func._schema.returns == []:
+        return tuple(args[0])
+    if kind is _fused_adam:
+        b = _bind(func, args, kwargs)
+        return (*b["self"], *b["exp_avgs"], *b["exp_avg_sqs"])
+    return ()
+
+
 def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
     """``(args, kwargs)`` for ``func`` where they fit its schema by kind (tensor or number),
     positional values beyond its positional arguments passed as its keyword-only ones in order
@@ -1016,6 +1100,7 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             ],
             _layer_norm_backward: ["native_layer_norm_backward"],
             _embedding_backward: ["embedding_dense_backward"],
+            _fused_adam: ["_fused_adam_", "_fused_adamw_", "_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr"],
             _copy: ["_to_copy", "copy_", "clone", "embedding"],
             _moved: [
                 "_unsafe_view",
