@@ -385,3 +385,27 @@ def test_an_autocast_cast_of_a_one_magnitude_bias_is_its_own_rounding(tmp_path):
     result = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False))
     assert result.first_divergence is None, result.suspects
     assert {r.kind for r in result.regions} == {"pass-through"}
+
+
+def test_a_nan_an_argument_hands_to_an_op_only_the_target_runs_is_a_root(tmp_path):
+    """``index_fill(..., nan)`` the bench never runs: an argument hands the NaN in, but no bench op
+    hands the same, so it is a structure root, not NaN the program gave both runs."""
+
+    def run(path: Path, fill: bool) -> Path:
+        g = torch.Generator().manual_seed(0)
+        b = TraceBuilder()
+        x = b.source("input.0", torch.randn(4, 8, generator=g))
+        w = b.param("fc.weight", torch.randn(8, 8, generator=g), module="fc")
+        h = b.call(A.mm.default, x, w, module="fc")
+        if fill:
+            h = b.call(A.index_fill.int_Scalar, h, 0, torch.tensor([1]), float("nan"), module="mask")
+        y = b.call(A.relu.default, h, module="act")
+        b.call(A.sum.default, y, module="")
+        return b.write(path)
+
+    result = tracecmp.compare(run(tmp_path / "t", True), run(tmp_path / "b", False))
+    d = result.first_divergence
+    assert d is not None and (d.op, d.module, d.kind) == ("aten.index_fill.int_Scalar", "mask", "structure"), (
+        result.summary()
+    )
+    assert len(result.suspects) == 1 and result.status != "agree"

@@ -358,18 +358,40 @@ def region_roots(
     return root_regions
 
 
-def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[str, str, int | None, float]:
-    """(root kind or "", reason, the target op to name, score in rounding units)."""
+def _nonfinite_root(j: _RegionJudged, ri: RankInput, name: str) -> tuple[str, str, int | None, float] | None:
+    """A region that makes NaN/Inf the bench does not have from finite inputs: a NaN root, or, where
+    an argument hands them in to ops only the target runs (``index_fill(nan)``), a structure root;
+    an argument the bench hands in alike (a mask of -inf) is no root."""
     region = j.region
-    name = _region_name(region)
     worst_nan = [(T, s) for T, s in j.outputs if s.nonfinite and s.nonfinite_mismatch]
-    if worst_nan and j.inputs_finite and not j.given:
+    if not worst_nan or not j.inputs_finite:
+        return None
+    if not j.given:
         return (
             "nan",
             f"NaN/Inf appear in the output of {name} although every input is finite (the bench's is not)",
             _producer(ri, region, worst_nan[0][0]),
             math.inf,
         )
+    if not region.bench_ops:
+        # Handed in by an argument, but by ops the bench never runs: no bench value hands the
+        # same NaN/Inf in, so nothing excuses it.
+        return (
+            "structure",
+            f"target-only ops ({name}) put NaN/Inf into values the bench holds finite, handed in by an argument",
+            _producer(ri, region, worst_nan[0][0]),
+            math.inf,
+        )
+    return None
+
+
+def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[str, str, int | None, float]:
+    """(root kind or "", reason, the target op to name, score in rounding units)."""
+    region = j.region
+    name = _region_name(region)
+    made = _nonfinite_root(j, ri, name)
+    if made is not None:
+        return made
     if not j.outputs or all(s.exact for _, s in j.outputs):
         return "", "", None, 0.0
     narrowed = _round_trip_inside(region, ri)
@@ -522,7 +544,7 @@ def _add_region_root(
     op_id_, step, phase, node_kind, op, name, module, location, args, inputs, outputs, random, stack = nodes[op_id]
     verdict = verdicts[op_id]
     metrics: dict[str, float] = {}
-    if j is not None:
+    if j is not None and math.isfinite(score):  # NaN/Inf made: no error measure applies
         for label, e, x, r in zip(("ext", "sys", "rms"), j.e, j.x, j.r):
             if not math.isnan(e):
                 metrics[f"rel_err_{label}"] = float(e)
