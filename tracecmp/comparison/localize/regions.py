@@ -367,22 +367,18 @@ def _nonfinite_root(j: _RegionJudged, ri: RankInput, name: str) -> tuple[str, st
     if not worst_nan or not j.inputs_finite:
         return None
     if not j.given:
-        return (
+        kind, reason = (
             "nan",
             f"NaN/Inf appear in the output of {name} although every input is finite (the bench's is not)",
-            _producer(ri, region, worst_nan[0][0]),
-            math.inf,
         )
-    if not region.bench_ops:
+    elif not region.bench_ops:
         # Handed in by an argument, but by ops the bench never runs: no bench value hands the
         # same NaN/Inf in, so nothing excuses it.
-        return (
-            "structure",
-            f"target-only ops ({name}) put NaN/Inf into values the bench holds finite, handed in by an argument",
-            _producer(ri, region, worst_nan[0][0]),
-            math.inf,
-        )
-    return None
+        kind = "structure"
+        reason = f"target-only ops ({name}) put NaN/Inf into values the bench holds finite, handed in by an argument"
+    else:
+        return None
+    return kind, reason, _producer(ri, region, worst_nan[0][0]), math.inf
 
 
 def _decide_region(j: _RegionJudged, ri: RankInput, tol: Tolerances) -> tuple[str, str, int | None, float]:
