@@ -50,7 +50,16 @@ def drift_of(outputs: Iterable[TensorState | None]) -> float:
 _PYTHON_KINDS = ("argument", "structure", "random", "source")
 
 
-def follows_python(d: Divergence, python_from: int, exact_in: set[int], rank: int) -> bool:
+def first_skipped_update(ri: RankInput) -> int | None:
+    """The first step whose optimizer update the target's loss scaler skipped where the bench's did
+    not (its check found NaN/Inf only in the target), or None."""
+    steps = [int(node.step) for node in ri.nodes if is_overflow_check(node.op) and _found_overflow(node, ri)]
+    return min(steps, default=None)
+
+
+def follows_python(
+    d: Divergence, python_from: int, exact_in: set[int], rank: int, skipped_update: int | None = None
+) -> bool:
     """Whether root ``d`` is inherited through Python: it comes after a root's error was read into
     Python (op ``python_from``, an ``.item()`` of a tainted tensor) and
     is of a kind Python decides: in that step, or in a later one (a GradScaler that found the Inf
@@ -58,10 +67,15 @@ def follows_python(d: Divergence, python_from: int, exact_in: set[int], rank: in
     target did not, and its optimizer with other arguments on other state). Python decides
     arguments and control flow, never an op's own arithmetic: a computation whose output is off by
     more than its inputs explain stays a root, unless its inputs agree bitwise (then what differs
-    is what Python passed it). NaN/Inf made from finite inputs stays a root, and so does a root its
-    replay confirms (the caller's part)."""
+    is what Python passed it). After a step whose update the target's scaler skipped
+    (``skipped_update``), the next steps compute on parameters the bench moved and the target did
+    not: every value there is another sample, and statistics bound no op's own error, so a
+    computation root there is inherited too. NaN/Inf made from finite inputs stays a root, and so
+    does a root its replay or self-check confirms (the caller's part)."""
     if d.op_id <= python_from or d.rank != rank or d.kind == "nan":
         return False
+    if d.kind == "computation" and skipped_update is not None and d.step > skipped_update:
+        return True
     return d.kind in _PYTHON_KINDS or (d.kind == "computation" and d.op_id in exact_in)
 
 

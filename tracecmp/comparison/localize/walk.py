@@ -37,6 +37,7 @@ from tracecmp.comparison.localize.decide import collective_moves, decide_node
 from tracecmp.comparison.localize.history import (
     crossed_pairs,
     drift_of,
+    first_skipped_update,
     follows_python,
     is_exact,
     readout_status,
@@ -744,14 +745,15 @@ class RankWalk:
             for op, region_id in ri.member_of.items()
             if region_id in self.region_judged and self.region_judged[region_id].inputs_exact
         )
-        self.roots[:] = [(key, d) for key, d in self.roots if not self._inherited(d, exact_in, nodes_by_id)]
-        self.undecided = [d for d in self.undecided if not self._inherited(d, exact_in, nodes_by_id)]
+        skipped = first_skipped_update(ri)
+        self.roots[:] = [(key, d) for key, d in self.roots if not self._inherited(d, exact_in, nodes_by_id, skipped)]
+        self.undecided = [d for d in self.undecided if not self._inherited(d, exact_in, nodes_by_id, skipped)]
 
-    def _inherited(self, d: Divergence, exact_in: set[int], nodes_by_id: dict[int, Node]) -> bool:
+    def _inherited(self, d: Divergence, exact_in: set[int], nodes_by_id: dict[int, Node], skipped: int | None) -> bool:
         """Whether ``d`` follows Python's reading of a root; then it is diverged, no root."""
         python_from = self.python_from
         assert python_from is not None
-        if d.op_id in self.replayed or not follows_python(d, python_from, exact_in, self.ri.rank):
+        if d.op_id in self.replayed or not follows_python(d, python_from, exact_in, self.ri.rank, skipped):
             return False
         verdict = self.verdicts[d.op_id]  # the reason says where from
         verdict.root_kind = ""
