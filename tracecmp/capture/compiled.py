@@ -344,11 +344,18 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
 
     decompositions: Any = None
     partition: Any = default_partition
+    fake_mode = detect_fake_mode(example_inputs)
+    inductor_fake: Any = contextlib.nullcontext()
     if graph.backend == "inductor":
         from torch._inductor.compile_fx import select_decomp_table
+        from torch._inductor.virtualized import V
 
         decompositions = select_decomp_table()
         from torch._inductor.compile_fx import partition_fn as partition  # joint passes, then min-cut
+
+        # Inductor's joint-graph passes read its fake mode from V, which its own compile sets: the
+        # random-seed pass runs on every graph that draws (dropout), and fails without it.
+        inductor_fake = V.set_fake_mode(fake_mode)
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_part(part_gm: Any, _inputs: Any) -> Callable[..., Any]:
@@ -358,7 +365,6 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
         return compile_part
 
     dynamo_context = TracingContext.try_get()
-    fake_mode = detect_fake_mode(example_inputs)
     # A context of our own: the backend's compile keeps the one Dynamo made, untouched.
     context = TracingContext(fake_mode)
     if dynamo_context is not None:
@@ -374,7 +380,7 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
         if hasattr(functorch_config, "force_non_lazy_backward_lowering")
         else contextlib.nullcontext()
     )
-    with tracing(context), no_guards, patch:
+    with tracing(context), no_guards, patch, inductor_fake:
         graph.runner = aot_module_simplified(
             gm,
             list(example_inputs),

@@ -55,6 +55,11 @@ _SAME_VALUES = (
 )
 
 
+# FX node ops that draw from inductor's own seeds, which no eager run reproduces (a graph that
+# draws with eager's ops, under aot_eager, takes the bench's stream and is judged as any other).
+_DRAWING = ("prims.inductor_random", "prims.inductor_randint", "prims.inductor_seeds")
+
+
 @dataclass
 class Unit:
     """A stretch of the target that replaces eager ops as a whole (see the module docstring)."""
@@ -95,6 +100,18 @@ class Unit:
         unit = EPS.get(canonical_dtype(dtype), FP32_EPS)
         floor = tol.local * unit
         what = f"{self.kind} {self.replaces}" if self.kind == "decomposition" else f"compiled region {self.graph.id}"
+        if self.draws():
+            # Inductor's code draws from seeds of its own, not eager's generator: its values are
+            # other samples, and nothing inside can be judged against the bench's.
+            if err <= tol.margin * (carried + tol.region_units * unit) + floor:
+                return "", "", "region"
+            return (
+                "random",
+                f"the {what} ({self.replaces}) draws random numbers (dropout) from its compiled code's own "
+                f"generator, not eager's: its values are other samples, {err:.2e} apart; capture both runs with "
+                "dropout=0.0 to compare what it computes",
+                "region",
+            )
         if self.departed:
             # Values recorded inside the region departed from the bench's beyond what flowed in.
             return "computation", f"the {what} ({self.replaces}) computes something else: {self.narrowed}", "region"
@@ -125,6 +142,14 @@ class Unit:
                 "region",
             )
         return "", "", "region"
+
+    def draws(self) -> bool:
+        """Whether the region's graph draws from inductor's own seeds: its own part, or for a
+        backward region its forward's (the masks it applies were drawn there)."""
+        parts = [self.graph.parts.get(self.call.part)]
+        if self.call.part == "backward":
+            parts.append(self.graph.parts.get("forward"))
+        return any(part is not None and any(n.op.startswith(_DRAWING) for n in part.nodes) for part in parts)
 
     def _dtype(self, node: Node, ri: Any) -> str:
         outputs = node.outputs
