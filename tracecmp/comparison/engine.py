@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from tracecmp.aten.opclass import base_name, draws_random, is_copy
+from tracecmp.aten.opclass import draws_random
 from tracecmp.comparison.align import RegionMatch, SideGraph, align_nodes, find_regions
 from tracecmp.comparison.compiled import (
     GRAPH_MODE_NOTE,
@@ -23,7 +23,7 @@ from tracecmp.comparison.compiled import (
     pair_units,
     same_compiled_graphs,
 )
-from tracecmp.comparison.localize import NodeVerdict, RankInput, localize
+from tracecmp.comparison.localize import NodeVerdict, RankInput, localize, substitution_notes
 from tracecmp.comparison.metrics import TENSOR_METRICS, add_tensor_metrics, stat_metrics
 from tracecmp.comparison.result import NODE_COLUMNS, CompareResult
 from tracecmp.comparison.tolerances import Tolerances
@@ -230,45 +230,6 @@ def _self_check_notes(rank_inputs: list[RankInput]) -> list[str]:
                 f"(float64 on a sample of their outputs), {failed:,} failed"
             )
     return notes
-
-
-def substitution_notes(rank_inputs: list[RankInput], verdicts: Mapping[tuple[int, int], NodeVerdict]) -> list[str]:
-    """Where the target computes with another function than the bench and no value shows it: a
-    region of one computing op a side whose names differ (``hardtanh_`` for ``relu_``: a ReLU6 no
-    activation reached 6 with) whose ops all agree with the bench within noise. Not a divergence,
-    since no value differs; a change of the program all the same, which later steps may show.
-
-    >>> substitution_notes([], {})
-    []
-    """
-    found: dict[tuple[str, str, str], int] = {}
-    for ri in rank_inputs:
-        for region in ri.regions.values():
-            statuses = {verdicts[(ri.rank, o)].status for o in region.target_ops if (ri.rank, o) in verdicts}
-            if region.kind not in ("fused", "rewritten") or not statuses <= {"agrees", "noise"}:
-                continue
-            sides = [
-                [
-                    ri.region_ops[(side, o)][1]
-                    for o in ops
-                    if (side, o) in ri.region_ops
-                    and ri.region_ops[(side, o)][0] == "op"
-                    and not is_copy(ri.region_ops[(side, o)][1])
-                ]
-                for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
-            ]
-            if len(sides[0]) != 1 or len(sides[1]) != 1:
-                continue
-            mine, theirs = (base_name(op) for op in (sides[0][0], sides[1][0]))
-            if mine.rstrip("_") != theirs.rstrip("_"):
-                key = (region.module or "<top>", mine, theirs)
-                found[key] = found.get(key, 0) + 1
-    return [
-        f"{module} computes with {mine} where the bench computes with {theirs} ({calls} call{'s' * (calls > 1)}): "
-        "every value agrees within noise in the compared steps, so it is no root; another function all the same, "
-        "which later values may show"
-        for (module, mine, theirs), calls in found.items()
-    ]
 
 
 def _tensor_table(tensor_frames: list[pd.DataFrame], nodes: pd.DataFrame) -> pd.DataFrame:

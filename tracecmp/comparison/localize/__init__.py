@@ -32,6 +32,7 @@ execution order is the first divergence; all roots, ranked by introduced error, 
 from __future__ import annotations
 
 from tracecmp.comparison.localize.records import NodeVerdict, RankInput
+from tracecmp.comparison.localize.regions import substitution_notes
 from tracecmp.comparison.localize.walk import localize
 
-__all__ = ["NodeVerdict", "RankInput", "localize"]
+__all__ = ["NodeVerdict", "RankInput", "localize", "substitution_notes"]

@@ -50,11 +50,15 @@ def drift_of(outputs: Iterable[TensorState | None]) -> float:
 _PYTHON_KINDS = ("argument", "structure", "random", "source")
 
 
+def _skipping_checks(ri: RankInput) -> list[Node]:
+    """The loss scaler's checks that found NaN/Inf in the target and none in the bench's run: its
+    update of that step was skipped in the target alone."""
+    return [node for node in ri.nodes if is_overflow_check(node.op) and _found_overflow(node, ri)]
+
+
 def first_skipped_update(ri: RankInput) -> int | None:
-    """The first step whose optimizer update the target's loss scaler skipped where the bench's did
-    not (its check found NaN/Inf only in the target), or None."""
-    steps = [int(node.step) for node in ri.nodes if is_overflow_check(node.op) and _found_overflow(node, ri)]
-    return min(steps, default=None)
+    """The first step whose optimizer update the target's loss scaler alone skipped, or None."""
+    return min((int(node.step) for node in _skipping_checks(ri)), default=None)
 
 
 def follows_python(
@@ -98,7 +102,7 @@ def scaler_skips(
     that largest value. Loss scaling multiplies backward values only: an overflow in the forward
     pass is beyond any scale and stays a root.
     """
-    checks = [node for node in ri.nodes if is_overflow_check(node.op) and _found_overflow(node, ri)]
+    checks = _skipping_checks(ri)
     if not checks:
         return []
     nan_roots = {d.op_id for _, d in roots if d.kind == "nan" and d.phase == "backward"}

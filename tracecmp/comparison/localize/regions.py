@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
-from tracecmp.aten.opclass import AUTOCAST_ELEMENTWISE, OpClass, base_name, classify, given_nonfinite, read_by
+from tracecmp.aten.opclass import AUTOCAST_ELEMENTWISE, OpClass, base_name, classify, given_nonfinite, is_copy, read_by
 from tracecmp.comparison.localize.decide import random_reason, replayed_root
 from tracecmp.comparison.localize.predict import (
     averaged_rounding,
@@ -602,3 +602,38 @@ def region_status_of(
     if root or any(s is not None and s.tainted for s in ins):
         return "diverged"
     return "noise"
+
+
+def substitution_notes(rank_inputs: list[RankInput], verdicts: Mapping[tuple[int, int], NodeVerdict]) -> list[str]:
+    """Where the target computes with another function than the bench and no value shows it: a
+    region of one computing op a side whose names differ (``hardtanh_`` for ``relu_``: a ReLU6 no
+    activation reached 6 with) whose ops all agree with the bench within noise. Not a divergence,
+    since no value differs; a change of the program all the same, which later steps may show.
+
+    >>> substitution_notes([], {})
+    []
+    """
+    found: dict[tuple[str, str, str], int] = {}
+    for ri in rank_inputs:
+        for region in ri.regions.values():
+            statuses = {verdicts[(ri.rank, o)].status for o in region.target_ops if (ri.rank, o) in verdicts}
+            if region.kind not in ("fused", "rewritten") or not statuses <= {"agrees", "noise"}:
+                continue
+            mine, theirs = (
+                _computing(ri, side, ops) for side, ops in (("t", region.target_ops), ("b", region.bench_ops))
+            )
+            if len(mine) == 1 and len(theirs) == 1 and mine[0].rstrip("_") != theirs[0].rstrip("_"):
+                key = (region.module or "<top>", mine[0], theirs[0])
+                found[key] = found.get(key, 0) + 1
+    return [
+        f"{module} computes with {mine} where the bench computes with {theirs} ({calls} call{'s' * (calls > 1)}): "
+        "every value agrees within noise in the compared steps, so it is no root; another function all the same, "
+        "which later values may show"
+        for (module, mine, theirs), calls in found.items()
+    ]
+
+
+def _computing(ri: RankInput, side: str, ops: tuple[int, ...]) -> list[str]:
+    """The base names of a region side's ops that compute (no views, copies or casts)."""
+    entries = [ri.region_ops.get((side, o)) for o in ops]
+    return [base_name(e[1]) for e in entries if e is not None and e[0] == "op" and not is_copy(e[1])]
