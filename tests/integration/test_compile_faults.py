@@ -27,7 +27,7 @@ def _faulty(module: torch.nn.Module, change: Any) -> None:
     module.__class__ = type(f"Faulty{cls.__name__}", (cls,), {"forward": forward})
 
 
-def _run(path: Path, compiled: bool, fault: str = "") -> Path:
+def _run(path: Path, compiled: bool, fault: str = "", backend: str = "aot_eager") -> Path:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyGPT(layers=1)
@@ -35,7 +35,9 @@ def _run(path: Path, compiled: bool, fault: str = "") -> Path:
         _faulty(model.blocks[0].mlp.act, lambda y: y.to(torch.bfloat16).to(y.dtype))
     elif fault == "attn-scale":
         _faulty(model.blocks[0].attn, lambda y: y * 1.05)
-    run = torch.compile(model, backend="aot_eager") if compiled else model
+    elif fault == "ln-eps":
+        model.blocks[0].ln1.eps = 1e-2
+    run = torch.compile(model, backend=backend) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = [tiny_batch(seed=step) for step in range(2)]
     with tracecmp.TraceCompare(path, model=model) as tc:
@@ -68,3 +70,16 @@ def test_an_op_the_bench_never_ran_is_named_at_its_module(bench: Path, tmp_path:
     result = tracecmp.compare(_run(tmp_path / "target", compiled=True, fault="attn-scale"), bench)
     first = result.first_divergence
     assert first is not None and (first.module, first.phase) == ("blocks.0.attn", "forward"), result.summary()
+
+
+def test_a_fault_inside_inductors_fused_code_is_named_at_its_module(bench: Path, tmp_path: Path) -> None:
+    # Inductor's fused kernels dispatch nothing: capture runs the forward graph again eagerly on
+    # the region's inputs (a shadow run) for each node's statistics, and the layer norm whose
+    # epsilon changed is named, against the eager bench and against a clean compiled bench.
+    target = _run(tmp_path / "target", compiled=True, fault="ln-eps", backend="inductor")
+    forward = next(c for c in tracecmp.load(target).rank(0).compiled.calls if c.part == "forward")
+    assert {"var_mean", "rsqrt"} <= set(forward.values)  # the layer norm's decomposition, measured
+    for other in (bench, _run(tmp_path / "clean", compiled=True, backend="inductor")):
+        first = tracecmp.compare(target, other).first_divergence
+        assert first is not None and (first.module, first.op) == ("blocks.0.ln1", "compiled.forward"), other
+        assert "narrowed by statistics to FX node" in first.reason

@@ -62,7 +62,15 @@ def _graph(relu_op: str = "aten.relu.default", relu_args: str = '{"self":{"tenso
     )
 
 
-def _target(path: Path, region: Callable[[torch.Tensor], torch.Tensor], graph: CompiledGraph, data: bool) -> Path:
+def _target(
+    path: Path,
+    region: Callable[[torch.Tensor], torch.Tensor],
+    graph: CompiledGraph,
+    data: bool,
+    values: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """A target that ran ``graph`` as one compiled region computing ``region(X * W)``; ``values``:
+    what capture's shadow run measured of its nodes (fused code dispatches nothing)."""
     b = TraceBuilder(data=data)
     x, w = b.source("input.0", X), b.param("fc.weight", W)
     out = region(X * W)
@@ -79,9 +87,15 @@ def _target(path: Path, region: Callable[[torch.Tensor], torch.Tensor], graph: C
         last_op=y.op_id,
         inputs=(x.tensor_id, w.tensor_id),
         outputs=(y.tensor_id,),
+        values={name: (_stats(v), tuple(v.shape)) for name, v in (values or {}).items()},
     )
     b.compiled = {"graphs": [graph.to_json()], "calls": [call.to_json()]}
     return b.write(path)
+
+
+def _stats(t: torch.Tensor) -> tuple[float, float, float, float]:
+    d = t.double()
+    return float(d.min()), float(d.max()), float(d.mean()), float(d.norm())
 
 
 def test_a_clean_region_pairs_with_the_op_it_replaces_and_agrees(tmp_path: Path) -> None:
@@ -126,6 +140,47 @@ def test_a_region_without_tensors_is_allowed_a_graph_of_rounding(tmp_path: Path)
     far = _target(tmp_path / "far", lambda y: torch.relu(y) * 1.01, _graph(), data=False)
     first = tracecmp.compare(far, bench).first_divergence
     assert first is not None and first.op == "compiled.forward" and "no replay measured" in first.reason
+
+
+
+# -- fused code measured by capture's shadow run: a graph that departs, named at its node ----------
+
+LEAKY = ("aten.leaky_relu.default", '{"self":{"tensor":0},"negative_slope":0.5}')
+
+
+def _leaky(y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.leaky_relu(y, 0.5)
+
+
+def test_fused_nodes_measured_at_capture_name_the_departing_node_without_tensors(tmp_path: Path) -> None:
+    bench = _bench(tmp_path / "bench")
+    y = X * W
+    clean = _target(tmp_path / "clean", torch.relu, _graph(), False, {"mul": y, "relu": torch.relu(y)})
+    assert tracecmp.compare(clean, bench).status == "agree"
+    # A pass swapped the relu: the shadow run's value of that node departs from the eager relu's.
+    target = _target(tmp_path / "target", _leaky, _graph(*LEAKY), False, {"mul": y, "relu": _leaky(y)})
+    first = tracecmp.compare(target, bench).first_divergence
+    assert first is not None and (first.op, first.module) == ("compiled.forward", "act")
+    assert "narrowed by statistics to FX node relu (aten.leaky_relu.default, act" in first.reason
+    # Without them the region is judged whole, at no module of its own.
+    whole = _target(tmp_path / "whole", _leaky, _graph(*LEAKY), False)
+    first = tracecmp.compare(whole, bench).first_divergence
+    assert first is not None and first.module == "" and "no replay measured" in first.reason
+
+
+def test_a_compiled_bench_with_another_graph_pairs_node_for_node(tmp_path: Path) -> None:
+    # Both runs compiled; the target's graph differs (the relu swapped), so the regions are not
+    # twins op for op: each node pairs with the bench graph's node of its eager op and module, and
+    # the bench's value is what its own shadow run measured.
+    y = X * W
+    bench = _target(tmp_path / "bench", torch.relu, _graph(), False, {"mul": y, "relu": torch.relu(y)})
+    assert tracecmp.compare(bench, bench).status == "agree"
+    target = _target(tmp_path / "target", _leaky, _graph(*LEAKY), False, {"mul": y, "relu": _leaky(y)})
+    result = tracecmp.compare(target, bench)
+    first = result.first_divergence
+    assert first is not None and (first.op, first.module) == ("compiled.forward", "act"), result.summary()
+    assert "narrowed by statistics to FX node relu" in first.reason
+    assert result.counts()["unpaired bench"] == 0  # the bench's region stands where the target's does
 
 
 # -- which eager value a node stands for: unbind's outputs, a pass's rewrites, views ----------------

@@ -85,10 +85,22 @@ def test_round_trip() -> None:
     assert record.region_of() == {1: _call(), 2: _call()}
 
 
+def test_shadow_values_round_trip_with_non_finite_statistics() -> None:
+    call = _call(values={"relu": ((0.0, float("inf"), float("nan"), 2.5), (2,))})
+    text = json.dumps({"graphs": [_graph().to_json()], "calls": [call.to_json()]}, allow_nan=False)
+    (stats, shape) = CompiledRecord.from_json([json.loads(text)]).calls[0].values["relu"]
+    assert stats[:2] == (0.0, float("inf")) and stats[2] != stats[2] and shape == (2,)
+
+
 @pytest.mark.parametrize(
     "payload,match",
     [
         ({"graphs": [], "calls": [_call().to_json()]}, "names graph 'g0'"),
+        (
+            {"graphs": [_graph().to_json()], "calls": [{**_call().to_json(), "values": {"relu": [[1, 2], [2]]}}]},
+            "are not four numbers",
+        ),
+        ({"graphs": [_graph().to_json()], "calls": [{**_call().to_json(), "values": []}]}, "values is not a JSON"),
         ({"graphs": [{"id": 3}], "calls": []}, "'id' is missing or not a string"),
         ({"graphs": [], "calls": [{**_call().to_json(), "mode": "fused"}]}, "unknown part"),
         ({"graphs": "g0"}, "graphs is not a JSON array"),

@@ -37,11 +37,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch._C._autograd import _get_sequence_nr
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from tracecmp._compat import TORCH_VERSION
 from tracecmp.aten.schema import op_info
 from tracecmp.capture.inputs import name_of_source
+from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row
 from tracecmp.trace.args import ArgsEncoder
 from tracecmp.trace.compiled import BOUNDARY_OPS, CompiledGraph, GraphNode, GraphPart, RegionCall
 from tracecmp.trace.schema import ALIAS_UPDATE_OP
@@ -257,6 +259,7 @@ class _RawPart:
     nodes: list[_RawNode]
     mutated: tuple[int, ...] = ()
     user_outputs: int = 0
+    gm: Any = None  # the part's FX GraphModule, which a shadow run interprets (see _shadow_values)
 
 
 @dataclass
@@ -359,7 +362,8 @@ def _trace_parts(graph: RawGraph, gm: Any, example_inputs: Any) -> None:
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_part(part_gm: Any, _inputs: Any) -> Callable[..., Any]:
-            graph.parts[kind] = _RawPart(kind, [_raw_node(n, kind == "backward") for n in part_gm.graph.nodes])
+            nodes = [_raw_node(n, kind == "backward") for n in part_gm.graph.nodes]
+            graph.parts[kind] = _RawPart(kind, nodes, gm=part_gm)
             return _boxed(_GraphRunner(part_gm, kind, graph))
 
         return compile_part
@@ -580,6 +584,104 @@ class _GraphRunner:
         return _NodeInterpreter(self.gm, capture, call).run(*args)
 
 
+# Backends whose compiled code dispatches every FX node as an eager op: capture records each
+# node's value as it ran, and a shadow run would add nothing.
+_DISPATCHES_EVERY_NODE = frozenset(
+    {"eager", "aot_eager", "aot_eager_decomp_partition", "aot_eager_default_partitioner"}
+)
+_SKIPPED = object()  # a shadow node not run: random, writing, or reading one not run
+
+
+def _shadowable(target: Any) -> bool:
+    """Whether a shadow run may call ``target``: it computes, draws nothing and writes nothing (the
+    user's random streams and tensors stay as they are)."""
+    if isinstance(target, torch._ops.OpOverload):
+        info = op_info(target)
+        return info.schema and info.record and not info.inplace and not info.collective
+    return getattr(target, "__module__", None) == "_operator"  # getitem, the arithmetic of sizes
+
+
+def _draws(n: Any) -> bool:
+    """Whether node ``n`` draws random numbers: a random op, unless each of its drop probabilities is
+    off (a fused attention kernel at ``dropout_p=0.0``)."""
+    info = op_info(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
+    if info is None or not info.random:
+        return False
+    if not info.dropout:
+        return True
+    for (position, name), off in info.dropout:
+        value = n.args[position] if 0 <= position < len(n.args) else n.kwargs.get(name, off)
+        if value != off:
+            return True
+    return False
+
+
+class _ShadowInterpreter(torch.fx.Interpreter):
+    """Runs a graph part with eager kernels and keeps each computing node's statistics."""
+
+    def __init__(self, gm: Any) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.values: dict[str, tuple[Any, tuple[int, ...]]] = {}
+
+    def run_node(self, n: Any) -> Any:
+        if n.op == "output":
+            return None
+        if n.op != "call_function":
+            return super().run_node(n)
+        if not _shadowable(n.target) or _draws(n) or any(self.env.get(i) is _SKIPPED for i in n.all_input_nodes):
+            return _SKIPPED
+        try:
+            result = super().run_node(n)
+        except Exception:  # noqa: BLE001 - a node that will not run eagerly is left out, and what reads it
+            return _SKIPPED
+        value = result[0] if isinstance(result, (tuple, list)) and result else result
+        is_view = isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).kind == "view"
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not is_view and value.numel():
+            stats = tensor_stats_row(value) if value.is_cpu else stats_tensor_reference(value)
+            self.values[n.name] = (stats, tuple(value.shape))
+        return result
+
+
+def _shadow_values(gm: Any, args: tuple[Any, ...]) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    """Each computing node's statistics (as :func:`tensor_stats_row` or, on a device, a packed
+    tensor) and shape, from ``gm`` run with eager kernels on the part's inputs ``args``.
+
+    Fused code dispatches nothing: this is the only record of what its nodes computed. Nothing of
+    the user's changes: capture's mode, autograd and autocast are off (the graph holds autocast's
+    casts already), random and writing nodes do not run (nor what reads them).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(args) or not all(_fits(p.meta.get("val"), a) for p, a in zip(placeholders, args)):
+        return {}  # the part takes other inputs than the region (AOT autograd merged or added some)
+    shadow = _ShadowInterpreter(gm)
+    devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+    # No node that draws runs; the generators are kept all the same, should a kernel draw unasked.
+    with torch.random.fork_rng(devices=devices), _disable_current_modes(), torch.no_grad(), torch._C._DisableAutocast():
+        try:
+            shadow.run(*args)
+        except Exception:  # noqa: BLE001 - what ran before the failure is kept
+            pass
+    return shadow.values
+
+
+def _fits(example: Any, value: Any) -> bool:
+    if isinstance(example, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.dtype == example.dtype and value.dim() == example.dim()
+    return not isinstance(value, torch.Tensor)
+
+
+def _host_values(
+    values: dict[str, tuple[Any, tuple[int, ...]]],
+) -> dict[str, tuple[tuple[float, ...], tuple[int, ...]]]:
+    """Shadow statistics as ``(min, max, mean, norm)`` floats; a device's packed rows are read in
+    one transfer."""
+    packed = [(name, stats) for name, (stats, _) in values.items() if isinstance(stats, torch.Tensor)]
+    rows = dict(zip((n for n, _ in packed), torch.stack([p for _, p in packed]).cpu().tolist())) if packed else {}
+    return {
+        name: (tuple(float(x) for x in rows.get(name, stats)[:4]), shape) for name, (stats, shape) in values.items()
+    }
+
+
 class _NodeInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: Any, capture: RegionCapture, call: _Call) -> None:
         super().__init__(gm)
@@ -607,6 +709,7 @@ class _Call:
     row0: int
     forward: int = -1
     node_ops: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shadow: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)  # _shadow_values
 
     @functools.cached_property
     def nodes(self) -> dict[str, GraphNode]:
@@ -626,6 +729,7 @@ class _Call:
             outputs=tuple(outputs),
             forward=self.forward,
             nodes=dict(self.node_ops),
+            values=_host_values(self.shadow),
         )
 
 
@@ -633,7 +737,8 @@ class RegionCapture:
     """A session's capture of compiled regions: wraps what Dynamo compiles while the session is
     open, records each call of a compiled region while it records, and hands the records to the
     writer with each chunk (:meth:`take`). ``how`` is ``"boundary"`` or ``"graph"``
-    (:mod:`tracecmp.trace.compiled` says what each records)."""
+    (:mod:`tracecmp.trace.compiled` says what each records); a boundary call of fused code also
+    records its forward nodes' statistics (:func:`_shadow_values`)."""
 
     def __init__(self, mode: Any, scope: Any, locator: Any, how: str) -> None:
         self.mode = mode
@@ -733,6 +838,12 @@ class RegionCapture:
             finally:
                 self._forward = None
         else:
+            raw_part = raw.parts.get(part)
+            if raw.backend not in _DISPATCHES_EVERY_NODE and raw_part is not None and raw_part.gm is not None:
+                # Fused code dispatches nothing: its forward nodes' statistics come from a shadow run (a
+                # compiled bench's too, whatever it saves). Before the compiled code runs: it may write
+                # its inputs, which the graph reads as they were.
+                call.shadow = _shadow_values(raw_part.gm, args)
             out = region.compiled(*args)
         seq1 = _get_sequence_nr()
         leaves = tree_flatten(out)[0]

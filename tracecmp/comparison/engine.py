@@ -265,7 +265,7 @@ def _prepare_rank(
     units = _units(t_rank, b_rank, steps)
     pairs = align_nodes(t_ops[~t_ops["op_id"].isin(units.members)] if units else t_ops, t_ten, b_ops, b_ten)
     t_base, b_base = view_bases(t_ten), view_bases(b_ten)
-    pairing = Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base) if units else None
+    pairing = Pairing(units, t_ops, t_ten, b_ops, b_ten, b_base, b_rank.compiled) if units else None
     if pairing is not None:
         pairs.update(pairing.pair_ops(units))  # graph-mode nodes that are eager ops, by the graph's metadata
     t_graph = SideGraph.of(t_ops, t_lists[1], t_lists[2], t_ten, t_base)

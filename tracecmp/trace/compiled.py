@@ -22,7 +22,9 @@ A **region call** says which recorded ops one run of a part covers (op ids ``fir
   ``op`` named ``compiled.forward`` / ``compiled.backward`` whose inputs and outputs are the
   region's; the ops recorded inside it are what the compiled code dispatched (inductor's extern
   kernels such as ``aten.mm.out``, custom ops it falls back to), listed per FX node in ``nodes``
-  where they could be matched to one.
+  where they could be matched to one. Fused code (inductor's) dispatches nothing: capture runs the
+  forward part's graph a second time with eager kernels on the same inputs, outside the trace, and
+  keeps each computing node's statistics in ``values`` (a *shadow* run).
 * ``"graph"``: the part's FX graph ran op by op with eager kernels under the capture, so every
   node is an ordinary op of the trace (``nodes`` maps each FX node to its ops). This is
   inductor's graph structure with eager kernels: its numbers are those of
@@ -40,6 +42,7 @@ incoming gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -203,6 +206,9 @@ class RegionCall:
     outputs: tuple[int, ...]  # tensor ids of the values it returned
     forward: int = -1  # backward calls: ``first_op`` of the forward call they belong to
     nodes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # FX node -> ops recorded for it
+    # Boundary calls of fused code: FX node -> ((min, max, mean, norm), shape) of
+    # its value, from the part run with eager kernels on the call's inputs at capture (a shadow run).
+    values: Mapping[str, tuple[tuple[float, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     def covers(self, op_id: int) -> bool:
         return self.first_op <= op_id <= self.last_op
@@ -220,6 +226,7 @@ class RegionCall:
             "outputs": list(self.outputs),
             "forward": self.forward,
             "nodes": {k: list(v) for k, v in self.nodes.items()},
+            "values": {k: [[_number(x) for x in stats], list(shape)] for k, (stats, shape) in self.values.items()},
         }
 
     @classmethod
@@ -242,6 +249,7 @@ class RegionCall:
             outputs=tuple(_ints(raw.get("outputs", []), "outputs")),
             forward=_int(raw, "forward", -1),
             nodes={str(k): tuple(_ints(v, "node ops")) for k, v in nodes.items()},
+            values=_values(raw.get("values", {})),
         )
 
 
@@ -281,6 +289,32 @@ class CompiledRecord:
 
     def __bool__(self) -> bool:
         return bool(self.calls)
+
+
+def _number(value: float) -> float | str:
+    """A float as strict JSON holds it: non-finite ones as the strings ``float()`` reads back."""
+    return value if math.isfinite(value) else str(value)
+
+
+def _values(raw: Any) -> dict[str, tuple[tuple[float, ...], tuple[int, ...]]]:
+    """A region call's shadow statistics: ``{node: [[min, max, mean, norm], shape]}``."""
+    _need(raw, dict, "region call values")
+    out = {}
+    for name, entry in raw.items():
+        entry = _list(entry, "node value")
+        if len(entry) != 2:
+            raise _error(f"node value of {name!r} is not [statistics, shape]")
+        stats = _list(entry[0], "node statistics")
+        if len(stats) != 4 or not all(_is_number(x) for x in stats):
+            raise _error(f"node statistics of {name!r} are not four numbers")
+        out[str(name)] = (tuple(float(x) for x in stats), tuple(_ints(entry[1], "node shape")))
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, str):
+        return value in ("nan", "inf", "-inf")
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _error(message: str) -> TraceFormatError:

@@ -70,7 +70,7 @@ def judge_units(
                 )
             # What the recorded nodes show comes first: a replay runs the region from inputs that
             # already carry the departure of a node upstream, and may name a later one.
-            narrowed = narrow_by_statistics(unit, pairing, measured, tol)
+            narrowed = narrow_by_statistics(unit, pairing, measured, tol, shadows=False)
             if narrowed[0]:
                 unit.narrowed, unit.narrowed_module = narrowed
                 unit.departed = True
@@ -91,7 +91,11 @@ def narrow_units_by_statistics(
             part = unit.graph.parts.get(unit.call.part)
             nodes = part.nodes if part is not None else ()
             unseen += sum(
-                n.op not in _NOT_COMPUTING and n.name not in unit.call.nodes and not is_view_op(n.op) for n in nodes
+                n.op not in _NOT_COMPUTING
+                and n.name not in unit.call.nodes
+                and n.name not in unit.call.values
+                and not is_view_op(n.op)
+                for n in nodes
             )
     return unseen
 

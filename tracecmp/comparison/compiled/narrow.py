@@ -193,12 +193,16 @@ def narrow_region(
     return "", ""
 
 
-def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, Any], tol: Tolerances) -> tuple[str, str]:
+def narrow_by_statistics(
+    unit: Unit, pairing: Pairing, measured: Mapping[int, Any], tol: Tolerances, *, shadows: bool = True
+) -> tuple[str, str]:
     """Without tensors: the first FX node (graph order) that departs from what the bench computes;
     why, and its module. ("", "") where none does, as far as statistics and the graph tell.
 
     Capture records what the compiled code dispatched for a node: every node under aot_eager, the
-    extern kernels (matmuls, convolutions) under inductor, whose fused kernels dispatch nothing.
+    extern kernels (matmuls, convolutions) under inductor, whose fused kernels dispatch nothing;
+    for those, the statistics of the forward graph run again eagerly at capture (``values``),
+    unless ``shadows`` is False (a replay of the region measures them better).
     A node departs when its recorded value differs from the bench's value of the eager op it
     stands for by more than its inputs carried in; one that reads values the bench cannot vouch
     for (no op recorded them: fused code; or the bench never ran their op: code the target added)
@@ -216,9 +220,7 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
     carried_in = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
     computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
     judged = {n.name for n in computing}
-    recorded = {
-        name: pairing.t_outputs[ops[-1]][0] for name, ops in unit.call.nodes.items() if pairing.t_outputs.get(ops[-1])
-    }
+    recorded = _node_values(unit.call, pairing, shadows)
     peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
     level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
     agreeing: set[str] = set()
@@ -269,6 +271,17 @@ def narrow_by_statistics(unit: Unit, pairing: Pairing, measured: Mapping[int, An
             where.module,
         )
     return "", ""
+
+
+def _node_values(call: RegionCall, pairing: Pairing, shadows: bool) -> dict[str, int]:
+    """The target tensor of each node's value: what the compiled code dispatched for it, else (fused
+    code, ``shadows``) capture's shadow run's statistics of it."""
+    recorded = {
+        name: pairing.t_outputs[ops[-1]][0] for name, ops in call.nodes.items() if pairing.t_outputs.get(ops[-1])
+    }
+    if shadows:
+        recorded.update({name: pairing.shadow_tensor(call, name) for name in call.values if name not in recorded})
+    return recorded
 
 
 def _misfiled(
@@ -445,7 +458,7 @@ def recorded_by_node(call: RegionCall, t_get: Callable[[int], Any], pairing: Pai
 def _departure(ref: Any, bench_tensor: int, b_get: Callable[[int], Any] | None, pairing: Pairing) -> float | None:
     """How far the bench's value lies from the float64 reference ``ref`` (relative): from whole
     tensors when the bench has them, else from its statistics (lower bounds, as metrics.py's)."""
-    if b_get is not None:
+    if b_get is not None and bench_tensor >= 0:  # a negative id: a shadow run's statistics
         value = b_get(bench_tensor)
         if value is not None and value.shape == ref.shape:
             return Scale.of(ref).error(value)

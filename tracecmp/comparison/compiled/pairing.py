@@ -13,8 +13,10 @@ from typing import Any, Callable, Mapping
 
 import pandas as pd
 
-from tracecmp.comparison.compiled.units import CompiledUnits, PartIndex, Unit, same_values
-from tracecmp.trace.compiled import GraphNode, RegionCall
+from tracecmp.comparison.compiled.units import CompiledUnits, PartIndex, Unit, output_names, same_values
+from tracecmp.trace.compiled import CompiledRecord, GraphNode, GraphPart, RegionCall
+
+_FIRST_SHADOW = -(2**40)  # shadow values' tensor ids count down from here, far from any real id
 
 
 class Pairing:
@@ -28,6 +30,7 @@ class Pairing:
         b_ops: pd.DataFrame,
         b_ten: pd.DataFrame,
         b_base: Mapping[int, int],
+        b_compiled: CompiledRecord | None = None,
     ) -> None:
         self.t_shape = dict(zip(t_ten["tensor_id"].tolist(), (tuple(s) for s in t_ten["shape"].tolist())))
         self.b_shape = dict(zip(b_ten["tensor_id"].tolist(), (tuple(s) for s in b_ten["shape"].tolist())))
@@ -55,7 +58,38 @@ class Pairing:
             if call.part in graph.parts
         }
         self._indexes: dict[tuple[int, str], PartIndex] = {}
+        self._shadows: dict[tuple[int, str, str], int] = {}
+        steps = set(self.step_of.values())
+        self._twins = _Twins(units, b_compiled, steps, self) if b_compiled else None
         self.ordinals = _ordinals(units, t_ops, self.step_of, self.phase_of, self.index)
+
+    def twin_output(self, unit: Unit, name: str, shape: tuple[int, ...]) -> int | None:
+        """Against a compiled bench: the bench region's output that holds the twin of node ``name``'s value."""
+        index = self.index(unit.call)
+        return self._twins.output(unit.call, index, name, shape) if self._twins is not None and index else None
+
+    def bench_shadow_tensor(self, call: RegionCall, name: str) -> int:
+        """As :meth:`shadow_tensor`, for a value of the bench's compiled code."""
+        key = (-1 - call.first_op, call.part, name)
+        tensor = self._shadows.get(key)
+        if tensor is None:
+            tensor = self._shadows[key] = _FIRST_SHADOW - len(self._shadows)
+            stats, shape = call.values[name]
+            self.b_stats[tensor] = stats  # type: ignore[assignment]
+            self.b_shape[tensor] = shape
+        return tensor
+
+    def shadow_tensor(self, call: RegionCall, name: str) -> int:
+        """A tensor id of the target's (negative: no op of the trace made it) for the value of node
+        ``name`` that capture's shadow run measured (``call.values``), with its statistics and shape."""
+        key = (call.first_op, call.part, name)
+        tensor = self._shadows.get(key)
+        if tensor is None:
+            tensor = self._shadows[key] = _FIRST_SHADOW - len(self._shadows)
+            stats, shape = call.values[name]
+            self.t_stats[tensor] = stats  # type: ignore[assignment]
+            self.t_shape[tensor] = shape
+        return tensor
 
     def index(self, call: RegionCall) -> PartIndex | None:
         """The index of the graph part ``call`` ran (None when the trace has no such part)."""
@@ -82,6 +116,10 @@ class Pairing:
         index = self.index(unit.call)
         if index is None:
             return None
+        if self._twins is not None:
+            twin = self._twins.value(unit.call, index, name, shape)
+            if twin is not None:
+                return twin
         node, same = self._stands_for(unit, index, name, shape)
         if node is None or not same:
             return None
@@ -201,6 +239,8 @@ class Pairing:
         below): none of them is left unpaired by a compiled target. ``paired``: bench ops the
         alignment paired, which stay outside."""
         covered: set[int] = set()
+        if self._twins is not None:
+            covered |= self._twins.covered_ops()  # what the bench's own compiled code dispatched
         grouped = {
             (u.call.first_op, u.call.part, n)
             for u in units.units
@@ -266,6 +306,133 @@ class Pairing:
         return best if rival == tensor and math.isfinite(_distance(mine, self.b_stats.get(best))) else None
 
 
+class _Twins:
+    """A compiled bench's region calls, each the twin of the target's call in the same place (its
+    step, part and order there), and their nodes paired with the target's by what the graphs say.
+
+    Graphs that differ (a fault changed a constant or a node, another compile) still make the
+    same eager ops in the same modules: a node pairs with the bench node of its eager op's group
+    (module, eager op, counted in graph order) that leaves that group in the same place among those
+    of its shape. Its value is what the bench's compiled code dispatched for it, else its shadow
+    run's statistics (:mod:`tracecmp.capture.compiled`).
+    """
+
+    def __init__(self, units: CompiledUnits, record: CompiledRecord, steps: set[int], pairing: Pairing) -> None:
+        self._pairing = pairing
+        self._graphs = record.graphs
+        bench_calls: dict[tuple[int, str], list[RegionCall]] = defaultdict(list)
+        for call in record.calls:
+            if call.step in steps:
+                bench_calls[(call.step, call.part)].append(call)
+        target_calls: dict[tuple[int, str], list[RegionCall]] = defaultdict(list)
+        for call, _, _ in units.calls:
+            target_calls[(call.step, call.part)].append(call)
+        self._twin: dict[tuple[int, str], RegionCall] = {}
+        for key, calls in target_calls.items():
+            for call, twin in zip(sorted(calls, key=lambda c: c.first_op), bench_calls.get(key, [])):
+                self._twin[(call.first_op, call.part)] = twin
+        self._indexes: dict[tuple[int, str, str], tuple[PartIndex, dict[tuple[str, str], list[tuple]]]] = {}
+
+    def covered_ops(self) -> set[int]:
+        """Bench op ids inside the twins: the bench's regions stand where the target's do."""
+        return {op for twin in self._twin.values() for op in range(twin.first_op, twin.last_op + 1)}
+
+    def value(self, call: RegionCall, index: PartIndex, name: str, shape: tuple[int, ...]) -> int | None:
+        """The bench tensor (a shadow value's id where no op recorded it) of node ``name``'s twin."""
+        found = self._twin_node(call, index, name, shape)
+        if found is None:
+            return None
+        twin, b_node = found
+        ops = twin.nodes.get(b_node.name)
+        outputs = self._pairing.b_outputs.get(ops[-1]) if ops else None
+        if outputs:
+            return outputs[0]
+        if b_node.name in twin.values:
+            return self._pairing.bench_shadow_tensor(twin, b_node.name)
+        return None
+
+    def output(self, call: RegionCall, index: PartIndex, name: str, shape: tuple[int, ...]) -> int | None:
+        """The bench region's output (a tensor of its trace) that holds the value of ``name``'s twin."""
+        found = self._twin_node(call, index, name, shape)
+        if found is None:
+            return None
+        twin, b_node = found
+        b_part = self._graphs[twin.graph].parts[twin.part]
+        b_index = self._indexed(twin, b_part)[0]
+        for position, node in enumerate(_producer(b_index.by_name, n) for n in output_names(b_part, twin)):
+            if node is not None and node.name == b_node.name and twin.outputs[position] >= 0:
+                tensor = twin.outputs[position]
+                if math.prod(self._pairing.b_shape.get(tensor, (-1,))) == math.prod(shape):
+                    return tensor
+        return None
+
+    def _twin_node(
+        self, call: RegionCall, index: PartIndex, name: str, shape: tuple[int, ...]
+    ) -> tuple[RegionCall, GraphNode] | None:
+        """The bench's twin call of ``call`` and the node of it that node ``name`` pairs with."""
+        twin = self._twin.get((call.first_op, call.part))
+        node = index.by_name.get(name)
+        if twin is None or node is None:
+            return None
+        if node.op == "getitem" or same_values(node):
+            node = _producer(index.by_name, name)
+        b_graph = self._graphs.get(twin.graph)
+        b_part = b_graph.parts.get(twin.part) if b_graph is not None else None
+        if node is None or b_part is None or node.op in ("placeholder", "output"):
+            return None
+        mine = self._groups(("t", call.first_op, call.part), index)
+        b_index, theirs = self._indexed(twin, b_part)
+        group = index.group(node)
+        order = mine.get(group[:2], [])
+        if group not in order:
+            return None
+        ordinal = order.index(group)
+        b_order = theirs.get(group[:2], [])
+        if ordinal >= len(b_order) or len(order) != len(b_order):
+            return None
+        size = math.prod(shape)
+        leaving = self._leaving(index, group, size)
+        b_leaving = self._leaving(b_index, b_order[ordinal], size)
+        if node not in leaving or len(leaving) != len(b_leaving):
+            return None
+        return twin, b_leaving[leaving.index(node)]
+
+    def _indexed(self, twin: RegionCall, part: GraphPart) -> tuple[PartIndex, dict[tuple[str, str], list[tuple]]]:
+        key = ("b", twin.graph, twin.part)
+        if key not in self._indexes:
+            index = PartIndex(part)
+            self._indexes[key] = (index, self._groups(key, index))
+        return self._indexes[key]
+
+    def _groups(self, key: tuple[Any, ...], index: PartIndex) -> dict[tuple[str, str], list[tuple]]:
+        """The part's eager-op groups, per (module, eager op), in graph order."""
+        cached = self._indexes.get(key)
+        if cached is not None:
+            return cached[1]
+        order: dict[tuple[str, str], list[tuple]] = defaultdict(list)
+        for n in index.by_name.values():
+            if n.op in ("placeholder", "output", "getitem") or n.recomputed:
+                continue
+            group = index.group(n)
+            if group not in order[group[:2]]:
+                order[group[:2]].append(group)
+        self._indexes[key] = (index, order)
+        return order
+
+    @staticmethod
+    def _leaving(index: PartIndex, group: tuple, size: int) -> list[GraphNode]:
+        """The group's computing nodes of ``size`` elements whose values leave it, in graph order."""
+        return [
+            n
+            for n in index.by_name.values()
+            if n.op not in ("placeholder", "output", "getitem")
+            and index.group(n) == group
+            and index.leaves_group(n)
+            and n.shapes
+            and math.prod(n.shapes[0]) == size
+        ]
+
+
 def pair_units(pairing: Pairing, units: CompiledUnits) -> dict[int, int]:
     """``{target tensor id: bench tensor id}`` for the units' outputs, from node metadata.
 
@@ -282,7 +449,11 @@ def pair_units(pairing: Pairing, units: CompiledUnits) -> dict[int, int]:
             shape = pairing.t_shape.get(tensor)
             if shape is None:
                 continue
-            found = pairing.bench_tensor(unit, name, shape, peers, tensor)
+            found = pairing.twin_output(unit, name, shape)
+            if found is None:
+                found = pairing.bench_tensor(unit, name, shape, peers, tensor)
+            if found is not None and found < 0:
+                continue  # a shadow run's statistics: no tensor of the bench's trace to measure against
             measured = pairing.measured_as(found) if found is not None else None
             if measured is not None:
                 partner[tensor] = measured

@@ -86,6 +86,11 @@ class Unit:
 
         ``errors`` are localize's errors of the output it looked at; the unit looks at all of them.
         """
+        what = f"{self.kind} {self.replaces}" if self.kind == "decomposition" else f"compiled region {self.graph.id}"
+        if self.departed and not self.draws():
+            # Values recorded inside the region departed from the bench's beyond what flowed in: its
+            # own evidence, whether or not each of its outputs has a bench partner.
+            return "computation", f"the {what} ({self.replaces}) computes something else: {self.narrowed}", "region"
         states = [ri.measured[t] for t in node.outputs if t in ri.measured]
         measured = [e for s in states for e in (s.e_ext, s.e_sys, s.e_rms) if not math.isnan(e)]
         if not measured:
@@ -99,7 +104,6 @@ class Unit:
         dtype = self._dtype(node, ri)
         unit = EPS.get(canonical_dtype(dtype), FP32_EPS)
         floor = tol.local * unit
-        what = f"{self.kind} {self.replaces}" if self.kind == "decomposition" else f"compiled region {self.graph.id}"
         if self.draws():
             # Inductor's code draws from seeds of its own, not eager's generator: its values are
             # other samples, and nothing inside can be judged against the bench's.
@@ -112,9 +116,6 @@ class Unit:
                 "dropout=0.0 to compare what it computes",
                 "region",
             )
-        if self.departed:
-            # Values recorded inside the region departed from the bench's beyond what flowed in.
-            return "computation", f"the {what} ({self.replaces}) computes something else: {self.narrowed}", "region"
         if self.own is not None:
             own, honest = self.own
             if own > max(tol.replay_margin * honest, tol.replay_local * unit):
@@ -225,7 +226,7 @@ def compiled_units(t_rank: RankTrace, steps: Iterable[int] | None = None) -> Com
                 for o in range(call.first_op, call.op_id)
                 if o in kinds and not (kinds[o] == "source" and set(outputs_of[o]) <= entering)
             )
-            names = _output_names(part, call)
+            names = output_names(part, call)
             outputs = tuple((t, n) for t, n in zip(call.outputs, names) if t >= 0 and n)
             unit = Unit(
                 "region",
@@ -266,7 +267,7 @@ def compiled_units(t_rank: RankTrace, steps: Iterable[int] | None = None) -> Com
     return out
 
 
-def _output_names(part: GraphPart | None, call: RegionCall) -> list[str]:
+def output_names(part: GraphPart | None, call: RegionCall) -> list[str]:
     """The FX node whose value each of the call's outputs is ("" where unknown)."""
     if part is None or part.output is None:
         return [""] * len(call.outputs)

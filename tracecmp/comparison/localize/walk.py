@@ -841,6 +841,9 @@ class RankWalk:
         if op_id in self.undecided_set:
             return "uncompared", UNDECIDED
         recorded = [s for t, s in zip(outputs, outs_all) if s is not None and not s.uninit and t not in ri.unrecorded]
+        unit = ri.units.get(op_id)
+        if unit is not None and unit.departed and verdict.root_kind:
+            return "diverged", ""  # a region root by what its own nodes showed, whatever its outputs lack
         if len(measured) < len(recorded):
             return "uncompared", UNMEASURED
         if all(s.exact for s in measured):
