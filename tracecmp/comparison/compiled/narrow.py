@@ -220,7 +220,11 @@ def narrow_by_statistics(
     carried_in = max((measured[t].level for t in unit.inputs if t in measured and measured[t].is_float), default=0.0)
     computing = [n for n in part.nodes if n.op not in ("placeholder", "output", "getitem") and index.leaves_group(n)]
     judged = {n.name for n in computing}
-    recorded = _node_values(unit.call, pairing, shadows)
+    # A shadow run that computes otherwise than the compiled code (inductor keeps a bf16 round trip
+    # inside a fused kernel in float32) says nothing of the code that ran, nor does the graph's structure.
+    faithful = _shadow_faithful(unit.call, index, pairing, tol)
+    unit.unfaithful = not faithful
+    recorded = _node_values(unit.call, pairing, shadows and faithful)
     peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
     level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
     agreeing: set[str] = set()
@@ -230,7 +234,7 @@ def narrow_by_statistics(
         level[n.name] = incoming
         if n.name not in judged or is_view_op(n.op):
             continue
-        low = _round_trip(n, unit, index, pairing)
+        low = _round_trip(n, unit, index, pairing) if faithful else None
         if low is not None:
             return (
                 f"narrowed to {_where(low)}: the graph rounds its value to {low.dtypes[0]} and back, a round "
@@ -271,6 +275,21 @@ def narrow_by_statistics(
             where.module,
         )
     return "", ""
+
+
+def _shadow_faithful(call: RegionCall, index: PartIndex, pairing: Pairing, tol: Tolerances) -> bool:
+    """Whether capture's shadow run computed what the compiled code did, where both hold a node's
+    value (the extern kernels): within the rounding a whole region is allowed (``region_units``)."""
+    for name, ops in call.nodes.items():
+        node, shadow = index.by_name.get(name), call.values.get(name)
+        outputs = pairing.t_outputs.get(ops[-1]) if ops else None
+        mine = pairing.t_stats.get(outputs[0]) if outputs else None
+        if node is None or shadow is None or mine is None or not node.dtypes:
+            continue
+        unit_eps = EPS.get(canonical_dtype(node.dtypes[0]), FP32_EPS)
+        if _stats_departure(mine, shadow[0]) > tol.region_units * unit_eps:  # type: ignore[arg-type]
+            return False
+    return True
 
 
 def _node_values(call: RegionCall, pairing: Pairing, shadows: bool) -> dict[str, int]:

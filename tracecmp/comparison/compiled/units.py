@@ -78,6 +78,7 @@ class Unit:
     narrowed: str = ""  # the FX node a root was narrowed to, for its reason
     narrowed_module: str = ""  # and that node's module: the root's, in the verdict
     departed: bool = False  # a node inside departed from the bench by its statistics (narrow_by_statistics)
+    unfaithful: bool = False  # capture's shadow run of its graph computed otherwise than its compiled code
 
     def decide(
         self, node: Node, errors: tuple[float, float, float], ri: Any, tol: Tolerances, lookup: Callable[[int], Any]
