@@ -3,6 +3,7 @@
     python -m benchmarks.localization.compiled                                   # every model, backend, mode
     python -m benchmarks.localization.compiled --models tinygpt --backends aot_eager --data stats
     python -m benchmarks.localization.compiled --models gpt2 --gpt2-size small   # GPT-2 124M from its config
+    python -m benchmarks.localization.compiled --faults ln-eps,attn-scale         # some fault kinds only
 
 Models: ``tinygpt`` (:class:`workloads.compile_models.TinyGPT`, 2 layers d32) and ``gpt2``
 (transformers' ``GPT2LMHeadModel`` from a config, random weights, dropout 0.0: 2 layers d64 by
@@ -266,6 +267,8 @@ def plan_and_run(args: argparse.Namespace) -> list[Case]:
                 ]
                 pairs.append(("clean-self", clean, clean, "compiled", "", ""))
                 for kind, path in sites(model, layers):
+                    if kind not in args.faults:
+                        continue
                     fault = f"{kind}@{path}"
                     target = base / fault.replace("@", "__")
                     runs[fault] = _capture(args, model, backend, data, fault, target)
@@ -339,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="aot_eager,inductor", type=lambda s: s.split(","))
     parser.add_argument("--data", default="stats,tensors", type=lambda s: s.split(","))
     parser.add_argument("--gpt2-size", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--faults", default=",".join(FAULTS), type=lambda s: s.split(","), help="fault kinds to run")
     parser.add_argument("--workdir", type=Path, help="where traces go; cases already captured there are reused")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per captured run")
     parser.add_argument("--json", type=Path, help="write every case here")
