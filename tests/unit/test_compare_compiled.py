@@ -183,6 +183,24 @@ def test_a_compiled_bench_with_another_graph_pairs_node_for_node(tmp_path: Path)
     assert result.counts()["unpaired bench"] == 0  # the bench's region stands where the target's does
 
 
+def test_a_module_the_bench_implements_with_other_ops_pairs_by_what_it_hands_on(tmp_path: Path) -> None:
+    # The bench's ``act`` clamps (``clamp_min``) where the target's graph says relu: no eager op of
+    # the bench stands for the node, so the value ``act`` hands on pairs with the bench's.
+    b = TraceBuilder()
+    x, w = b.source("input.0", X), b.param("fc.weight", W)
+    y = b.call(torch.ops.aten.mul.Tensor, x, w, module="fc")
+    r = b.call(torch.ops.aten.clamp_min.default, y, 0.0, module="act")
+    b.call(torch.ops.aten.sum.default, r)
+    bench = b.write(tmp_path / "bench")
+    y = X * W
+    clean = _target(tmp_path / "clean", torch.relu, _graph(), False, {"mul": y, "relu": torch.relu(y)})
+    assert tracecmp.compare(clean, bench).status == "agree"
+    target = _target(tmp_path / "target", _leaky, _graph(*LEAKY), False, {"mul": y, "relu": _leaky(y)})
+    first = tracecmp.compare(target, bench).first_divergence
+    assert first is not None and (first.op, first.module) == ("compiled.forward", "act")
+    assert "narrowed by statistics to FX node relu" in first.reason
+
+
 # -- which eager value a node stands for: unbind's outputs, a pass's rewrites, views ----------------
 #
 # Attention's heads the common way: ``qkv(x).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)``.

@@ -59,6 +59,7 @@ class Pairing:
         }
         self._indexes: dict[tuple[int, str], PartIndex] = {}
         self._shadows: dict[tuple[int, str, str], int] = {}
+        self._scope_last: dict[tuple[Any, ...], int] | None = None  # (step, phase, module) -> its last bench op
         steps = set(self.step_of.values())
         self._twins = _Twins(units, b_compiled, steps, self) if b_compiled else None
         self.ordinals = _ordinals(units, t_ops, self.step_of, self.phase_of, self.index)
@@ -121,6 +122,8 @@ class Pairing:
             if twin is not None:
                 return twin
         node, same = self._stands_for(unit, index, name, shape)
+        if node is not None and not self._group(unit.call, node):
+            return self._module_exit(unit.call, index, node, shape)
         if node is None or not same:
             return None
         group = index.group(node)
@@ -149,6 +152,23 @@ class Pairing:
             # ways, or not at all.
             chosen = self._nearest(tensor, same, fellows)
         return chosen
+
+    def _module_exit(self, call: RegionCall, index: PartIndex, node: GraphNode, shape: tuple[int, ...]) -> int | None:
+        """Where the bench ran no eager op ``node`` stands for (another implementation of the same
+        module: an exact GELU for a tanh one) and ``node`` is the last its module computes: the value
+        the bench's module handed on, the output of its last op there."""
+        if not node.module or index.module_exit(node.module) is not node:
+            return None
+        anchor = self.anchor.get((call.first_op, call.part))
+        scope = (self.step_of.get(anchor), self.phase_of.get(anchor), node.module)
+        if self._scope_last is None:
+            self._scope_last = {}
+            for op, at in sorted(self.b_scope.items()):
+                if op not in self.b_sources and self.b_kind.get(op) != "view":
+                    self._scope_last[at] = op
+        last = self._scope_last.get(scope)
+        outputs = self.b_outputs.get(last, []) if last is not None else []
+        return outputs[0] if outputs and math.prod(self.b_shape.get(outputs[0], (-1,))) == math.prod(shape) else None
 
     def measured_as(self, bench: int) -> int | None:
         """The bench tensor whose statistics are ``bench``'s: itself, or the base it is a view of
@@ -339,7 +359,7 @@ class _Twins:
 
     def value(self, call: RegionCall, index: PartIndex, name: str, shape: tuple[int, ...]) -> int | None:
         """The bench tensor (a shadow value's id where no op recorded it) of node ``name``'s twin."""
-        found = self._twin_node(call, index, name, shape)
+        found = self._twin_node(call, index, name, shape) or self._twin_exit(call, index, name, shape)
         if found is None:
             return None
         twin, b_node = found
@@ -365,6 +385,24 @@ class _Twins:
                 if math.prod(self._pairing.b_shape.get(tensor, (-1,))) == math.prod(shape):
                     return tensor
         return None
+
+    def _twin_exit(
+        self, call: RegionCall, index: PartIndex, name: str, shape: tuple[int, ...]
+    ) -> tuple[RegionCall, GraphNode] | None:
+        """Where no node of the twin was made for ``name``'s eager op and ``name`` is the last its
+        module computes: the twin's last node in that module (another implementation of it)."""
+        twin = self._twin.get((call.first_op, call.part))
+        node = _producer(index.by_name, name)
+        b_graph = self._graphs.get(twin.graph) if twin is not None else None
+        b_part = b_graph.parts.get(twin.part) if b_graph is not None else None
+        if twin is None or b_part is None or node is None or not node.module:
+            return None
+        if index.module_exit(node.module) is not node:
+            return None
+        b_exit = self._indexed(twin, b_part)[0].module_exit(node.module)
+        if b_exit is None or not b_exit.shapes or math.prod(b_exit.shapes[0]) != math.prod(shape):
+            return None
+        return twin, b_exit
 
     def _twin_node(
         self, call: RegionCall, index: PartIndex, name: str, shape: tuple[int, ...]

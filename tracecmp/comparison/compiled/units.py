@@ -387,6 +387,17 @@ class PartIndex:
                 )
             self._seq[n.name] = seq
         self._leaves: dict[str, bool] = {}
+        self._exits: dict[str, GraphNode] | None = None  # module -> the last node computing in it
+
+    def module_exit(self, module: str) -> GraphNode | None:
+        """The last node (graph order) that computes in ``module``: the value the module hands on,
+        whatever ops made it."""
+        if self._exits is None:
+            self._exits = {}
+            for n in self.by_name.values():
+                if n.op not in ("placeholder", "output", "getitem") and not n.recomputed and not same_values(n):
+                    self._exits[n.module] = n
+        return self._exits.get(module)
 
     def group(self, node: GraphNode) -> tuple[str, str, int]:
         """(module, eager op, autograd sequence number) of the eager op ``node`` was made for."""
