@@ -341,19 +341,19 @@ def _judge_units(
         judge_units(units, ranks[0], ranks[1], pairing, measured, own_errors, run.tol)
     else:
         unseen = narrow_units_by_statistics(units, pairing, measured, run.tol)
-        unfaithful = sorted({u.graph.id for u in units.units if u.unfaithful})
-        if unfaithful:
-            run.notes.append(
-                f"rank {rank}: the compiled code of {', '.join(unfaithful)} computes otherwise than its graph does "
-                "with eager kernels (a fused kernel keeps a precision the graph rounds away, or a kernel departs "
-                "from it): judged by what it dispatched, its graph's casts not taken as written"
-            )
         if unseen:
             run.notes.append(
                 f"rank {rank}: compiled regions judged by statistics: {unseen} of their graphs' nodes ran in fused "
                 f"code no op records, where a fault smaller than {run.tol.region_units:g} rounding units is not "
                 'told apart; capture the target with data="tensors" to replay them'
             )
+    unfaithful = sorted({u.graph.id for u in units.units if u.unfaithful})
+    if unfaithful:
+        run.notes.append(
+            f"rank {rank}: the compiled code of {', '.join(unfaithful)} computes otherwise than its graph does "
+            "with eager kernels (a fused kernel keeps a precision the graph rounds away, or a kernel departs "
+            "from it): judged by what it dispatched, its graph's casts not taken as written"
+        )
     run.warnings.extend(f"rank {rank}: {w}" for w in units.warnings)
 
 

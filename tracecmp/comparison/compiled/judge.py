@@ -20,6 +20,7 @@ from tracecmp.comparison.compiled.narrow import (
     narrow_region,
     recorded_by_node,
     run_part,
+    shadow_faithful,
 )
 from tracecmp.comparison.compiled.pairing import Pairing
 from tracecmp.comparison.compiled.units import CompiledUnits, Unit
@@ -61,13 +62,19 @@ def judge_units(
         t_get = t_side.value
         b_get = b_side.value if b_side.has_data else None
         for unit in regions:
-            try:
-                _judge_region(unit, t_get, b_get, pairing, measured, tol)
-            except Exception as exc:  # noqa: BLE001 - a graph this torch cannot run again is not replayed
-                unit.own = None
-                units.warnings.append(
-                    f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed ({type(exc).__name__}: {exc})"
-                )
+            index = pairing.index(unit.call)
+            if index is not None and not shadow_faithful(unit.call, index, pairing, tol):
+                # The compiled code computes otherwise than its graph (a precision a fused kernel
+                # keeps): a replay of the graph says nothing of it. Judged by what it dispatched.
+                unit.unfaithful = True
+            else:
+                try:
+                    _judge_region(unit, t_get, b_get, pairing, measured, tol)
+                except Exception as exc:  # noqa: BLE001 - a graph this torch cannot run again is not replayed
+                    unit.own = None
+                    units.warnings.append(
+                        f"compiled region {unit.graph.id} at op {unit.judged[0]} not replayed ({type(exc).__name__}: {exc})"
+                    )
             # What the recorded nodes show comes first: a replay runs the region from inputs that
             # already carry the departure of a node upstream, and may name a later one.
             narrowed = narrow_by_statistics(unit, pairing, measured, tol, shadows=False)

@@ -222,8 +222,8 @@ def narrow_by_statistics(
     judged = {n.name for n in computing}
     # A shadow run that computes otherwise than the compiled code (inductor keeps a bf16 round trip
     # inside a fused kernel in float32) says nothing of the code that ran, nor does the graph's structure.
-    faithful = _shadow_faithful(unit.call, index, pairing, tol)
-    unit.unfaithful = not faithful
+    faithful = shadow_faithful(unit.call, index, pairing, tol)
+    unit.unfaithful = unit.unfaithful or not faithful
     recorded = _node_values(unit.call, pairing, shadows and faithful)
     peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
     level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
@@ -277,7 +277,7 @@ def narrow_by_statistics(
     return "", ""
 
 
-def _shadow_faithful(call: RegionCall, index: PartIndex, pairing: Pairing, tol: Tolerances) -> bool:
+def shadow_faithful(call: RegionCall, index: PartIndex, pairing: Pairing, tol: Tolerances) -> bool:
     """Whether capture's shadow run computed what the compiled code did, where both hold a node's
     value (the extern kernels): within the rounding a whole region is allowed (``region_units``)."""
     for name, ops in call.nodes.items():
