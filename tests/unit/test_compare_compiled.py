@@ -603,3 +603,16 @@ def test_extern_kernels_dispatched_out_of_graph_order_are_not_wrong_kernels(tmp_
         "narrowed to FX node mm_1 (aten.mm.default, fc2, model.py:2): what the compiled code computed for it is "
         "off" in first.reason
     )
+
+
+def test_a_module_hands_on_its_last_value_unless_a_submodule_computes_after_it() -> None:
+    from tracecmp.comparison.compiled.units import PartIndex
+
+    def node(name: str, module: str) -> GraphNode:
+        return GraphNode(name, "aten.mul.Tensor", (), "{}", module)
+
+    scaled = PartIndex(GraphPart("forward", (node("a", "attn"), node("p", "attn.proj"), node("s", "attn"))))
+    assert scaled.module_exit("attn").name == "s"  # the attention's output, scaled after its projection
+    plain = PartIndex(GraphPart("forward", (node("a", "attn"), node("p", "attn.proj"))))
+    assert plain.module_exit("attn") is None  # the projection computes what attn hands on
+    assert plain.module_exit("attn.proj").name == "p"

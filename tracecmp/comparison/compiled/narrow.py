@@ -19,7 +19,7 @@ from tracecmp.aten.args import decode_call
 from tracecmp.aten.opclass import base_name, draws_random
 from tracecmp.aten.schema import VIEW, op_info, resolve
 from tracecmp.comparison.compiled.pairing import Pairing
-from tracecmp.comparison.compiled.units import PROPAGATION, PartIndex, Unit
+from tracecmp.comparison.compiled.units import PROPAGATION, PartIndex, Unit, same_values
 from tracecmp.comparison.tolerances import Tolerances
 from tracecmp.numerics.replay.measure import Scale
 from tracecmp.numerics.units import EPS, FP32_EPS, canonical_dtype, eps_of, is_float_dtype
@@ -236,11 +236,7 @@ def narrow_by_statistics(
             continue
         low = _round_trip(n, unit, index, pairing) if faithful else None
         if low is not None:
-            return (
-                f"narrowed to {_where(low)}: the graph rounds its value to {low.dtypes[0]} and back, a round "
-                "trip the bench does not make",
-                low.module,
-            )
+            return f"narrowed to {_where(low)}: {_ROUND_TRIP.format(low.dtypes[0])}", low.module
         unit_eps = EPS.get(canonical_dtype(n.dtypes[0]) if n.dtypes else "float32", FP32_EPS)
         tensor = recorded.get(n.name)
         if tensor is None:  # fused code: what it computed is nowhere in the trace
@@ -251,9 +247,7 @@ def narrow_by_statistics(
         theirs = pairing.b_stats.get(pairing.measured_as(bench)) if bench is not None else None
         mine = pairing.t_stats.get(tensor)
         if mine is None or theirs is None:  # no bench value: its own rounding on what came in
-            if not pairing.has_counterpart(unit.call, n) and not _draws(n):
-                # An op the bench never ran: a suspect for what departs after it. A random one is
-                # the same draw made otherwise (native_dropout against eager's bernoulli_).
+            if _added(n, unit.call, pairing):
                 unrecorded.add(n.name)
             level[n.name] = incoming * PROPAGATION + tol.local * unit_eps
             continue
@@ -275,6 +269,16 @@ def narrow_by_statistics(
             where.module,
         )
     return "", ""
+
+
+_ROUND_TRIP = "the graph rounds its value to {} and back, a round trip the bench does not make"
+
+
+def _added(n: GraphNode, call: RegionCall, pairing: Pairing) -> bool:
+    """Whether ``n`` is an op the bench never ran, a suspect for what departs after it. A random
+    one is the same draw made otherwise (native_dropout against eager's bernoulli_); a copy changes
+    nothing (dropout at p=0 is a clone in a graph, nothing in eager)."""
+    return not pairing.has_counterpart(call, n) and not _draws(n) and not same_values(n)
 
 
 def shadow_faithful(call: RegionCall, index: PartIndex, pairing: Pairing, tol: Tolerances) -> bool:

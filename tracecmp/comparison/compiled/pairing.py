@@ -13,7 +13,14 @@ from typing import Any, Callable, Mapping
 
 import pandas as pd
 
-from tracecmp.comparison.compiled.units import CompiledUnits, PartIndex, Unit, output_names, same_values
+from tracecmp.comparison.compiled.units import (
+    CompiledUnits,
+    PartIndex,
+    Unit,
+    module_prefixes,
+    output_names,
+    same_values,
+)
 from tracecmp.trace.compiled import CompiledRecord, GraphNode, GraphPart, RegionCall
 
 _FIRST_SHADOW = -(2**40)  # shadow values' tensor ids count down from here, far from any real id
@@ -162,10 +169,15 @@ class Pairing:
         anchor = self.anchor.get((call.first_op, call.part))
         scope = (self.step_of.get(anchor), self.phase_of.get(anchor), node.module)
         if self._scope_last is None:
-            self._scope_last = {}
-            for op, at in sorted(self.b_scope.items()):
+            self._scope_last, below = {}, {}
+            for op, (step, phase, module) in sorted(self.b_scope.items()):
                 if op not in self.b_sources and self.b_kind.get(op) != "view":
-                    self._scope_last[at] = op
+                    self._scope_last[(step, phase, module)] = op
+                    for prefix in module_prefixes(module):
+                        below[(step, phase, prefix)] = op
+            # A module whose submodule computes its output (attention's output projection) hands on
+            # that value, not its own last op's.
+            self._scope_last = {k: op for k, op in self._scope_last.items() if below.get(k) == op}
         last = self._scope_last.get(scope)
         outputs = self.b_outputs.get(last, []) if last is not None else []
         return outputs[0] if outputs and math.prod(self.b_shape.get(outputs[0], (-1,))) == math.prod(shape) else None

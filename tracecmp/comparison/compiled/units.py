@@ -390,13 +390,16 @@ class PartIndex:
         self._exits: dict[str, GraphNode] | None = None  # module -> the last node computing in it
 
     def module_exit(self, module: str) -> GraphNode | None:
-        """The last node (graph order) that computes in ``module``: the value the module hands on,
-        whatever ops made it."""
+        """The last node (graph order) that computes in ``module``, where no node of a submodule
+        computes after it: the value the module hands on, whatever ops made it."""
         if self._exits is None:
-            self._exits = {}
+            self._exits, last_below = {}, {}
             for n in self.by_name.values():
                 if n.op not in ("placeholder", "output", "getitem") and not n.recomputed and not same_values(n):
                     self._exits[n.module] = n
+                    for prefix in module_prefixes(n.module):
+                        last_below[prefix] = n
+            self._exits = {m: n for m, n in self._exits.items() if last_below.get(m) is n}
         return self._exits.get(module)
 
     def group(self, node: GraphNode) -> tuple[str, str, int]:
@@ -438,6 +441,12 @@ class PartIndex:
                     seen.add(i)
                     todo.append(i)
         return found.pop() if len(found) == 1 else None
+
+
+def module_prefixes(module: str) -> list[str]:
+    """``module`` and every module above it: "a.b.c", "a.b", "a"."""
+    parts = module.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts), 0, -1)] if module else []
 
 
 def same_values(node: GraphNode) -> bool:
