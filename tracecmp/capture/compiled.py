@@ -259,7 +259,8 @@ class _RawPart:
     nodes: list[_RawNode]
     mutated: tuple[int, ...] = ()
     user_outputs: int = 0
-    gm: Any = None  # the part's FX GraphModule, which a shadow run interprets (see _shadow_values)
+    gm: Any = None  # the part's FX GraphModule
+    shadow: Any = None  # its shadow module (_shadow_module), made at its first call; False: none
 
 
 @dataclass
@@ -589,7 +590,6 @@ class _GraphRunner:
 _DISPATCHES_EVERY_NODE = frozenset(
     {"eager", "aot_eager", "aot_eager_decomp_partition", "aot_eager_default_partitioner"}
 )
-_SKIPPED = object()  # a shadow node not run: random, writing, or reading one not run
 
 
 def _shadowable(target: Any) -> bool:
@@ -616,52 +616,76 @@ def _draws(n: Any) -> bool:
     return False
 
 
-class _ShadowInterpreter(torch.fx.Interpreter):
-    """Runs a graph part with eager kernels and keeps each computing node's statistics."""
+_NOTED: dict[str, tuple[Any, tuple[int, ...]]] = {}  # what the shadow run now running measured
 
-    def __init__(self, gm: Any) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-        self.values: dict[str, tuple[Any, tuple[int, ...]]] = {}
 
-    def run_node(self, n: Any) -> Any:
+def _note(name: str, value: Any) -> None:
+    """Called by a shadow module after node ``name``: keeps its value's statistics and shape."""
+    if isinstance(value, (tuple, list)):
+        value = value[0] if value else None
+    if isinstance(value, torch.Tensor) and value.numel():
+        _NOTED[name] = (tensor_stats_row(value) if value.is_cpu else stats_tensor_reference(value), tuple(value.shape))
+
+
+def _shadow_module(gm: Any) -> Any:
+    """A copy of graph part ``gm`` that calls :func:`_note` after each computing node of a float
+    value and returns nothing, without the nodes that draw or write (and what reads them).
+
+    Generated code runs the nodes at the cost of the eager ops themselves: an interpreter's
+    per-node Python overhead would be more than a small compiled step."""
+    graph = torch.fx.Graph()
+    copied: dict[Any, Any] = {}
+    for n in gm.graph.nodes:
         if n.op == "output":
-            return None
-        if n.op != "call_function":
-            return super().run_node(n)
-        if not _shadowable(n.target) or _draws(n) or any(self.env.get(i) is _SKIPPED for i in n.all_input_nodes):
-            return _SKIPPED
-        try:
-            result = super().run_node(n)
-        except Exception:  # noqa: BLE001 - a node that will not run eagerly is left out, and what reads it
-            return _SKIPPED
-        value = result[0] if isinstance(result, (tuple, list)) and result else result
-        is_view = isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).kind == "view"
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not is_view and value.numel():
-            stats = tensor_stats_row(value) if value.is_cpu else stats_tensor_reference(value)
-            self.values[n.name] = (stats, tuple(value.shape))
-        return result
+            graph.output(None)
+            continue
+        left_out = n.op == "call_function" and (not _shadowable(n.target) or _draws(n))
+        if left_out or any(i not in copied for i in n.all_input_nodes):
+            continue
+        copied[n] = graph.node_copy(n, copied.__getitem__)
+        if n.op == "call_function" and _measured(n):
+            graph.call_function(_note, (n.name, copied[n]))
+    return torch.fx.GraphModule(gm, graph)
 
 
-def _shadow_values(gm: Any, args: tuple[Any, ...]) -> dict[str, tuple[Any, tuple[int, ...]]]:
+def _measured(n: Any) -> bool:
+    """Whether a node's value gets statistics: a float tensor that is not a view of its input."""
+    value = n.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        value = value[0] if value else None
+    is_view = isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).kind == "view"
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and not is_view
+
+
+def _shadow_values(part: _RawPart, args: tuple[Any, ...]) -> dict[str, tuple[Any, tuple[int, ...]]]:
     """Each computing node's statistics (as :func:`tensor_stats_row` or, on a device, a packed
-    tensor) and shape, from ``gm`` run with eager kernels on the part's inputs ``args``.
+    tensor) and shape, from graph part ``part`` run with eager kernels on its inputs ``args``.
 
     Fused code dispatches nothing: this is the only record of what its nodes computed. Nothing of
     the user's changes: capture's mode, autograd and autocast are off (the graph holds autocast's
     casts already), random and writing nodes do not run (nor what reads them).
     """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in part.gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(args) or not all(_fits(p.meta.get("val"), a) for p, a in zip(placeholders, args)):
         return {}  # the part takes other inputs than the region (AOT autograd merged or added some)
-    shadow = _ShadowInterpreter(gm)
+    if part.shadow is None:
+        try:
+            part.shadow = _shadow_module(part.gm)
+        except Exception:  # noqa: BLE001 - a graph that cannot be copied is not shadowed
+            part.shadow = False
+    if part.shadow is False:
+        return {}
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+    _NOTED.clear()
     # No node that draws runs; the generators are kept all the same, should a kernel draw unasked.
     with torch.random.fork_rng(devices=devices), _disable_current_modes(), torch.no_grad(), torch._C._DisableAutocast():
         try:
-            shadow.run(*args)
+            part.shadow(*args)
         except Exception:  # noqa: BLE001 - what ran before the failure is kept
             pass
-    return shadow.values
+    values = dict(_NOTED)
+    _NOTED.clear()
+    return values
 
 
 def _fits(example: Any, value: Any) -> bool:
@@ -843,7 +867,7 @@ class RegionCapture:
                 # Fused code dispatches nothing: its forward nodes' statistics come from a shadow run (a
                 # compiled bench's too, whatever it saves). Before the compiled code runs: it may write
                 # its inputs, which the graph reads as they were.
-                call.shadow = _shadow_values(raw_part.gm, args)
+                call.shadow = _shadow_values(raw_part, args)
             out = region.compiled(*args)
         seq1 = _get_sequence_nr()
         leaves = tree_flatten(out)[0]
