@@ -142,7 +142,6 @@ def test_a_region_without_tensors_is_allowed_a_graph_of_rounding(tmp_path: Path)
     assert first is not None and first.op == "compiled.forward" and "no replay measured" in first.reason
 
 
-
 # -- fused code measured by capture's shadow run: a graph that departs, named at its node ----------
 
 LEAKY = ("aten.leaky_relu.default", '{"self":{"tensor":0},"negative_slope":0.5}')
