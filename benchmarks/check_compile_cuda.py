@@ -95,7 +95,11 @@ def main() -> int:
     agree = tracecmp.compare(work / "clean", work / "bench")
     checks["clean compiled vs eager: AGREE"] = agree.status == "agree"
     for bench in ("bench", "clean"):
-        first = tracecmp.compare(work / "fault", work / bench).first_divergence
+        result = tracecmp.compare(work / "fault", work / bench)
+        first = result.first_divergence
+        if first is None or first.module != "blocks.1.ln1":
+            print(f"     {first.op if first else ''}: {first.reason[:400] if first else result.verdict()}")
+            print("     " + " | ".join(n[:300] for n in result.notes))
         named = first.module if first is not None else "no root"
         checks[f"ln-eps vs {bench}: named at blocks.1.ln1 ({named})"] = named == "blocks.1.ln1"
     for what, ok in checks.items():

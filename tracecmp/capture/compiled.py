@@ -700,7 +700,10 @@ def _host_values(
     """Shadow statistics as ``(min, max, mean, norm)`` floats; a device's packed rows are read in
     one transfer."""
     packed = [(name, stats) for name, (stats, _) in values.items() if isinstance(stats, torch.Tensor)]
-    rows = dict(zip((n for n, _ in packed), torch.stack([p for _, p in packed]).cpu().tolist())) if packed else {}
+    rows = {}
+    if packed:
+        with _disable_current_modes():  # capture's own reading, not an op of the program
+            rows = dict(zip((n for n, _ in packed), torch.stack([p for _, p in packed]).cpu().tolist()))
     return {
         name: (tuple(float(x) for x in rows.get(name, stats)[:4]), shape) for name, (stats, shape) in values.items()
     }

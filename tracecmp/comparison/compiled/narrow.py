@@ -282,28 +282,37 @@ def _added(n: GraphNode, call: RegionCall, pairing: Pairing) -> bool:
 
 
 def shadow_faithful(call: RegionCall, index: PartIndex, pairing: Pairing, tol: Tolerances) -> bool:
-    """Whether capture's shadow run computed what the compiled code did, where both hold a node's
-    value (the extern kernels): within the rounding a whole region is allowed (``region_units``)."""
+    """Whether capture's shadow run computed what the compiled code did, where both hold a value
+    (the extern kernels): each dispatched value lies within the rounding a whole region is allowed
+    (``region_units``) of the shadow's value of a node of its op and shape (capture may have filed
+    it under a twin of its node: inductor runs extern kernels out of graph order)."""
     for name, ops in call.nodes.items():
-        node, shadow = index.by_name.get(name), call.values.get(name)
+        node = index.by_name.get(name)
         outputs = pairing.t_outputs.get(ops[-1]) if ops else None
         mine = pairing.t_stats.get(outputs[0]) if outputs else None
-        if node is None or shadow is None or mine is None or not node.dtypes:
+        if node is None or mine is None or not node.dtypes:
             continue
+        shape = tuple(pairing.t_shape.get(outputs[0], ()))  # its own: capture may have filed it under another node
+        twins = [
+            stats
+            for other, (stats, other_shape) in call.values.items()
+            if other_shape == shape and getattr(index.by_name.get(other), "op", None) == node.op
+        ]
         unit_eps = EPS.get(canonical_dtype(node.dtypes[0]), FP32_EPS)
-        if _stats_departure(mine, shadow[0]) > tol.region_units * unit_eps:  # type: ignore[arg-type]
+        if twins and min(_stats_departure(mine, stats) for stats in twins) > tol.region_units * unit_eps:  # type: ignore[arg-type]
             return False
     return True
 
 
 def _node_values(call: RegionCall, pairing: Pairing, shadows: bool) -> dict[str, int]:
-    """The target tensor of each node's value: what the compiled code dispatched for it, else (fused
-    code, ``shadows``) capture's shadow run's statistics of it."""
+    """The target tensor of each node's value: capture's shadow run's statistics of it (``shadows``,
+    where they are faithful: each named after its very node), else what the compiled code
+    dispatched for it (filed by the order of dispatch)."""
     recorded = {
         name: pairing.t_outputs[ops[-1]][0] for name, ops in call.nodes.items() if pairing.t_outputs.get(ops[-1])
     }
     if shadows:
-        recorded.update({name: pairing.shadow_tensor(call, name) for name in call.values if name not in recorded})
+        recorded.update({name: pairing.shadow_tensor(call, name) for name in call.values})
     return recorded
 
 
