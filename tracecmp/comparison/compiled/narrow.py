@@ -224,7 +224,7 @@ def narrow_by_statistics(
     # inside a fused kernel in float32) says nothing of the code that ran, nor does the graph's structure.
     faithful = shadow_faithful(unit.call, index, pairing, tol)
     unit.unfaithful = unit.unfaithful or not faithful
-    recorded = _node_values(unit.call, pairing, shadows and faithful)
+    recorded = _node_values(unit.call, index, pairing, shadows and faithful)
     peers = [(n.name, pairing.t_shape[recorded[n.name]], recorded[n.name]) for n in computing if n.name in recorded]
     level: dict[str, float] = {}  # how far each node's value may lie from the bench's, as known so far
     agreeing: set[str] = set()
@@ -304,15 +304,22 @@ def shadow_faithful(call: RegionCall, index: PartIndex, pairing: Pairing, tol: T
     return True
 
 
-def _node_values(call: RegionCall, pairing: Pairing, shadows: bool) -> dict[str, int]:
+def _node_values(call: RegionCall, index: PartIndex, pairing: Pairing, shadows: bool) -> dict[str, int]:
     """The target tensor of each node's value: capture's shadow run's statistics of it (``shadows``,
     where they are faithful: each named after its very node), else what the compiled code
-    dispatched for it (filed by the order of dispatch)."""
+    dispatched for it (filed by the order of dispatch).
+
+    A node a compiler pass made (a pattern's replacement: no autograd number, no line of user
+    code) carries the metadata of what it replaced, not of an eager op that computes its value:
+    its shadow value stands for nothing in the bench, and it stays unseen, as fused code."""
     recorded = {
         name: pairing.t_outputs[ops[-1]][0] for name, ops in call.nodes.items() if pairing.t_outputs.get(ops[-1])
     }
     if shadows:
-        recorded.update({name: pairing.shadow_tensor(call, name) for name in call.values})
+        for name in call.values:
+            node = index.by_name.get(name)
+            if node is not None and (node.seq_nr >= 0 or node.location):
+                recorded[name] = pairing.shadow_tensor(call, name)
     return recorded
 
 
