@@ -621,8 +621,6 @@ _NOTED: dict[str, tuple[Any, tuple[int, ...]]] = {}  # what the shadow run now r
 
 def _note(name: str, value: Any) -> None:
     """Called by a shadow module after node ``name``: keeps its value's statistics and shape."""
-    if isinstance(value, (tuple, list)):
-        value = value[0] if value else None
     if isinstance(value, torch.Tensor) and value.numel():
         _NOTED[name] = (tensor_stats_row(value) if value.is_cpu else stats_tensor_reference(value), tuple(value.shape))
 
@@ -649,10 +647,10 @@ def _shadow_module(gm: Any) -> Any:
 
 
 def _measured(n: Any) -> bool:
-    """Whether a node's value gets statistics: a float tensor that is not a view of its input."""
+    """Whether a node's value gets statistics: a float tensor that is not a view of its input. A
+    node of several values is left out: its first may be no eager op's (``var_mean``'s variance,
+    inside a layer norm), and its getitems take the values on."""
     value = n.meta.get("val")
-    if isinstance(value, (tuple, list)):
-        value = value[0] if value else None
     is_view = isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).kind == "view"
     return isinstance(value, torch.Tensor) and value.is_floating_point() and not is_view
 

@@ -318,7 +318,9 @@ def _node_values(call: RegionCall, index: PartIndex, pairing: Pairing, shadows: 
     if shadows:
         for name in call.values:
             node = index.by_name.get(name)
-            if node is not None and (node.seq_nr >= 0 or node.location):
+            # A node of several values (var_mean: its first, the variance, is no eager op's) is
+            # seen through its getitems.
+            if node is not None and (node.seq_nr >= 0 or node.location) and len(node.shapes) <= 1:
                 recorded[name] = pairing.shadow_tensor(call, name)
     return recorded
 
