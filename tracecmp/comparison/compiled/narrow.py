@@ -334,10 +334,16 @@ def _misfiled(
     near: float,
 ) -> bool:
     """Whether the value filed under ``n`` lies within ``near`` of the bench value of another node
-    of its shape (nearer than to its own node's, as the caller chooses ``near``)."""
-    shape = next((s for name, s, _ in peers if name == n.name), None)
+    of its op and shape (nearer than to its own node's, as the caller chooses ``near``). Capture
+    files what compiled code dispatched by op name, so only a node of the same op can be the
+    value's own; a shadow value (a negative id) is its very node's."""
+    index = pairing.index(unit.call)
+    shape, mine_id = next(((s, t) for name, s, t in peers if name == n.name), (None, None))
+    if index is None or mine_id is None or mine_id < 0:
+        return False
     for other, other_shape, tensor in peers:
-        if other == n.name or other_shape != shape:
+        other_node = index.by_name.get(other)
+        if other == n.name or other_shape != shape or other_node is None or other_node.op != n.op:
             continue
         bench = pairing.bench_tensor(unit, other, other_shape, peers, tensor)
         theirs = pairing.b_stats.get(pairing.measured_as(bench)) if bench is not None else None
