@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def worker(model_name: str, backend: str, rounds: int, threads: int | None, comp
                     step()
                     tc.step()
                     times[config].append(time.perf_counter() - start)
+    shutil.rmtree(tmp, ignore_errors=True)  # the tensors rounds' traces: gigabytes of a d256 model
     base = statistics.median(times["compiled"])
     out["compiled_ms"] = base * 1e3
     for config in CONFIGS[1:]:
