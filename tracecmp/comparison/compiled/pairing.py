@@ -78,25 +78,21 @@ class Pairing:
 
     def bench_shadow_tensor(self, call: RegionCall, name: str) -> int:
         """As :meth:`shadow_tensor`, for a value of the bench's compiled code."""
-        key = (-1 - call.first_op, call.part, name)
-        tensor = self._shadows.get(key)
-        if tensor is None:
-            tensor = self._shadows[key] = _FIRST_SHADOW - len(self._shadows)
-            stats, shape = call.values[name]
-            self.b_stats[tensor] = stats  # type: ignore[assignment]
-            self.b_shape[tensor] = shape
-        return tensor
+        return self._shadow_id((-1 - call.first_op, call.part, name), call.values[name], self.b_stats, self.b_shape)
 
     def shadow_tensor(self, call: RegionCall, name: str) -> int:
         """A tensor id of the target's (negative: no op of the trace made it) for the value of node
         ``name`` that capture's shadow run measured (``call.values``), with its statistics and shape."""
-        key = (call.first_op, call.part, name)
+        return self._shadow_id((call.first_op, call.part, name), call.values[name], self.t_stats, self.t_shape)
+
+    def _shadow_id(
+        self, key: tuple[int, str, str], value: tuple[Any, tuple[int, ...]], stats: dict, shapes: dict
+    ) -> int:
+        """The id of a shadow value (made once per key), entered in ``stats`` and ``shapes``."""
         tensor = self._shadows.get(key)
         if tensor is None:
             tensor = self._shadows[key] = _FIRST_SHADOW - len(self._shadows)
-            stats, shape = call.values[name]
-            self.t_stats[tensor] = stats  # type: ignore[assignment]
-            self.t_shape[tensor] = shape
+            stats[tensor], shapes[tensor] = value
         return tensor
 
     def index(self, call: RegionCall) -> PartIndex | None:
