@@ -4,6 +4,7 @@
     python -m benchmarks.localization.compiled --models tinygpt --backends aot_eager --data stats
     python -m benchmarks.localization.compiled --models gpt2 --gpt2-size small   # GPT-2 124M from its config
     python -m benchmarks.localization.compiled --faults ln-eps,attn-scale         # some fault kinds only
+    python -m benchmarks.localization.compiled --gpt2-size small --data tensors --only phases=forward,backward
 
 Models: ``tinygpt`` (:class:`workloads.compile_models.TinyGPT`, 2 layers d32) and ``gpt2``
 (transformers' ``GPT2LMHeadModel`` from a config, random weights, dropout 0.0: 2 layers d64 by
@@ -139,9 +140,11 @@ def _inject(net: Any, fault: str) -> None:
         module.__class__ = type(f"Faulty{cls.__name__}", (cls,), {"forward": forward})
 
 
-def _train(model: str, backend: str, fault: str, gpt2_size: str, trace: Path | None, data: str) -> dict[str, Any]:
+def _train(
+    model: str, backend: str, fault: str, gpt2_size: str, trace: Path | None, data: str, only: str | None = None
+) -> dict[str, Any]:
     """Two AdamW steps of the model (compiled unless ``backend`` is "eager"), traced into ``trace``
-    when given; returns everything transparency compares."""
+    when given (``only``: a tensors capture's selection); returns everything transparency compares."""
     import torch
 
     import tracecmp
@@ -153,7 +156,7 @@ def _train(model: str, backend: str, fault: str, gpt2_size: str, trace: Path | N
     run = net if backend == "eager" else torch.compile(net, backend=backend)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     losses = []
-    session = tracecmp.TraceCompare(trace, model=net, data=data) if trace is not None else None
+    session = tracecmp.TraceCompare(trace, model=net, data=data, only=only) if trace is not None else None
     if session is not None:
         session.__enter__()
     try:
@@ -198,10 +201,12 @@ def _digest(result: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def run_one(model: str, backend: str, data: str, fault: str, gpt2_size: str, out: Path) -> dict[str, Any]:
+def run_one(
+    model: str, backend: str, data: str, fault: str, gpt2_size: str, out: Path, only: str | None = None
+) -> dict[str, Any]:
     """Capture one run into ``out`` (and, compiled, check it against the same run untraced)."""
     warnings.simplefilter("ignore")
-    traced = _train(model, backend, fault, gpt2_size, out, data)
+    traced = _train(model, backend, fault, gpt2_size, out, data, only if data == "tensors" else None)
     transparent, untraced = None, traced
     if backend != "eager":
         untraced = _train(model, backend, fault, gpt2_size, None, data)
@@ -217,7 +222,7 @@ def _capture(args: argparse.Namespace, model: str, backend: str, data: str, faul
         return json.loads((out / "run.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "benchmarks.localization.compiled", "--run", model, backend, data, fault or "-"]
-    command += [str(out), "--gpt2-size", args.gpt2_size]
+    command += [str(out), "--gpt2-size", args.gpt2_size] + (["--only", args.only] if args.only else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
@@ -345,13 +350,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default=",".join(FAULTS), type=lambda s: s.split(","), help="fault kinds to run")
     parser.add_argument("--workdir", type=Path, help="where traces go; cases already captured there are reused")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per captured run")
+    parser.add_argument(
+        "--only",
+        help="tensors captures save tensors for these ops only, statistics for the rest (TraceCompare's only=, "
+        "e.g. 'phases=forward,backward': a 124M model's AdamW steps write about 10 GB of tensors a run)",
+    )
     parser.add_argument("--json", type=Path, help="write every case here")
     parser.add_argument("--markdown", type=Path, help="write the table here as well")
     parser.add_argument("--run", nargs=5, metavar=("MODEL", "BACKEND", "DATA", "FAULT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
         model, backend, data, fault, out = args.run
-        print(json.dumps(run_one(model, backend, data, "" if fault == "-" else fault, args.gpt2_size, Path(out))))
+        fault = "" if fault == "-" else fault
+        print(json.dumps(run_one(model, backend, data, fault, args.gpt2_size, Path(out), args.only)))
         return 0
     cases = plan_and_run(args)
     text = table(cases)
