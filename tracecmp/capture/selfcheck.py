@@ -41,12 +41,15 @@ precision: the terms' cancellation ``|f(|x|)| - |f(x)|`` joins the scale at ``ep
 to a single element keeps per-thread partial sums in the output dtype, so 16-bit ones accumulate at
 ``eps_out``. Left out: out= overloads, random ops, ops whose result jumps with a rounded quotient
 (remainder, floor_divide, rounding div), pointwise ops of integer-only inputs, 16-bit transposed
-convolutions (CPU sums overlapping taps at 16 bits), ``_addmm_activation`` with gelu,
-16-bit ``convolution_backward``, fused attention with dropout (its draws) or a causal mask over
+convolutions (CPU sums overlapping taps at 16 bits), ``_addmm_activation`` with gelu, a
+convolution's bias gradient and grouped or transposed weight gradients, fused attention with dropout (its draws) or a causal mask over
 unequal lengths (kernels align it differently), and attention's backward. Fused attention's output
 rows are recomputed from the row's query and its batch and head's keys and values; its ``scale`` is
 the weighted ``|v|``, widened by the scores' own reach (``|q|·|k|``, whose float32 rounding exp turns
 into relative error), and 16-bit kernels may round the weights at the output's precision.
+16-bit convolution gradients are summed at 16 bits with cancellation, so wide an allowance per
+element that a 5% scale hides in each; their checks also fit one scale through the whole sample
+(:func:`_coherent`), which rounding errors of either sign do not make and a scaled kernel does.
 
 >>> import torch
 >>> checker = SelfChecker(sample=8)
@@ -83,6 +86,8 @@ GROWTH = 0.5
 # Ops that only move values are recomputed whole in float64: up to this many input elements
 # (128 MiB of float64), so that a check never holds much more memory than the op itself.
 MOVED_MAX = 1 << 24
+# The t-statistic of a scale fitted through a sample that rounding alone stays below (:func:`_coherent`).
+COHERENT_T = 8.0
 # Exact copies: same dtype must be bit-equal; a cast may round once (half an ulp).
 EXACT_LIMIT = {True: 0.0, False: 0.5}
 
@@ -120,6 +125,9 @@ class _Target(NamedTuple):
     # float32 matmul/conv at a declared reduced precision: the recomputation with its operands
     # rounded by each way a device may round them (aten.rounding.REDUCED_MODELS)
     fitted: Callable[[], list[torch.Tensor]] | None = None
+    # Also fit one scale through the sample (:func:`_coherent`): where the per-element allowance
+    # is wide (16-bit sums with cancellation) a scaled output still shows as a whole.
+    coherent: bool = False
 
 
 class Plan(NamedTuple):
@@ -313,6 +321,9 @@ class SelfChecker:
         )
         rounded = ref.to(out.dtype).to(F64)  # overflow to inf by the output's rounding is honest
         residual = _worst(r, got, rounded)
+        if target.coherent:
+            scaled = _coherent(got, ref, eps_out) * limit
+            residual = max(residual, scaled) if isinstance(scaled, float) else torch.maximum(residual, scaled)
         if target.fitted is None:
             return Check(target.index, residual, limit, target.sampled, target.how, residual)
         # Where a rounding model of the device reproduces the call, float32 accumulation is all
@@ -351,6 +362,26 @@ def _worst(r: torch.Tensor, got: torch.Tensor, rounded: torch.Tensor) -> float |
     same_class = ~rounded.isfinite()
     worst = torch.where(got.isfinite() & rounded.isfinite(), r, torch.where(same_class, 0.0, math.inf)).max()
     return float(worst) if got.device.type == "cpu" else worst
+
+
+def _coherent(got: torch.Tensor, ref: torch.Tensor, eps_out: float) -> float | torch.Tensor:
+    """One scale fitted through the sample, ``got ~ (1 + s) * ref``, in units of what an honest
+    kernel stays within: ``min(|t| / COHERENT_T, |s| / eps_out)``, ``t`` the fit's t-statistic.
+
+    Rounding errors take either sign whatever the value, so over many elements they fit no scale
+    (``|t|`` below 4 in 16-bit convolution gradients of millions of elements); a scaled kernel
+    fits its own exactly. ``|s|`` must also exceed one unit of the output's precision: a kernel
+    that rounds toward zero carries a coherent bias below that. Non-finite elements are left out.
+    """
+    keep = got.isfinite() & ref.isfinite()
+    g, r = torch.where(keep, got, 0.0), torch.where(keep, ref, 0.0)
+    n, rr = keep.sum(), (r * r).sum()
+    s = ((g - r) * r).sum() / rr
+    spread = g - r - s * r
+    se = ((spread * spread).sum() / (n - 1) / rr).sqrt()
+    units = torch.minimum((s / se).abs() / COHERENT_T, s.abs() / eps_out)
+    units = torch.where((n > 2) & (rr > 0), units.nan_to_num(nan=0.0), 0.0)
+    return float(units) if got.device.type == "cpu" else units
 
 
 def _rounding_models(dtype: torch.dtype, eps_acc: float | None) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
@@ -577,20 +608,44 @@ def _convolution(
 def _convolution_backward(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
-    """The input gradient (output 0) of sampled batch elements, from their output gradient and
-    the weight; the weight and bias gradients sum over the batch and are left unchecked."""
+    """The input gradient of sampled batch elements, from their output gradient and the weight,
+    and the weight gradient of sampled output channels, from the whole batch's input and those
+    channels' output gradient (ungrouped, not transposed). The bias gradient is left unchecked.
+
+    16-bit kernels sum taps and batch at 16 bits with cancellation (measured: 50x a float32
+    allowance), an allowance under which a 5% scale hides in every element; their checks also
+    fit one scale through the sample (``coherent``)."""
     b = _bind(func, args, kwargs)
     grad, x, w = b["grad_output"], b["input"], b["weight"]
-    if not b["output_mask"][0]:
-        return None
+    mask = b["output_mask"]
     if not all(_plain(t) and _real(t) and t.is_floating_point() for t in (grad, x, w)) or x.dim() != w.dim():
         return None
-    if w.dtype in (torch.float16, torch.bfloat16):
-        return None  # CPU kernels may sum a 16-bit input gradient's taps at 16 bits (measured: 50x)
+    sixteen = w.dtype in (torch.float16, torch.bfloat16)
+    rest = (b["stride"], b["padding"], b["dilation"], b["transposed"], b["output_padding"], b["groups"])
+    declared = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
+    eps_acc = torch.finfo(w.dtype).eps if sixteen else declared
+    models = _rounding_models(w.dtype, declared) if grad.dtype == torch.float32 else ()
+    targets = []
+    if mask[0]:
+        targets.append(_input_gradient(checker, grad, x, w, rest, eps_acc, models, sixteen))
+    if mask[1] and b["groups"] == 1 and not b["transposed"]:
+        targets.append(_weight_gradient(checker, int(mask[0]), grad, x, w, rest, eps_acc, models, sixteen))
+    return tuple(targets) or None
+
+
+def _input_gradient(
+    checker: SelfChecker,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    rest: tuple[Any, ...],
+    eps_acc: float | None,
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
+    coherent: bool,
+) -> _Target:
     picked = checker._sample(x.shape[0])
     gs32 = grad.detach().index_select(0, picked.to(grad.device))
     shape = (picked.numel(), *x.shape[1:])
-    rest = (b["stride"], b["padding"], b["dilation"], b["transposed"], b["output_padding"], b["groups"])
 
     def input_grad(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         empty = torch.empty(shape, dtype=F64, device=g.device)
@@ -603,15 +658,53 @@ def _convolution_backward(
     def gather(o: torch.Tensor) -> torch.Tensor:
         return o.index_select(0, picked.to(o.device))
 
-    # Each input element sums over the output channels of its group and the kernel's taps.
-    per_input = (w.shape[1] if b["transposed"] else w.shape[0] // b["groups"]) * math.prod(w.shape[2:])
-    eps_acc = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
-    models = _rounding_models(w.dtype, eps_acc) if grad.dtype == torch.float32 else ()
-
     def fitted() -> list[torch.Tensor]:
         return [input_grad(r(gs32).to(F64), r(w.detach()).to(F64)) for r in models]
 
-    return (_Target(0, gather, ref, per_input, eps_acc, "batch", picked.numel(), None, fitted if models else None),)
+    # Each input element sums over the output channels of its group and the kernel's taps.
+    transposed, groups = rest[3], rest[5]
+    per_input = (w.shape[1] if transposed else w.shape[0] // groups) * math.prod(w.shape[2:])
+    return _Target(
+        0, gather, ref, per_input, eps_acc, "batch", picked.numel(), None, fitted if models else None, coherent
+    )
+
+
+def _weight_gradient(
+    checker: SelfChecker,
+    index: int,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    rest: tuple[Any, ...],
+    eps_acc: float | None,
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
+    coherent: bool,
+) -> _Target:
+    picked = checker._sample(w.shape[0])
+    gs32 = grad.detach().index_select(1, picked.to(grad.device))
+    x32 = x.detach()
+    shape = (picked.numel(), *w.shape[1:])
+
+    def weight_grad(g: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        # An output channel's weight gradient reads only that channel's output gradient.
+        empty = torch.empty(shape, dtype=F64, device=g.device)
+        return aten.convolution_backward.default(g, inputs, empty, None, *rest, [False, True, False])[1]
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        g64, x64 = gs32.to(F64), x32.to(F64)
+        return weight_grad(g64, x64), weight_grad(g64.abs(), x64.abs())
+
+    def gather(o: torch.Tensor) -> torch.Tensor:
+        return o.index_select(0, picked.to(o.device))
+
+    def fitted() -> list[torch.Tensor]:
+        return [weight_grad(r(gs32).to(F64), r(x32).to(F64)) for r in models]
+
+    # Each weight element sums over the batch and the output's positions.
+    per_weight = grad.shape[0] * math.prod(grad.shape[2:])
+    return _Target(
+        index, gather, ref, per_weight, eps_acc, "rows", picked.numel(), None, fitted if models else None, coherent
+    )
 
 
 # --- reductions and row ops (softmax, layer norm) ---
