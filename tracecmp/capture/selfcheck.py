@@ -42,11 +42,15 @@ to a single element keeps per-thread partial sums in the output dtype, so 16-bit
 ``eps_out``. Left out: out= overloads, random ops, ops whose result jumps with a rounded quotient
 (remainder, floor_divide, rounding div), pointwise ops of integer-only inputs, 16-bit transposed
 convolutions (CPU sums overlapping taps at 16 bits), ``_addmm_activation`` with gelu, a
-convolution's bias gradient and grouped or transposed weight gradients, fused attention with dropout (its draws) or a causal mask over
-unequal lengths (kernels align it differently), and attention's backward. Fused attention's output
-rows are recomputed from the row's query and its batch and head's keys and values; its ``scale`` is
-the weighted ``|v|``, widened by the scores' own reach (``|q|·|k|``, whose float32 rounding exp turns
-into relative error), and 16-bit kernels may round the weights at the output's precision.
+convolution's bias gradient and, with ``full``, grouped or transposed weight gradients, fused
+attention with dropout (its draws) or a causal mask over unequal lengths (kernels align it
+differently), and attention's backward. Fused attention's output rows are recomputed from the
+row's query and its batch and head's keys and values; its ``scale`` is the weighted ``|v|``,
+widened by the scores' own reach (``|q|·|k|``, whose float32 rounding exp turns into relative
+error), and 16-bit kernels may round the weights at the output's precision. A sampled
+convolution (and its gradients) recomputes each sampled element from the taps that made it,
+gathered by index; ``full`` recomputes whole batch elements (input, output) or output channels
+(weight gradient), as transposed convolutions always do.
 16-bit convolution gradients are summed at 16 bits with cancellation, so wide an allowance per
 element that a 5% scale hides in each; their checks also fit one scale through the whole sample
 (:func:`_coherent`), which rounding errors of either sign do not make and a scaled kernel does.
@@ -343,11 +347,13 @@ class SelfChecker:
 
     # --- sampling (the checker's own generator, on the CPU) ---
 
-    def _sample(self, n: int) -> torch.Tensor:
-        """``sample`` random flat indices below n, or all of them (full, or n small)."""
-        if self.full or n <= self.sample:
+    def _sample(self, n: int, factor: int = 1, most: int | None = None) -> torch.Tensor:
+        """``factor * sample`` (at most ``most``) random flat indices below n, or all of them
+        (full, or n small)."""
+        k = min(self.sample * factor, most) if most is not None else self.sample * factor
+        if self.full or n <= k:
             return torch.arange(n)
-        return torch.randint(n, (self.sample,), generator=self._gen)
+        return torch.randint(n, (k,), generator=self._gen)
 
 
 def _worst(r: torch.Tensor, got: torch.Tensor, rounded: torch.Tensor) -> float | torch.Tensor:
@@ -578,6 +584,11 @@ def _convolution(
         return None
     if b["transposed"] and w.dtype in (torch.float16, torch.bfloat16):
         return None  # 16-bit transposed convolutions may sum overlapping taps at 16 bits (CPU col2im)
+    eps_acc = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
+    models = _rounding_models(w.dtype, eps_acc) if x.dtype == torch.float32 else ()
+    if not (checker.full or b["transposed"]):
+        element = _convolution_elements(checker, x, w, bias, b, eps_acc, models)
+        return (element,) if element is not None else None
     picked = checker._sample(x.shape[0])
     xs32 = x.detach().index_select(0, picked.to(x.device))
     xs = xs32.to(F64)
@@ -594,8 +605,6 @@ def _convolution(
         return o.index_select(0, picked.to(o.device))
 
     per_output = (w.shape[0] // b["groups"] if b["transposed"] else w.shape[1]) * math.prod(w.shape[2:])
-    eps_acc = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
-    models = _rounding_models(w.dtype, eps_acc) if x.dtype == torch.float32 else ()
 
     def fitted() -> list[torch.Tensor]:
         w32 = w.detach()
@@ -608,8 +617,9 @@ def _convolution(
 def _convolution_backward(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
-    """The input gradient of sampled batch elements, from their output gradient and the weight,
-    and the weight gradient of sampled output channels, from the whole batch's input and those
+    """The input and weight gradients: sampled elements from their taps, or (``full``,
+    transposed) the input gradient of whole batch elements, from their output gradient and the
+    weight, and the weight gradient of output channels, from the whole batch's input and those
     channels' output gradient (ungrouped, not transposed). The bias gradient is left unchecked.
 
     16-bit kernels sum taps and batch at 16 bits with cancellation (measured: 50x a float32
@@ -626,6 +636,12 @@ def _convolution_backward(
     eps_acc = torch.finfo(w.dtype).eps if sixteen else declared
     models = _rounding_models(w.dtype, declared) if grad.dtype == torch.float32 else ()
     targets = []
+    if not (checker.full or b["transposed"]):
+        if mask[0]:
+            targets.append(_input_gradient_elements(checker, grad, x, w, b, eps_acc, models, sixteen))
+        if mask[1]:
+            targets.append(_weight_gradient_elements(checker, int(mask[0]), grad, x, w, b, eps_acc, models, sixteen))
+        return tuple(targets) or None
     if mask[0]:
         targets.append(_input_gradient(checker, grad, x, w, rest, eps_acc, models, sixteen))
     if mask[1] and b["groups"] == 1 and not b["transposed"]:
@@ -704,6 +720,171 @@ def _weight_gradient(
     per_weight = grad.shape[0] * math.prod(grad.shape[2:])
     return _Target(
         index, gather, ref, per_weight, eps_acc, "rows", picked.numel(), None, fitted if models else None, coherent
+    )
+
+
+# Sampled convolutions read, per sampled element, only the taps that made it (gathered by index
+# arithmetic, as im2col would for that element alone): a float64 recomputation of whole batch
+# elements costs 7-15x the convolution itself. A weight gradient's element reads the whole batch
+# at every output position, so its sample is held to this many gathered values.
+GATHER_BUDGET = 1 << 19
+
+
+def _grid(per_dim: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-dimension (k, size_j) tensors, each viewed to broadcast over (k, size_1, ..., size_d)."""
+    d = len(per_dim)
+    return [t.reshape(t.shape[0], *(t.shape[1] if i == j else 1 for i in range(d))) for j, t in enumerate(per_dim)]
+
+
+def _offset(positions: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """Row-major offsets of per-dimension positions (broadcast together) in a grid of ``sizes``."""
+    flat = positions[0]
+    for p, size in zip(positions[1:], sizes[1:]):
+        flat = flat * size + p
+    return flat
+
+
+def _unravel(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Per-dimension indices of row-major ``flat`` indices into a grid of ``sizes``."""
+    out = []
+    for size in reversed(sizes):
+        out.append(flat % size)
+        flat = flat // size
+    return out[::-1]
+
+
+def _all(masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    valid = masks[0]
+    for m in masks[1:]:
+        valid = valid & m
+    return valid
+
+
+def _dots(
+    left32: torch.Tensor, right32: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[
+    Callable[[], tuple[torch.Tensor, torch.Tensor]], Callable[[Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+]:
+    """``ref`` (value and scale) of per-sample dot products of gathered operands (k, ...), where
+    ``valid``; and the value with both operands rounded by a device's rounding model."""
+
+    def value_of(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        value = torch.where(valid, left * right, 0.0).flatten(1).sum(1)
+        return value + bias if bias is not None else value
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        left, right = left32.to(F64), right32.to(F64)
+        scale = torch.where(valid, left.abs() * right.abs(), 0.0).flatten(1).sum(1)
+        return value_of(left, right), scale + bias.abs() if bias is not None else scale
+
+    def rounded(rounding: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return value_of(rounding(left32).to(F64), rounding(right32).to(F64))
+
+    return ref, rounded
+
+
+def _convolution_elements(
+    checker: SelfChecker,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    b: dict[str, Any],
+    eps_acc: float | None,
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
+) -> _Target | None:
+    """Sampled output elements of a (not transposed) convolution, each from its receptive field."""
+    stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
+    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
+    out_size = [
+        (size[j] + 2 * padding[j] - dilation[j] * (kernel[j] - 1) - 1) // stride[j] + 1 for j in range(len(size))
+    ]
+    if min(out_size, default=1) <= 0:
+        return None
+    flat = checker._sample(batch * out_channels * math.prod(out_size))
+    n, co, *o = _unravel(flat, (batch, out_channels, *out_size))
+    taps = [o[j][:, None] * stride[j] - padding[j] + torch.arange(kernel[j]) * dilation[j] for j in range(len(size))]
+    valid = _all(_grid([(p >= 0) & (p < size[j]) for j, p in enumerate(taps)]))[:, None]  # (k, 1, *kernel)
+    spatial = _offset(_grid([p.clamp(0, size[j] - 1) for j, p in enumerate(taps)]), size)[:, None]
+    first = (co // (out_channels // groups)) * group_in
+    chan = (n[:, None] * channels + first[:, None] + torch.arange(group_in)).reshape(-1, group_in, *[1] * len(size))
+    xs32 = _take(x.detach(), chan * math.prod(size) + spatial)  # (k, group_in, *kernel)
+    ws32 = _take(w.detach(), _row_index(co, group_in * math.prod(kernel))).reshape(xs32.shape)
+    bias_g = _take(bias.detach(), co).to(F64) if bias is not None else None
+    ref, rounded = _dots(xs32, ws32, valid.to(xs32.device), bias_g)
+    n_acc = group_in * math.prod(kernel) + (bias is not None)
+    fitted = (lambda: [rounded(r) for r in models]) if models else None
+    return _Target(0, lambda out: _take(out, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted)
+
+
+def _input_gradient_elements(
+    checker: SelfChecker,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: dict[str, Any],
+    eps_acc: float | None,
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
+    coherent: bool,
+) -> _Target:
+    """Sampled elements of a (not transposed) convolution's input gradient, each from the output
+    gradient's elements its taps reach and the weights that reached them."""
+    stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
+    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
+    out_size, group_out = list(grad.shape[2:]), out_channels // groups
+    flat = checker._sample(batch * channels * math.prod(size), 4 if coherent else 1)
+    n, ci, *p = _unravel(flat, (batch, channels, *size))
+    # Tap t of output position o reads input position o * stride - padding + t * dilation.
+    reach = [p[j][:, None] + padding[j] - torch.arange(kernel[j]) * dilation[j] for j in range(len(size))]
+    valid = _all(
+        _grid([(r >= 0) & (r % stride[j] == 0) & (r // stride[j] < out_size[j]) for j, r in enumerate(reach)])
+    )[:, None]  # (k, 1, *kernel)
+    spatial = _offset(_grid([(r // stride[j]).clamp(0, out_size[j] - 1) for j, r in enumerate(reach)]), out_size)
+    co = ((ci // group_in) * group_out)[:, None] + torch.arange(group_out)  # (k, group_out)
+    shape = (-1, group_out, *[1] * len(size))
+    gs32 = _take(
+        grad.detach(), (n[:, None] * out_channels + co).reshape(shape) * math.prod(out_size) + spatial[:, None]
+    )
+    taps = torch.arange(math.prod(kernel)).reshape(kernel)
+    ws32 = _take(w.detach(), (co * group_in + (ci % group_in)[:, None]).reshape(shape) * math.prod(kernel) + taps)
+    ref, rounded = _dots(gs32, ws32, valid.to(gs32.device))
+    fitted = (lambda: [rounded(r) for r in models]) if models else None
+    n_acc = group_out * math.prod(kernel)
+    return _Target(0, lambda out: _take(out, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted, coherent)
+
+
+def _weight_gradient_elements(
+    checker: SelfChecker,
+    index: int,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: dict[str, Any],
+    eps_acc: float | None,
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
+    coherent: bool,
+) -> _Target:
+    """Sampled elements of a (not transposed) convolution's weight gradient, each a sum over the
+    batch and the output positions of output gradient times the input its tap read."""
+    stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
+    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
+    out_size, group_out = list(grad.shape[2:]), out_channels // groups
+    terms = batch * math.prod(out_size)
+    budget = max(1, GATHER_BUDGET // max(terms, 1))
+    flat = checker._sample(out_channels * group_in * math.prod(kernel), 4 if coherent else 1, budget)
+    co, cl, *t = _unravel(flat, (out_channels, group_in, *kernel))
+    read = [torch.arange(out_size[j]) * stride[j] - padding[j] + t[j][:, None] * dilation[j] for j in range(len(size))]
+    valid = _all(_grid([(r >= 0) & (r < size[j]) for j, r in enumerate(read)]))[:, None]  # (k, 1, *out_size)
+    spatial = _offset(_grid([r.clamp(0, size[j] - 1) for j, r in enumerate(read)]), size)[:, None]
+    ci = (co // group_out) * group_in + cl
+    shape = (-1, batch, *[1] * len(size))
+    images = torch.arange(batch)
+    xs32 = _take(x.detach(), (images * channels + ci[:, None]).reshape(shape) * math.prod(size) + spatial)
+    positions = torch.arange(math.prod(out_size)).reshape(out_size)
+    gs32 = _take(grad.detach(), (images * out_channels + co[:, None]).reshape(shape) * math.prod(out_size) + positions)
+    ref, rounded = _dots(gs32, xs32, valid.to(gs32.device))
+    fitted = (lambda: [rounded(r) for r in models]) if models else None
+    return _Target(
+        index, lambda out: _take(out, flat), ref, terms, eps_acc, "matmul", flat.numel(), None, fitted, coherent
     )
 
 
