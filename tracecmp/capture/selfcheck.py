@@ -614,6 +614,23 @@ def _convolution(
     return (_Target(0, gather, ref, n, eps_acc, "batch", picked.numel(), None, fitted if models else None),)
 
 
+class _Gradients(NamedTuple):
+    """One ``convolution_backward`` call as its gradients' checks read it."""
+
+    grad: torch.Tensor
+    x: torch.Tensor
+    w: torch.Tensor
+    b: dict[str, Any]  # the call's arguments by name
+    eps_acc: float | None
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # float32 operands' rounding on the device
+    coherent: bool  # also fit one scale through the sample (16-bit sums)
+
+    @property
+    def rest(self) -> tuple[Any, ...]:
+        b = self.b
+        return (b["stride"], b["padding"], b["dilation"], b["transposed"], b["output_padding"], b["groups"])
+
+
 def _convolution_backward(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
@@ -631,34 +648,27 @@ def _convolution_backward(
     if not all(_plain(t) and _real(t) and t.is_floating_point() for t in (grad, x, w)) or x.dim() != w.dim():
         return None
     sixteen = w.dtype in (torch.float16, torch.bfloat16)
-    rest = (b["stride"], b["padding"], b["dilation"], b["transposed"], b["output_padding"], b["groups"])
     declared = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
     eps_acc = torch.finfo(w.dtype).eps if sixteen else declared
     models = _rounding_models(w.dtype, declared) if grad.dtype == torch.float32 else ()
+    call = _Gradients(grad, x, w, b, eps_acc, models, sixteen)
     targets = []
     if not (checker.full or b["transposed"]):
         if mask[0]:
-            targets.append(_input_gradient_elements(checker, grad, x, w, b, eps_acc, models, sixteen))
+            targets.append(_input_gradient_elements(checker, call))
         if mask[1]:
-            targets.append(_weight_gradient_elements(checker, int(mask[0]), grad, x, w, b, eps_acc, models, sixteen))
-        return tuple(targets) or None
-    if mask[0]:
-        targets.append(_input_gradient(checker, grad, x, w, rest, eps_acc, models, sixteen))
-    if mask[1] and b["groups"] == 1 and not b["transposed"]:
-        targets.append(_weight_gradient(checker, int(mask[0]), grad, x, w, rest, eps_acc, models, sixteen))
+            targets.append(_weight_gradient_elements(checker, int(mask[0]), call))
+    else:
+        if mask[0]:
+            targets.append(_input_gradient(checker, call))
+        if mask[1] and b["groups"] == 1 and not b["transposed"]:
+            targets.append(_weight_gradient(checker, int(mask[0]), call))
     return tuple(targets) or None
 
 
-def _input_gradient(
-    checker: SelfChecker,
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    rest: tuple[Any, ...],
-    eps_acc: float | None,
-    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
-    coherent: bool,
-) -> _Target:
+def _input_gradient(checker: SelfChecker, call: _Gradients) -> _Target:
+    grad, x, w, _, eps_acc, models, coherent = call
+    rest = call.rest
     picked = checker._sample(x.shape[0])
     gs32 = grad.detach().index_select(0, picked.to(grad.device))
     shape = (picked.numel(), *x.shape[1:])
@@ -685,17 +695,9 @@ def _input_gradient(
     )
 
 
-def _weight_gradient(
-    checker: SelfChecker,
-    index: int,
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    rest: tuple[Any, ...],
-    eps_acc: float | None,
-    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
-    coherent: bool,
-) -> _Target:
+def _weight_gradient(checker: SelfChecker, index: int, call: _Gradients) -> _Target:
+    grad, x, w, _, eps_acc, models, coherent = call
+    rest = call.rest
     picked = checker._sample(w.shape[0])
     gs32 = grad.detach().index_select(1, picked.to(grad.device))
     x32 = x.detach()
@@ -816,18 +818,10 @@ def _convolution_elements(
     return _Target(0, lambda out: _take(out, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted)
 
 
-def _input_gradient_elements(
-    checker: SelfChecker,
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: dict[str, Any],
-    eps_acc: float | None,
-    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
-    coherent: bool,
-) -> _Target:
+def _input_gradient_elements(checker: SelfChecker, call: _Gradients) -> _Target:
     """Sampled elements of a (not transposed) convolution's input gradient, each from the output
     gradient's elements its taps reach and the weights that reached them."""
+    grad, x, w, b, eps_acc, models, coherent = call
     stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
     (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
     out_size, group_out = list(grad.shape[2:]), out_channels // groups
@@ -852,19 +846,10 @@ def _input_gradient_elements(
     return _Target(0, lambda out: _take(out, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted, coherent)
 
 
-def _weight_gradient_elements(
-    checker: SelfChecker,
-    index: int,
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: dict[str, Any],
-    eps_acc: float | None,
-    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
-    coherent: bool,
-) -> _Target:
+def _weight_gradient_elements(checker: SelfChecker, index: int, call: _Gradients) -> _Target:
     """Sampled elements of a (not transposed) convolution's weight gradient, each a sum over the
     batch and the output positions of output gradient times the input its tap read."""
+    grad, x, w, b, eps_acc, models, coherent = call
     stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
     (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
     out_size, group_out = list(grad.shape[2:]), out_channels // groups
