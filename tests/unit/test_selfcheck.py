@@ -74,7 +74,31 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
             if _layer_norm_runs(dtype)
             else []
         ),
+        *_batch_norm_cases(r, k),
+        *_nll_loss_cases(gen, r, k),
     ]
+
+
+def _nll_loss_cases(gen: torch.Generator, r: Callable, k: int) -> list[tuple[str, Any, tuple, dict]]:
+    """The loss of 6 rows of k classes, one row's target ignored, by each reduction, and its backward."""
+    x = torch.log_softmax(r(6, k).float(), 1).to(r(1).dtype)
+    target = torch.randint(k, (6,), generator=gen)
+    target[2] = -100
+    weight = r(k).abs() + 0.5
+    cases = []
+    for reduction, label in ((1, "mean"), (2, "sum"), (0, "none")):
+        out, total = aten.nll_loss_forward.default(x, target, weight, reduction, -100)
+        grad = r(*out.shape) if reduction == 0 else r(1).reshape(())
+        cases += [
+            (f"nll_loss {label}", aten.nll_loss_forward.default, (x, target, weight, reduction, -100), {}),
+            (
+                f"nll_loss backward {label}",
+                aten.nll_loss_backward.default,
+                (grad, x, target, weight, reduction, -100, total),
+                {},
+            ),
+        ]
+    return cases
 
 
 def _embedding_backward_args(gen: torch.Generator, r: Callable, k: int) -> tuple:
@@ -131,6 +155,32 @@ def _pointwise_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str
         ("rsqrt", aten.rsqrt.default, (r(8, 16).abs(),), {}),
         ("pow", aten.pow.Tensor_Scalar, (r(8, 16), 3), {}),
         ("where", aten.where.self, (r(8, 16) > 0, r(8, 16), r(1)), {}),
+    ]
+
+
+def _batch_norm_cases(r: Callable, k: int) -> list[tuple[str, Any, tuple, dict]]:
+    """Batch norm over (3, 5 channels, k), in training and evaluation, and its backward."""
+    x, w, b, grad = r(3, 5, k), r(5), r(5), r(3, 5, k)
+    mean, var = torch.zeros(5, dtype=x.dtype), torch.ones(5, dtype=x.dtype)
+    try:
+        _, saved_mean, saved_invstd = aten.native_batch_norm.default(x, w, b, None, None, True, 0.1, 1e-5)
+    except RuntimeError:  # a dtype this torch's CPU batch norm lacks
+        return []
+    return [
+        ("batch_norm", aten.native_batch_norm.default, (x, w, b, mean.clone(), var.clone(), True, 0.1, 1e-5), {}),
+        ("batch_norm eval", aten.native_batch_norm.default, (x, w, b, mean + 0.1, var * 2, False, 0.1, 1e-5), {}),
+        (
+            "batch_norm backward",
+            aten.native_batch_norm_backward.default,
+            (grad, x, w, None, None, saved_mean, saved_invstd, True, 1e-5, [True, True, True]),
+            {},
+        ),
+        (
+            "batch_norm backward eval",
+            aten.native_batch_norm_backward.default,
+            (grad, x, w, mean + 0.1, var * 2, None, None, False, 1e-5, [True, True, False]),
+            {},
+        ),
     ]
 
 
@@ -196,7 +246,7 @@ def test_sampled_residual_agrees_with_a_full_float64_replay(dtype: torch.dtype) 
             conv = name.startswith("conv") and s.how == "matmul" and f.how in ("batch", "rows")
             assert s.index == f.index and (s.how == f.how or conv), name
             assert f.sampled >= s.sampled or conv, name
-            if name.startswith("conv2d backward") and dtype != torch.float32:
+            if name.startswith(("conv2d backward", "batch_norm")) and dtype != torch.float32:
                 # A scale fitted through a sample is no largest element: a sample's fit may
                 # exceed the whole's, and both stay within the bound.
                 assert max(s.residual, f.residual) <= f.limit, (name, s, f)
@@ -324,6 +374,8 @@ def test_transparent_to_the_program() -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if func._schema.arguments[0].alias_info is not None:  # in place: the op itself writes self
             tensors = tensors[1:]
+        if name == "batch_norm":  # training: the op itself updates its running statistics
+            tensors = tensors[:3]
         versions, values = [t._version for t in tensors], [t.clone() for t in tensors]
         checker = SelfChecker()
         plan = checker.prepare(func, args, kwargs)

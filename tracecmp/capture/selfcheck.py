@@ -1089,6 +1089,207 @@ def _layer_norm_backward(
     return (_Target(0, lambda o: _take(o, _row_index(rows, length)), ref, length, None, "rows", rows.numel()),)
 
 
+# --- batch norm: layer norm's computation over the batch and positions of each channel ---
+
+
+def _batch_norm(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """Sampled channels: the output over the whole channel and, in training, the saved mean and
+    1/std, from the channel's own values (in evaluation, from the running statistics)."""
+    b = _bind(func, args, kwargs)
+    x, weight, bias = b["input"], b["weight"], b["bias"]
+    name = func.overloadpacket.__name__
+    training = b.get("training", name != "_native_batch_norm_legit_no_training")
+    running = (b.get("running_mean"), b.get("running_var"))
+    tensors = [t for t in (x, weight, bias, *(() if training else running)) if t is not None]
+    if x.dim() < 2 or not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+        return None
+    if not training and None in running:
+        return None
+    dims = [0, *range(2, x.dim())]
+    view, count, length = _row_view(x.detach(), dims)
+    rows = checker._sample(count, 1, max(1, GATHER_BUDGET // length))
+    values = _rows(view, rows, length)
+    per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None] if t is not None else None
+    w, bb, eps = per_channel(weight), per_channel(bias), b["eps"]
+
+    @functools.lru_cache(maxsize=None)  # shared by the three outputs' checks
+    def stats() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not training:
+            mean = per_channel(running[0])
+            return mean, (per_channel(running[1]) + eps).rsqrt(), mean.abs()
+        mean = values.mean(-1, keepdim=True)
+        return mean, (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt(), values.abs().mean(-1, keepdim=True)
+
+    def normalized() -> tuple[torch.Tensor, torch.Tensor]:
+        mean, rstd, mean_abs = stats()
+        value = (values - mean) * rstd
+        # As for layer norm: the mean's, x - mean's and rstd's errors reach the output times
+        # rstd * |w|; running statistics are read, not summed.
+        # The variance cancels by the mean's own size (E x^2 - mean^2), not by that of |x|.
+        reach = (1 + mean.abs() * rstd) if training else 1.0
+        scale = (mean_abs + (values - mean).abs()) * rstd * reach
+        if w is not None:
+            value, scale = value * w, scale * w.abs()
+        if bb is not None:
+            value, scale = value + bb, scale + bb.abs()
+        return value, scale
+
+    def mean_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        mean, _, mean_abs = stats()
+        return mean[:, 0], mean_abs[:, 0]
+
+    def rstd_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        _, rstd, mean_abs = stats()
+        return rstd[:, 0], (rstd * (1 + mean_abs * rstd))[:, 0]
+
+    whole = lambda o: _take(_row_view(o, dims)[0], _row_index(rows, length))
+    n = length if training else 1
+    # CPU kernels of 16-bit inputs normalize with statistics held at the input's precision: so
+    # wide an allowance that a 5% scale shows only as a scale fitted through the channels.
+    sixteen = x.dtype in (torch.float16, torch.bfloat16)
+    eps_acc = torch.finfo(x.dtype).eps if sixteen else None
+    targets = [_Target(0, whole, normalized, n, eps_acc, "rows", rows.numel(), coherent=sixteen)]
+    if training:
+        per_row = lambda o: _take(o, rows)
+        targets += [
+            _Target(1, per_row, mean_ref, length, eps_acc, "rows", rows.numel()),
+            _Target(2, per_row, rstd_ref, length, eps_acc, "rows", rows.numel()),
+        ]
+    return tuple(targets)
+
+
+def _batch_norm_backward(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """Sampled channels: the input gradient over the whole channel, ``rstd (g w - mean(g w) -
+    xhat mean(g w xhat))`` in training (``g w rstd`` in evaluation), and the weight and bias
+    gradients ``sum g xhat`` and ``sum g``, from the statistics the op reads."""
+    b = _bind(func, args, kwargs)
+    grad, x, weight, train, mask = b["grad_out"], b["input"], b["weight"], b["train"], b["output_mask"]
+    mean, invstd = (b["save_mean"], b["save_invstd"]) if train else (b["running_mean"], b["running_var"])
+    tensors = [t for t in (grad, x, weight, mean, invstd) if t is not None]
+    if mean is None or invstd is None or x.dim() < 2:
+        return None
+    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+        return None
+    dims = [0, *range(2, x.dim())]
+    view, count, length = _row_view(x.detach(), dims)
+    rows = checker._sample(count, 1, max(1, GATHER_BUDGET // (2 * length)))
+    xs = _rows(view, rows, length)
+    gs = _rows(_row_view(grad.detach(), dims)[0], rows, length)
+    per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None]
+    mu = per_channel(mean)
+    rs = per_channel(invstd) if train else (per_channel(invstd) + b["eps"]).rsqrt()
+    w = per_channel(weight) if weight is not None else None
+    xhat = (xs - mu) * rs
+    spread = (xs.abs() + mu.abs()) * rs  # what xhat is known to: x - mean cancels
+
+    def input_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        gw = gs * w if w is not None else gs
+        if not train:
+            return gw * rs, gw.abs() * rs
+        value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+        scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * (gw.abs() * spread).mean(-1, keepdim=True))
+        return value, scale
+
+    def weight_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        return (gs * xhat).sum(-1), (gs.abs() * spread).sum(-1)
+
+    def bias_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        return gs.sum(-1), gs.abs().sum(-1)
+
+    whole = lambda o: _take(_row_view(o, dims)[0], _row_index(rows, length))
+    per_row = lambda o: _take(o, rows)
+    wanted = [(0, whole, input_ref), (1, per_row, weight_ref), (2, per_row, bias_ref)]
+    present = [entry for entry, wants in zip(wanted, mask) if wants]
+    n_input = length if train else 1
+    return tuple(
+        _Target(index, gather, ref, n_input if which == 0 else length, None, "rows", rows.numel())
+        for index, (which, gather, ref) in enumerate(present)
+    )
+
+
+# --- negative log-likelihood: the loss reads one log-probability a row ---
+
+
+def _nll_rows(
+    x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Flat indices of each row's target element in ``x`` ((N, C) or (C,)) and the rows' class
+    weights (0 where the target is ignored) in float64, on x's device; None for other layouts."""
+    if x.dim() not in (1, 2) or target.dim() != x.dim() - 1 or target.numel() > GATHER_BUDGET:
+        return None
+    t = target.detach().reshape(-1)
+    keep = t != ignore_index
+    t = torch.where(keep, t, 0)
+    flat = torch.arange(t.numel(), device=t.device) * x.shape[-1] + t
+    w = _take(weight.detach(), t).to(F64) if weight is not None else torch.ones(t.shape, dtype=F64, device=t.device)
+    return flat, torch.where(keep, w, 0.0)
+
+
+def _nll_loss(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """The loss from every row's picked log-probability (``-sum w x / sum w`` for a mean,
+    ``-sum w x``, or per row), and the total weight."""
+    b = _bind(func, args, kwargs)
+    x, target, weight = b["self"], b["target"], b["weight"]
+    if not all(_plain(t) and _real(t) for t in (x, target)) or not x.is_floating_point():
+        return None
+    rows = _nll_rows(x, target, weight, b["ignore_index"])
+    if rows is None:
+        return None
+    flat, w = rows
+    terms = -w * _take(x.detach(), flat).to(F64)
+    reduction = b["reduction"]  # 0 none, 1 mean, 2 sum
+
+    def loss() -> tuple[torch.Tensor, torch.Tensor]:
+        if reduction == 0:
+            return terms, terms.abs()
+        divisor = w.sum() if reduction == 1 else 1.0
+        return (terms.sum() / divisor)[None], (terms.abs().sum() / divisor)[None]
+
+    def total() -> tuple[torch.Tensor, torch.Tensor]:
+        return w.sum()[None], w.sum()[None]
+
+    if reduction == 0:
+        return (_Target(0, lambda o: o.detach().reshape(-1), loss, 1, None, "matmul", terms.numel()),)
+    scalar = lambda o: o.detach().reshape(1)
+    return (
+        _Target(0, scalar, loss, terms.numel(), None, "matmul", terms.numel()),
+        _Target(1, scalar, total, terms.numel(), None, "matmul", terms.numel()),
+    )
+
+
+def _nll_loss_backward(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """Each sampled row's one nonzero gradient, at its target: ``-g w / total_weight`` (mean),
+    ``-g w`` (sum, or per row)."""
+    b = _bind(func, args, kwargs)
+    grad, x, target, weight, total = b["grad_output"], b["self"], b["target"], b["weight"], b["total_weight"]
+    if not all(_plain(t) and _real(t) for t in (grad, x, target, total)) or not x.is_floating_point():
+        return None
+    rows = _nll_rows(x, target, weight, b["ignore_index"])
+    if rows is None:
+        return None
+    flat, w = rows
+    picked = checker._sample(flat.numel()).to(flat.device)
+    reduction = b["reduction"]
+    g = grad.detach().reshape(-1).to(F64)
+    g = g[picked] if reduction == 0 else g.expand(picked.numel())
+    divisor = total.detach().to(F64).reshape(()) if reduction == 1 else 1.0
+    value = -g * w[picked] / divisor
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        return value, value.abs()
+
+    at = flat[picked]
+    return (_Target(0, lambda o: _take(o, at), ref, 1, None, "matmul", picked.numel()),)
+
+
 # --- copies and casts: the output is the input's value ---
 
 
@@ -1358,6 +1559,16 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
                 "_scaled_dot_product_fused_attention_overrideable",
             ],
             _layer_norm_backward: ["native_layer_norm_backward"],
+            _batch_norm: [
+                "native_batch_norm",
+                "_native_batch_norm_legit",
+                "_native_batch_norm_legit.no_stats",
+                "_native_batch_norm_legit_no_training",
+                "_batch_norm_with_update",
+            ],
+            _batch_norm_backward: ["native_batch_norm_backward"],
+            _nll_loss: ["nll_loss_forward"],
+            _nll_loss_backward: ["nll_loss_backward"],
             _embedding_backward: ["embedding_dense_backward"],
             _fused_adam: ["_fused_adam_", "_fused_adamw_", "_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr"],
             _copy: ["_to_copy", "copy_", "clone", "embedding"],
