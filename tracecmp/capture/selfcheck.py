@@ -51,9 +51,13 @@ error), and 16-bit kernels may round the weights at the output's precision. A sa
 convolution (and its gradients) recomputes each sampled element from the taps that made it,
 gathered by index; ``full`` recomputes whole batch elements (input, output) or output channels
 (weight gradient), as transposed convolutions always do.
-16-bit convolution gradients are summed at 16 bits with cancellation, so wide an allowance per
-element that a 5% scale hides in each; their checks also fit one scale through the whole sample
-(:func:`_coherent`), which rounding errors of either sign do not make and a scaled kernel does.
+16-bit convolution gradients are summed at 16 bits with cancellation, and 16-bit batch norms
+normalize with statistics held at 16 bits: so wide an allowance per element that a 5% scale hides
+in each; their checks also fit one scale through the whole sample (:func:`_coherent`), which
+rounding errors of either sign do not make and a scaled kernel does. Batch norm is layer norm's
+computation over each channel's batch and positions: sampled channels are checked whole.
+``nll_loss`` reads one log-probability a row: its loss from every row, its gradient at the
+sampled rows' targets (the only nonzero of each row).
 
 >>> import torch
 >>> checker = SelfChecker(sample=8)
