@@ -87,7 +87,10 @@ def _nll_loss_cases(gen: torch.Generator, r: Callable, k: int) -> list[tuple[str
     weight = r(k).abs() + 0.5
     cases = []
     for reduction, label in ((1, "mean"), (2, "sum"), (0, "none")):
-        out, total = aten.nll_loss_forward.default(x, target, weight, reduction, -100)
+        try:
+            out, total = aten.nll_loss_forward.default(x, target, weight, reduction, -100)
+        except RuntimeError:  # a dtype this torch's CPU loss lacks (float16 on 2.1)
+            return []
         grad = r(*out.shape) if reduction == 0 else r(1).reshape(())
         cases += [
             (f"nll_loss {label}", aten.nll_loss_forward.default, (x, target, weight, reduction, -100), {}),
@@ -553,6 +556,8 @@ def test_a_16_bit_convolution_gradient_scaled_by_5_percent_is_found_by_its_fitte
     w = (torch.randn(48, 32, 3, 3, generator=gen) / math.sqrt(32 * 9)).to(dtype)
     grad = _randn(gen, 4, 48, 12, 12, dtype=dtype)
     args = (grad, x, w, [48], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+    if not _runnable([("conv backward", aten.convolution_backward.default, args, {})]):
+        pytest.skip(f"this torch has no {dtype} convolution backward on the CPU")
     honest = _run(aten.convolution_backward.default, args)
     assert [(c.index, c.how) for c in honest] == [(0, "matmul"), (1, "matmul")]
     assert all(c.residual <= c.limit for c in honest), honest
