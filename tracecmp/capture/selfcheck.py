@@ -1008,6 +1008,35 @@ def _attention(
     return (_Target(0, gather, ref, source, None, "rows", rows.numel()),)
 
 
+def _normalization(
+    values: torch.Tensor, stats: Callable[[], tuple[torch.Tensor, ...]], w: torch.Tensor | None, bb: torch.Tensor | None
+) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], ...]:
+    """``ref`` of a normalization's output, mean and 1/std over rows ``values`` (k, length), from
+    ``stats() = (mean, rstd, mean|x|, reach)``: ``reach`` is what rstd's relative error grows by."""
+
+    def normalized() -> tuple[torch.Tensor, torch.Tensor]:
+        mean, rstd, mean_abs, reach = stats()
+        value = (values - mean) * rstd
+        # Errors of the mean (~ mean|x|), of x - mean, and of rstd relative all reach the output
+        # multiplied by rstd * |w|; the bias adds its own rounding.
+        scale = (mean_abs + (values - mean).abs()) * rstd * reach
+        if w is not None:
+            value, scale = value * w, scale * w.abs()
+        if bb is not None:
+            value, scale = value + bb, scale + bb.abs()
+        return value, scale
+
+    def mean_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        mean, _, mean_abs, _ = stats()
+        return mean[:, 0], mean_abs[:, 0]
+
+    def rstd_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        _, rstd, mean_abs, _ = stats()
+        return rstd[:, 0], (rstd * (1 + mean_abs * rstd))[:, 0]
+
+    return normalized, mean_ref, rstd_ref
+
+
 def _layer_norm(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
@@ -1025,30 +1054,13 @@ def _layer_norm(
     eps = b["eps"]
 
     @functools.lru_cache(maxsize=None)  # shared by the three outputs' checks
-    def stats() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def stats() -> tuple[torch.Tensor, ...]:
         mean = values.mean(-1, keepdim=True)
         rstd = (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
-        return mean, rstd, values.abs().mean(-1, keepdim=True)
+        mean_abs = values.abs().mean(-1, keepdim=True)
+        return mean, rstd, mean_abs, 1 + mean_abs * rstd
 
-    def normalized() -> tuple[torch.Tensor, torch.Tensor]:
-        mean, rstd, mean_abs = stats()
-        value = (values - mean) * rstd
-        # Errors of the mean (~ mean|x|), of x - mean, and of rstd relative (~ mean|x| * rstd) all
-        # reach the output multiplied by rstd * |w|; the bias adds its own rounding.
-        scale = (mean_abs + (values - mean).abs()) * rstd * (1 + mean_abs * rstd)
-        if w is not None:
-            value, scale = value * w, scale * w.abs()
-        if bb is not None:
-            value, scale = value + bb, scale + bb.abs()
-        return value, scale
-
-    def mean_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        mean, _, mean_abs = stats()
-        return mean[:, 0], mean_abs[:, 0]
-
-    def rstd_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        _, rstd, mean_abs = stats()
-        return rstd[:, 0], (rstd * (1 + mean_abs * rstd))[:, 0]
+    normalized, mean_ref, rstd_ref = _normalization(values, stats, w, bb)
 
     per_row = lambda o: _take(o, rows)
     return (
@@ -1119,34 +1131,16 @@ def _batch_norm(
     w, bb, eps = per_channel(weight), per_channel(bias), b["eps"]
 
     @functools.lru_cache(maxsize=None)  # shared by the three outputs' checks
-    def stats() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not training:
+    def stats() -> tuple[torch.Tensor, ...]:
+        if not training:  # running statistics are read, not summed
             mean = per_channel(running[0])
-            return mean, (per_channel(running[1]) + eps).rsqrt(), mean.abs()
+            return mean, (per_channel(running[1]) + eps).rsqrt(), mean.abs(), torch.ones_like(mean)
         mean = values.mean(-1, keepdim=True)
-        return mean, (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt(), values.abs().mean(-1, keepdim=True)
-
-    def normalized() -> tuple[torch.Tensor, torch.Tensor]:
-        mean, rstd, mean_abs = stats()
-        value = (values - mean) * rstd
-        # As for layer norm: the mean's, x - mean's and rstd's errors reach the output times
-        # rstd * |w|; running statistics are read, not summed.
+        rstd = (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
         # The variance cancels by the mean's own size (E x^2 - mean^2), not by that of |x|.
-        reach = (1 + mean.abs() * rstd) if training else 1.0
-        scale = (mean_abs + (values - mean).abs()) * rstd * reach
-        if w is not None:
-            value, scale = value * w, scale * w.abs()
-        if bb is not None:
-            value, scale = value + bb, scale + bb.abs()
-        return value, scale
+        return mean, rstd, values.abs().mean(-1, keepdim=True), 1 + mean.abs() * rstd
 
-    def mean_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        mean, _, mean_abs = stats()
-        return mean[:, 0], mean_abs[:, 0]
-
-    def rstd_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        _, rstd, mean_abs = stats()
-        return rstd[:, 0], (rstd * (1 + mean_abs * rstd))[:, 0]
+    normalized, mean_ref, rstd_ref = _normalization(values, stats, w, bb)
 
     whole = lambda o: _take(_row_view(o, dims)[0], _row_index(rows, length))
     n = length if training else 1
