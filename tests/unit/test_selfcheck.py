@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tracecmp.capture.selfcheck import SUMS_AT_16_BITS, Check, SelfChecker, special_ops
+from tracecmp.capture.selfcheck import SUMS_AT_16_BITS, Check, Deferred, SelfChecker, special_ops
 
 SPECIAL = special_ops()
 
@@ -622,6 +622,54 @@ def test_sampled_convolution_elements_are_the_float64_convolutions_own(
         plan = SelfChecker(sample=64, seed=1).prepare(func, args, {})
         assert plan is not None and len(plan.targets) == len(outputs)
         for target, whole in zip(plan.targets, outputs):
-            value, scale = target.ref()[:2]
+            value, scale = target.recompute()[:2]
             torch.testing.assert_close(value, target.gather(whole), rtol=1e-12, atol=1e-12)
             assert bool((scale >= value.abs() - 1e-12).all())
+
+
+def _scatter_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, Any, tuple, dict]]:
+    """Ops that only place values: a reshape's copy, a gradient written into zeros at an index or slice."""
+    r = lambda *s: _randn(gen, *s, dtype=dtype)
+    return [
+        ("_unsafe_view", aten._unsafe_view.default, (r(4, 6, 5), [24, 5]), {}),
+        ("select_backward", aten.select_backward.default, (r(4, 5), [4, 3, 5], 1, -1), {}),
+        ("slice_backward", aten.slice_backward.default, (r(4, 3, 5), [4, 9, 5], 1, 1, 8, 3), {}),
+        ("slice_backward open", aten.slice_backward.default, (r(2, 4), [6, 4], 0, -2, 2**62, 1), {}),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deferred_checks_of_calls_alike_equal_each_calls_own(dtype: torch.dtype) -> None:
+    # Three calls alike of each case, honest and 5% faulty ones mixed: recomputed together at
+    # resolve, each call's residuals are those its own immediate check finds.
+    gen = torch.Generator().manual_seed(1)
+    cases = [case for _ in range(3) for case in _all_cases(gen, dtype, 33) + _scatter_cases(gen, dtype)]
+    immediate, deferred = SelfChecker(sample=4, seed=5), SelfChecker(sample=4, seed=5)
+    expected: list[tuple[str, Check]] = []
+    pending: list[Check] = []
+    for i, (name, func, args, kwargs) in enumerate(cases):
+        plans = immediate.prepare(func, args, kwargs), deferred.prepare(func, args, kwargs)
+        assert plans[0] is not None and plans[1] is not None, name
+        out = func(*args, **kwargs)
+        out = _bigger(out, 1.05) if i % 2 else out
+        expected += [(name, check) for check in immediate.finish(plans[0], out)]
+        pending += deferred.finish(plans[1], out, defer=True)
+    assert any(isinstance(check.residual, Deferred) for check in pending)
+    deferred.resolve()
+    assert len(pending) == len(expected)
+    for (name, own), check in zip(expected, pending):
+        late = check.residual if isinstance(check.residual, Deferred) else None
+        residual, coarse = (late.residual, late.coarse) if late else (check.residual, check.coarse)
+        assert (check.index, check.limit, check.sampled, check.how) == (own.index, own.limit, own.sampled, own.how)
+        assert residual == pytest.approx(own.residual, rel=1e-9, abs=1e-12), name
+        assert coarse == pytest.approx(own.coarse, rel=1e-9, abs=1e-12), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_placed_values_are_exact_and_a_changed_one_is_found(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    for name, func, args, kwargs in _scatter_cases(gen, dtype):
+        (honest,) = _run(func, args, kwargs, sample=64)
+        assert honest.how == "exact" and honest.residual == 0.0 <= honest.limit, name
+        (faulty,) = _run(func, args, kwargs, sample=64, tamper=lambda out: out + (out != 0) * 2.0**-6)
+        assert faulty.residual > faulty.limit, name

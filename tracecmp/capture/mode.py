@@ -51,7 +51,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
-from tracecmp.capture.selfcheck import Check, SelfChecker
+from tracecmp.capture.selfcheck import Check, Deferred, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -147,7 +147,8 @@ class CaptureMode(TorchDispatchMode):
         # Self-checks (capture/selfcheck.py): rows of the ops checked, None when they are off.
         self._checker = checker
         self.check_rows = Columns(CHECKS_SCHEMA) if checker is not None else None
-        self._pending_checks: list[tuple[int, str, torch.Tensor]] = []  # (check row, column, value on the device)
+        # (check row, column, value on the device or Deferred: residual and coarse, recomputed at take)
+        self._pending_checks: list[tuple[int, str, torch.Tensor | Deferred]] = []
         self.saved: dict[str, torch.Tensor] = {}
         self.saved_bytes = 0
         self.devices: dict[torch.device, tuple[str, int]] = {}
@@ -304,7 +305,7 @@ class CaptureMode(TorchDispatchMode):
         if plan is not None:
             assert checker is not None
             with _disable_current_modes():
-                self._record_checks(op_id, checker.finish(plan, out))
+                self._record_checks(op_id, checker.finish(plan, out, defer=True))
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
@@ -393,7 +394,10 @@ class CaptureMode(TorchDispatchMode):
         assert rows is not None
         for check in checks:
             residual, coarse = check.residual, check.coarse
-            if isinstance(residual, torch.Tensor):
+            if isinstance(residual, Deferred):  # recomputed with its calls alike at take
+                self._pending_checks.append((len(rows), "deferred", residual))
+                residual = coarse = float("nan")
+            elif isinstance(residual, torch.Tensor):
                 self._pending_checks.append((len(rows), "residual", residual))
                 residual = float("nan")
             if isinstance(coarse, torch.Tensor):
@@ -913,9 +917,19 @@ class CaptureMode(TorchDispatchMode):
         """Bring the self-check residuals computed on accelerators to the host: one transfer per device."""
         if not self._pending_checks or self.check_rows is None:
             return
+        assert self._checker is not None
+        with _disable_current_modes():
+            self._checker.resolve()
         by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
-        for pending in self._pending_checks:
-            by_device.setdefault(pending[2].device, []).append(pending)
+        for index, column, value in self._pending_checks:
+            if not isinstance(value, Deferred):
+                by_device.setdefault(value.device, []).append((index, column, value))
+                continue
+            for name, got in (("residual", value.residual), ("coarse", value.coarse)):
+                if isinstance(got, torch.Tensor):
+                    by_device.setdefault(got.device, []).append((index, name, got))
+                else:
+                    self.check_rows.set(index, name, got)
         self._pending_checks = []
         for items in by_device.values():
             host = torch.stack([value.reshape(()).to(torch.float64) for _, _, value in items]).cpu().tolist()

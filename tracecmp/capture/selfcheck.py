@@ -79,7 +79,7 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp.aten.rounding import REDUCED_MODELS
 
-__all__ = ["SUMS_AT_16_BITS", "Check", "Plan", "SelfChecker", "limit_for", "special_ops"]
+__all__ = ["QUEUE_MAX", "SUMS_AT_16_BITS", "Check", "Deferred", "Plan", "SelfChecker", "limit_for", "special_ops"]
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -96,6 +96,8 @@ GROWTH = 0.5
 MOVED_MAX = 1 << 24
 # The t-statistic of a scale fitted through a sample that rounding alone stays below (:func:`_coherent`).
 COHERENT_T = 8.0
+# Deferred checks held at most (their gathered values) before they are recomputed together.
+QUEUE_MAX = 4096
 # Exact copies: same dtype must be bit-equal; a cast may round once (half an ulp).
 EXACT_LIMIT = {True: 0.0, False: 0.5}
 
@@ -108,7 +110,8 @@ class Check(NamedTuple):
     """
 
     index: int  # position among the op's tensor outputs, in tree_flatten order of ``out``
-    residual: float | torch.Tensor  # float on CPU; a 0-d float64 tensor on the output's device elsewhere
+    # float on CPU; a 0-d float64 tensor on the output's device elsewhere; a Deferred one (finish(defer=True))
+    residual: float | torch.Tensor | Deferred
     limit: float  # what an honest kernel stays within for this op, dtype, accumulation length
     sampled: int  # elements (pointwise, exact, matmul, batch) or rows (rows) recomputed
     how: str  # "pointwise", "matmul", "batch", "rows", "exact"
@@ -118,13 +121,43 @@ class Check(NamedTuple):
     coarse: float | torch.Tensor | None = None
 
 
+class Deferred:
+    """The residuals of a check whose recomputation waits for its calls alike
+    (:meth:`SelfChecker.resolve`): NaN until then; then floats on the CPU, 0-d float64 tensors
+    on the output's device elsewhere (no host synchronisation).
+
+    >>> import math
+    >>> math.isnan(Deferred().residual)
+    True
+    """
+
+    __slots__ = ("coarse", "residual")
+
+    def __init__(self) -> None:
+        self.residual: float | torch.Tensor = math.nan
+        self.coarse: float | torch.Tensor = math.nan
+
+
+class _Batch(NamedTuple):
+    """A recomputation as one function of tensors gathered per call, so that the calls alike
+    (same function, constants, shapes and dtypes: ``key``) of a step share its float64 ops."""
+
+    key: tuple[Any, ...]
+    # the gathered tensors stacked, one leading row per call -> (ref, scale[, excess]), each (calls, ...)
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    tensors: tuple[torch.Tensor, ...]
+    # the same -> the recomputation under each of the device's rounding models (see _Target.fitted)
+    fitted: Callable[..., list[torch.Tensor]] | None = None
+
+
 class _Target(NamedTuple):
     """One output to compare: which, where its sampled values are, and their float64 recomputation."""
 
     index: int
     gather: Callable[[torch.Tensor], torch.Tensor]  # the op's output -> its sampled values
-    # -> (ref, scale[, excess]) float64; excess: terms' magnitude the kernel may round at eps_out
-    ref: Callable[[], tuple[torch.Tensor, ...]]
+    # -> (ref, scale[, excess]) float64; excess: terms' magnitude the kernel may round at eps_out.
+    # None where ``batch`` recomputes it.
+    ref: Callable[[], tuple[torch.Tensor, ...]] | None
     n: int  # accumulation length (terms summed per output element)
     eps_acc: float | None  # working precision's epsilon; None: min(eps_out, float32's)
     how: str
@@ -136,6 +169,16 @@ class _Target(NamedTuple):
     # Also fit one scale through the sample (:func:`_coherent`): where the per-element allowance
     # is wide (16-bit sums with cancellation) a scaled output still shows as a whole.
     coherent: bool = False
+    # The recomputation as a function of gathered tensors, in place of ``ref`` and ``fitted``: for
+    # this call alone, or once for all its calls alike where the check is deferred.
+    batch: _Batch | None = None
+
+    def recompute(self) -> tuple[torch.Tensor, ...]:
+        """``(ref, scale[, excess])`` of this call alone, in float64."""
+        if self.batch is None:
+            assert self.ref is not None
+            return self.ref()
+        return tuple(v[0] if v.dim() else v for v in self.batch.fn(*(t[None] for t in self.batch.tensors)))
 
 
 class Plan(NamedTuple):
@@ -254,6 +297,9 @@ class SelfChecker:
         self.sample, self.full, self.reduced_precision = sample, full, reduced_precision
         self._gen = torch.Generator().manual_seed(seed)
         self._kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
+        # Deferred checks by what their calls alike share: (target, gathered output, its Deferred)
+        self._queue: dict[tuple[Any, ...], list[tuple[_Target, torch.Tensor, Deferred]]] = {}
+        self._queued = 0
 
     # --- the two calls around an op ---
 
@@ -280,14 +326,23 @@ class SelfChecker:
             return None
         return Plan(func, targets, _written(kind, func, args, kwargs))
 
-    def finish(self, plan: Plan, out: Any) -> list[Check]:
+    def finish(self, plan: Plan, out: Any, defer: bool = False) -> list[Check]:
         """Compare the op's outputs ``out`` against the float64 recomputation planned for them.
+
+        With ``defer``, the sampled outputs are gathered now and the recomputation of a check that
+        has calls alike waits for :meth:`resolve`, which runs it once for all of them: its
+        ``residual`` and ``coarse`` are then one :class:`Deferred`, filled in there.
 
         >>> import torch
         >>> checker, x = SelfChecker(), torch.randn(5)
         >>> plan = checker.prepare(torch.ops.aten.mul.Tensor, (x, 2.0), {})
         >>> [c.residual for c in checker.finish(plan, x * 2.0)]
         [0.0]
+        >>> plan = checker.prepare(torch.ops.aten.mul.Tensor, (x, 2.0), {})
+        >>> (check,) = checker.finish(plan, x * 2.0, defer=True)
+        >>> checker.resolve()
+        >>> check.residual.residual
+        0.0
         """
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)] or list(plan.written)
         checks = []
@@ -299,55 +354,52 @@ class SelfChecker:
                 if not (_plain(o) and o.is_floating_point() and o.numel()):
                     continue
                 try:
-                    checks.append(self._compare(target, o))
+                    got = target.gather(o.detach())
+                    if defer and target.batch is not None:
+                        checks.append(self._enqueue(target, got, o.dtype))
+                    else:
+                        checks.append(self._compare(target, got, o.dtype))
                 except (RuntimeError, TypeError, ValueError, IndexError):
                     continue  # a call this module does not model after all: unchecked, never the program's error
         if not checks and plan.targets and plan.targets[0].how == "pointwise":
             # A pointwise op of floating inputs whose output is not floating (a comparison) always is.
             self._kinds[plan.func] = None
+        if self._queued >= QUEUE_MAX:
+            self.resolve()
         return checks
 
+    def resolve(self) -> None:
+        """Recompute every deferred check, one float64 pass per group of calls alike, and fill in
+        their :class:`Deferred` residuals (a group this module cannot recompute stays NaN: not
+        measured, never passed)."""
+        queue, self._queue, self._queued = self._queue, {}, 0
+        with torch.no_grad():
+            for (out_dtype, *_), entries in queue.items():
+                try:
+                    residual, coarse, _ = _recompute([t for t, _, _ in entries], [g for _, g, _ in entries], out_dtype)
+                except (RuntimeError, TypeError, ValueError, IndexError):
+                    continue
+                if residual.device.type == "cpu":
+                    residual, coarse = residual.tolist(), coarse.tolist()
+                for (_, _, deferred), value, rough in zip(entries, residual, coarse):
+                    deferred.residual, deferred.coarse = value, rough
+
+    def _enqueue(self, target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
+        batch = target.batch
+        assert batch is not None
+        key = (out_dtype, got.shape, got.device, batch.key, target.n, target.eps_acc, target.how)
+        key += (target.coherent, target.source_dtype)
+        deferred = Deferred()
+        self._queue.setdefault(key, []).append((target, got, deferred))
+        self._queued += 1
+        return Check(target.index, deferred, _limits(target, out_dtype)[-1], target.sampled, target.how, deferred)
+
     @staticmethod
-    def _compare(target: _Target, out: torch.Tensor) -> Check:
-        got = target.gather(out.detach())
-        ref, scale, *excess = target.ref()
-        # Compute where the output lives unless that is the host (a copy to the CPU): a device
-        # tensor never comes back to the host here.
-        device = got.device if got.device.type != "cpu" else ref.device
-        got = got.to(device, F64)
-        if ref.device != device:
-            ref, scale = ref.to(device), scale.to(device)
-        eps_out, tiny = _finfo(out.dtype)
-        eps_acc = target.eps_acc if target.eps_acc is not None else _working_eps(eps_out)
-        if excess:
-            scale = scale + excess[0].to(scale.device) * (eps_out / eps_acc)
-        r = (got - ref).abs() / (eps_out * ref.abs() + eps_acc * scale + tiny)
-        limit = (
-            EXACT_LIMIT[target.source_dtype == out.dtype]
-            if target.how == "exact"
-            else limit_for(target.n, eps_out, eps_acc)
-        )
-        rounded = ref.to(out.dtype).to(F64)  # overflow to inf by the output's rounding is honest
-        residual = _worst(r, got, rounded)
-        if target.coherent:
-            scaled = _coherent(got, ref, eps_out) * limit
-            residual = max(residual, scaled) if isinstance(scaled, float) else torch.maximum(residual, scaled)
-        if target.fitted is None:
-            return Check(target.index, residual, limit, target.sampled, target.how, residual)
-        # Where a rounding model of the device reproduces the call, float32 accumulation is all
-        # the freedom left: a fault far inside the reduced precision's allowance shows.
-        fitted_limit = limit_for(target.n, eps_out, EPS32)
-        best = None
-        for model in target.fitted():
-            model = model.to(device)
-            worst = _worst((got - model).abs() / (eps_out * model.abs() + EPS32 * scale + tiny), got, rounded)
-            best = (
-                worst
-                if best is None
-                else (min(best, worst) if isinstance(worst, float) else torch.minimum(best, worst))
-            )
-        coarse = residual * (fitted_limit / limit)
-        return Check(target.index, best, fitted_limit, target.sampled, target.how, coarse)
+    def _compare(target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
+        residual, coarse, limit = _recompute([target], [got], out_dtype)
+        if residual.device.type == "cpu":
+            return Check(target.index, float(residual), limit, target.sampled, target.how, float(coarse))
+        return Check(target.index, residual[0], limit, target.sampled, target.how, coarse[0])
 
     # --- sampling (the checker's own generator, on the CPU) ---
 
@@ -360,23 +412,101 @@ class SelfChecker:
         return torch.randint(n, (k,), generator=self._gen)
 
 
-def _worst(r: torch.Tensor, got: torch.Tensor, rounded: torch.Tensor) -> float | torch.Tensor:
-    """The largest residual ``r``, with non-finite values judged by class (module docstring): a
-    float on the CPU, a 0-d tensor on the device elsewhere (no host synchronisation)."""
-    if got.device.type == "cpu":
-        residual = float(r.max())
-        if math.isfinite(residual):  # every element finite on both sides: the usual case
-            return residual
+def _recompute(
+    targets: Sequence[_Target], gots: Sequence[torch.Tensor], out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Residual, coarse residual (one per call) and the judged limit of calls alike: one call, or
+    those of a batch key, whose recomputation then runs once on their gathered tensors stacked."""
+    target = targets[0]
+    batch = target.batch
+    if batch is None:
+        assert target.ref is not None
+        ref, scale, *excess = target.ref()
+        fitted = [model[None] for model in target.fitted()] if target.fitted is not None else None
+        return _residual_rows(target, gots[0][None], ref[None], scale[None], excess, fitted, out_dtype)
+    stacked = [torch.stack(column) for column in zip(*(t.batch.tensors for t in targets))]  # type: ignore[union-attr]
+    ref, scale, *excess = batch.fn(*stacked)
+    fitted = batch.fitted(*stacked) if batch.fitted is not None else None
+    return _residual_rows(target, torch.stack(list(gots)), ref, scale, excess, fitted, out_dtype)
+
+
+def _fitted(target: _Target) -> bool:
+    """Whether the device's rounding models recompute this target too."""
+    return target.fitted is not None or (target.batch is not None and target.batch.fitted is not None)
+
+
+def _limits(target: _Target, out_dtype: torch.dtype) -> tuple[float, float]:
+    """What an honest kernel stays within for this target: the limit of its residual against the
+    float64 value, and the one it is judged by (that under float32 accumulation, where the target
+    is fitted by the device's rounding models)."""
+    eps_out, _ = _finfo(out_dtype)
+    if target.how == "exact":
+        limit = EXACT_LIMIT[target.source_dtype == out_dtype]
+    else:
+        limit = limit_for(target.n, eps_out, target.eps_acc if target.eps_acc is not None else _working_eps(eps_out))
+    return limit, (limit_for(target.n, eps_out, EPS32) if _fitted(target) else limit)
+
+
+def _per_call(x: torch.Tensor, calls: int) -> torch.Tensor:
+    """One row per call (its sampled values flat); a 0-d value (a zero scale) broadcasts as it is."""
+    return x if x.dim() == 0 else x.reshape(calls, -1)
+
+
+def _residual_rows(
+    target: _Target,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    scale: torch.Tensor,
+    excess: Sequence[torch.Tensor],
+    fitted: list[torch.Tensor] | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """For calls alike of ``target`` (a leading row each): the residual of each call, its coarse
+    residual (module docstring, :class:`Check`), and the limit the residual is judged by."""
+    calls = got.shape[0]
+    got = got.reshape(calls, -1)
+    # Compute where the output lives unless that is the host (a copy to the CPU): a device
+    # tensor never comes back to the host here.
+    device = got.device if got.device.type != "cpu" else ref.device
+    got = got.to(device, F64)
+    ref, scale = _per_call(ref, calls).to(device), _per_call(scale, calls).to(device)
+    eps_out, tiny = _finfo(out_dtype)
+    eps_acc = target.eps_acc if target.eps_acc is not None else _working_eps(eps_out)
+    if excess:
+        scale = scale + _per_call(excess[0], calls).to(device) * (eps_out / eps_acc)
+    r = (got - ref).abs() / (eps_out * ref.abs() + eps_acc * scale + tiny)
+    limit, judged = _limits(target, out_dtype)
+    rounded = ref.to(out_dtype).to(F64)  # overflow to inf by the output's rounding is honest
+    residual = _worst(r, got, rounded)
+    if target.coherent:
+        residual = torch.maximum(residual, _coherent(got, ref, eps_out) * limit)
+    if fitted is None:
+        return residual, residual, limit
+    # Where a rounding model of the device reproduces the call, float32 accumulation is all
+    # the freedom left: a fault far inside the reduced precision's allowance shows.
+    best = None
+    for model in fitted:
+        model = _per_call(model, calls).to(device)
+        worst = _worst((got - model).abs() / (eps_out * model.abs() + EPS32 * scale + tiny), got, rounded)
+        best = worst if best is None else torch.minimum(best, worst)
+    assert best is not None
+    return best, residual * (judged / limit), judged
+
+
+def _worst(r: torch.Tensor, got: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """Each row's largest residual ``r``, with non-finite values judged by class (module docstring)."""
+    worst = r.amax(-1)
+    if got.device.type == "cpu" and bool(worst.isfinite().all()):  # every element finite: the usual case
+        return worst
     # Where float64 itself makes NaN or Inf (from NaN/Inf inputs, gelu(-inf) = -inf * 0) kernels
     # legitimately differ: such an element says nothing. NaN or Inf where float64 is finite is a fault.
     same_class = ~rounded.isfinite()
-    worst = torch.where(got.isfinite() & rounded.isfinite(), r, torch.where(same_class, 0.0, math.inf)).max()
-    return float(worst) if got.device.type == "cpu" else worst
+    return torch.where(got.isfinite() & rounded.isfinite(), r, torch.where(same_class, 0.0, math.inf)).amax(-1)
 
 
-def _coherent(got: torch.Tensor, ref: torch.Tensor, eps_out: float) -> float | torch.Tensor:
-    """One scale fitted through the sample, ``got ~ (1 + s) * ref``, in units of what an honest
-    kernel stays within: ``min(|t| / COHERENT_T, |s| / eps_out)``, ``t`` the fit's t-statistic.
+def _coherent(got: torch.Tensor, ref: torch.Tensor, eps_out: float) -> torch.Tensor:
+    """Per row, one scale fitted through the sample, ``got ~ (1 + s) * ref``, in units of what an
+    honest kernel stays within: ``min(|t| / COHERENT_T, |s| / eps_out)``, ``t`` the fit's t-statistic.
 
     Rounding errors take either sign whatever the value, so over many elements they fit no scale
     (``|t|`` below 4 in 16-bit convolution gradients of millions of elements); a scaled kernel
@@ -385,13 +515,12 @@ def _coherent(got: torch.Tensor, ref: torch.Tensor, eps_out: float) -> float | t
     """
     keep = got.isfinite() & ref.isfinite()
     g, r = torch.where(keep, got, 0.0), torch.where(keep, ref, 0.0)
-    n, rr = keep.sum(), (r * r).sum()
-    s = ((g - r) * r).sum() / rr
-    spread = g - r - s * r
-    se = ((spread * spread).sum() / (n - 1) / rr).sqrt()
+    n, rr = keep.sum(-1), (r * r).sum(-1)
+    s = ((g - r) * r).sum(-1) / rr
+    spread = g - r - s[:, None] * r
+    se = ((spread * spread).sum(-1) / (n - 1) / rr).sqrt()
     units = torch.minimum((s / se).abs() / COHERENT_T, s.abs() / eps_out)
-    units = torch.where((n > 2) & (rr > 0), units.nan_to_num(nan=0.0), 0.0)
-    return float(units) if got.device.type == "cpu" else units
+    return torch.where((n > 2) & (rr > 0), units.nan_to_num(nan=0.0), 0.0)
 
 
 def _rounding_models(dtype: torch.dtype, eps_acc: float | None) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
@@ -467,43 +596,87 @@ def _pointwise(
     if len(devices) > 1:
         return None
     flat = checker._sample(math.prod(shape))
+    k = flat.numel()
+    slots: list[torch.Tensor] = []
 
     def gathered(a: Any) -> Any:
         if not isinstance(a, torch.Tensor):
             return a
         t = a.detach()
-        if t.dim() == 0:  # a (possibly host) scalar tensor broadcasts as it is; copy: in-place ops write it
-            return t.to(F64 if t.dtype != torch.bool else t.dtype, copy=True)
-        t = _take(t.expand(shape), flat)
-        return t if t.dtype == torch.bool else t.to(F64)
+        if t.dim() == 0:  # a scalar tensor, for each sampled element; a copy: in-place ops write it
+            t = t.to(F64 if t.dtype != torch.bool else t.dtype, copy=True)
+            t = t if devices and t.device not in devices else t.expand(k)  # a host scalar broadcasts as it is
+        else:
+            t = _take(t.expand(shape), flat)
+            t = t if t.dtype == torch.bool else t.to(F64)
+        slots.append(t)
+        return _SLOT
 
-    g_args = [gathered(a) for a in args]
-    g_kwargs = {k: (F64 if k == "dtype" and v is not None else gathered(v)) for k, v in kwargs.items()}
+    template = (
+        [gathered(a) for a in args],
+        {k: (F64 if k == "dtype" and v is not None else gathered(v)) for k, v in kwargs.items()},
+    )
     name = func.overloadpacket.__name__
     rounded_once = name in _ROUNDED_ONCE and _bind(func, args, kwargs).get("alpha", 1) == 1
     relative = rounded_once or name in _RELATIVE
+    fn = functools.partial(_pointwise_values, func, template, relative)
+    key = (func, relative, _constants(template), tuple((t.dtype, t.device) for t in slots), k)
+    target = _batched(0, lambda o: _take(o, flat), _Batch(key, fn, tuple(slots)), 1, None, "pointwise", k)
+    # A host scalar beside device tensors stacks with nothing alike: recomputed for its call alone.
+    return (target if all(t.dim() for t in slots) else target._replace(batch=None),)
 
-    def ref() -> tuple[torch.Tensor, ...]:
-        # Each call on fresh copies: an in-place overload writes its (gathered) self.
-        fresh = lambda a: a.clone() if isinstance(a, torch.Tensor) else a
-        value = func(*map(fresh, g_args), **{k: fresh(v) for k, v in g_kwargs.items()})
-        # An element computed from NaN/Inf is judged by nobody's float64: kernels differ there
-        # (fp32 gelu(inf) is NaN). NaN marks it unjudged (see _worst).
-        for a in (*g_args, *g_kwargs.values()):
-            if isinstance(a, torch.Tensor) and a.is_floating_point():
-                value = torch.where(a.isfinite(), value, math.nan)
-        if relative:
-            zero = torch.zeros_like(value)
-            return value, zero, zero
-        # The op on absolute values: the size of its terms before they cancel (|a| + |alpha b|
-        # for add, |x| for gelu's x (1 + erf)), what intermediate roundings are relative to. An
-        # input's own size is no such measure: addcmul's value * t1 * t2 may be far below t1.
-        on_abs = _finite_scale(func(*map(_nonneg, g_args), **{k: _nonneg(v) for k, v in g_kwargs.items()}).abs())
-        # How far the op's terms cancel (|f(|x|)| - |f(x)|): 16-bit kernels may round such
-        # intermediate terms (alpha * b in add) at the output's own precision.
-        return value, on_abs, (on_abs - value.abs()).clamp(min=0)
 
-    return (_Target(0, lambda o: _take(o, flat), ref, 1, None, "pointwise", flat.numel()),)
+_SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
+
+
+def _constants(template: tuple[list[Any], dict[str, Any]]) -> tuple[Any, ...]:
+    """A call's arguments other than its tensors, hashable: part of what makes calls alike."""
+    args, kwargs = template
+    return tuple(("T" if a is _SLOT else (type(a), a)) for a in args) + tuple(
+        (k, "T" if v is _SLOT else (type(v), v)) for k, v in kwargs.items()
+    )
+
+
+def _pointwise_values(
+    func: Any, template: tuple[list[Any], dict[str, Any]], relative: bool, *tensors: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The float64 value, scale and excess of a pointwise op at gathered inputs (any leading rows)."""
+    slots = iter(tensors)
+    args = [next(slots) if a is _SLOT else a for a in template[0]]
+    kwargs = {k: (next(slots) if v is _SLOT else v) for k, v in template[1].items()}
+    # Each call on fresh copies: an in-place overload writes its (gathered) self.
+    fresh = lambda a: a.clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
+    value = func(*map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+    # An element computed from NaN/Inf is judged by nobody's float64: kernels differ there
+    # (fp32 gelu(inf) is NaN). NaN marks it unjudged (see _worst).
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            value = torch.where(a.isfinite(), value, math.nan)
+    if relative:
+        zero = torch.zeros((), dtype=F64, device=value.device)
+        return value, zero, zero
+    # The op on absolute values: the size of its terms before they cancel (|a| + |alpha b|
+    # for add, |x| for gelu's x (1 + erf)), what intermediate roundings are relative to. An
+    # input's own size is no such measure: addcmul's value * t1 * t2 may be far below t1.
+    on_abs = _finite_scale(func(*map(_nonneg, args), **{k: _nonneg(v) for k, v in kwargs.items()}).abs())
+    # How far the op's terms cancel (|f(|x|)| - |f(x)|): 16-bit kernels may round such
+    # intermediate terms (alpha * b in add) at the output's own precision.
+    return value, on_abs, (on_abs - value.abs()).clamp(min=0)
+
+
+def _batched(
+    index: int,
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    batch: _Batch,
+    n: int,
+    eps_acc: float | None,
+    how: str,
+    sampled: int,
+    source_dtype: torch.dtype | None = None,
+    coherent: bool = False,
+) -> _Target:
+    """A target recomputed by ``batch``: for its call alone, or with its calls alike when deferred."""
+    return _Target(index, gather, None, n, eps_acc, how, sampled, source_dtype, None, coherent, batch)
 
 
 # --- matmul family ---
@@ -544,35 +717,64 @@ def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     n = B3.shape[-1]
     flat = checker._sample(batch * m * n)
     bb, i, j = flat // (m * n), (flat // n) % m, flat % n
-    rows32 = _take(A3, _row_index(bb * m + i, K))
-    cols32 = _take(B3.transpose(-1, -2), _row_index(bb * n + j, K))
-    rows, cols = rows32.to(F64), cols32.to(F64)
-    bias_g = _take(bias.detach().expand(out_shape), flat).to(F64) if bias is not None else None
+    if A.dim() == 2:
+        # A matrix (any strides): each sampled element's row of A and column of B.
+        rows32 = _select(A, 0, i.to(A.device))
+        cols32 = _select(B3[0], 1, j.to(B.device)).t()
+    else:
+        rows32 = _take(A3, _row_index(bb * m + i, K))
+        cols32 = _take(B3.transpose(-1, -2), _row_index(bb * n + j, K))
+    tensors = [rows32, cols32]
+    if bias is not None:
+        tensors.append(_take(bias.detach().expand(out_shape), flat))
     relu = name == "_addmm_activation"
-
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        value = alpha * (rows * cols).sum(-1)
-        scale = abs(alpha) * (rows.abs() * cols.abs()).sum(-1)
-        if bias_g is not None:
-            value, scale = value + beta * bias_g, scale + abs(beta) * bias_g.abs()
-        return (value.clamp(min=0) if relu else value), scale
-
     eps_acc = _eps_matrix(A.dtype, A.device, False, checker.reduced_precision)
     models = _rounding_models(A.dtype, eps_acc)
+    constants = (alpha, beta, relu)
+    fn = functools.partial(_matmul_values, constants, None)
+    fitted = functools.partial(_matmul_models, constants, models) if models else None
+    key = ("matmul", constants, tuple((t.dtype, t.shape, t.device) for t in tensors), eps_acc)
+    batch_of = _Batch(key, fn, tuple(tensors), fitted)
+    return (_batched(0, lambda o: _take(o, flat), batch_of, K + (bias is not None), eps_acc, "matmul", flat.numel()),)
 
-    def fitted() -> list[torch.Tensor]:
-        out = []
-        for rounding in models:
-            value = alpha * (rounding(rows32).to(F64) * rounding(cols32).to(F64)).sum(-1)
-            value = value + beta * bias_g if bias_g is not None else value
-            out.append(value.clamp(min=0) if relu else value)
-        return out
 
-    n_acc = K + (bias is not None)
-    target = _Target(
-        0, lambda o: _take(o, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted if models else None
-    )
-    return (target,)
+def _select(m: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``m.index_select(dim, index)`` of a matrix, through its transpose where that is row-major
+    (index_select walks a column-major matrix's columns element by element: 100x slower)."""
+    if m.stride(0) == 1 and m.stride(1) != 1:
+        return m.t().index_select(1 - dim, index).t()
+    return m.index_select(dim, index)
+
+
+def _matmul_values(
+    constants: tuple[float, float, bool],
+    rounding: Callable[[torch.Tensor], torch.Tensor] | None,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 value and scale of sampled matmul elements from their rows and columns
+    (operands rounded first by a device's ``rounding`` model, where given)."""
+    alpha, beta, relu = constants
+    if rounding is not None:
+        rows, cols = rounding(rows), rounding(cols)
+    rows, cols = rows.to(F64), cols.to(F64)
+    value = alpha * (rows * cols).sum(-1)
+    scale = abs(alpha) * (rows.abs() * cols.abs()).sum(-1)
+    if bias is not None:
+        b64 = bias.to(F64)
+        value, scale = value + beta * b64, scale + abs(beta) * b64.abs()
+    return (value.clamp(min=0) if relu else value), scale
+
+
+def _matmul_models(
+    constants: tuple[float, float, bool],
+    models: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    return [_matmul_values(constants, rounding, rows, cols, bias)[0] for rounding in models]
 
 
 # --- convolution ---
@@ -767,26 +969,45 @@ def _all(masks: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _dots(
-    left32: torch.Tensor, right32: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None = None
-) -> tuple[
-    Callable[[], tuple[torch.Tensor, torch.Tensor]], Callable[[Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
-]:
-    """``ref`` (value and scale) of per-sample dot products of gathered operands (k, ...), where
-    ``valid``; and the value with both operands rounded by a device's rounding model."""
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    operands: tuple[torch.Tensor, ...],
+    n: int,
+    eps_acc: float | None,
+    models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
+    coherent: bool = False,
+) -> _Target:
+    """A target of per-sample dot products of gathered operands ``(left, right, valid[, bias])``,
+    each (k, ...), summed where ``valid``; fitted by the device's rounding ``models`` if any."""
+    fitted = functools.partial(_dot_models, models) if models else None
+    key = ("dots", tuple((t.dtype, t.shape, t.device) for t in operands))
+    batch = _Batch(key, functools.partial(_dot_values, None), operands, fitted)
+    return _batched(0, gather, batch, n, eps_acc, "matmul", operands[0].shape[0], coherent=coherent)
 
-    def value_of(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        value = torch.where(valid, left * right, 0.0).flatten(1).sum(1)
-        return value + bias if bias is not None else value
 
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        left, right = left32.to(F64), right32.to(F64)
-        scale = torch.where(valid, left.abs() * right.abs(), 0.0).flatten(1).sum(1)
-        return value_of(left, right), scale + bias.abs() if bias is not None else scale
+def _dot_values(
+    rounding: Callable[[torch.Tensor], torch.Tensor] | None,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    valid: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 value and scale of dot products over everything after the sample's dimension (the
+    second of ``valid``'s leading two: any calls before it)."""
+    if rounding is not None:
+        left, right = rounding(left), rounding(right)
+    left, right = left.to(F64), right.to(F64)
+    tail = valid.dim() - 2  # the summed dimensions, after (calls, sample)
+    value = torch.where(valid, left * right, 0.0).flatten(-tail).sum(-1)
+    scale = torch.where(valid, left.abs() * right.abs(), 0.0).flatten(-tail).sum(-1)
+    if bias is not None:
+        value, scale = value + bias.to(F64), scale + bias.to(F64).abs()
+    return value, scale
 
-    def rounded(rounding: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return value_of(rounding(left32).to(F64), rounding(right32).to(F64))
 
-    return ref, rounded
+def _dot_models(
+    models: Sequence[Callable[[torch.Tensor], torch.Tensor]], *operands: torch.Tensor
+) -> list[torch.Tensor]:
+    return [_dot_values(rounding, *operands)[0] for rounding in models]
 
 
 def _convolution_elements(
@@ -815,11 +1036,10 @@ def _convolution_elements(
     chan = (n[:, None] * channels + first[:, None] + torch.arange(group_in)).reshape(-1, group_in, *[1] * len(size))
     xs32 = _take(x.detach(), chan * math.prod(size) + spatial)  # (k, group_in, *kernel)
     ws32 = _take(w.detach(), _row_index(co, group_in * math.prod(kernel))).reshape(xs32.shape)
-    bias_g = _take(bias.detach(), co).to(F64) if bias is not None else None
-    ref, rounded = _dots(xs32, ws32, valid.to(xs32.device), bias_g)
+    operands = (xs32, ws32, valid.expand(xs32.shape).to(xs32.device))
+    operands += (_take(bias.detach(), co),) if bias is not None else ()
     n_acc = group_in * math.prod(kernel) + (bias is not None)
-    fitted = (lambda: [rounded(r) for r in models]) if models else None
-    return _Target(0, lambda out: _take(out, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted)
+    return _dots(lambda out: _take(out, flat), operands, n_acc, eps_acc, models)
 
 
 def _input_gradient_elements(checker: SelfChecker, call: _Gradients) -> _Target:
@@ -844,10 +1064,8 @@ def _input_gradient_elements(checker: SelfChecker, call: _Gradients) -> _Target:
     )
     taps = torch.arange(math.prod(kernel)).reshape(kernel)
     ws32 = _take(w.detach(), (co * group_in + (ci % group_in)[:, None]).reshape(shape) * math.prod(kernel) + taps)
-    ref, rounded = _dots(gs32, ws32, valid.to(gs32.device))
-    fitted = (lambda: [rounded(r) for r in models]) if models else None
-    n_acc = group_out * math.prod(kernel)
-    return _Target(0, lambda out: _take(out, flat), ref, n_acc, eps_acc, "matmul", flat.numel(), None, fitted, coherent)
+    operands = (gs32, ws32, valid.expand(gs32.shape).to(gs32.device))
+    return _dots(lambda out: _take(out, flat), operands, group_out * math.prod(kernel), eps_acc, models, coherent)
 
 
 def _weight_gradient_elements(checker: SelfChecker, index: int, call: _Gradients) -> _Target:
@@ -870,11 +1088,8 @@ def _weight_gradient_elements(checker: SelfChecker, index: int, call: _Gradients
     xs32 = _take(x.detach(), (images * channels + ci[:, None]).reshape(shape) * math.prod(size) + spatial)
     positions = torch.arange(math.prod(out_size)).reshape(out_size)
     gs32 = _take(grad.detach(), (images * out_channels + co[:, None]).reshape(shape) * math.prod(out_size) + positions)
-    ref, rounded = _dots(gs32, xs32, valid.to(gs32.device))
-    fitted = (lambda: [rounded(r) for r in models]) if models else None
-    return _Target(
-        index, lambda out: _take(out, flat), ref, terms, eps_acc, "matmul", flat.numel(), None, fitted, coherent
-    )
+    operands = (gs32, xs32, valid.expand(gs32.shape).to(gs32.device))
+    return _dots(lambda out: _take(out, flat), operands, terms, eps_acc, models, coherent)._replace(index=index)
 
 
 # --- reductions and row ops (softmax, layer norm) ---
@@ -903,17 +1118,22 @@ def _reduction(
     dims = b.get("dim")
     view, count, length = _row_view(x, range(x.dim()) if not dims else dims)
     rows = checker._sample(count)
-    values = _rows(view, rows, length)
+    values = _take(view, _row_index(rows, length))
     divisor = length if func.overloadpacket.__name__ == "mean" else 1
     out_dtype = b.get("dtype") or x.dtype
     # A reduction to one element runs in parallel with per-thread partial sums kept in the output
     # dtype (TensorIterator's two-pass reduction): a 16-bit output then accumulates at its own eps.
     eps_acc = torch.finfo(out_dtype).eps if count == 1 and out_dtype in (torch.float16, torch.bfloat16) else None
+    batch = _Batch(
+        ("sum", divisor, values.dtype, values.shape, values.device), functools.partial(_sums, divisor), (values,)
+    )
+    return (_batched(0, lambda o: _take(o, rows), batch, length, eps_acc, "rows", rows.numel()),)
 
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        return values.sum(-1) / divisor, values.abs().sum(-1) / divisor
 
-    return (_Target(0, lambda o: _take(o, rows), ref, length, eps_acc, "rows", rows.numel()),)
+def _sums(divisor: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row sums (over ``divisor``) of gathered rows, and of their magnitudes, in float64."""
+    values = values.to(F64)
+    return values.sum(-1) / divisor, values.abs().sum(-1) / divisor
 
 
 def _softmax(
@@ -1303,16 +1523,25 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
         picked = _take(indices, flat // width).to(torch.int64) * width + (flat % width).to(indices.device)
         src = _take(weight, picked)
     else:
+        # _unsafe_view: the input's elements in the same row-major order, in another shape.
         source = (b["src"] if name == "copy_" else b["self"]).detach()
         shape = b["self"].shape
         if not (_plain(source) and _plain(b["self"]) and _real(source)) or source.is_complex():
             return None
         flat = checker._sample(math.prod(shape))
         src = _take(source.expand(shape), flat)
+    return (_exact(lambda o: _take(o, flat), src),)
+
+
+def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor) -> _Target:
+    """A check that the gathered output is ``values`` exactly (or rounded once, for a cast)."""
+    batch = _Batch(("exact", values.dtype, values.shape, values.device), _exact_values, (values,))
+    return _batched(0, gather, batch, 1, None, "exact", values.numel(), values.dtype)
+
+
+def _exact_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The source's own values, exactly (float64 holds every real dtype but 64-bit integers' tails).
-    value = src.to(F64)
-    scale = torch.zeros((), dtype=F64, device=value.device)
-    return (_Target(0, lambda o: _take(o, flat), lambda: (value, scale), 1, None, "exact", flat.numel(), src.dtype),)
+    return values.to(F64), torch.zeros((), dtype=F64, device=values.device)
 
 
 def _embedding_backward(
@@ -1352,6 +1581,34 @@ def _embedding_backward(
     # 16-bit gradients are summed at their own precision (the CPU kernel: 46x the float32 allowance).
     eps_acc = torch.finfo(grad.dtype).eps if grad.dtype in (torch.float16, torch.bfloat16) else None
     return (_Target(0, lambda o: _take(o, flat_out), ref, max(terms, 1), eps_acc, "rows", picked.numel()),)
+
+
+def _scattered(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """``select_backward`` and ``slice_backward``: zeros of the input's size with the gradient
+    written at the selected index or slice. A sampled element is the gradient's element it maps
+    to, or exactly zero."""
+    b = _bind(func, args, kwargs)
+    grad, sizes = b["grad_output"].detach(), [int(size) for size in b["input_sizes"]]
+    if not (_plain(grad) and _real(grad)) or not sizes:
+        return None
+    dim = b["dim"] % len(sizes)
+    flat = checker._sample(math.prod(sizes))
+    coords = _unravel(flat, sizes)
+    at = coords[dim]
+    if func.overloadpacket.__name__ == "select_backward":
+        inside = at == b["index"] % sizes[dim]
+        source = coords[:dim] + coords[dim + 1 :]
+    else:
+        start, end, step = slice(b["start"], b["end"], b["step"]).indices(sizes[dim])
+        inside = (at >= start) & (at < end) & ((at - start) % step == 0)
+        source = [*coords[:dim], ((at - start) // step).clamp(0, max(grad.shape[dim] - 1, 0)), *coords[dim + 1 :]]
+    if list(grad.shape) != [*sizes[:dim], *([] if len(source) < len(sizes) else [grad.shape[dim]]), *sizes[dim + 1 :]]:
+        return None
+    picked = _take(grad, _offset(source, grad.shape) if source else torch.zeros_like(flat))
+    values = torch.where(inside.to(grad.device), picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    return (_exact(lambda o: _take(o, flat), values),)
 
 
 def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_Target, ...] | None:
@@ -1569,11 +1826,9 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             _nll_loss_backward: ["nll_loss_backward"],
             _embedding_backward: ["embedding_dense_backward"],
             _fused_adam: ["_fused_adam_", "_fused_adamw_", "_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr"],
-            _copy: ["_to_copy", "copy_", "clone", "embedding"],
+            _copy: ["_to_copy", "copy_", "clone", "embedding", "_unsafe_view"],
+            _scattered: ["select_backward", "slice_backward"],
             _moved: [
-                "_unsafe_view",
-                "select_backward",
-                "slice_backward",
                 "cat",
                 "stack",
                 "index_select",
