@@ -72,7 +72,8 @@ struct Names {
   X(shape) X(is_neg) X(numel) X(data_ptr) X(stride) X(_native_stats) X(_op) X(_sequence_nr)     \
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(grad_module) X(schema) X(parts) \
-  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(write_only) X(_unbumped) X(_base)
+  X(kinds) X(append) X(_rollback) X(layout) X(collective) X(write_only) X(_unbumped) X(_base)   \
+  X(_check_kinds)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE

@@ -477,6 +477,15 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   if (found == nullptr || !found->record || found->collective || found->write_only || (!plain && found->rewritable) ||
       stack)
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+  // Self-checks (capture/selfcheck.py): the mode's checker's kinds, op -> its check or None. An op
+  // not classified yet, or checked, takes the reference, which checks it around the call.
+  PyObject* check_kinds = PyDict_GetItemWithError(md.p, s._check_kinds);
+  if (check_kinds == nullptr && PyErr_Occurred()) return nullptr;
+  if (check_kinds != nullptr && check_kinds != Py_None) {
+    PyObject* kind = PyDict_GetItemWithError(check_kinds, func);
+    if (kind == nullptr && PyErr_Occurred()) return nullptr;
+    if (kind != Py_None) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+  }
   const OpEntry& e = *found;
   Ref owned_kwargs;
   if (kwargs == nullptr) {

@@ -180,9 +180,10 @@ class CaptureMode(TorchDispatchMode):
         self._args_memo = self._args.memo
         # What was not recorded, or recorded without statistics, and why: reason -> count.
         self.skipped: dict[str, int] = {}
-        if (
-            _crecord is not None and USE_NATIVE and self._only is None and checker is None
-        ):  # the C path knows no only= and no self-checks: per op, they are Python's call
+        # The checker's kinds (op -> its check, None: unchecked): the C path leaves an op not yet
+        # classified, or checked, to the reference below, which checks it around the call.
+        self._check_kinds = checker.kinds if checker is not None else None
+        if _crecord is not None and USE_NATIVE and self._only is None:  # the C path knows no only=: Python's call
             # The C copy of __torch_dispatch__ (csrc/record_dispatch.cpp), bound to this mode:
             # torch looks the method up on the instance, so it shadows the reference below, which
             # it calls for the ops it does not handle itself.

@@ -296,10 +296,19 @@ class SelfChecker:
             )
         self.sample, self.full, self.reduced_precision = sample, full, reduced_precision
         self._gen = torch.Generator().manual_seed(seed)
-        self._kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
-        # Deferred checks by what their calls alike share: (target, gathered output, its Deferred)
-        self._queue: dict[tuple[Any, ...], list[tuple[_Target, torch.Tensor, Deferred]]] = {}
+        # Each op overload seen: its check, or None where it has none (read by the C capture path too)
+        self.kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
+        # Deferred checks by what their calls alike share: their targets, gathered outputs and Deferreds
+        self._queue: dict[tuple[Any, ...], tuple[list[_Target], list[torch.Tensor], list[Deferred]]] = {}
         self._queued = 0
+        self._shared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+
+    def shared(self, key: tuple[Any, ...], make: Callable[[], Any]) -> tuple[tuple[Any, ...], Any]:
+        """The first key equal to ``key`` and what ``make`` made for it: one object for all calls alike."""
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = (key, make())
+        return found
 
     # --- the two calls around an op ---
 
@@ -310,9 +319,9 @@ class SelfChecker:
         >>> SelfChecker().prepare(torch.ops.aten.nonzero.default, (torch.ones(3),), {}) is None
         True
         """
-        kind = self._kinds.get(func, _UNSEEN)
+        kind = self.kinds.get(func, _UNSEEN)
         if kind is _UNSEEN:
-            kind = self._kinds[func] = _classify(func)
+            kind = self.kinds[func] = _classify(func)
         if kind is None:
             return None
         try:
@@ -344,7 +353,7 @@ class SelfChecker:
         >>> check.residual.residual
         0.0
         """
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)] or list(plan.written)
+        outs = _tensors_of(out) or list(plan.written)
         checks = []
         with torch.no_grad():
             for target in plan.targets:
@@ -363,7 +372,7 @@ class SelfChecker:
                     continue  # a call this module does not model after all: unchecked, never the program's error
         if not checks and plan.targets and plan.targets[0].how == "pointwise":
             # A pointwise op of floating inputs whose output is not floating (a comparison) always is.
-            self._kinds[plan.func] = None
+            self.kinds[plan.func] = None
         if self._queued >= QUEUE_MAX:
             self.resolve()
         return checks
@@ -374,14 +383,14 @@ class SelfChecker:
         measured, never passed)."""
         queue, self._queue, self._queued = self._queue, {}, 0
         with torch.no_grad():
-            for (out_dtype, *_), entries in queue.items():
+            for (out_dtype, *_), (targets, gots, deferreds) in queue.items():
                 try:
-                    residual, coarse, _ = _recompute([t for t, _, _ in entries], [g for _, g, _ in entries], out_dtype)
+                    residual, coarse, _ = _recompute(targets, gots, out_dtype)
                 except (RuntimeError, TypeError, ValueError, IndexError):
                     continue
                 if residual.device.type == "cpu":
                     residual, coarse = residual.tolist(), coarse.tolist()
-                for (_, _, deferred), value, rough in zip(entries, residual, coarse):
+                for deferred, value, rough in zip(deferreds, residual, coarse):
                     deferred.residual, deferred.coarse = value, rough
 
     def _enqueue(self, target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
@@ -390,7 +399,12 @@ class SelfChecker:
         key = (out_dtype, got.shape, got.device, batch.key, target.n, target.eps_acc, target.how)
         key += (target.coherent, target.source_dtype)
         deferred = Deferred()
-        self._queue.setdefault(key, []).append((target, got, deferred))
+        entries = self._queue.get(key)
+        if entries is None:
+            entries = self._queue[key] = ([], [], [])
+        entries[0].append(target)
+        entries[1].append(got)
+        entries[2].append(deferred)
         self._queued += 1
         return Check(target.index, deferred, _limits(target, out_dtype)[-1], target.sampled, target.how, deferred)
 
@@ -424,7 +438,9 @@ def _recompute(
         ref, scale, *excess = target.ref()
         fitted = [model[None] for model in target.fitted()] if target.fitted is not None else None
         return _residual_rows(target, gots[0][None], ref[None], scale[None], excess, fitted, out_dtype)
-    stacked = [torch.stack(column) for column in zip(*(t.batch.tensors for t in targets))]  # type: ignore[union-attr]
+    # A call alone is viewed, not copied: its gathered taps may be large (GATHER_BUDGET).
+    columns = zip(*(t.batch.tensors for t in targets))  # type: ignore[union-attr]
+    stacked = [torch.stack(column) if len(column) > 1 else column[0][None] for column in columns]
     ref, scale, *excess = batch.fn(*stacked)
     fitted = batch.fitted(*stacked) if batch.fitted is not None else None
     return _residual_rows(target, torch.stack(list(gots)), ref, scale, excess, fitted, out_dtype)
@@ -433,6 +449,16 @@ def _recompute(
 def _fitted(target: _Target) -> bool:
     """Whether the device's rounding models recompute this target too."""
     return target.fitted is not None or (target.batch is not None and target.batch.fitted is not None)
+
+
+def _tensors_of(out: Any) -> list[torch.Tensor]:
+    """An op's tensor outputs in ``tree_flatten`` order: ops return a tensor, or a tuple or list of
+    tensors (and None), or nests of those; without building a pytree spec per call."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors_of(item)]
+    return []
 
 
 def _limits(target: _Target, out_dtype: torch.dtype) -> tuple[float, float]:
@@ -602,13 +628,11 @@ def _pointwise(
     def gathered(a: Any) -> Any:
         if not isinstance(a, torch.Tensor):
             return a
-        t = a.detach()
-        if t.dim() == 0:  # a scalar tensor, for each sampled element; a copy: in-place ops write it
-            t = t.to(F64 if t.dtype != torch.bool else t.dtype, copy=True)
+        if a.dim() == 0:  # a scalar tensor, for each sampled element; a copy: in-place ops write it
+            t = a.detach().clone()
             t = t if devices and t.device not in devices else t.expand(k)  # a host scalar broadcasts as it is
         else:
-            t = _take(t.expand(shape), flat)
-            t = t if t.dtype == torch.bool else t.to(F64)
+            t = _take(a.expand(shape), flat)
         slots.append(t)
         return _SLOT
 
@@ -619,11 +643,17 @@ def _pointwise(
     name = func.overloadpacket.__name__
     rounded_once = name in _ROUNDED_ONCE and _bind(func, args, kwargs).get("alpha", 1) == 1
     relative = rounded_once or name in _RELATIVE
-    fn = functools.partial(_pointwise_values, func, template, relative)
     key = (func, relative, _constants(template), tuple((t.dtype, t.device) for t in slots), k)
-    target = _batched(0, lambda o: _take(o, flat), _Batch(key, fn, tuple(slots)), 1, None, "pointwise", k)
+    # Calls alike share one key and recomputation (fewer objects held until the hand-over).
+    key, fn = checker.shared(key, lambda: functools.partial(_pointwise_values, func, template, relative))
+    target = _batched(0, functools.partial(_gathered, flat), _Batch(key, fn, tuple(slots)), 1, None, "pointwise", k)
     # A host scalar beside device tensors stacks with nothing alike: recomputed for its call alone.
     return (target if all(t.dim() for t in slots) else target._replace(batch=None),)
+
+
+def _gathered(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The output's elements at the sampled row-major indices ``flat``."""
+    return _take(out, flat)
 
 
 _SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
@@ -641,7 +671,7 @@ def _pointwise_values(
     func: Any, template: tuple[list[Any], dict[str, Any]], relative: bool, *tensors: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """The float64 value, scale and excess of a pointwise op at gathered inputs (any leading rows)."""
-    slots = iter(tensors)
+    slots = iter(t if t.dtype == torch.bool else t.to(F64) for t in tensors)
     args = [next(slots) if a is _SLOT else a for a in template[0]]
     kwargs = {k: (next(slots) if v is _SLOT else v) for k, v in template[1].items()}
     # Each call on fresh copies: an in-place overload writes its (gathered) self.
@@ -936,6 +966,9 @@ def _weight_gradient(checker: SelfChecker, index: int, call: _Gradients) -> _Tar
 # elements costs 7-15x the convolution itself. A weight gradient's element reads the whole batch
 # at every output position, so its sample is held to this many gathered values.
 GATHER_BUDGET = 1 << 19
+# A batch norm's sampled channels are recomputed whole (its statistics read every element): at
+# most this many elements a call, and at least one channel. A scaled kernel shows in any element.
+CHANNEL_BUDGET = 1 << 14
 
 
 def _grid(per_dim: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -996,7 +1029,7 @@ def _dot_values(
     if rounding is not None:
         left, right = rounding(left), rounding(right)
     left, right = left.to(F64), right.to(F64)
-    tail = valid.dim() - 2  # the summed dimensions, after (calls, sample)
+    tail = valid.dim() - 2  # the summed dimensions, after (calls, sample); valid may broadcast over some
     value = torch.where(valid, left * right, 0.0).flatten(-tail).sum(-1)
     scale = torch.where(valid, left.abs() * right.abs(), 0.0).flatten(-tail).sum(-1)
     if bias is not None:
@@ -1036,7 +1069,7 @@ def _convolution_elements(
     chan = (n[:, None] * channels + first[:, None] + torch.arange(group_in)).reshape(-1, group_in, *[1] * len(size))
     xs32 = _take(x.detach(), chan * math.prod(size) + spatial)  # (k, group_in, *kernel)
     ws32 = _take(w.detach(), _row_index(co, group_in * math.prod(kernel))).reshape(xs32.shape)
-    operands = (xs32, ws32, valid.expand(xs32.shape).to(xs32.device))
+    operands = (xs32, ws32, valid.to(xs32.device))
     operands += (_take(bias.detach(), co),) if bias is not None else ()
     n_acc = group_in * math.prod(kernel) + (bias is not None)
     return _dots(lambda out: _take(out, flat), operands, n_acc, eps_acc, models)
@@ -1064,7 +1097,7 @@ def _input_gradient_elements(checker: SelfChecker, call: _Gradients) -> _Target:
     )
     taps = torch.arange(math.prod(kernel)).reshape(kernel)
     ws32 = _take(w.detach(), (co * group_in + (ci % group_in)[:, None]).reshape(shape) * math.prod(kernel) + taps)
-    operands = (gs32, ws32, valid.expand(gs32.shape).to(gs32.device))
+    operands = (gs32, ws32, valid.to(gs32.device))
     return _dots(lambda out: _take(out, flat), operands, group_out * math.prod(kernel), eps_acc, models, coherent)
 
 
@@ -1088,7 +1121,7 @@ def _weight_gradient_elements(checker: SelfChecker, index: int, call: _Gradients
     xs32 = _take(x.detach(), (images * channels + ci[:, None]).reshape(shape) * math.prod(size) + spatial)
     positions = torch.arange(math.prod(out_size)).reshape(out_size)
     gs32 = _take(grad.detach(), (images * out_channels + co[:, None]).reshape(shape) * math.prod(out_size) + positions)
-    operands = (gs32, xs32, valid.expand(gs32.shape).to(gs32.device))
+    operands = (gs32, xs32, valid.to(gs32.device))
     return _dots(lambda out: _take(out, flat), operands, terms, eps_acc, models, coherent)._replace(index=index)
 
 
@@ -1345,7 +1378,7 @@ def _batch_norm(
         return None
     dims = [0, *range(2, x.dim())]
     view, count, length = _row_view(x.detach(), dims)
-    rows = checker._sample(count, 1, max(1, GATHER_BUDGET // length))
+    rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // length))
     values = _rows(view, rows, length)
     per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None] if t is not None else None
     w, bb, eps = per_channel(weight), per_channel(bias), b["eps"]
@@ -1394,7 +1427,7 @@ def _batch_norm_backward(
         return None
     dims = [0, *range(2, x.dim())]
     view, count, length = _row_view(x.detach(), dims)
-    rows = checker._sample(count, 1, max(1, GATHER_BUDGET // (2 * length)))
+    rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // (2 * length)))
     xs = _rows(view, rows, length)
     gs = _rows(_row_view(grad.detach(), dims)[0], rows, length)
     per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None]
