@@ -80,7 +80,11 @@ _PROGRAM = textwrap.dedent(
                     tc.step()
             mode = tc._mode
             print("native" if "__torch_dispatch__" in mode.__dict__ else "reference")
-            for row in [*mode.rows, *mode.tensor_rows]:
+            checks = []
+            if mode.check_rows is not None:  # self-checks: their deferred residuals filled in first
+                mode._gather_deferred_checks()
+                checks = list(mode.check_rows)
+            for row in [*mode.rows, *mode.tensor_rows, *checks]:
                 print(repr(row))
     """
 )
@@ -91,6 +95,10 @@ CASES = [(name, {}) for name in MODELS] + [
     ("edges", {"data": "tensors"}),
     ("edges", {"stack": True}),
     ("transformer", {"dropout": 0.0, "rng": "host"}),
+    # Self-checks: the C path leaves the ops with a check to the reference, which checks them.
+    ("edges", {"self_check": "sample"}),
+    ("transformer", {"self_check": "sample"}),
+    ("convnet", {"self_check": "sample"}),
 ]
 
 
