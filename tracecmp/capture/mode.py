@@ -31,6 +31,7 @@ subclasses (DTensor, FakeTensor ...) are unwrapped or passed through (``tensorki
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any, Callable, Iterable
@@ -80,6 +81,7 @@ _NATIVE_CODES = _stats._NATIVE_CODES
 _PARALLEL_MIN = _stats._PARALLEL_MIN
 _CPU_DEVICE = ("cpu", 0)
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_NOTHING = contextlib.nullcontext()  # in place of _disable_current_modes() where no mode is below
 _RECORD = object()  # _not_plain's answer for an op to record as usual
 
 # Device kinds: statistics now (CPU), statistics gathered at flush (accelerators), none (meta).
@@ -257,7 +259,7 @@ class CaptureMode(TorchDispatchMode):
         if checker is not None and call is func:
             # Before the call: an in-place op overwrites the inputs its check recomputes from. The
             # check's own ops skip the modes below this one (they may change what an op computes).
-            with _disable_current_modes():
+            with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
                 plan = checker.prepare(func, args, kwargs)
         out = call(*args, **kwargs)
         if forward:
@@ -305,7 +307,7 @@ class CaptureMode(TorchDispatchMode):
         )
         if plan is not None:
             assert checker is not None
-            with _disable_current_modes():
+            with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
                 self._record_checks(op_id, checker.finish(plan, out, defer=True))
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()

@@ -224,7 +224,7 @@ def _bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, A
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Elements at row-major logical ``index`` of ``t`` (any strides, expanded views too): a fresh
     tensor of index's shape, so gathering never copies the whole of ``t``."""
-    return torch.take(t, index.to(t.device))
+    return torch.take(t, index if t.is_cpu else index.to(t.device))
 
 
 def _row_index(rows: torch.Tensor, length: int) -> torch.Tensor:
@@ -271,6 +271,31 @@ def _eps_matrix(dtype: torch.dtype, device: torch.device, conv: bool, declared: 
     return None
 
 
+class _Quietly:
+    """Grad off and one intra-op thread around a check's own ops: they are small (a sample), and an
+    OpenMP region per gather costs more than the gather (a 8K-element take: 12 us on one thread,
+    milliseconds on two when another process holds the second core). The program's thread count
+    is back before its op runs. Other parallel backends refuse a change once work started: there
+    the count is left alone."""
+
+    __slots__ = ("_grad", "_threads")
+
+    def __enter__(self) -> None:
+        self._grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self._threads = torch.get_num_threads()
+        if self._threads > 1 and _OPENMP:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._threads > 1 and _OPENMP:
+            torch.set_num_threads(self._threads)
+        torch.set_grad_enabled(self._grad)
+
+
+_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 class SelfChecker:
     """Recomputes a sample of each op call's outputs in float64 and reports residuals.
 
@@ -298,10 +323,14 @@ class SelfChecker:
         self._gen = torch.Generator().manual_seed(seed)
         # Each op overload seen: its check, or None where it has none (read by the C capture path too)
         self.kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
-        # Deferred checks by what their calls alike share: their targets, gathered outputs and Deferreds
-        self._queue: dict[tuple[Any, ...], tuple[list[_Target], list[torch.Tensor], list[Deferred]]] = {}
+        # Deferred checks by what their calls alike share: the first one's target, and per call
+        # the tensors its batch gathered, its gathered output and its Deferred
+        self._queue: dict[
+            tuple[Any, ...], tuple[_Target, list[tuple[torch.Tensor, ...]], list[torch.Tensor], list[Deferred]]
+        ] = {}
         self._queued = 0
         self._shared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+        self._quietly = _Quietly()
 
     def shared(self, key: tuple[Any, ...], make: Callable[[], Any]) -> tuple[tuple[Any, ...], Any]:
         """The first key equal to ``key`` and what ``make`` made for it: one object for all calls alike."""
@@ -325,7 +354,7 @@ class SelfChecker:
         if kind is None:
             return None
         try:
-            with torch.no_grad():
+            with self._quietly:
                 targets = kind(self, func, args, kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError):
             # An argument combination this module does not model: leave the call unchecked
@@ -355,7 +384,7 @@ class SelfChecker:
         """
         outs = _tensors_of(out) or list(plan.written)
         checks = []
-        with torch.no_grad():
+        with self._quietly:
             for target in plan.targets:
                 if target.index >= len(outs):
                     continue
@@ -382,10 +411,10 @@ class SelfChecker:
         their :class:`Deferred` residuals (a group this module cannot recompute stays NaN: not
         measured, never passed)."""
         queue, self._queue, self._queued = self._queue, {}, 0
-        with torch.no_grad():
-            for (out_dtype, *_), (targets, gots, deferreds) in queue.items():
+        with self._quietly:
+            for (out_dtype, *_), (target, gathered, gots, deferreds) in queue.items():
                 try:
-                    residual, coarse, _ = _recompute(targets, gots, out_dtype)
+                    residual, coarse, _ = _recompute(target, gathered, gots, out_dtype)
                 except (RuntimeError, TypeError, ValueError, IndexError):
                     continue
                 if residual.device.type == "cpu":
@@ -399,18 +428,20 @@ class SelfChecker:
         key = (out_dtype, got.shape, got.device, batch.key, target.n, target.eps_acc, target.how)
         key += (target.coherent, target.source_dtype)
         deferred = Deferred()
+        # Held until resolve: only what differs between calls alike (the rest of the target is
+        # the first call's), so that little outlives the op.
         entries = self._queue.get(key)
         if entries is None:
-            entries = self._queue[key] = ([], [], [])
-        entries[0].append(target)
-        entries[1].append(got)
-        entries[2].append(deferred)
+            entries = self._queue[key] = (target, [], [], [])
+        entries[1].append(batch.tensors)
+        entries[2].append(got)
+        entries[3].append(deferred)
         self._queued += 1
         return Check(target.index, deferred, _limits(target, out_dtype)[-1], target.sampled, target.how, deferred)
 
     @staticmethod
     def _compare(target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
-        residual, coarse, limit = _recompute([target], [got], out_dtype)
+        residual, coarse, limit = _recompute(target, [target.batch.tensors] if target.batch else [], [got], out_dtype)
         if residual.device.type == "cpu":
             return Check(target.index, float(residual), limit, target.sampled, target.how, float(coarse))
         return Check(target.index, residual[0], limit, target.sampled, target.how, coarse[0])
@@ -427,11 +458,11 @@ class SelfChecker:
 
 
 def _recompute(
-    targets: Sequence[_Target], gots: Sequence[torch.Tensor], out_dtype: torch.dtype
+    target: _Target, gathered: Sequence[tuple[torch.Tensor, ...]], gots: Sequence[torch.Tensor], out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Residual, coarse residual (one per call) and the judged limit of calls alike: one call, or
-    those of a batch key, whose recomputation then runs once on their gathered tensors stacked."""
-    target = targets[0]
+    """Residual, coarse residual (one per call) and the judged limit of calls alike of ``target``:
+    the call alone, or those of a batch key, whose recomputation then runs once on the tensors
+    each gathered (``gathered``: each call's ``batch.tensors``), stacked."""
     batch = target.batch
     if batch is None:
         assert target.ref is not None
@@ -439,11 +470,11 @@ def _recompute(
         fitted = [model[None] for model in target.fitted()] if target.fitted is not None else None
         return _residual_rows(target, gots[0][None], ref[None], scale[None], excess, fitted, out_dtype)
     # A call alone is viewed, not copied: its gathered taps may be large (GATHER_BUDGET).
-    columns = zip(*(t.batch.tensors for t in targets))  # type: ignore[union-attr]
-    stacked = [torch.stack(column) if len(column) > 1 else column[0][None] for column in columns]
+    stacked = [torch.stack(column) if len(column) > 1 else column[0][None] for column in zip(*gathered)]
     ref, scale, *excess = batch.fn(*stacked)
     fitted = batch.fitted(*stacked) if batch.fitted is not None else None
-    return _residual_rows(target, torch.stack(list(gots)), ref, scale, excess, fitted, out_dtype)
+    got = torch.stack(list(gots)) if len(gots) > 1 else gots[0][None]
+    return _residual_rows(target, got, ref, scale, excess, fitted, out_dtype)
 
 
 def _fitted(target: _Target) -> bool:
@@ -632,7 +663,7 @@ def _pointwise(
             t = a.detach().clone()
             t = t if devices and t.device not in devices else t.expand(k)  # a host scalar broadcasts as it is
         else:
-            t = _take(a.expand(shape), flat)
+            t = _take(a if a.shape == shape else a.expand(shape), flat)
         slots.append(t)
         return _SLOT
 
