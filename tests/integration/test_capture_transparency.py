@@ -98,3 +98,24 @@ def test_self_checks_of_list_optimizers_are_transparent_and_pass(
     checks = rank.checks.merge(rank.ops[["op_id", "op"]], on="op_id")
     checked = checks[checks["op"].str.startswith(op)]
     assert len(checked) >= least and (checked["residual"] <= checked["limit"]).all(), checked.sort_values("residual")
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")  # the first module's inputs need no gradient
+def test_the_program_keeps_its_thread_count_while_ops_are_checked(tmp_path: Path) -> None:
+    # A check's own ops run on one intra-op thread; the program's count is back before each of
+    # its ops runs (seen from module hooks, between ops, forward and backward).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, batch = make_model("transformer"), example_batch("transformer")
+        seen: list[int] = []
+        record = lambda *_: seen.append(torch.get_num_threads())  # noqa: E731
+        for module in model.modules():
+            module.register_forward_hook(record)
+            module.register_full_backward_hook(record)
+        with tracecmp.TraceCompare(tmp_path / "t", model=model, self_check="sample"):
+            loss_of(model, batch).backward()
+        assert seen and set(seen) == {2}
+        assert len(tracecmp.load(tmp_path / "t").rank(0).checks) > 10
+    finally:
+        torch.set_num_threads(threads)
