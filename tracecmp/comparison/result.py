@@ -238,10 +238,7 @@ class CompareResult:
                 "(own error in nodes.csv: own_error, honest_error)"
             )
         elif counts.get("noise") and not self.exact:
-            lines.append(
-                f"Replay: none; {counts['noise']} ops differ within rounding noise, and a fault smaller than "
-                'that noise cannot be told apart from statistics: capture the target with data="tensors"'
-            )
+            lines.append(self._noise_line(counts["noise"]))
         if self.status == "incomplete":
             lines += self._uncompared_lines()
         if self.job is not None:
@@ -250,6 +247,28 @@ class CompareResult:
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def _noise_line(self, noise: int) -> str:
+        """What the summary says of ops within rounding noise where nothing was replayed: a fault
+        below that noise shows only in an op's own check at capture, or in a replay."""
+        nodes = self.nodes
+        within = (nodes["status"] == "noise") & (nodes["kind"] != "view")
+        checked = int((within & (nodes["self_check"] <= 1)).sum()) if "self_check" in nodes else 0
+        if checked == noise:
+            return (
+                f"Self-checks: all {noise} ops within rounding noise passed their own check at capture "
+                "(nodes.csv: self_check)"
+            )
+        if checked:
+            return (
+                f"Replay: none; {noise} ops differ within rounding noise, {checked} of them passed their own "
+                f"check at capture; a fault smaller than that noise in the other {noise - checked} cannot be "
+                'told apart from statistics: capture the target with data="tensors"'
+            )
+        return (
+            f"Replay: none; {noise} ops differ within rounding noise, and a fault smaller than that noise "
+            'cannot be told apart from statistics: capture the target with data="tensors" or self_check="sample"'
+        )
 
     def _uncompared_lines(self) -> list[str]:
         """The summary's account of what could not be compared: the largest groups, and where the
