@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tracecmp.capture.selfcheck import SUMS_AT_16_BITS, Check, Deferred, SelfChecker, special_ops
+from tracecmp.capture.selfcheck import QUEUE_MAX, SUMS_AT_16_BITS, Check, SelfChecker, special_ops
 
 SPECIAL = special_ops()
 
@@ -654,12 +654,12 @@ def test_deferred_checks_of_calls_alike_equal_each_calls_own(dtype: torch.dtype)
         out = _bigger(out, 1.05) if i % 2 else out
         expected += [(name, check) for check in immediate.finish(plans[0], out)]
         pending += deferred.finish(plans[1], out, defer=True)
-    assert any(isinstance(check.residual, Deferred) for check in pending)
-    deferred.resolve()
+    assert any(check.ticket is not None for check in pending)
+    residuals, coarses = deferred.collect()
     assert len(pending) == len(expected)
     for (name, own), check in zip(expected, pending):
-        late = check.residual if isinstance(check.residual, Deferred) else None
-        residual, coarse = (late.residual, late.coarse) if late else (check.residual, check.coarse)
+        late = check.ticket is not None
+        residual, coarse = (residuals[check.ticket], coarses[check.ticket]) if late else (check.residual, check.coarse)
         assert (check.index, check.limit, check.sampled, check.how) == (own.index, own.limit, own.sampled, own.how)
         assert residual == pytest.approx(own.residual, rel=1e-9, abs=1e-12), name
         assert coarse == pytest.approx(own.coarse, rel=1e-9, abs=1e-12), name
@@ -673,3 +673,21 @@ def test_placed_values_are_exact_and_a_changed_one_is_found(dtype: torch.dtype) 
         assert honest.how == "exact" and honest.residual == 0.0 <= honest.limit, name
         (faulty,) = _run(func, args, kwargs, sample=64, tamper=lambda out: out + (out != 0) * 2.0**-6)
         assert faulty.residual > faulty.limit, name
+
+
+def test_deferred_checks_beyond_the_queue_limit_are_all_collected() -> None:
+    # The queue is recomputed when full, before anyone collects: every ticket still gets its values.
+    checker = SelfChecker(sample=4)
+    x = torch.randn(64)
+    tickets = []
+    for i in range(QUEUE_MAX + 10):
+        plan = checker.prepare(aten.mul.Tensor, (x, 2.0), {})
+        assert plan is not None
+        out = x * 2.0 if i % 3 else x * 2.5  # every third call a faulty kernel
+        (check,) = checker.finish(plan, out, defer=True)
+        tickets.append(check.ticket)
+    residuals, _ = checker.collect()
+    assert tickets == list(range(QUEUE_MAX + 10)) and len(residuals) == len(tickets)
+    assert [r > 1e3 for r in residuals] == [i % 3 == 0 for i in range(len(tickets))]
+    plan = checker.prepare(aten.mul.Tensor, (x, 2.0), {})
+    assert plan is not None and checker.finish(plan, x * 2.0, defer=True)[0].ticket == 0  # tickets start again

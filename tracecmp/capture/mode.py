@@ -52,7 +52,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
-from tracecmp.capture.selfcheck import Check, Deferred, SelfChecker
+from tracecmp.capture.selfcheck import Check, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -149,8 +149,9 @@ class CaptureMode(TorchDispatchMode):
         # Self-checks (capture/selfcheck.py): rows of the ops checked, None when they are off.
         self._checker = checker
         self.check_rows = Columns(CHECKS_SCHEMA) if checker is not None else None
-        # (check row, column, value on the device or Deferred: residual and coarse, recomputed at take)
-        self._pending_checks: list[tuple[int, str, torch.Tensor | Deferred]] = []
+        self._pending_checks: list[tuple[int, str, torch.Tensor]] = []  # (check row, column, value on the device)
+        # Deferred checks (recomputed with their calls alike at take): check rows, in ticket order
+        self._deferred_rows: list[int] = []
         self.saved: dict[str, torch.Tensor] = {}
         self.saved_bytes = 0
         self.devices: dict[torch.device, tuple[str, int]] = {}
@@ -397,9 +398,10 @@ class CaptureMode(TorchDispatchMode):
         assert rows is not None
         for check in checks:
             residual, coarse = check.residual, check.coarse
-            if isinstance(residual, Deferred):  # recomputed with its calls alike at take
-                self._pending_checks.append((len(rows), "deferred", residual))
-                residual = coarse = float("nan")
+            if check.ticket is not None:  # recomputed with its calls alike at take
+                deferred = self._deferred_rows
+                deferred.extend([-1] * (check.ticket - len(deferred)))  # a ticket no row holds: none
+                deferred.append(len(rows))
             elif isinstance(residual, torch.Tensor):
                 self._pending_checks.append((len(rows), "residual", residual))
                 residual = float("nan")
@@ -901,6 +903,7 @@ class CaptureMode(TorchDispatchMode):
                 kept -= 1
             checks.truncate(kept)
             self._pending_checks = [pending for pending in self._pending_checks if pending[0] < kept]
+            self._deferred_rows = [row if row < kept else -1 for row in self._deferred_rows]
 
     def _gather_deferred_stats(self) -> None:
         """Bring the statistics computed on accelerators to the host: one transfer per device."""
@@ -918,21 +921,26 @@ class CaptureMode(TorchDispatchMode):
 
     def _gather_deferred_checks(self) -> None:
         """Bring the self-check residuals computed on accelerators to the host: one transfer per device."""
-        if not self._pending_checks or self.check_rows is None:
+        if self.check_rows is None:
             return
         assert self._checker is not None
         with _disable_current_modes():
-            self._checker.resolve()
-        by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
-        for index, column, value in self._pending_checks:
-            if not isinstance(value, Deferred):
-                by_device.setdefault(value.device, []).append((index, column, value))
+            residuals, coarse = self._checker.collect()
+        pending = self._pending_checks
+        for row, residual, rough in zip(self._deferred_rows, residuals, coarse):
+            if row < 0:  # its op was cut short (trim_unfinished)
                 continue
-            for name, got in (("residual", value.residual), ("coarse", value.coarse)):
-                if isinstance(got, torch.Tensor):
-                    by_device.setdefault(got.device, []).append((index, name, got))
+            for column, value in (("residual", residual), ("coarse", rough)):
+                if isinstance(value, torch.Tensor):
+                    pending.append((row, column, value))
                 else:
-                    self.check_rows.set(index, name, got)
+                    self.check_rows.set(row, column, value)
+        self._deferred_rows = []
+        if not pending:
+            return
+        by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+        for index, column, value in pending:
+            by_device.setdefault(value.device, []).append((index, column, value))
         self._pending_checks = []
         for items in by_device.values():
             host = torch.stack([value.reshape(()).to(torch.float64) for _, _, value in items]).cpu().tolist()

@@ -79,7 +79,7 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp.aten.rounding import REDUCED_MODELS
 
-__all__ = ["QUEUE_MAX", "SUMS_AT_16_BITS", "Check", "Deferred", "Plan", "SelfChecker", "limit_for", "special_ops"]
+__all__ = ["QUEUE_MAX", "SUMS_AT_16_BITS", "Check", "Plan", "SelfChecker", "limit_for", "special_ops"]
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -110,8 +110,9 @@ class Check(NamedTuple):
     """
 
     index: int  # position among the op's tensor outputs, in tree_flatten order of ``out``
-    # float on CPU; a 0-d float64 tensor on the output's device elsewhere; a Deferred one (finish(defer=True))
-    residual: float | torch.Tensor | Deferred
+    # float on CPU; a 0-d float64 tensor on the output's device elsewhere; NaN until collected
+    # where deferred (``ticket``)
+    residual: float | torch.Tensor
     limit: float  # what an honest kernel stays within for this op, dtype, accumulation length
     sampled: int  # elements (pointwise, exact, matmul, batch) or rows (rows) recomputed
     how: str  # "pointwise", "matmul", "batch", "rows", "exact"
@@ -119,23 +120,8 @@ class Check(NamedTuple):
     # allowance, in units of ``limit`` (``residual`` is then the best of its rounding models, held
     # to float32 accumulation). Elsewhere equal to ``residual``.
     coarse: float | torch.Tensor | None = None
-
-
-class Deferred:
-    """The residuals of a check whose recomputation waits for its calls alike
-    (:meth:`SelfChecker.resolve`): NaN until then; then floats on the CPU, 0-d float64 tensors
-    on the output's device elsewhere (no host synchronisation).
-
-    >>> import math
-    >>> math.isnan(Deferred().residual)
-    True
-    """
-
-    __slots__ = ("coarse", "residual")
-
-    def __init__(self) -> None:
-        self.residual: float | torch.Tensor = math.nan
-        self.coarse: float | torch.Tensor = math.nan
+    # A deferred check (finish(defer=True)): its place in what SelfChecker.collect returns next.
+    ticket: int | None = None
 
 
 class _Batch(NamedTuple):
@@ -324,11 +310,14 @@ class SelfChecker:
         # Each op overload seen: its check, or None where it has none (read by the C capture path too)
         self.kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
         # Deferred checks by what their calls alike share: the first one's target, and per call
-        # the tensors its batch gathered, its gathered output and its Deferred
+        # the tensors its batch gathered, its gathered output and its ticket
         self._queue: dict[
-            tuple[Any, ...], tuple[_Target, list[tuple[torch.Tensor, ...]], list[torch.Tensor], list[Deferred]]
+            tuple[Any, ...], tuple[_Target, list[tuple[torch.Tensor, ...]], list[torch.Tensor], list[int]]
         ] = {}
         self._queued = 0
+        # Residuals and coarse residuals of the deferred checks by ticket, until collected (NaN: not measured)
+        self._residuals: list[float | torch.Tensor] = []
+        self._coarse: list[float | torch.Tensor] = []
         self._shared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self._quietly = _Quietly()
 
@@ -368,8 +357,8 @@ class SelfChecker:
         """Compare the op's outputs ``out`` against the float64 recomputation planned for them.
 
         With ``defer``, the sampled outputs are gathered now and the recomputation of a check that
-        has calls alike waits for :meth:`resolve`, which runs it once for all of them: its
-        ``residual`` and ``coarse`` are then one :class:`Deferred`, filled in there.
+        has calls alike waits, to run once for all of them: such a check carries a ``ticket``, its
+        place in what :meth:`collect` returns next.
 
         >>> import torch
         >>> checker, x = SelfChecker(), torch.randn(5)
@@ -378,9 +367,9 @@ class SelfChecker:
         [0.0]
         >>> plan = checker.prepare(torch.ops.aten.mul.Tensor, (x, 2.0), {})
         >>> (check,) = checker.finish(plan, x * 2.0, defer=True)
-        >>> checker.resolve()
-        >>> check.residual.residual
-        0.0
+        >>> residuals, coarse = checker.collect()
+        >>> (check.ticket, residuals[check.ticket])
+        (0, 0.0)
         """
         outs = _tensors_of(out) or list(plan.written)
         checks = []
@@ -403,41 +392,51 @@ class SelfChecker:
             # A pointwise op of floating inputs whose output is not floating (a comparison) always is.
             self.kinds[plan.func] = None
         if self._queued >= QUEUE_MAX:
-            self.resolve()
+            self._resolve()
         return checks
 
-    def resolve(self) -> None:
-        """Recompute every deferred check, one float64 pass per group of calls alike, and fill in
-        their :class:`Deferred` residuals (a group this module cannot recompute stays NaN: not
-        measured, never passed)."""
+    def collect(self) -> tuple[list[float | torch.Tensor], list[float | torch.Tensor]]:
+        """The residuals and coarse residuals of every deferred check since the last collect, by
+        ticket (NaN: a group this module could not recompute after all, not measured and never
+        passed); tickets start again from 0."""
+        self._resolve()
+        taken = self._residuals, self._coarse
+        self._residuals, self._coarse = [], []
+        return taken
+
+    def _resolve(self) -> None:
+        """Recompute the queued checks, one float64 pass per group of calls alike."""
         queue, self._queue, self._queued = self._queue, {}, 0
         with self._quietly:
-            for (out_dtype, *_), (target, gathered, gots, deferreds) in queue.items():
+            for (out_dtype, *_), (target, gathered, gots, tickets) in queue.items():
                 try:
                     residual, coarse, _ = _recompute(target, gathered, gots, out_dtype)
                 except (RuntimeError, TypeError, ValueError, IndexError):
                     continue
                 if residual.device.type == "cpu":
                     residual, coarse = residual.tolist(), coarse.tolist()
-                for deferred, value, rough in zip(deferreds, residual, coarse):
-                    deferred.residual, deferred.coarse = value, rough
+                for ticket, value, rough in zip(tickets, residual, coarse):
+                    self._residuals[ticket], self._coarse[ticket] = value, rough
 
     def _enqueue(self, target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
         batch = target.batch
         assert batch is not None
         key = (out_dtype, got.shape, got.device, batch.key, target.n, target.eps_acc, target.how)
         key += (target.coherent, target.source_dtype)
-        deferred = Deferred()
-        # Held until resolve: only what differs between calls alike (the rest of the target is
+        limit = _limits(target, out_dtype)[-1]
+        ticket = len(self._residuals)
+        self._residuals.append(math.nan)
+        self._coarse.append(math.nan)
+        # Held until resolved: only what differs between calls alike (the rest of the target is
         # the first call's), so that little outlives the op.
         entries = self._queue.get(key)
         if entries is None:
             entries = self._queue[key] = (target, [], [], [])
         entries[1].append(batch.tensors)
         entries[2].append(got)
-        entries[3].append(deferred)
+        entries[3].append(ticket)
         self._queued += 1
-        return Check(target.index, deferred, _limits(target, out_dtype)[-1], target.sampled, target.how, deferred)
+        return Check(target.index, math.nan, limit, target.sampled, target.how, math.nan, ticket)
 
     @staticmethod
     def _compare(target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
