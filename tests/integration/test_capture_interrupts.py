@@ -89,9 +89,13 @@ def test_sys_exit_zero_is_a_normal_end(tmp_path: Path) -> None:
     assert tracecmp.load(tmp_path / "t").complete is True
 
 
-def test_an_interrupt_inside_an_op_leaves_a_readable_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("self_check", ["off", "sample"])
+def test_an_interrupt_inside_an_op_leaves_a_readable_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, self_check: str
+) -> None:
     """KeyboardInterrupt between an op's output row and its op row (the Python per-op path,
-    where a signal handler can run at any line): the half-recorded op is dropped, not the rank."""
+    where a signal handler can run at any line): the half-recorded op is dropped, not the rank;
+    with self-checks, every check kept is of a kept op and was recomputed."""
     monkeypatch.setattr(mode_module, "USE_NATIVE", False)
     original = CaptureMode._value
     calls = {"n": 0}
@@ -106,13 +110,18 @@ def test_an_interrupt_inside_an_op_leaves_a_readable_trace(tmp_path: Path, monke
     model, batch = make_model("mlp"), example_batch("mlp")
     opt = make_optimizer(model)
     with pytest.raises(KeyboardInterrupt):
-        with tracecmp.TraceCompare(tmp_path / "t", model=model) as tc:
+        with tracecmp.TraceCompare(tmp_path / "t", model=model, self_check=self_check) as tc:
             for _ in range(3):
                 train_step(model, opt, batch)
                 tc.step()
     trace = tracecmp.load(tmp_path / "t")  # every producer and every output is in the tables
     assert trace.rank(0).stopped["kind"] == "interrupted"
     assert len(trace.to_frame()) > 30
+    checks = trace.rank(0).checks
+    if self_check == "sample":
+        assert checks is not None and len(checks) > 5
+        assert checks["op_id"].isin(trace.rank(0).ops["op_id"]).all()
+        assert checks["residual"].notna().all() and (checks["residual"] <= checks["limit"]).all()
 
 
 CHILD = textwrap.dedent(
