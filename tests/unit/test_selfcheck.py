@@ -691,3 +691,16 @@ def test_deferred_checks_beyond_the_queue_limit_are_all_collected() -> None:
     assert [r > 1e3 for r in residuals] == [i % 3 == 0 for i in range(len(tickets))]
     plan = checker.prepare(aten.mul.Tensor, (x, 2.0), {})
     assert plan is not None and checker.finish(plan, x * 2.0, defer=True)[0].ticket == 0  # tickets start again
+
+
+def test_a_float32_weight_gradient_summed_over_a_large_batch_is_checked_by_one_element() -> None:
+    # 8 x 112 x 112 terms an element: the gather budget reads one sampled element, and a 5%
+    # scale of the gradient lies far beyond its limit in that one alone.
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(8, 3, 112, 112, generator=gen), torch.randn(8, 3, 3, 3, generator=gen)
+    grad = torch.randn(8, 8, 112, 112, generator=gen)
+    args = (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])
+    (honest,) = _run(aten.convolution_backward.default, args)
+    assert honest.sampled == 1 and honest.residual <= honest.limit
+    (scaled,) = _run(aten.convolution_backward.default, args, tamper=lambda out: _bigger(out, 1.05))
+    assert scaled.residual > 10 * scaled.limit
