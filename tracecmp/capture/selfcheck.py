@@ -4,7 +4,10 @@ Around one op call, :meth:`SelfChecker.prepare` gathers, *before* the op runs (a
 overwrites its inputs), the input values behind a small random sample of output elements or rows;
 :meth:`SelfChecker.finish` recomputes those outputs from them in float64 and compares. A kernel
 fault (a wrong scale, inputs silently rounded to fp16/bf16, noise) is so visible on the op that made
-it, without any bench run.
+it, without any bench run. In a capture (``finish(defer=True)``) only the gathering happens at the
+op: the recomputation of calls alike (the same op, constants, shapes and dtypes: an optimizer's
+per-parameter ops, a model's repeated layers) waits for the step's hand-over, where one float64
+pass serves all of them (:meth:`SelfChecker.collect`); a check's own ops run on one intra-op thread.
 
 The residual of one sampled element, ``ref`` its float64 recomputation::
 
