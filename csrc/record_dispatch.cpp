@@ -478,13 +478,18 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
       stack)
     return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
   // Self-checks (capture/selfcheck.py): the mode's checker's kinds, op -> its check or None. An op
-  // not classified yet, or checked, takes the reference, which checks it around the call.
+  // not classified yet takes the reference, which classifies it; a checked one is checked around
+  // the call below (mode._check_before and _check_after).
   PyObject* check_kinds = PyDict_GetItemWithError(md.p, s._check_kinds);
   if (check_kinds == nullptr && PyErr_Occurred()) return nullptr;
+  bool checked = false;
   if (check_kinds != nullptr && check_kinds != Py_None) {
     PyObject* kind = PyDict_GetItemWithError(check_kinds, func);
-    if (kind == nullptr && PyErr_Occurred()) return nullptr;
-    if (kind != Py_None) return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+    if (kind == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
+    }
+    checked = kind != Py_None;
   }
   const OpEntry& e = *found;
   Ref owned_kwargs;
@@ -625,6 +630,12 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
     PyTuple_SET_ITEM(inputs.p, i, tid);
   }
 
+  // Before the call: an in-place op overwrites the inputs its check recomputes from.
+  Ref plan;
+  if (checked) {
+    plan.reset(call_method(mode, s._check_before, {func, args, kwargs}));
+    if (!plan) return nullptr;
+  }
   Ref out(PyObject_Call(e.call, args, kwargs));
   if (!out) return nullptr;
   if (forward) {
@@ -686,6 +697,10 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
                           text,     inputs.p, outputs.p, inplace, e.random, seq.p, s.empty};
   Py_ssize_t count_rows = 0;
   if (!append_row(rows, fields, 15, &count_rows)) return nullptr;
+  if (plan && plan.p != Py_None) {
+    Ref r(call_method(mode, s._check_after, {plan.p, op_id.p, out.p}));
+    if (!r) return nullptr;
+  }
   PyObject* limit = item(md.p, s._row_limit);
   PyObject* saved = item(md.p, s.saved_bytes);
   PyObject* max_bytes = item(md.p, s._max_bytes);

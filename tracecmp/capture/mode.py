@@ -52,7 +52,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
-from tracecmp.capture.selfcheck import Check, SelfChecker
+from tracecmp.capture.selfcheck import Check, Plan, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -184,7 +184,7 @@ class CaptureMode(TorchDispatchMode):
         # What was not recorded, or recorded without statistics, and why: reason -> count.
         self.skipped: dict[str, int] = {}
         # The checker's kinds (op -> its check, None: unchecked): the C path leaves an op not yet
-        # classified, or checked, to the reference below, which checks it around the call.
+        # classified to the reference below, and checks a checked one around the call.
         self._check_kinds = checker.kinds if checker is not None else None
         if _crecord is not None and USE_NATIVE and self._only is None:  # the C path knows no only=: Python's call
             # The C copy of __torch_dispatch__ (csrc/record_dispatch.cpp), bound to this mode:
@@ -255,13 +255,8 @@ class CaptureMode(TorchDispatchMode):
                 inputs.append(self._enter(t, rec, phase, module, location, stack, unread=_among(t, unread)))
         if self.collectives.awaited_groups:  # reads a collective's output: it completed (collectives.py)
             self.collectives.complete_inputs(info, args, kwargs, tensors)
-        checker = self._checker
-        plan = None
-        if checker is not None and call is func:
-            # Before the call: an in-place op overwrites the inputs its check recomputes from. The
-            # check's own ops skip the modes below this one (they may change what an op computes).
-            with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
-                plan = checker.prepare(func, args, kwargs)
+        # Before the call: an in-place op overwrites the inputs its check recomputes from.
+        plan = self._check_before(func, args, kwargs) if self._checker is not None and call is func else None
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -307,12 +302,23 @@ class CaptureMode(TorchDispatchMode):
             )
         )
         if plan is not None:
-            assert checker is not None
-            with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
-                self._record_checks(op_id, checker.finish(plan, out, defer=True))
+            self._check_after(plan, op_id, out)
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
+
+    def _check_before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan | None:
+        """What the self-check of this call needs, gathered before it runs (None: unchecked).
+        The check's own ops skip the modes below this one (they may change what an op computes)."""
+        assert self._checker is not None
+        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+            return self._checker.prepare(func, args, kwargs)
+
+    def _check_after(self, plan: Plan, op_id: int, out: Any) -> None:
+        """Gather the checked op's outputs and record its checks (deferred ones filled in at take)."""
+        assert self._checker is not None
+        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+            self._record_checks(op_id, self._checker.finish(plan, out, defer=True))
 
     def _not_plain(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An op on tensor subclasses or under another mode: its result, or ``_RECORD`` to record it.
