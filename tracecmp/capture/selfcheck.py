@@ -7,7 +7,7 @@ fault (a wrong scale, inputs silently rounded to fp16/bf16, noise) is so visible
 it, without any bench run. In a capture (``finish(defer=True)``) only the gathering happens at the
 op: the recomputation of calls alike (the same op, constants, shapes and dtypes: an optimizer's
 per-parameter ops, a model's repeated layers) waits for the step's hand-over, where one float64
-pass serves all of them (:meth:`SelfChecker.collect`); a check's own ops run on one intra-op thread.
+pass serves all of them (:meth:`SelfChecker.collect`).
 
 The residual of one sampled element, ``ref`` its float64 recomputation::
 
@@ -101,6 +101,8 @@ MOVED_MAX = 1 << 24
 COHERENT_T = 8.0
 # Deferred checks held at most (their gathered values) before they are recomputed together.
 QUEUE_MAX = 4096
+# Deferred checks of calls alike are stacked this many at a time while they wait.
+CHUNK = 8
 # Exact copies: same dtype must be bit-equal; a cast may round once (half an ulp).
 EXACT_LIMIT = {True: 0.0, False: 0.5}
 
@@ -261,28 +263,17 @@ def _eps_matrix(dtype: torch.dtype, device: torch.device, conv: bool, declared: 
 
 
 class _Quietly:
-    """Grad off and one intra-op thread around a check's own ops: they are small (a sample), and an
-    OpenMP region per gather costs more than the gather (a 8K-element take: 12 us on one thread,
-    milliseconds on two when another process holds the second core). The program's thread count
-    is back before its op runs. Other parallel backends refuse a change once work started: there
-    the count is left alone."""
+    """Grad off around a check's own ops (``torch.no_grad`` without building a context object
+    per call)."""
 
-    __slots__ = ("_grad", "_threads")
+    __slots__ = ("_grad",)
 
     def __enter__(self) -> None:
         self._grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
-        self._threads = torch.get_num_threads()
-        if self._threads > 1 and _OPENMP:
-            torch.set_num_threads(1)
 
     def __exit__(self, *exc: object) -> None:
-        if self._threads > 1 and _OPENMP:
-            torch.set_num_threads(self._threads)
         torch.set_grad_enabled(self._grad)
-
-
-_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 class SelfChecker:
@@ -312,11 +303,8 @@ class SelfChecker:
         self._gen = torch.Generator().manual_seed(seed)
         # Each op overload seen: its check, or None where it has none (read by the C capture path too)
         self.kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
-        # Deferred checks by what their calls alike share: the first one's target, and per call
-        # the tensors its batch gathered, its gathered output and its ticket
-        self._queue: dict[
-            tuple[Any, ...], tuple[_Target, list[tuple[torch.Tensor, ...]], list[torch.Tensor], list[int]]
-        ] = {}
+        # Deferred checks by what their calls alike share
+        self._queue: dict[tuple[Any, ...], _Group] = {}
         self._queued = 0
         # Residuals and coarse residuals of the deferred checks by ticket, until collected (NaN: not measured)
         self._residuals: list[float | torch.Tensor] = []
@@ -411,14 +399,14 @@ class SelfChecker:
         """Recompute the queued checks, one float64 pass per group of calls alike."""
         queue, self._queue, self._queued = self._queue, {}, 0
         with self._quietly:
-            for (out_dtype, *_), (target, gathered, gots, tickets) in queue.items():
+            for (out_dtype, *_), group in queue.items():
                 try:
-                    residual, coarse, _ = _recompute(target, gathered, gots, out_dtype)
+                    residual, coarse, _ = _recompute(group.target, *group.stacked(), out_dtype)
                 except (RuntimeError, TypeError, ValueError, IndexError):
                     continue
                 if residual.device.type == "cpu":
                     residual, coarse = residual.tolist(), coarse.tolist()
-                for ticket, value, rough in zip(tickets, residual, coarse):
+                for ticket, value, rough in zip(group.tickets, residual, coarse):
                     self._residuals[ticket], self._coarse[ticket] = value, rough
 
     def _enqueue(self, target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
@@ -427,28 +415,31 @@ class SelfChecker:
         key = (out_dtype, got.shape, got.device, batch.key, target.n, target.eps_acc, target.how)
         key += (target.coherent, target.source_dtype)
         limit = _limits(target, out_dtype)[-1]
+        group = self._queue.get(key)
+        if group is None:
+            group = self._queue[key] = _Group(target)
         ticket = len(self._residuals)
         self._residuals.append(math.nan)
         self._coarse.append(math.nan)
-        # Held until resolved: only what differs between calls alike (the rest of the target is
-        # the first call's), so that little outlives the op.
-        entries = self._queue.get(key)
-        if entries is None:
-            entries = self._queue[key] = (target, [], [], [])
-        entries[1].append(batch.tensors)
-        entries[2].append(got)
-        entries[3].append(ticket)
+        group.add(batch.tensors, got, ticket)
         self._queued += 1
         return Check(target.index, math.nan, limit, target.sampled, target.how, math.nan, ticket)
 
     @staticmethod
     def _compare(target: _Target, got: torch.Tensor, out_dtype: torch.dtype) -> Check:
-        residual, coarse, limit = _recompute(target, [target.batch.tensors] if target.batch else [], [got], out_dtype)
+        alone = [t[None] for t in target.batch.tensors] if target.batch is not None else []
+        residual, coarse, limit = _recompute(target, alone, got[None], out_dtype)
         if residual.device.type == "cpu":
             return Check(target.index, float(residual), limit, target.sampled, target.how, float(coarse))
         return Check(target.index, residual[0], limit, target.sampled, target.how, coarse[0])
 
     # --- sampling (the checker's own generator, on the CPU) ---
+
+    def _pick(self, n: int, count: int) -> torch.Tensor:
+        """``count`` random indices below n, or all of them (full, or n small)."""
+        if self.full or n <= count:
+            return torch.arange(n)
+        return torch.randint(n, (count,), generator=self._gen)
 
     def _sample(self, n: int, factor: int = 1, most: int | None = None) -> torch.Tensor:
         """``factor * sample`` (at most ``most``) random flat indices below n, or all of them
@@ -459,23 +450,50 @@ class SelfChecker:
         return torch.randint(n, (k,), generator=self._gen)
 
 
+class _Group:
+    """Deferred checks of calls alike: the first call's target, and what differs between the
+    calls (gathered tensors, gathered output, ticket), stacked every CHUNK calls so that few
+    objects are held until they are recomputed (and the garbage collector has little to walk)."""
+
+    __slots__ = ("chunks", "pending", "target", "tickets")
+
+    def __init__(self, target: _Target) -> None:
+        self.target = target
+        self.tickets: list[int] = []
+        self.pending: list[tuple[torch.Tensor, ...]] = []  # per call: its gathered tensors, then its output
+        self.chunks: list[list[torch.Tensor]] = []  # stacked columns of CHUNK calls each
+
+    def add(self, tensors: tuple[torch.Tensor, ...], got: torch.Tensor, ticket: int) -> None:
+        self.pending.append((*tensors, got))
+        self.tickets.append(ticket)
+        if len(self.pending) == CHUNK:
+            self.chunks.append([torch.stack(column) for column in zip(*self.pending)])
+            self.pending = []
+
+    def stacked(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every call's gathered tensors, one leading row per call, and their outputs likewise."""
+        if not self.chunks and len(self.pending) == 1:
+            columns = [t[None] for t in self.pending[0]]  # viewed, not copied: taps may be large
+        else:
+            chunks = self.chunks + ([[torch.stack(c) for c in zip(*self.pending)]] if self.pending else [])
+            columns = [torch.cat(c) if len(c) > 1 else c[0] for c in zip(*chunks)]
+        return columns[:-1], columns[-1]
+
+
 def _recompute(
-    target: _Target, gathered: Sequence[tuple[torch.Tensor, ...]], gots: Sequence[torch.Tensor], out_dtype: torch.dtype
+    target: _Target, stacked: Sequence[torch.Tensor], got: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Residual, coarse residual (one per call) and the judged limit of calls alike of ``target``:
-    the call alone, or those of a batch key, whose recomputation then runs once on the tensors
-    each gathered (``gathered``: each call's ``batch.tensors``), stacked."""
+    """Residual, coarse residual (one per call) and the judged limit of calls alike of ``target``
+    (outputs ``got``, one leading row per call): its call alone, or those of a batch key, whose
+    recomputation then runs once on the tensors they gathered, ``stacked``."""
     batch = target.batch
     if batch is None:
         assert target.ref is not None
         ref, scale, *excess = target.ref()
         fitted = [model[None] for model in target.fitted()] if target.fitted is not None else None
-        return _residual_rows(target, gots[0][None], ref[None], scale[None], excess, fitted, out_dtype)
-    # A call alone is viewed, not copied: its gathered taps may be large (GATHER_BUDGET).
-    stacked = [torch.stack(column) if len(column) > 1 else column[0][None] for column in zip(*gathered)]
+        return _residual_rows(target, got, ref[None], scale[None], excess, fitted, out_dtype)
     ref, scale, *excess = batch.fn(*stacked)
     fitted = batch.fitted(*stacked) if batch.fitted is not None else None
-    got = torch.stack(list(gots)) if len(gots) > 1 else gots[0][None]
     return _residual_rows(target, got, ref, scale, excess, fitted, out_dtype)
 
 
@@ -793,13 +811,18 @@ def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     B3 = B3[None] if B3.dim() == 2 else B3
     batch, m, K = A3.shape
     n = B3.shape[-1]
-    flat = checker._sample(batch * m * n)
-    bb, i, j = flat // (m * n), (flat // n) % m, flat % n
-    if A.dim() == 2:
-        # A matrix (any strides): each sampled element's row of A and column of B.
+    grid = A.dim() == 2
+    if grid:
+        # A matrix (any strides): a grid of sampled rows of A and columns of B, whose every
+        # crossing is a sampled element (16 elements from 4 + 4 vectors of K, not 16 + 16).
+        j = checker._pick(n, math.isqrt(max(checker.sample - 1, 0)) + 1)
+        i = checker._pick(m, -(-checker.sample // j.numel()))
+        flat = (i[:, None] * n + j[None, :]).reshape(-1)
         rows32 = _select(A, 0, i.to(A.device))
         cols32 = _select(B3[0], 1, j.to(B.device)).t()
     else:
+        flat = checker._sample(batch * m * n)
+        bb, i, j = flat // (m * n), (flat // n) % m, flat % n
         rows32 = _take(A3, _row_index(bb * m + i, K))
         cols32 = _take(B3.transpose(-1, -2), _row_index(bb * n + j, K))
     tensors = [rows32, cols32]
@@ -808,12 +831,13 @@ def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     relu = name == "_addmm_activation"
     eps_acc = _eps_matrix(A.dtype, A.device, False, checker.reduced_precision)
     models = _rounding_models(A.dtype, eps_acc)
-    constants = (alpha, beta, relu)
+    constants = (alpha, beta, relu, grid)
     fn = functools.partial(_matmul_values, constants, None)
     fitted = functools.partial(_matmul_models, constants, models) if models else None
     key = ("matmul", constants, tuple((t.dtype, t.shape, t.device) for t in tensors), eps_acc)
     batch_of = _Batch(key, fn, tuple(tensors), fitted)
-    return (_batched(0, lambda o: _take(o, flat), batch_of, K + (bias is not None), eps_acc, "matmul", flat.numel()),)
+    gather = functools.partial(_gathered, flat)
+    return (_batched(0, gather, batch_of, K + (bias is not None), eps_acc, "matmul", flat.numel()),)
 
 
 def _select(m: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -825,20 +849,25 @@ def _select(m: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_values(
-    constants: tuple[float, float, bool],
+    constants: tuple[float, float, bool, bool],
     rounding: Callable[[torch.Tensor], torch.Tensor] | None,
     rows: torch.Tensor,
     cols: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 value and scale of sampled matmul elements from their rows and columns
-    (operands rounded first by a device's ``rounding`` model, where given)."""
-    alpha, beta, relu = constants
+    """The float64 value and scale of sampled matmul elements from their rows and columns: each
+    row with each column (``grid``), or row ``i`` with column ``i`` (operands rounded first by a
+    device's ``rounding`` model, where given)."""
+    alpha, beta, relu, grid = constants
     if rounding is not None:
         rows, cols = rounding(rows), rounding(cols)
     rows, cols = rows.to(F64), cols.to(F64)
-    value = alpha * (rows * cols).sum(-1)
-    scale = abs(alpha) * (rows.abs() * cols.abs()).sum(-1)
+    if grid:
+        value = alpha * (rows @ cols.transpose(-1, -2)).flatten(-2)
+        scale = abs(alpha) * (rows.abs() @ cols.abs().transpose(-1, -2)).flatten(-2)
+    else:
+        value = alpha * (rows * cols).sum(-1)
+        scale = abs(alpha) * (rows.abs() * cols.abs()).sum(-1)
     if bias is not None:
         b64 = bias.to(F64)
         value, scale = value + beta * b64, scale + abs(beta) * b64.abs()
@@ -846,7 +875,7 @@ def _matmul_values(
 
 
 def _matmul_models(
-    constants: tuple[float, float, bool],
+    constants: tuple[float, float, bool, bool],
     models: Sequence[Callable[[torch.Tensor], torch.Tensor]],
     rows: torch.Tensor,
     cols: torch.Tensor,
@@ -1315,8 +1344,8 @@ def _attention(
 def _normalization(
     values: torch.Tensor, stats: Callable[[], tuple[torch.Tensor, ...]], w: torch.Tensor | None, bb: torch.Tensor | None
 ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], ...]:
-    """``ref`` of a normalization's output, mean and 1/std over rows ``values`` (k, length), from
-    ``stats() = (mean, rstd, mean|x|, reach)``: ``reach`` is what rstd's relative error grows by."""
+    """``ref`` of a normalization's output, mean and 1/std over rows ``values`` (..., k, length),
+    from ``stats() = (mean, rstd, mean|x|, reach)``: ``reach`` is what rstd's relative error grows by."""
 
     def normalized() -> tuple[torch.Tensor, torch.Tensor]:
         mean, rstd, mean_abs, reach = stats()
@@ -1332,11 +1361,11 @@ def _normalization(
 
     def mean_ref() -> tuple[torch.Tensor, torch.Tensor]:
         mean, _, mean_abs, _ = stats()
-        return mean[:, 0], mean_abs[:, 0]
+        return mean[..., 0], mean_abs[..., 0]
 
     def rstd_ref() -> tuple[torch.Tensor, torch.Tensor]:
         _, rstd, mean_abs, _ = stats()
-        return rstd[:, 0], (rstd * (1 + mean_abs * rstd))[:, 0]
+        return rstd[..., 0], (rstd * (1 + mean_abs * rstd))[..., 0]
 
     return normalized, mean_ref, rstd_ref
 
@@ -1352,26 +1381,54 @@ def _layer_norm(
     x = x.detach()
     view, count, length = _row_view(x, range(x.dim() - len(b["normalized_shape"]), x.dim()))
     rows = checker._sample(count)
-    values = _rows(view, rows, length)
-    w = weight.detach().reshape(-1).to(F64) if weight is not None else None
-    bb = bias.detach().reshape(-1).to(F64) if bias is not None else None
-    eps = b["eps"]
-
-    @functools.lru_cache(maxsize=None)  # shared by the three outputs' checks
-    def stats() -> tuple[torch.Tensor, ...]:
-        mean = values.mean(-1, keepdim=True)
-        rstd = (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
-        mean_abs = values.abs().mean(-1, keepdim=True)
-        return mean, rstd, mean_abs, 1 + mean_abs * rstd
-
-    normalized, mean_ref, rstd_ref = _normalization(values, stats, w, bb)
-
-    per_row = lambda o: _take(o, rows)
-    return (
-        _Target(0, lambda o: _take(o, _row_index(rows, length)), normalized, length, None, "rows", rows.numel()),
-        _Target(1, per_row, mean_ref, length, None, "rows", rows.numel()),
-        _Target(2, per_row, rstd_ref, length, None, "rows", rows.numel()),
+    # The statistics read whole rows; the output is compared at sampled columns of them.
+    cols = checker._pick(length, checker.sample)
+    affine = tuple(t.detach().reshape(-1) for t in (weight, bias) if t is not None)
+    tensors = (_take(view, _row_index(rows, length)), cols, *affine)
+    constants = (weight is not None, bias is not None, b["eps"])
+    shapes = tuple((t.dtype, t.shape, t.device) for t in tensors)
+    per_row = functools.partial(_gathered, rows)
+    crossings = (rows[:, None] * length + cols[None, :]).reshape(-1)
+    gathers = (functools.partial(_gathered, crossings), per_row, per_row)
+    return tuple(
+        _batched(
+            which,
+            gathers[which],
+            _Batch(
+                ("layer_norm", which, constants, shapes),
+                functools.partial(_layer_norm_values, which, constants),
+                tensors,
+            ),
+            length,
+            None,
+            "rows",
+            rows.numel(),
+        )
+        for which in range(3)
     )
+
+
+def _layer_norm_values(
+    which: int, constants: tuple[bool, bool, float], values: torch.Tensor, cols: torch.Tensor, *affine: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``ref`` of a layer norm's output at columns ``cols`` (..., c) of gathered rows
+    ``values`` (..., k, length) (``which`` 0), or of its mean (1) or 1/std (2), from the weight and
+    bias (..., length) that are given."""
+    has_weight, has_bias, eps = constants
+    values = values.to(F64)
+    mean = values.mean(-1, keepdim=True)
+    # Centred in float64 (Tensor.var's one-pass update is slower, no more exact here).
+    rstd = ((values - mean).square().mean(-1, keepdim=True) + eps).rsqrt()
+    mean_abs = values.abs().mean(-1, keepdim=True)
+    stats = (mean, rstd, mean_abs, 1 + mean_abs * rstd)
+    if which:
+        return _normalization(values, lambda: stats, None, None)[which]()
+    picked = values.gather(-1, cols.unsqueeze(-2).expand(*values.shape[:-1], cols.shape[-1]))
+    given = iter(a.to(F64).gather(-1, cols).unsqueeze(-2) for a in affine)
+    w = next(given) if has_weight else None
+    bb = next(given) if has_bias else None
+    value, scale = _normalization(picked, lambda: stats, w, bb)[0]()
+    return value.flatten(-2), scale.flatten(-2)
 
 
 def _layer_norm_backward(
