@@ -131,7 +131,8 @@ class Check(NamedTuple):
 
 class _Batch(NamedTuple):
     """A recomputation as one function of tensors gathered per call, so that the calls alike
-    (same function, constants, shapes and dtypes: ``key``) of a step share its float64 ops."""
+    (same function, constants, shapes and dtypes: ``key``) of a step share its float64 ops.
+    The tensors are the call's own copies: the program may write its inputs before they are read."""
 
     key: tuple[Any, ...]
     # the gathered tensors stacked, one leading row per call -> (ref, scale[, excess]), each (calls, ...)
@@ -1383,7 +1384,8 @@ def _layer_norm(
     rows = checker._sample(count)
     # The statistics read whole rows; the output is compared at sampled columns of them.
     cols = checker._pick(length, checker.sample)
-    affine = tuple(t.detach().reshape(-1) for t in (weight, bias) if t is not None)
+    # Copies: a deferred check reads them after the optimizer stepped the parameters in place.
+    affine = tuple(t.detach().reshape(-1).clone() for t in (weight, bias) if t is not None)
     tensors = (_take(view, _row_index(rows, length)), cols, *affine)
     constants = (weight is not None, bias is not None, b["eps"])
     shapes = tuple((t.dtype, t.shape, t.device) for t in tensors)
