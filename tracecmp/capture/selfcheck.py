@@ -1471,11 +1471,18 @@ def _layer_norm_backward(
 # --- batch norm: layer norm's computation over the batch and positions of each channel ---
 
 
+def _channels(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """Whole channels (dimension 1) of ``x`` as float64 rows (k, batch * positions), in the order
+    ``_row_view(x, [0, 2, ...])`` lays them out: copied by channel, with no index per element."""
+    picked = x.detach().index_select(1, channels.to(x.device)).to(F64)
+    return picked.movedim(1, 0).reshape(channels.numel(), -1)
+
+
 def _batch_norm(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
-    """Sampled channels: the output over the whole channel and, in training, the saved mean and
-    1/std, from the channel's own values (in evaluation, from the running statistics)."""
+    """Sampled channels: the output at sampled positions of each and, in training, the saved mean
+    and 1/std, from the channel's own values (in evaluation, from the running statistics)."""
     b = _bind(func, args, kwargs)
     x, weight, bias = b["input"], b["weight"], b["bias"]
     name = func.overloadpacket.__name__
@@ -1489,7 +1496,7 @@ def _batch_norm(
     dims = [0, *range(2, x.dim())]
     view, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // length))
-    values = _rows(view, rows, length)
+    values = _channels(x, rows)
     per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None] if t is not None else None
     w, bb, eps = per_channel(weight), per_channel(bias), b["eps"]
 
@@ -1499,19 +1506,23 @@ def _batch_norm(
             mean = per_channel(running[0])
             return mean, (per_channel(running[1]) + eps).rsqrt(), mean.abs(), torch.ones_like(mean)
         mean = values.mean(-1, keepdim=True)
-        rstd = (values.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
+        rstd = ((values - mean).square().mean(-1, keepdim=True) + eps).rsqrt()  # centred (Tensor.var is slower)
         # The variance cancels by the mean's own size (E x^2 - mean^2), not by that of |x|.
         return mean, rstd, values.abs().mean(-1, keepdim=True), 1 + mean.abs() * rstd
 
-    normalized, mean_ref, rstd_ref = _normalization(values, stats, w, bb)
+    # The statistics read whole channels; the output is compared at sampled positions of them.
+    positions = checker._pick(length, 4 * checker.sample)
+    normalized = _normalization(values[:, positions], stats, w, bb)[0]
+    _, mean_ref, rstd_ref = _normalization(values, stats, w, bb)
 
-    whole = lambda o: _take(_row_view(o, dims)[0], _row_index(rows, length))
+    crossings = rows[:, None] * length + positions[None, :]
+    at = lambda o: _take(_row_view(o, dims)[0], crossings)
     n = length if training else 1
     # CPU kernels of 16-bit inputs normalize with statistics held at the input's precision: so
     # wide an allowance that a 5% scale shows only as a scale fitted through the channels.
     sixteen = x.dtype in (torch.float16, torch.bfloat16)
     eps_acc = torch.finfo(x.dtype).eps if sixteen else None
-    targets = [_Target(0, whole, normalized, n, eps_acc, "rows", rows.numel(), coherent=sixteen)]
+    targets = [_Target(0, at, normalized, n, eps_acc, "rows", rows.numel(), coherent=sixteen)]
     if training:
         per_row = lambda o: _take(o, rows)
         targets += [
@@ -1524,7 +1535,7 @@ def _batch_norm(
 def _batch_norm_backward(
     checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[_Target, ...] | None:
-    """Sampled channels: the input gradient over the whole channel, ``rstd (g w - mean(g w) -
+    """Sampled channels: the input gradient at sampled positions, ``rstd (g w - mean(g w) -
     xhat mean(g w xhat))`` in training (``g w rstd`` in evaluation), and the weight and bias
     gradients ``sum g xhat`` and ``sum g``, from the statistics the op reads."""
     b = _bind(func, args, kwargs)
@@ -1538,8 +1549,7 @@ def _batch_norm_backward(
     dims = [0, *range(2, x.dim())]
     view, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // (2 * length)))
-    xs = _rows(view, rows, length)
-    gs = _rows(_row_view(grad.detach(), dims)[0], rows, length)
+    xs, gs = _channels(x, rows), _channels(grad, rows)
     per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None]
     mu = per_channel(mean)
     rs = per_channel(invstd) if train else (per_channel(invstd) + b["eps"]).rsqrt()
@@ -1547,12 +1557,17 @@ def _batch_norm_backward(
     xhat = (xs - mu) * rs
     spread = (xs.abs() + mu.abs()) * rs  # what xhat is known to: x - mean cancels
 
+    # The means read whole channels; the input gradient is compared at sampled positions of them.
+    positions = checker._pick(length, 4 * checker.sample)
+
     def input_ref() -> tuple[torch.Tensor, torch.Tensor]:
         gw = gs * w if w is not None else gs
+        at_gw, at_xhat, at_spread = gw[:, positions], xhat[:, positions], spread[:, positions]
         if not train:
-            return gw * rs, gw.abs() * rs
-        value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
-        scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * (gw.abs() * spread).mean(-1, keepdim=True))
+            return at_gw * rs, at_gw.abs() * rs
+        value = rs * (at_gw - gw.mean(-1, keepdim=True) - at_xhat * (gw * xhat).mean(-1, keepdim=True))
+        spreads = (gw.abs() * spread).mean(-1, keepdim=True)
+        scale = rs * (at_gw.abs() + gw.abs().mean(-1, keepdim=True) + at_spread * spreads)
         return value, scale
 
     def weight_ref() -> tuple[torch.Tensor, torch.Tensor]:
@@ -1561,9 +1576,10 @@ def _batch_norm_backward(
     def bias_ref() -> tuple[torch.Tensor, torch.Tensor]:
         return gs.sum(-1), gs.abs().sum(-1)
 
-    whole = lambda o: _take(_row_view(o, dims)[0], _row_index(rows, length))
+    crossings = rows[:, None] * length + positions[None, :]
+    at = lambda o: _take(_row_view(o, dims)[0], crossings)
     per_row = lambda o: _take(o, rows)
-    wanted = [(0, whole, input_ref), (1, per_row, weight_ref), (2, per_row, bias_ref)]
+    wanted = [(0, at, input_ref), (1, per_row, weight_ref), (2, per_row, bias_ref)]
     present = [entry for entry, wants in zip(wanted, mask) if wants]
     n_input = length if train else 1
     return tuple(
