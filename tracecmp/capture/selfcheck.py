@@ -200,6 +200,11 @@ def _real(t: torch.Tensor) -> bool:
     return not (t.is_complex() or t.numel() == 0)
 
 
+def _floating(*tensors: torch.Tensor | None) -> bool:
+    """Every tensor given (None skipped) is a plain, real, non-empty floating tensor."""
+    return all(t is None or (_plain(t) and _real(t) and t.is_floating_point()) for t in tensors)
+
+
 def _bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The op's arguments by schema name, defaults filled in."""
     bound: dict[str, Any] = {}
@@ -445,10 +450,7 @@ class SelfChecker:
     def _sample(self, n: int, factor: int = 1, most: int | None = None) -> torch.Tensor:
         """``factor * sample`` (at most ``most``) random flat indices below n, or all of them
         (full, or n small)."""
-        k = min(self.sample * factor, most) if most is not None else self.sample * factor
-        if self.full or n <= k:
-            return torch.arange(n)
-        return torch.randint(n, (k,), generator=self._gen)
+        return self._pick(n, min(self.sample * factor, most) if most is not None else self.sample * factor)
 
 
 class _Group:
@@ -799,7 +801,7 @@ def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     if beta == 0:
         bias = None  # torch ignores self (NaN included) when beta is 0
     A, B = b[first].detach(), b[second].detach()
-    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in (A, B)):
+    if not _floating(A, B):
         return None
     if bias is not None and not (_plain(bias) and _real(bias)):
         return None
@@ -893,8 +895,7 @@ def _convolution(
 ) -> tuple[_Target, ...] | None:
     b = _bind(func, args, kwargs)
     x, w, bias = b["input"], b["weight"], b["bias"]
-    tensors = [t for t in (x, w, bias) if t is not None]
-    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors) or x.dim() != w.dim():
+    if not _floating(x, w, bias) or x.dim() != w.dim():
         return None
     if b["transposed"] and w.dtype in (torch.float16, torch.bfloat16):
         return None  # 16-bit transposed convolutions may sum overlapping taps at 16 bits (CPU col2im)
@@ -959,7 +960,7 @@ def _convolution_backward(
     b = _bind(func, args, kwargs)
     grad, x, w = b["grad_output"], b["input"], b["weight"]
     mask = b["output_mask"]
-    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in (grad, x, w)) or x.dim() != w.dim():
+    if not _floating(grad, x, w) or x.dim() != w.dim():
         return None
     sixteen = w.dtype in (torch.float16, torch.bfloat16)
     declared = _eps_matrix(w.dtype, w.device, True, checker.reduced_precision)
@@ -1257,10 +1258,7 @@ def _softmax(
     name = func.overloadpacket.__name__
     backward = name.endswith("_backward_data")
     tensors = [b["grad_output"].detach(), b["output"].detach()] if backward else [b["self"].detach()]
-    if (
-        not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors)
-        or len({t.shape for t in tensors}) > 1
-    ):
+    if not _floating(*tensors) or len({t.shape for t in tensors}) > 1:
         return None
     dims = [b["dim"]]
     _, count, length = _row_view(tensors[0], dims)
@@ -1294,7 +1292,7 @@ def _attention(
     b = _bind(func, args, kwargs)
     q, k, v = (b[name].detach() for name in ("query", "key", "value"))
     mask = b.get("attn_mask", b.get("attn_bias"))
-    if b.get("dropout_p", 0.0) != 0.0 or not all(_plain(t) and _real(t) and t.is_floating_point() for t in (q, k, v)):
+    if b.get("dropout_p", 0.0) != 0.0 or not _floating(q, k, v):
         return None  # dropout draws: no recomputation reproduces it
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
         return None  # grouped-query heads and other layouts are left out
@@ -1376,8 +1374,7 @@ def _layer_norm(
 ) -> tuple[_Target, ...] | None:
     b = _bind(func, args, kwargs)
     x, weight, bias = b["input"], b["weight"], b["bias"]
-    tensors = [t for t in (x, weight, bias) if t is not None]
-    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+    if not _floating(x, weight, bias):
         return None
     x = x.detach()
     view, count, length = _row_view(x, range(x.dim() - len(b["normalized_shape"]), x.dim()))
@@ -1443,8 +1440,7 @@ def _layer_norm_backward(
     grad, x, mean, rstd, weight = b["grad_out"], b["input"], b["mean"], b["rstd"], b["weight"]
     if not b["output_mask"][0]:
         return None
-    tensors = [t for t in (grad, x, mean, rstd, weight) if t is not None]
-    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+    if not _floating(grad, x, mean, rstd, weight):
         return None
     dims = range(x.dim() - len(b["normalized_shape"]), x.dim())
     view, count, length = _row_view(x.detach(), dims)
@@ -1488,13 +1484,12 @@ def _batch_norm(
     name = func.overloadpacket.__name__
     training = b.get("training", name != "_native_batch_norm_legit_no_training")
     running = (b.get("running_mean"), b.get("running_var"))
-    tensors = [t for t in (x, weight, bias, *(() if training else running)) if t is not None]
-    if x.dim() < 2 or not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+    if x.dim() < 2 or not _floating(x, weight, bias, *(() if training else running)):
         return None
     if not training and None in running:
         return None
     dims = [0, *range(2, x.dim())]
-    view, count, length = _row_view(x.detach(), dims)
+    _, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // length))
     values = _channels(x, rows)
     per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None] if t is not None else None
@@ -1541,13 +1536,12 @@ def _batch_norm_backward(
     b = _bind(func, args, kwargs)
     grad, x, weight, train, mask = b["grad_out"], b["input"], b["weight"], b["train"], b["output_mask"]
     mean, invstd = (b["save_mean"], b["save_invstd"]) if train else (b["running_mean"], b["running_var"])
-    tensors = [t for t in (grad, x, weight, mean, invstd) if t is not None]
     if mean is None or invstd is None or x.dim() < 2:
         return None
-    if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+    if not _floating(grad, x, weight, mean, invstd):
         return None
     dims = [0, *range(2, x.dim())]
-    view, count, length = _row_view(x.detach(), dims)
+    _, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // (2 * length)))
     xs, gs = _channels(x, rows), _channels(grad, rows)
     per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None]
@@ -1848,7 +1842,7 @@ def _fused_adam(
     targets: list[_Target] = []
     for i in range(count):
         tensors = [params[i], grads[i], avgs[i], squares[i]] + ([highest[i]] if amsgrad else [])
-        if not all(_plain(t) and _real(t) and t.is_floating_point() for t in tensors):
+        if not _floating(*tensors):
             continue
         flat = checker._sample(params[i].numel())
         p, g, m, v, *top = (_take(t.detach(), flat).to(F64) for t in tensors)
