@@ -7,8 +7,9 @@ something could not be paired or compared), 2 bad input or usage.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from tracecmp.errors import TracecmpError
 
@@ -115,32 +116,46 @@ def run(args: argparse.Namespace) -> int:
     return _report(result, args)
 
 
-def _run_in_job(args: argparse.Namespace) -> int:
+def _run_in_job(args: argparse.Namespace) -> NoReturn:
     """Under torchrun: each process compares its share of the ranks, process 0 reports the job,
     and every process exits as process 0 does."""
     from tracecmp.comparison import Tolerances
     from tracecmp.comparison.api import compare_job
     from tracecmp.comparison.torchrun import JobGroup
 
-    with JobGroup() as group:
-        code = 2  # what the others exit with if process 0 fails
-        try:
-            result = compare_job(
-                args.target,
-                args.bench,
-                group,
-                tolerances=Tolerances.parse(args.tol) if args.tol else None,
-                steps=args.steps,
-                ranks=args.ranks,
-                exact=args.exact,
-                replay=args.replay,
-                force=args.force,
-            )
-            if result is not None:
-                code = _report(result, args)
-        finally:
-            code = group.share(code)
-    return int(code)
+    group = JobGroup()
+    code = 2  # what the others exit with if process 0 fails
+    try:
+        result = compare_job(
+            args.target,
+            args.bench,
+            group,
+            tolerances=Tolerances.parse(args.tol) if args.tol else None,
+            steps=args.steps,
+            ranks=args.ranks,
+            exact=args.exact,
+            replay=args.replay,
+            force=args.force,
+        )
+        if result is not None:
+            code = _report(result, args)
+    except BaseException:
+        group.share(code)
+        group.close()
+        raise
+    _leave(int(group.share(code)))
+
+
+def _leave(code: int) -> NoReturn:
+    """End this process of the job at once, with ``code``, once the verdict is shared.
+
+    Its files are written and closed; what is left is gloo's teardown and the interpreter's, and
+    one of those once kept a finished process from exiting (torch 2.1, on a loaded machine: the
+    report written, the job never ending). Nothing in a comparison's process needs them.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(result: Any, args: argparse.Namespace) -> int:
