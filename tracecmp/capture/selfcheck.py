@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -207,15 +208,22 @@ def _floating(*tensors: torch.Tensor | None) -> bool:
 
 def _bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The op's arguments by schema name, defaults filled in."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
+    names, defaults = _schema_arguments(func)
+    bound = dict(zip(names, args))
+    for name in names[len(args) :]:
+        if name in kwargs:
+            bound[name] = kwargs[name]
+        elif name in defaults:
+            bound[name] = defaults[name]
     return bound
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_arguments(func: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """An overload's argument names in order, and the defaults of those that have one (read once:
+    walking a schema costs more than the rest of a check's preparation)."""
+    arguments = func._schema.arguments
+    return tuple(a.name for a in arguments), {a.name: a.default_value for a in arguments if a.has_default_value()}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -270,16 +278,19 @@ def _eps_matrix(dtype: torch.dtype, device: torch.device, conv: bool, declared: 
 
 class _Quietly:
     """Grad off around a check's own ops (``torch.no_grad`` without building a context object
-    per call)."""
+    per call: ``torch.set_grad_enabled`` is a class, constructed at every call)."""
 
     __slots__ = ("_grad",)
 
     def __enter__(self) -> None:
         self._grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        _set_grad_enabled(False)
 
     def __exit__(self, *exc: object) -> None:
-        torch.set_grad_enabled(self._grad)
+        _set_grad_enabled(self._grad)
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class SelfChecker:
@@ -307,6 +318,7 @@ class SelfChecker:
             )
         self.sample, self.full, self.reduced_precision = sample, full, reduced_precision
         self._gen = torch.Generator().manual_seed(seed)
+        self._starts = random.Random(seed)  # where runs of adjacent indices start (:meth:`_block`)
         # Each op overload seen: its check, or None where it has none (read by the C capture path too)
         self.kinds: dict[Any, Callable[..., tuple[_Target, ...] | None] | None] = {}
         # Deferred checks by what their calls alike share
@@ -446,6 +458,13 @@ class SelfChecker:
         if self.full or n <= count:
             return torch.arange(n)
         return torch.randint(n, (count,), generator=self._gen)
+
+    def _block(self, n: int, count: int) -> tuple[int, int]:
+        """``(start, size)`` of a random run of ``count`` adjacent indices below n, or all of them
+        (full, or n small)."""
+        if self.full or n <= count:
+            return 0, n
+        return self._starts.randrange(n - count + 1), count
 
     def _sample(self, n: int, factor: int = 1, most: int | None = None) -> torch.Tensor:
         """``factor * sample`` (at most ``most``) random flat indices below n, or all of them
@@ -816,13 +835,15 @@ def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     n = B3.shape[-1]
     grid = A.dim() == 2
     if grid:
-        # A matrix (any strides): a grid of sampled rows of A and columns of B, whose every
-        # crossing is a sampled element (16 elements from 4 + 4 vectors of K, not 16 + 16).
-        j = checker._pick(n, math.isqrt(max(checker.sample - 1, 0)) + 1)
-        i = checker._pick(m, -(-checker.sample // j.numel()))
-        flat = (i[:, None] * n + j[None, :]).reshape(-1)
-        rows32 = _select(A, 0, i.to(A.device))
-        cols32 = _select(B3[0], 1, j.to(B.device)).t()
+        # A matrix (any strides): a block of adjacent rows of A and one of adjacent columns of B,
+        # whose every crossing is a sampled element (16 elements from 4 + 4 vectors of K, not
+        # 16 + 16). Adjacent: the columns of a row-major B (the rows of a column-major A) then
+        # share their cache lines, where scattered ones would read a line per element.
+        j, cols = checker._block(n, math.isqrt(max(checker.sample - 1, 0)) + 1)
+        i, count = checker._block(m, -(-checker.sample // cols))
+        flat = torch.tensor([r * n + c for r in range(i, i + count) for c in range(j, j + cols)])
+        rows32 = A.narrow(0, i, count).clone()
+        cols32 = B3.select(0, 0).narrow(1, j, cols).clone()  # (K, cols)
     else:
         flat = checker._sample(batch * m * n)
         bb, i, j = flat // (m * n), (flat // n) % m, flat % n
@@ -843,14 +864,6 @@ def _matmul(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     return (_batched(0, gather, batch_of, K + (bias is not None), eps_acc, "matmul", flat.numel()),)
 
 
-def _select(m: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """``m.index_select(dim, index)`` of a matrix, through its transpose where that is row-major
-    (index_select walks a column-major matrix's columns element by element: 100x slower)."""
-    if m.stride(0) == 1 and m.stride(1) != 1:
-        return m.t().index_select(1 - dim, index).t()
-    return m.index_select(dim, index)
-
-
 def _matmul_values(
     constants: tuple[float, float, bool, bool],
     rounding: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -859,15 +872,16 @@ def _matmul_values(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 value and scale of sampled matmul elements from their rows and columns: each
-    row with each column (``grid``), or row ``i`` with column ``i`` (operands rounded first by a
-    device's ``rounding`` model, where given)."""
+    row with each column (``grid``: rows (..., r, K), columns (..., K, c)), or row ``i`` with
+    column ``i`` (both (..., k, K)) (operands rounded first by a device's ``rounding`` model,
+    where given)."""
     alpha, beta, relu, grid = constants
     if rounding is not None:
         rows, cols = rounding(rows), rounding(cols)
     rows, cols = rows.to(F64), cols.to(F64)
     if grid:
-        value = alpha * (rows @ cols.transpose(-1, -2)).flatten(-2)
-        scale = abs(alpha) * (rows.abs() @ cols.abs().transpose(-1, -2)).flatten(-2)
+        value = alpha * (rows @ cols).flatten(-2)
+        scale = abs(alpha) * (rows.abs() @ cols.abs()).flatten(-2)
     else:
         value = alpha * (rows * cols).sum(-1)
         scale = abs(alpha) * (rows.abs() * cols.abs()).sum(-1)
@@ -1445,23 +1459,40 @@ def _layer_norm_backward(
     dims = range(x.dim() - len(b["normalized_shape"]), x.dim())
     view, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count)
-    xs = _rows(view, rows, length)
-    gs = _rows(_row_view(grad.detach(), dims)[0], rows, length)
-    mu = _take(mean.detach().reshape(-1), rows).to(F64)[:, None]
-    rs = _take(rstd.detach().reshape(-1), rows).to(F64)[:, None]
-    w = weight.detach().reshape(-1).to(F64) if weight is not None else None
+    index = _row_index(rows, length)
+    # In their own dtype, the weight a copy: the optimizer steps it before the hand-over recomputes.
+    tensors = [
+        _take(view, index),  # (r, L)
+        _take(_row_view(grad.detach(), dims)[0], index),  # (r, L)
+        _take(mean.detach().reshape(-1), rows),  # (r,)
+        _take(rstd.detach().reshape(-1), rows),  # (r,)
+    ]
+    if weight is not None:
+        tensors.append(weight.detach().reshape(-1).clone())  # (L,)
+    key = ("layer_norm_backward", tuple((t.dtype, t.shape, t.device) for t in tensors))
+    gather = functools.partial(_gathered, index)
+    return (
+        _batched(
+            0, gather, _Batch(key, _layer_norm_backward_values, tuple(tensors)), length, None, "rows", rows.numel()
+        ),
+    )
 
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        xhat = (xs - mu) * rs
-        gw = gs * w if w is not None else gs
-        value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
-        # Each term's rounding reaches the output times rstd: the row means of |g w| and |g w xhat|
-        # bound what their sums may carry, and xhat is known to |x| + |mean| (x - mean cancels).
-        spread = (xs.abs() + mu.abs()) * rs
-        scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * (gw.abs() * spread).mean(-1, keepdim=True))
-        return value, scale
 
-    return (_Target(0, lambda o: _take(o, _row_index(rows, length)), ref, length, None, "rows", rows.numel()),)
+def _layer_norm_backward_values(
+    xs: torch.Tensor, gs: torch.Tensor, mu: torch.Tensor, rs: torch.Tensor, w: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(ref, scale)`` of a layer norm's input gradient at gathered rows of its input and
+    output gradient (..., r, L), from the saved mean and 1/std (..., r) and the weight (..., L)."""
+    xs, gs = xs.to(F64), gs.to(F64)
+    mu, rs = mu.to(F64)[..., None], rs.to(F64)[..., None]
+    xhat = (xs - mu) * rs
+    gw = gs * w.to(F64)[..., None, :] if w is not None else gs
+    value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    # Each term's rounding reaches the output times rstd: the row means of |g w| and |g w xhat|
+    # bound what their sums may carry, and xhat is known to |x| + |mean| (x - mean cancels).
+    spread = (xs.abs() + mu.abs()) * rs
+    scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * (gw.abs() * spread).mean(-1, keepdim=True))
+    return value, scale
 
 
 # --- batch norm: layer norm's computation over the batch and positions of each channel ---
