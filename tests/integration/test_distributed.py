@@ -278,3 +278,15 @@ def test_compare_as_a_torchrun_job_gives_the_pools_verdict_and_report(
     for name in written:
         pool, job = ((tmp_path / side / name).read_text().splitlines() for side in ("pool", "job"))
         assert [line for line in job if "<footer>" not in line] == [line for line in pool if "<footer>" not in line]
+
+
+def test_a_torchrun_job_given_a_bad_trace_says_why_and_exits_2(runs: Path, tmp_path: Path) -> None:
+    # Every process reads the same folders and fails alike, none waiting for another; torchrun may
+    # end the others once the first has exited, before they print the same line.
+    missing = tmp_path / "no-such-trace"
+    done = _compare_under_torchrun(2, missing, runs / "ddp" / "bench", tmp_path / "job")
+    assert done.returncode != 0
+    said = done.stderr.count(f"tracecmp compare: error: {missing}: trace holds no rank folders")
+    assert said >= 1, done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr and "exitcode  : 1" not in done.stderr
+    assert not (tmp_path / "job").exists()
