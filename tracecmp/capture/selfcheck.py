@@ -1246,7 +1246,10 @@ def _reduction(
         return None
     dims = b.get("dim")
     view, count, length = _row_view(x, range(x.dim()) if not dims else dims)
-    rows = checker._sample(count)
+    # Adjacent rows: where the reduced dims are the outer ones (a bias gradient, a sum over the
+    # batch) a row's elements lie a whole row of x apart, and adjacent rows share their cache lines.
+    start, size = checker._block(count, checker.sample)
+    rows = torch.arange(start, start + size)
     values = _take(view, _row_index(rows, length))
     divisor = length if func.overloadpacket.__name__ == "mean" else 1
     out_dtype = b.get("dtype") or x.dtype
