@@ -276,6 +276,9 @@ def _eps_matrix(dtype: torch.dtype, device: torch.device, conv: bool, declared: 
     return None
 
 
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
 class _Quietly:
     """Grad off around a check's own ops (``torch.no_grad`` without building a context object
     per call: ``torch.set_grad_enabled`` is a class, constructed at every call)."""
@@ -288,9 +291,6 @@ class _Quietly:
 
     def __exit__(self, *exc: object) -> None:
         _set_grad_enabled(self._grad)
-
-
-_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class SelfChecker:
@@ -735,7 +735,7 @@ _SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
 @functools.lru_cache(maxsize=None)
 def _alpha_position(func: Any) -> int | None:
     """Where an overload takes ``alpha`` (add, sub), None where it takes none."""
-    names = [a.name for a in func._schema.arguments]
+    names = _schema_arguments(func)[0]
     return names.index("alpha") if "alpha" in names else None
 
 
