@@ -61,11 +61,13 @@ setup(
         ),
         Extension(
             "tracecmp._crecord",
-            # One module, its files by concern: the module, the row buffers, tensor identity, the per-op path.
+            # One module, its files by concern: the module, the row buffers, tensor identity, sampled
+            # self-checks, the per-op path.
             sources=[
                 "csrc/record.cpp",
                 "csrc/record_buffer.cpp",
                 "csrc/record_identity.cpp",
+                "csrc/record_check.cpp",
                 "csrc/record_dispatch.cpp",
             ],
             depends=["csrc/record.hpp"],

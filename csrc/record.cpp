@@ -19,7 +19,8 @@
 //
 // Files: record.cpp (this module: configure() and the method table), record_buffer.cpp (the
 // number columns of the row buffers), record_identity.cpp (which value each tensor holds),
-// record_dispatch.cpp (the per-op path), record.hpp (what they share).
+// record_check.cpp (sampled pointwise self-checks), record_dispatch.cpp (the per-op path),
+// record.hpp (what they share).
 #include "record.hpp"
 
 namespace tracecmp::record {
@@ -34,15 +35,15 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kwargs) {
                                    "scan_value", "plain_types", "rec_type", "current_node", "sequence_nr",
                                    "grad_enabled", "inference_enabled", "num_threads", "stats_module",
                                    "native_codes", "parallel_min", "view_kind", "write_kind", "fresh_kind",
-                                   "parameter_type", "strided", "stack_len", "graph_task", nullptr};
+                                   "parameter_type", "strided", "stack_len", "graph_task", "recipe_kinds", nullptr};
   Config c;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOOO!OOOOOOOO!OOOOOOOO", const_cast<char**>(keywords), &c.slow,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOOO!OOOOOOOO!OOOOOOOOO", const_cast<char**>(keywords), &c.slow,
                                    &c.tensor_type, &c.op_overload, &PyDict_Type, &c.op_infos, &c.one_fresh,
                                    &c.marker, &c.scan_value, &PyTuple_Type, &c.plain_types, &c.rec_type,
                                    &c.current_node, &c.sequence_nr, &c.grad_enabled, &c.inference_enabled,
                                    &c.num_threads, &c.stats_module, &PyDict_Type, &c.native_codes,
                                    &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind, &c.parameter_type,
-                                   &c.strided, &c.stack_len, &c.graph_task))
+                                   &c.strided, &c.stack_len, &c.graph_task, &c.recipe_kinds))
     return nullptr;
   if (!PyType_Check(c.tensor_type) || !PyType_Check(c.op_overload) || !PyType_Check(c.rec_type) ||
       !PyType_Check(c.parameter_type)) {
@@ -53,7 +54,7 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kwargs) {
                          &c.scan_value, &c.plain_types, &c.rec_type, &c.current_node, &c.sequence_nr,
                          &c.grad_enabled, &c.inference_enabled, &c.num_threads, &c.stats_module,
                          &c.native_codes, &c.parallel_min, &c.view_kind, &c.write_kind, &c.fresh_kind,
-                         &c.parameter_type, &c.strided, &c.stack_len, &c.graph_task};
+                         &c.parameter_type, &c.strided, &c.stack_len, &c.graph_task, &c.recipe_kinds};
   for (PyObject** f : fields) Py_INCREF(*f);
   c.ready = true;
   g = c;  // once per process; a second call (a reload) leaks the first set, by design tiny

@@ -4,7 +4,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 namespace tracecmp::record {
 
@@ -55,6 +57,7 @@ struct Config {
   PyObject* strided = nullptr;         // torch.strided
   PyObject* stack_len = nullptr;       // torch._C._len_torch_dispatch_stack: other modes below this one
   PyObject* graph_task = nullptr;      // torch._C._current_graph_task_id: -1 outside a backward
+  PyObject* recipe_kinds = nullptr;    // capture.selfcheck.RECIPE_KINDS: the kinds with recipes
   bool ready = false;
 };
 extern Config g;
@@ -73,7 +76,9 @@ struct Names {
   X(record) X(rewritable) X(returns) X(extra_writes) X(uninitialized) X(inplace) X(random)      \
   X(kind) X(name) X(forward) X(backward) X(optimizer) X(cpu) X(_written) X(variable) X(owner) X(grad_module) X(schema) X(parts) \
   X(kinds) X(append) X(_rollback) X(layout) X(collective) X(write_only) X(_unbumped) X(_base)   \
-  X(_check_kinds) X(_check_before) X(_check_after)
+  X(_check_kinds) X(_check_before) X(_check_after) X(_checker) X(full) X(recipes) X(_stream)      \
+  X(_residuals) X(_coarse) X(_queued) X(_queue_max) X(_deferred_rows) X(check_rows) X(_learn)   \
+  X(_resolve_checks) X(pointwise)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -130,6 +135,8 @@ extern PyTypeObject BufferType;
 bool ready_buffer_type();  // once, at import
 // Columns.append: one row of n fields; *rows (when given) gets the row count after it.
 bool append_row(PyObject* columns, PyObject* const* fields, int n, Py_ssize_t* rows = nullptr);
+// n float64 values at the end of a Buffer of typecode 'd'.
+bool buffer_extend_doubles(PyObject* column, const double* values, Py_ssize_t n);
 
 // ---- record_identity.cpp: which value each tensor holds ---------------------------------------
 // ``md`` is the mode's instance dict, ``idd`` its identity's (mode.ids, a capture.identity.TensorIds).
@@ -144,6 +151,22 @@ bool view(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* ba
 bool fresh(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* op_id, PyObject* outputs,
            bool stats);
 PyObject* forget(PyObject*, PyObject* const* argv, Py_ssize_t nargs);
+
+// ---- record_check.cpp: sampled pointwise self-checks (capture/selfcheck.py's recipes) -----------
+
+// One call's sampled check, from before the op to after it.
+struct SampledCall {
+  Ref signature;  // the calls a recipe serves (SelfChecker.signature); null: not a pointwise kind
+  Ref recipe;     // its Recipe, while the call is sampled
+  bool learn = false;  // a signature seen for the first time: mode._learn after the op
+  std::vector<uint64_t> flat;  // the sampled positions of the output
+  std::vector<double> values;  // the inputs' values there, then the output's
+};
+// Before the op: 1 with the call's inputs gathered, 0 where it is checked the usual way
+// (call.learn set for a new signature), -1 with an exception set.
+int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, PyObject* tensors, SampledCall& call);
+// After the op: the call queued with its recipe's and its check row recorded.
+bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_id, PyObject* out);
 
 // ---- record_dispatch.cpp: the per-op path ------------------------------------------------------
 

@@ -191,6 +191,21 @@ PyBufferProcs buffer_procs = {Buffer_getbuffer, Buffer_releasebuffer};
 
 }  // namespace
 
+bool buffer_extend_doubles(PyObject* column, const double* values, Py_ssize_t n) {
+  if (!is_buffer(column) || reinterpret_cast<Buffer*>(column)->code[0] != 'd') {
+    PyErr_SetString(PyExc_TypeError, "not a Buffer of typecode 'd'");
+    return false;
+  }
+  auto* b = reinterpret_cast<Buffer*>(column);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    char* slot = buffer_slot(b);
+    if (slot == nullptr) return false;
+    std::memcpy(slot, &values[i], sizeof(double));
+    ++b->size;
+  }
+  return true;
+}
+
 PyTypeObject BufferType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // Columns.append: one row into a Columns buffer (tracecmp/trace/columns.py), field by field as

@@ -483,8 +483,9 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
   PyObject* check_kinds = PyDict_GetItemWithError(md.p, s._check_kinds);
   if (check_kinds == nullptr && PyErr_Occurred()) return nullptr;
   bool checked = false;
+  PyObject* kind = nullptr;  // borrowed: the checker's kind of this op
   if (check_kinds != nullptr && check_kinds != Py_None) {
-    PyObject* kind = PyDict_GetItemWithError(check_kinds, func);
+    kind = PyDict_GetItemWithError(check_kinds, func);
     if (kind == nullptr) {
       if (PyErr_Occurred()) return nullptr;
       return PyObject_Vectorcall(g.slow, argv, nargs, kwnames);
@@ -632,9 +633,15 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
 
   // Before the call: an in-place op overwrites the inputs its check recomputes from.
   Ref plan;
+  SampledCall sampled;  // record_check.cpp: a pointwise call with a recipe is gathered here
+  int gathered = 0;
   if (checked) {
-    plan.reset(call_method(mode, s._check_before, {func, args, kwargs}));
-    if (!plan) return nullptr;
+    gathered = sample_before(md.p, kind, func, key.p, tensors.p, sampled);
+    if (gathered < 0) return nullptr;
+    if (!gathered) {
+      plan.reset(call_method(mode, s._check_before, {func, args, kwargs}));
+      if (!plan) return nullptr;
+    }
   }
   Ref out(PyObject_Call(e.call, args, kwargs));
   if (!out) return nullptr;
@@ -697,8 +704,15 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
                           text,     inputs.p, outputs.p, inplace, e.random, seq.p, s.empty};
   Py_ssize_t count_rows = 0;
   if (!append_row(rows, fields, 15, &count_rows)) return nullptr;
-  if (plan && plan.p != Py_None) {
+  if (gathered) {
+    if (!sample_after(mode, md.p, sampled, op_id.p, out.p)) return nullptr;
+  } else if (plan && plan.p != Py_None) {
     Ref r(call_method(mode, s._check_after, {plan.p, op_id.p, out.p}));
+    if (!r) return nullptr;
+  }
+  if (sampled.learn) {
+    PyObject* learn_argv[6] = {mode, sampled.signature.p, func, args, kwargs, out.p};
+    Ref r(PyObject_VectorcallMethod(s._learn, learn_argv, 6, nullptr));
     if (!r) return nullptr;
   }
   PyObject* limit = item(md.p, s._row_limit);

@@ -63,14 +63,30 @@ _PROGRAM = textwrap.dedent(
         torch.stack([a, b]).max(dim=0)      # several new outputs
         torch.randn(3).sum().item()
 
+    def recipes():
+        # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
+        # integer scalars, masks, 16-bit and strided inputs, in-place ops, copies and casts.
+        x, b = torch.randn(6, 5), torch.randn(5)
+        for _ in range(3):  # a signature's first call teaches its recipe
+            y = x * b + 1.5
+            y.t().mul_(torch.tensor(2.0))
+            z = torch.where(y > 0, y, torch.zeros(()))
+            h = x.to(torch.bfloat16).exp().to(torch.float16)
+            w = torch.ops.aten._unsafe_view(x.t().contiguous(), [30])
+            u = torch.empty(6, 5).copy_(b)
+            s = torch.tensor(3.0)
+            s += 1
+            (torch.sigmoid(h.float()) + z - u).sum() + w.sum() + s
+
+    programs = {"edges": edges, "recipes": recipes}
     for program, options in ast.literal_eval(sys.argv[2]):
         print("case", program, options)
-        model = None if program == "edges" else make_model(program)
+        model = None if program in programs else make_model(program)
         # Everything stays in the mode's buffers (no hand-over to the writer) to be printed.
         with tracecmp.TraceCompare(tempfile.mkdtemp() + "/run", model=model, flush_secs=3600, **options) as tc:
             if model is None:
                 for _ in range(2):
-                    edges()
+                    programs[program]()
                     tc.step()
             else:
                 opt = make_optimizer(model)
@@ -95,8 +111,10 @@ CASES = [(name, {}) for name in MODELS] + [
     ("edges", {"data": "tensors"}),
     ("edges", {"stack": True}),
     ("transformer", {"dropout": 0.0, "rng": "host"}),
-    # Self-checks: the C path leaves the ops with a check to the reference, which checks them.
+    # Self-checks: the C path gathers the calls with a recipe itself and calls the reference's
+    # checker for the others.
     ("edges", {"self_check": "sample"}),
+    ("recipes", {"self_check": "sample"}),
     ("transformer", {"self_check": "sample"}),
     ("convnet", {"self_check": "sample"}),
 ]

@@ -707,3 +707,89 @@ def test_a_float32_weight_gradient_summed_over_a_large_batch_is_checked_by_one_e
     assert honest.sampled == 1 and honest.residual <= honest.limit
     (scaled,) = _run(aten.convolution_backward.default, args, tamper=lambda out: _bigger(out, 1.05))
     assert scaled.residual > 10 * scaled.limit
+
+
+def _learned(func: Any, args: tuple, kwargs: dict | None = None, **opts: Any) -> SelfChecker:
+    """A checker that has seen one call of ``func`` (checked the usual way) and made its recipe."""
+    kwargs = kwargs or {}
+    checker = SelfChecker(**opts)
+    assert checker.prepare(func, args, kwargs) is not None
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    checker.learn(checker.signature(func, "key", tensors), func, args, kwargs, func(*args, **kwargs))
+    return checker
+
+
+RECIPE_CALLS = {
+    "broadcast add": (aten.add.Tensor, lambda g: (_randn(g, 8, 6), _randn(g, 6)), {"alpha": 0.5}),
+    "bf16 gelu": (aten.gelu.default, lambda g: (_randn(g, 5, 7, dtype=torch.bfloat16),), {}),
+    "fp16 mul by a 0-d float": (aten.mul.Tensor, lambda g: (_randn(g, 40, dtype=torch.float16), torch.tensor(3.0)), {}),
+    "strided sigmoid": (aten.sigmoid.default, lambda g: (_randn(g, 9, 4).t(),), {}),
+    "where on a mask": (aten.where.self, lambda g: (_randn(g, 20) > 0, _randn(g, 20), _randn(g, 1)), {}),
+    "a 0-d step counter": (aten.add_.Tensor, lambda g: (torch.tensor(3.0), torch.tensor(1)), {}),
+    "clone": (aten.clone.default, lambda g: (_randn(g, 6, 6).t(),), {}),
+    "reshaping copy": (aten._unsafe_view.default, lambda g: (_randn(g, 4, 6), [3, 8]), {}),
+    "broadcast copy_": (aten.copy_.default, lambda g: (torch.empty(5, 4), _randn(g, 4)), {}),
+    "cast to bf16": (aten._to_copy.default, lambda g: (_randn(g, 30),), {"dtype": torch.bfloat16}),
+}
+
+
+@pytest.mark.parametrize("name", RECIPE_CALLS)
+def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: str) -> None:
+    """The per-op path's gathering (its reference here) judges a call as the usual path does:
+    honest calls within the limit, a 5% scaled output far outside it."""
+    func, make, kwargs = RECIPE_CALLS[name]
+    gen = torch.Generator().manual_seed(0)
+    checker = _learned(func, make(gen), kwargs)
+    tickets = []
+    for scale in (1.0, 1.05):
+        for _ in range(3):
+            args = make(gen)
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            recipe = checker.recipes[checker.signature(func, "key", tensors)]
+            assert recipe is not None, name
+            gathered = checker.gather_sampled(recipe, tensors)
+            assert gathered is not None
+            out = func(*args, **kwargs)
+            if scale != 1.0:
+                out = out.mul_(scale) if out.is_floating_point() else out
+                if func is aten.where.self:
+                    out += 1.0  # every element moved: 1.05 * 0 would hide where the mask picked 0
+            tickets.append((scale, checker.finish_sampled(recipe, *gathered, out)))
+    residuals, _ = checker.collect()
+    limit = checker.recipes[next(iter(checker.recipes))].limit  # type: ignore[union-attr]
+    for scale, ticket in tickets:
+        assert ticket is not None
+        assert (residuals[ticket] <= limit) == (scale == 1.0), (name, scale, residuals[ticket], limit)
+
+
+def test_a_recipe_is_made_only_for_calls_the_per_op_path_can_read() -> None:
+    """No recipe (the usual path goes on) for lists of tensors, a non-floating output, a negated
+    view, more tensors than the C path takes; a tensor the C path cannot read in a later call
+    leaves that call to the usual path, nothing drawn."""
+    x = torch.randn(4, 4)
+    unread = [
+        (aten.cat.default, ([x, x],), {}),
+        (aten.gt.Tensor, (x, x), {}),
+        (aten.mul.Tensor, (torch._neg_view(x), x), {}),
+    ]
+    for func, args, kwargs in unread:
+        checker = SelfChecker()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        signature = checker.signature(func, "key", tensors)
+        if signature is None:
+            continue  # not a kind with recipes at all
+        checker.learn(signature, func, args, kwargs, func(*args, **kwargs))
+        assert checker.recipes[signature] is None, func
+    checker = _learned(aten.mul.Tensor, (x, x))
+    recipe = next(iter(checker.recipes.values()))
+    assert recipe is not None
+    stream = checker._stream
+    assert checker.gather_sampled(recipe, [torch._neg_view(x), x]) is None
+    assert checker._stream == stream
+
+
+def test_full_checks_take_no_recipe() -> None:
+    checker = SelfChecker(full=True)
+    x = torch.randn(8)
+    checker.prepare(aten.exp.default, (x,), {})
+    assert checker.signature(aten.exp.default, "key", [x]) is None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import types
 from typing import Any, Callable, Iterable
 
@@ -52,7 +53,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
-from tracecmp.capture.selfcheck import Check, Plan, SelfChecker
+from tracecmp.capture.selfcheck import RECIPE_KINDS, Check, Plan, Recipe, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -105,6 +106,10 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
         if other is t:
             return True
     return False
+
+
+# A signature's recipe before its first call taught it (CaptureMode._sample_before).
+_UNLEARNED = object()
 
 
 class CaptureMode(TorchDispatchMode):
@@ -256,7 +261,11 @@ class CaptureMode(TorchDispatchMode):
         if self.collectives.awaited_groups:  # reads a collective's output: it completed (collectives.py)
             self.collectives.complete_inputs(info, args, kwargs, tensors)
         # Before the call: an in-place op overwrites the inputs its check recomputes from.
-        plan = self._check_before(func, args, kwargs) if self._checker is not None and call is func else None
+        plan = sampled = recipe = signature = None
+        if self._checker is not None and call is func:
+            signature, recipe, sampled = self._sample_before(func, key, tensors)
+            if sampled is None:
+                plan = self._check_before(func, args, kwargs)
         out = call(*args, **kwargs)
         if forward:
             scope.claim_floor = _get_sequence_nr()
@@ -301,11 +310,63 @@ class CaptureMode(TorchDispatchMode):
                 stack,
             )
         )
-        if plan is not None:
+        if sampled is not None:
+            self._sample_after(recipe, sampled, op_id, out)
+        elif plan is not None:
             self._check_after(plan, op_id, out)
+        if signature is not None and recipe is _UNLEARNED:
+            self._learn(signature, func, args, kwargs, out)
         if len(self.rows) >= self._row_limit or self.saved_bytes >= self._max_bytes:
             self._on_limit()
         return out
+
+    def _sample_before(self, func: Any, key: Any, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any]:
+        """A pointwise call with a recipe (capture/selfcheck.py, "sampled pointwise checks"): its
+        signature, recipe and inputs gathered now; ``_UNLEARNED`` as the recipe of a signature seen
+        for the first time, and no gathering (the call is checked the usual way) where there is no
+        recipe or a tensor is not one the per-op path reads. csrc/record_check.cpp does the same."""
+        checker = self._checker
+        assert checker is not None
+        signature = checker.signature(func, key, tensors)
+        if signature is None:
+            return None, None, None
+        try:
+            recipe = checker.recipes.get(signature, _UNLEARNED)
+        except TypeError:  # symbolic sizes: unhashable
+            return None, None, None
+        if recipe is None or recipe is _UNLEARNED:
+            return signature, recipe, None
+        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+            return signature, recipe, checker.gather_sampled(recipe, tensors)
+
+    def _sample_after(self, recipe: Recipe, sampled: tuple[torch.Tensor, list[float]], op_id: int, out: Any) -> None:
+        """Queue a sampled call's values with its recipe's and record its check row (filled in at take)."""
+        checker = self._checker
+        assert checker is not None and self.check_rows is not None
+        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+            ticket = checker.finish_sampled(recipe, *sampled, out)
+        if ticket is None:
+            return
+        deferred = self._deferred_rows
+        deferred.extend([-1] * (ticket - len(deferred)))
+        deferred.append(len(self.check_rows))
+        self.check_rows.append((op_id, 0, math.nan, recipe.limit, math.nan, recipe.k, "pointwise"))
+        if checker._queued >= checker._queue_max:
+            self._resolve_checks()
+
+    def _resolve_checks(self) -> None:
+        """Recompute the checker's queued calls now (its queue is full)."""
+        assert self._checker is not None
+        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+            self._checker._resolve()
+
+    def _learn(
+        self, signature: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """The recipe of a signature after its first call (None: its calls are checked the usual way)."""
+        assert self._checker is not None
+        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+            self._checker.learn(signature, func, args, kwargs, out)
 
     def _check_before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan | None:
         """What the self-check of this call needs, gathered before it runs (None: unchecked).
@@ -992,6 +1053,7 @@ def _native_helpers() -> dict[str, Any]:
         strided=torch.strided,
         stack_len=_dispatch_stack_len,
         graph_task=_current_graph_task_id,
+        recipe_kinds=RECIPE_KINDS,
     )
 
 

@@ -82,8 +82,20 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from tracecmp.aten.rounding import REDUCED_MODELS
+from tracecmp.capture import native
 
-__all__ = ["QUEUE_MAX", "SUMS_AT_16_BITS", "Check", "Plan", "SelfChecker", "limit_for", "special_ops"]
+__all__ = [
+    "QUEUE_MAX",
+    "RECIPE_KINDS",
+    "SUMS_AT_16_BITS",
+    "Check",
+    "Plan",
+    "Recipe",
+    "SelfChecker",
+    "draw",
+    "limit_for",
+    "special_ops",
+]
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -329,6 +341,12 @@ class SelfChecker:
         self._coarse: list[float | torch.Tensor] = []
         self._shared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self._quietly = _Quietly()
+        # Sampled pointwise checks on the per-op path (read and written by csrc/record_check.cpp
+        # too): each signature's recipe (None: checked the usual way), those made, the draws' stream.
+        self.recipes: dict[tuple[Any, ...], Recipe | None] = {}
+        self._made: list[Recipe] = []
+        self._stream = seed & _MASK64
+        self._queue_max = QUEUE_MAX
 
     def shared(self, key: tuple[Any, ...], make: Callable[[], Any]) -> tuple[tuple[Any, ...], Any]:
         """The first key equal to ``key`` and what ``make`` made for it: one object for all calls alike."""
@@ -417,6 +435,13 @@ class SelfChecker:
         """Recompute the queued checks, one float64 pass per group of calls alike."""
         queue, self._queue, self._queued = self._queue, {}, 0
         with self._quietly:
+            alike: dict[tuple[Any, ...], list[Recipe]] = {}
+            for recipe in self._made:
+                if recipe.tickets:
+                    key = (recipe.target.batch.key, recipe.target.source_dtype, recipe.out_dtype, recipe.inputs)
+                    alike.setdefault((*key, recipe.masks), []).append(recipe)
+            for recipes in alike.values():
+                self._resolve_sampled(recipes)
             for (out_dtype, *_), group in queue.items():
                 try:
                     residual, coarse, _ = _recompute(group.target, *group.stacked(), out_dtype)
@@ -450,6 +475,91 @@ class SelfChecker:
         if residual.device.type == "cpu":
             return Check(target.index, float(residual), limit, target.sampled, target.how, float(coarse))
         return Check(target.index, residual[0], limit, target.sampled, target.how, coarse[0])
+
+    # --- sampled pointwise checks: one recipe per signature, the per-op path gathers ---
+
+    def signature(self, func: Any, key: Any, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
+        """What calls checked by one recipe share: the op, the memo key of its other arguments
+        (``trace.args.scan``) and each tensor's dtype and shape; None where the op is no pointwise
+        kind (or ``full`` asks for every element)."""
+        if self.full or self.kinds.get(func) not in RECIPE_KINDS:
+            return None
+        parts: list[Any] = [func, key]
+        for t in tensors:
+            parts += (t.dtype, t.shape)
+        return tuple(parts)
+
+    def learn(
+        self, signature: tuple[Any, ...], func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """After the first call of ``signature`` (checked the usual way): its recipe, or None where
+        the per-op path cannot gather its calls (0-d, non-floating or accelerator tensors, lists,
+        a non-floating output, fewer elements than the sample)."""
+        recipe = None
+        try:
+            with self._quietly:
+                recipe = _recipe(self, func, args, kwargs, out)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            pass
+        if recipe is not None:
+            self._made.append(recipe)
+        self.recipes[signature] = recipe
+
+    def gather_sampled(
+        self, recipe: Recipe, tensors: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[float]] | None:
+        """Before the op: the sampled positions (drawn from the checker's stream) and its inputs'
+        values there, in float64; None where a tensor is not one the per-op path reads (the call
+        is then checked the usual way, nothing drawn)."""
+        if not all(_sampled_readable(t) for t in tensors):
+            return None
+        self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
+        index = torch.tensor(flat)
+        values: list[float] = []
+        with self._quietly:
+            for t in tensors:
+                values += _take(t if t.shape == recipe.sizes else t.expand(recipe.sizes), index).to(F64).tolist()
+        return index, values
+
+    def finish_sampled(self, recipe: Recipe, index: torch.Tensor, values: list[float], out: Any) -> int | None:
+        """After the op: queue the call's sampled inputs and outputs with its recipe's calls; its
+        ticket (:meth:`collect`), or None where the output is not what the recipe expects (unchecked)."""
+        if not (
+            isinstance(out, torch.Tensor)
+            and _sampled_readable(out)
+            and out.dtype == recipe.out_dtype
+            and out.shape == recipe.out_sizes
+        ):
+            return None
+        with self._quietly:
+            values = values + _take(out, index).to(F64).tolist()
+        recipe.values.extend(values)
+        ticket = len(self._residuals)
+        self._residuals.append(math.nan)
+        self._coarse.append(math.nan)
+        recipe.tickets.append(ticket)
+        self._queued += 1
+        return ticket
+
+    def _resolve_sampled(self, recipes: list[Recipe]) -> None:
+        """Recompute the queued calls of recipes alike (the same recomputation, output dtype and
+        masks: one op's calls on tensors of other shapes) in one float64 pass, and file their residuals."""
+        tickets, parts = [], []
+        for recipe in recipes:
+            tickets += recipe.tickets
+            # Each view let go at once (a clone): the per-op path appends to the array again.
+            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone().view(-1, recipe.slots + 1, recipe.k))
+            _clear(recipe.values)
+            recipe.tickets.clear()
+        first = recipes[0]
+        try:
+            stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+            inputs = [stacked[:, i].bool() if i in first.masks else stacked[:, i] for i in first.inputs]
+            residual, coarse, _ = _recompute(first.target, inputs, stacked[:, -1], first.out_dtype)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            return
+        for ticket, value, rough in zip(tickets, residual.tolist(), coarse.tolist()):
+            self._residuals[ticket], self._coarse[ticket] = value, rough
 
     # --- sampling (the checker's own generator, on the CPU) ---
 
@@ -709,19 +819,44 @@ def _pointwise(
         slots.append(t)
         return _SLOT
 
-    template = (
-        [gathered(a) for a in args],
-        {k: (F64 if k == "dtype" and v is not None else gathered(v)) for k, v in kwargs.items()},
+    template = _template(args, kwargs, gathered)
+    batch = _pointwise_batch(checker, func, args, kwargs, template, tuple((t.dtype, t.device) for t in slots), k)
+    target = _batched(
+        0, functools.partial(_gathered, flat), batch._replace(tensors=tuple(slots)), 1, None, "pointwise", k
     )
+    # A host scalar beside device tensors stacks with nothing alike: recomputed for its call alone.
+    return (target if all(t.dim() for t in slots) else target._replace(batch=None),)
+
+
+def _template(
+    args: Sequence[Any], kwargs: dict[str, Any], slot: Callable[[Any], Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """A pointwise call's arguments with ``slot(a)`` for each one (a tensor: _SLOT where its
+    gathered values go), and a ``dtype`` asked for as float64."""
+    return (
+        [slot(a) for a in args],
+        {k: (F64 if k == "dtype" and v is not None else slot(v)) for k, v in kwargs.items()},
+    )
+
+
+def _pointwise_batch(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    template: tuple[list[Any], dict[str, Any]],
+    slots: tuple[Any, ...],
+    k: int,
+) -> _Batch:
+    """The float64 recomputation of a pointwise call (its gathered tensors still to be set):
+    one object for every call alike (same op, constants, slots and sample: fewer objects held
+    until the hand-over)."""
     name = func.overloadpacket.__name__
     rounded_once = name in _ROUNDED_ONCE and _alpha(func, args, kwargs) == 1
     relative = rounded_once or name in _RELATIVE
-    key = (func, relative, _constants(template), tuple((t.dtype, t.device) for t in slots), k)
-    # Calls alike share one key and recomputation (fewer objects held until the hand-over).
+    key = (func, relative, _constants(template), slots, k)
     key, fn = checker.shared(key, lambda: functools.partial(_pointwise_values, func, template, relative))
-    target = _batched(0, functools.partial(_gathered, flat), _Batch(key, fn, tuple(slots)), 1, None, "pointwise", k)
-    # A host scalar beside device tensors stacks with nothing alike: recomputed for its call alone.
-    return (target if all(t.dim() for t in slots) else target._replace(batch=None),)
+    return _Batch(key, fn, ())
 
 
 def _gathered(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -730,6 +865,141 @@ def _gathered(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 _SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
+
+# --- sampled pointwise checks gathered on the per-op path (csrc/record_check.cpp mirrors these) ---
+
+_MASK64 = (1 << 64) - 1
+# Calls the per-op path gathers: at most this many input tensors and dimensions (record_check.cpp).
+RECIPE_TENSORS, RECIPE_DIMS = 8, 16
+# What the per-op path gathers, by the statistics kernel's dtype codes (csrc/record_check.cpp):
+# inputs of these dtypes, outputs of the floating ones (the first four).
+_SAMPLED_CODES = {
+    torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4, torch.int8: 5,
+    torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9,
+}  # fmt: skip
+_FLOATING_CODES = 4
+
+
+class Recipe(NamedTuple):
+    """How the calls of one signature (:meth:`SelfChecker.signature`) of a pointwise op or an
+    exact copy are checked: the per-op path draws ``k`` row-major positions below ``numel``,
+    gathers every input tensor's value there (broadcast to ``sizes``) before the op and the
+    output's after it (in its own shape, ``out_sizes``: a reshaping copy's differs), all in
+    float64, onto ``values``; the checker recomputes them together at the hand-over. Its first
+    eight fields are read by position in C."""
+
+    sizes: tuple[int, ...]  # what the inputs broadcast to (a pointwise op's output shape)
+    numel: int
+    k: int
+    limit: float
+    out_code: int  # the output dtype's code in _SAMPLED_CODES
+    values: Any  # float64 number array: per call, k values of each input, then k of the output
+    tickets: list[int]  # per queued call, its place in what SelfChecker.collect returns
+    out_sizes: tuple[int, ...]
+    target: _Target  # the recomputation of calls alike
+    out_dtype: torch.dtype
+    slots: int  # input tensors gathered per call
+    inputs: tuple[int, ...]  # those the recomputation takes, in its order (a copy's source alone)
+    masks: tuple[int, ...]  # those that are bool (gathered as 0.0 and 1.0)
+
+
+def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
+    """``k`` positions below ``n`` from a splitmix64 stream at ``state``, and the state after:
+    each draw scaled to ``n`` by the high half of a 128-bit product (the C path's arithmetic).
+
+    >>> draw(0, 10, 3)
+    (15755400384260043839, [8, 4, 0])
+    """
+    picked = []
+    for _ in range(k):
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        picked.append(((z ^ (z >> 31)) * n) >> 64)
+    return state, picked
+
+
+def _sampled_readable(t: torch.Tensor) -> bool:
+    """A tensor the per-op path reads by pointer: plain, dense, on the CPU, not a negated view."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.is_cpu
+        and not t.is_neg()
+        and t.data_ptr() != 0
+    )
+
+
+def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Recipe | None:
+    values = (*args, *kwargs.values())
+    tensors = [a for a in values if isinstance(a, torch.Tensor)]
+    listed = [a for a in values if isinstance(a, (list, tuple))]
+    if not 0 < len(tensors) <= RECIPE_TENSORS or any(isinstance(x, torch.Tensor) for a in listed for x in a):
+        return None
+    if not isinstance(out, torch.Tensor) or _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
+        return None
+    if not (_sampled_readable(out) and all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)):
+        return None
+    sizes = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    if len(sizes) > RECIPE_DIMS or out.dim() > RECIPE_DIMS:
+        return None
+    # Drawn with replacement: an output of fewer elements than the sample has each of them read
+    # about once or more (the usual path reads them all).
+    k = checker.sample
+    masks = tuple(i for i, t in enumerate(tensors) if t.dtype == torch.bool)
+    if checker.kinds.get(func) is _copy:
+        source = _copy_source(func, tensors)
+        if source is None or out.numel() != math.prod(sizes):
+            return None
+        batch = _Batch(("exact", F64, (k,), torch.device("cpu")), _exact_values, ())
+        target = _batched(0, _gathered, batch, 1, None, "exact", k, tensors[source].dtype)
+        inputs: tuple[int, ...] = (source,)
+    else:
+        if listed or tuple(out.shape) != sizes or not any(t.is_floating_point() for t in tensors):
+            return None
+        slots = tuple((torch.bool if t.dtype == torch.bool else F64, torch.device("cpu")) for t in tensors)
+        template = _template(args, kwargs, lambda a: _SLOT if isinstance(a, torch.Tensor) else a)
+        batch = _pointwise_batch(checker, func, args, kwargs, template, slots, k)
+        target = _batched(0, _gathered, batch, 1, None, "pointwise", k)
+        inputs = tuple(range(len(tensors)))
+    limit = _limits(target, out.dtype)[-1]
+    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    return Recipe(
+        sizes,
+        math.prod(sizes),
+        k,
+        limit,
+        code,
+        gathered,
+        [],
+        tuple(out.shape),
+        target,
+        out.dtype,
+        len(tensors),
+        inputs,
+        masks,
+    )
+
+
+def _copy_source(func: Any, tensors: Sequence[torch.Tensor]) -> int | None:
+    """Which of an exact copy's tensors it copies from (``src`` of ``copy_``, else ``self``); None
+    for an embedding (its rows are picked by index: checked the usual way)."""
+    name = func.overloadpacket.__name__
+    if name == "copy_":
+        return 1 if len(tensors) == 2 else None
+    return 0 if name in ("_to_copy", "clone", "_unsafe_view") and len(tensors) == 1 else None
+
+
+def _number_array() -> Any:
+    """A growable float64 array the per-op path appends to (the C module's where it is built)."""
+    return native.NUMBER_ARRAY("d")
+
+
+def _clear(values: Any) -> None:
+    if hasattr(values, "truncate"):
+        values.truncate(0)
+    else:
+        del values[:]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1718,6 +1988,10 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
         flat = checker._sample(math.prod(shape))
         src = _take(source.expand(shape), flat)
     return (_exact(lambda o: _take(o, flat), src),)
+
+
+# The kinds whose calls have recipes (the C path compares an op's kind with them).
+RECIPE_KINDS = (_pointwise, _copy)
 
 
 def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor) -> _Target:

@@ -1,0 +1,300 @@
+// tracecmp._crecord: sampled pointwise self-checks on the per-op path.
+//
+// The reference is CaptureMode._sample_before and _sample_after with SelfChecker.signature,
+// gather_sampled and finish_sampled (capture/selfcheck.py, "sampled pointwise checks"): a
+// pointwise call whose signature (op, other arguments, input dtypes and shapes) has a recipe draws
+// its sample from the checker's splitmix64 stream and reads the values behind it straight from
+// each tensor's memory, into float64. The float64 recomputation stays in Python, once per recipe
+// at the hand-over. Without this a check costs two calls into Python and a dozen torch calls,
+// ~100 us in a training step (cold caches between big kernels); reading a few elements by
+// pointer costs the tensors' metadata and a few cache lines.
+#include <cmath>
+#include <cstring>
+
+#include "record.hpp"
+
+namespace tracecmp::record {
+namespace {
+
+constexpr int kMaxDims = 16;  // more: the call is checked the usual way
+
+// Where a tensor's elements lie: its data, dtype code (stats._NATIVE_CODES), shape and strides.
+struct Layout {
+  const char* data = nullptr;
+  int code = -1;
+  int dims = 0;
+  int64_t sizes[kMaxDims];
+  int64_t strides[kMaxDims];
+};
+
+double from_half(uint16_t h) {
+  int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  double v = exponent == 0    ? std::ldexp(mantissa, -24)
+             : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                              : std::ldexp(mantissa + 1024, exponent - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+double element(const char* p, int code) {
+  switch (code) {
+    case 0: {
+      float f;
+      std::memcpy(&f, p, sizeof f);
+      return f;
+    }
+    case 1: {
+      double d;
+      std::memcpy(&d, p, sizeof d);
+      return d;
+    }
+    case 2: {
+      uint16_t h;
+      std::memcpy(&h, p, sizeof h);
+      return from_half(h);
+    }
+    case 3: {  // bfloat16: the high half of a float32
+      uint16_t h;
+      std::memcpy(&h, p, sizeof h);
+      uint32_t bits = static_cast<uint32_t>(h) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    }
+    case 4:
+      return static_cast<double>(*reinterpret_cast<const uint8_t*>(p));
+    case 5:
+      return static_cast<double>(*reinterpret_cast<const int8_t*>(p));
+    case 6: {
+      int16_t v;
+      std::memcpy(&v, p, sizeof v);
+      return static_cast<double>(v);
+    }
+    case 7: {
+      int32_t v;
+      std::memcpy(&v, p, sizeof v);
+      return static_cast<double>(v);
+    }
+    case 8: {
+      int64_t v;
+      std::memcpy(&v, p, sizeof v);
+      return static_cast<double>(v);
+    }
+    default:  // 9, bool: any non-zero byte is true
+      return *reinterpret_cast<const uint8_t*>(p) != 0 ? 1.0 : 0.0;
+  }
+}
+
+// Bytes per element, by dtype code (stats._NATIVE_CODES).
+constexpr int kItemSize[10] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1};
+
+// A tuple of ints into out[0..n), n <= kMaxDims; false otherwise (no exception left).
+bool ints_of(PyObject* tuple, int64_t* out, int* n) {
+  if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > kMaxDims) return false;
+  *n = static_cast<int>(PyTuple_GET_SIZE(tuple));
+  for (int i = 0; i < *n; ++i) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// selfcheck._sampled_readable and the tensor's layout: a plain, dense CPU tensor, not a negated
+// view, with memory behind its pointer. False (no exception left) for anything else.
+bool readable(PyObject* t, PyObject* dtype, PyObject* shape, Layout& out) {
+  if (!plain_type(t)) return false;
+  Ref layout(PyObject_GetAttr(t, s.layout));
+  Ref cpu(layout && layout.p == g.strided ? PyObject_GetAttr(t, s.is_cpu) : nullptr);
+  Ref neg(cpu && cpu.p == Py_True ? call_method(t, s.is_neg, {}) : nullptr);
+  Ref ptr(neg && neg.p == Py_False ? call_method(t, s.data_ptr, {}) : nullptr);
+  Ref strides(ptr ? call_method(t, s.stride, {}) : nullptr);
+  PyObject* code = strides ? PyDict_GetItemWithError(g.native_codes, dtype) : nullptr;
+  int dims = 0;
+  bool ok = code != nullptr && ints_of(shape, out.sizes, &out.dims) && ints_of(strides.p, out.strides, &dims) &&
+            dims == out.dims;
+  if (ok) {
+    out.code = static_cast<int>(PyLong_AsLong(code));
+    out.data = static_cast<const char*>(PyLong_AsVoidPtr(ptr.p));
+    ok = out.code >= 0 && out.code <= 9 && out.data != nullptr;
+  }
+  PyErr_Clear();
+  return ok;
+}
+
+// The values of ``t`` (broadcast to ``sizes``) at row-major positions ``flat`` of ``sizes``, appended.
+void gather(const Layout& t, const int64_t* sizes, int dims, const std::vector<uint64_t>& flat,
+            std::vector<double>& values) {
+  int64_t strides[kMaxDims];
+  int lead = dims - t.dims;  // broadcast dimensions in front: stride 0, as are dimensions of size 1
+  for (int d = 0; d < dims; ++d)
+    strides[d] = d < lead || t.sizes[d - lead] == 1 ? 0 : t.strides[d - lead];
+  const int64_t item = kItemSize[t.code];
+  for (uint64_t position : flat) {
+    int64_t offset = 0;
+    for (int d = dims - 1; d >= 0; --d) {
+      const auto size = static_cast<uint64_t>(sizes[d]);
+      offset += static_cast<int64_t>(position % size) * strides[d];
+      position /= size;
+    }
+    values.push_back(element(t.data + offset * item, t.code));
+  }
+}
+
+// selfcheck.draw: k positions below n from the splitmix64 stream at *state.
+void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
+  for (int64_t i = 0; i < k; ++i) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    flat.push_back(static_cast<uint64_t>((static_cast<unsigned __int128>(z) * n) >> 64));
+  }
+}
+
+// The Recipe's fields read here, by position (selfcheck.Recipe).
+enum RecipeField { kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kRecipeFields };
+
+}  // namespace
+
+int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, PyObject* tensors, SampledCall& call) {
+  if (!PyTuple_Check(g.recipe_kinds)) return 0;
+  bool has_recipes = false;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g.recipe_kinds); ++i) has_recipes |= PyTuple_GET_ITEM(g.recipe_kinds, i) == kind;
+  if (!has_recipes) return 0;
+  PyObject* checker = item(md, s._checker);
+  Ref cd(checker != nullptr ? dict_of(checker) : nullptr);
+  if (!cd) return -1;
+  int full = truth(cd.p, s.full);
+  if (full != 0) return full < 0 ? -1 : 0;
+  // SelfChecker.signature: (func, key, dtype, shape, dtype, shape, ...)
+  Py_ssize_t count = PyList_GET_SIZE(tensors);
+  Ref signature(PyTuple_New(2 + 2 * count));
+  if (!signature) return -1;
+  PyTuple_SET_ITEM(signature.p, 0, Py_NewRef(func));
+  PyTuple_SET_ITEM(signature.p, 1, Py_NewRef(key));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* t = PyList_GET_ITEM(tensors, i);
+    PyObject* dtype = PyObject_GetAttr(t, s.dtype);
+    PyObject* shape = dtype != nullptr ? PyObject_GetAttr(t, s.shape) : nullptr;
+    if (shape == nullptr) {
+      Py_XDECREF(dtype);
+      return -1;
+    }
+    PyTuple_SET_ITEM(signature.p, 2 + 2 * i, dtype);
+    PyTuple_SET_ITEM(signature.p, 3 + 2 * i, shape);
+  }
+  PyObject* recipes = item(cd.p, s.recipes);
+  if (recipes == nullptr) return -1;
+  PyObject* recipe = PyDict_GetItemWithError(recipes, signature.p);
+  if (recipe == nullptr) {
+    if (PyErr_Occurred()) {  // symbolic sizes: unhashable, checked the usual way
+      if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+      PyErr_Clear();
+      return 0;
+    }
+    call.signature.reset(signature.release());
+    call.learn = true;
+    return 0;
+  }
+  if (recipe == Py_None) return 0;
+  if (!PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) < kRecipeFields) {
+    PyErr_SetString(PyExc_TypeError, "a self-check recipe must be a selfcheck.Recipe");
+    return -1;
+  }
+  int64_t sizes[kMaxDims];
+  int dims = 0;
+  if (!ints_of(PyTuple_GET_ITEM(recipe, kSizes), sizes, &dims)) return 0;
+  Layout layouts[8];
+  if (count > 8) return 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* t = PyList_GET_ITEM(tensors, i);
+    PyObject* dtype = PyTuple_GET_ITEM(signature.p, 2 + 2 * i);
+    PyObject* shape = PyTuple_GET_ITEM(signature.p, 3 + 2 * i);
+    if (!readable(t, dtype, shape, layouts[i]) || layouts[i].dims > dims) return 0;
+  }
+  // Drawn only once every tensor is readable, as the reference does.
+  PyObject* stream = item(cd.p, s._stream);
+  if (stream == nullptr) return -1;
+  uint64_t state = PyLong_AsUnsignedLongLong(stream);
+  long long numel = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kNumel));
+  long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSample));
+  if (PyErr_Occurred()) return -1;
+  call.flat.clear();
+  call.values.clear();
+  draw(&state, static_cast<uint64_t>(numel), k, call.flat);
+  Ref next(PyLong_FromUnsignedLongLong(state));
+  if (!next || PyDict_SetItem(cd.p, s._stream, next.p) < 0) return -1;
+  call.values.reserve(static_cast<size_t>((count + 1) * k));
+  for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
+  call.recipe.reset(Py_NewRef(recipe));
+  return 1;
+}
+
+bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_id, PyObject* out) {
+  PyObject* recipe = call.recipe.p;
+  // SelfChecker.finish_sampled: an output the recipe does not expect is left unchecked. It is
+  // read at the same row-major positions, in its own shape.
+  if (!PyObject_TypeCheck(out, reinterpret_cast<PyTypeObject*>(g.tensor_type))) return true;
+  Ref dtype(PyObject_GetAttr(out, s.dtype));
+  Ref shape(dtype ? PyObject_GetAttr(out, s.shape) : nullptr);
+  if (!shape) return false;
+  Layout layout;
+  if (!readable(out, dtype.p, shape.p, layout)) return true;
+  int same = PyObject_RichCompareBool(shape.p, PyTuple_GET_ITEM(recipe, kOutSizes), Py_EQ);
+  if (same < 0) return false;
+  long out_code = PyLong_AsLong(PyTuple_GET_ITEM(recipe, kOutCode));
+  if (out_code == -1 && PyErr_Occurred()) return false;
+  if (!same || layout.code != out_code) return true;  // the recipe's code: a floating one
+  gather(layout, layout.sizes, layout.dims, call.flat, call.values);
+  PyObject* checker = item(md, s._checker);
+  Ref cd(checker != nullptr ? dict_of(checker) : nullptr);
+  if (!cd) return false;
+  PyObject* residuals = item(cd.p, s._residuals);
+  PyObject* coarse = item(cd.p, s._coarse);
+  PyObject* tickets = PyTuple_GET_ITEM(recipe, kTickets);
+  if (residuals == nullptr || coarse == nullptr || !PyList_Check(residuals) || !PyList_Check(coarse) ||
+      !PyList_Check(tickets)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "the checker's queues must be lists");
+    return false;
+  }
+  Ref ticket(PyLong_FromSsize_t(PyList_GET_SIZE(residuals)));
+  Ref nan(PyFloat_FromDouble(NAN));
+  if (!ticket || !nan ||
+      !buffer_extend_doubles(PyTuple_GET_ITEM(recipe, kValues), call.values.data(),
+                             static_cast<Py_ssize_t>(call.values.size())) ||
+      PyList_Append(residuals, nan.p) < 0 || PyList_Append(coarse, nan.p) < 0 || PyList_Append(tickets, ticket.p) < 0)
+    return false;
+  Ref queued(bump(cd.p, s._queued));
+  if (!queued) return false;
+  // CaptureMode._sample_after: the check row, filled in at take through its ticket.
+  PyObject* deferred = item(md, s._deferred_rows);
+  PyObject* rows = item(md, s.check_rows);
+  if (deferred == nullptr || rows == nullptr || !PyList_Check(deferred)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_deferred_rows must be a list");
+    return false;
+  }
+  Ref none_yet(PyLong_FromLong(-1));
+  if (!none_yet) return false;
+  while (PyList_GET_SIZE(deferred) < PyList_GET_SIZE(residuals) - 1)
+    if (PyList_Append(deferred, none_yet.p) < 0) return false;
+  PyObject* fields[7] = {op_id, s.zero, nan.p, PyTuple_GET_ITEM(recipe, kLimit), nan.p,
+                         PyTuple_GET_ITEM(recipe, kSample), s.pointwise};
+  Py_ssize_t count = 0;
+  if (!append_row(rows, fields, 7, &count)) return false;
+  Ref row(PyLong_FromSsize_t(count - 1));
+  if (!row || PyList_Append(deferred, row.p) < 0) return false;
+  PyObject* most = item(cd.p, s._queue_max);
+  if (most == nullptr) return false;
+  Ref now(PyNumber_Add(queued.p, s.one));
+  int full = now ? PyObject_RichCompareBool(now.p, most, Py_GE) : -1;
+  if (full < 0) return false;
+  if (full) {
+    Ref r(call_method(mode, s._resolve_checks, {}));
+    if (!r) return false;
+  }
+  return true;
+}
+
+}  // namespace tracecmp::record
