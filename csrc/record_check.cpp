@@ -142,8 +142,13 @@ void gather(const Layout& t, const int64_t* sizes, int dims, const std::vector<u
   }
 }
 
-// selfcheck.draw: k positions below n from the splitmix64 stream at *state.
+// selfcheck.draw: k positions below n from the splitmix64 stream at *state; every one in turn
+// where n <= k, nothing drawn.
 void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
+  if (n <= static_cast<uint64_t>(k)) {
+    for (int64_t i = 0; i < k; ++i) flat.push_back(static_cast<uint64_t>(i) % n);
+    return;
+  }
   for (int64_t i = 0; i < k; ++i) {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;

@@ -906,10 +906,15 @@ class Recipe(NamedTuple):
 def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
     """``k`` positions below ``n`` from a splitmix64 stream at ``state``, and the state after:
     each draw scaled to ``n`` by the high half of a 128-bit product (the C path's arithmetic).
+    Where ``n <= k``, every position in turn, nothing drawn (the usual path reads them all).
 
     >>> draw(0, 10, 3)
     (15755400384260043839, [8, 4, 0])
+    >>> draw(0, 2, 3)
+    (0, [0, 1, 0])
     """
+    if n <= k:
+        return state, [i % n for i in range(k)]
     picked = []
     for _ in range(k):
         state = (state + 0x9E3779B97F4A7C15) & _MASK64
@@ -943,8 +948,6 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     sizes = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
     if len(sizes) > RECIPE_DIMS or out.dim() > RECIPE_DIMS:
         return None
-    # Drawn with replacement: an output of fewer elements than the sample has each of them read
-    # about once or more (the usual path reads them all).
     k = checker.sample
     masks = tuple(i for i, t in enumerate(tensors) if t.dtype == torch.bool)
     if checker.kinds.get(func) is _copy:
