@@ -204,7 +204,12 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
     return 0;
   }
   if (recipe == Py_None) return 0;
-  if (!PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) < kRecipeFields) {
+  if (!PyTuple_Check(recipe)) {  // selfcheck.SEEN_ONCE: made at this call's end
+    call.signature.reset(signature.release());
+    call.learn = true;
+    return 0;
+  }
+  if (PyTuple_GET_SIZE(recipe) < kRecipeFields) {
     PyErr_SetString(PyExc_TypeError, "a self-check recipe must be a selfcheck.Recipe");
     return -1;
   }

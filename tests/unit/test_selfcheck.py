@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tracecmp.capture.selfcheck import QUEUE_MAX, SUMS_AT_16_BITS, Check, SelfChecker, special_ops
+from tracecmp.capture.selfcheck import QUEUE_MAX, SEEN_ONCE, SUMS_AT_16_BITS, Check, SelfChecker, special_ops
 
 SPECIAL = special_ops()
 
@@ -710,12 +710,13 @@ def test_a_float32_weight_gradient_summed_over_a_large_batch_is_checked_by_one_e
 
 
 def _learned(func: Any, args: tuple, kwargs: dict | None = None, **opts: Any) -> SelfChecker:
-    """A checker that has seen one call of ``func`` (checked the usual way) and made its recipe."""
+    """A checker that has seen two calls of ``func`` (checked the usual way) and made its recipe."""
     kwargs = kwargs or {}
     checker = SelfChecker(**opts)
     assert checker.prepare(func, args, kwargs) is not None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    checker.learn(checker.signature(func, "key", tensors), func, args, kwargs, func(*args, **kwargs))
+    for _ in range(2):
+        checker.learn(checker.signature(func, "key", tensors), func, args, kwargs, func(*args, **kwargs))
     return checker
 
 
@@ -778,7 +779,8 @@ def test_a_recipe_is_made_only_for_calls_the_per_op_path_can_read() -> None:
         signature = checker.signature(func, "key", tensors)
         if signature is None:
             continue  # not a kind with recipes at all
-        checker.learn(signature, func, args, kwargs, func(*args, **kwargs))
+        for _ in range(2):
+            checker.learn(signature, func, args, kwargs, func(*args, **kwargs))
         assert checker.recipes[signature] is None, func
     checker = _learned(aten.mul.Tensor, (x, x))
     recipe = next(iter(checker.recipes.values()))
@@ -793,3 +795,24 @@ def test_full_checks_take_no_recipe() -> None:
     x = torch.randn(8)
     checker.prepare(aten.exp.default, (x,), {})
     assert checker.signature(aten.exp.default, "key", [x]) is None
+
+
+def test_recipes_of_signatures_that_do_not_recur_are_forgotten_at_collect() -> None:
+    """A signature whose constants change every step (an optimizer's step size) is only noted as
+    seen and dropped at the next collect; one that served calls keeps its recipe."""
+    checker, x = SelfChecker(), torch.randn(64)
+    checker.prepare(aten.mul.Tensor, (x, 2.0), {})
+    recurring = checker.signature(aten.mul.Tensor, ("key", 2.0), [x])
+    for step in range(3):
+        for size in (0.1 * (step + 1), 2.0, 2.0):
+            signature = checker.signature(aten.mul.Tensor, ("key", size), [x])
+            recipe = checker.recipes.get(signature)
+            if recipe is None or recipe == SEEN_ONCE:
+                checker.learn(signature, aten.mul.Tensor, (x, size), {}, x * size)
+            else:
+                gathered = checker.gather_sampled(recipe, [x])
+                assert gathered is not None
+                checker.finish_sampled(recipe, *gathered, x * size)
+        residuals, _ = checker.collect()
+        assert all(r <= 3.25 for r in residuals)
+        assert list(checker.recipes) == [recurring]

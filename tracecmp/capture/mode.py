@@ -53,7 +53,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
-from tracecmp.capture.selfcheck import RECIPE_KINDS, Check, Plan, Recipe, SelfChecker
+from tracecmp.capture.selfcheck import RECIPE_KINDS, SEEN_ONCE, Check, Plan, Recipe, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -108,7 +108,7 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
     return False
 
 
-# A signature's recipe before its first call taught it (CaptureMode._sample_before).
+# A signature's recipe before its calls taught it (CaptureMode._sample_before).
 _UNLEARNED = object()
 
 
@@ -322,8 +322,8 @@ class CaptureMode(TorchDispatchMode):
 
     def _sample_before(self, func: Any, key: Any, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any]:
         """A pointwise call with a recipe (capture/selfcheck.py, "sampled pointwise checks"): its
-        signature, recipe and inputs gathered now; ``_UNLEARNED`` as the recipe of a signature seen
-        for the first time, and no gathering (the call is checked the usual way) where there is no
+        signature, recipe and inputs gathered now; ``_UNLEARNED`` as the recipe of a signature
+        without one yet (the checker learns it after the call), and no gathering (the call is checked the usual way) where there is no
         recipe or a tensor is not one the per-op path reads. csrc/record_check.cpp does the same."""
         checker = self._checker
         assert checker is not None
@@ -334,6 +334,8 @@ class CaptureMode(TorchDispatchMode):
             recipe = checker.recipes.get(signature, _UNLEARNED)
         except TypeError:  # symbolic sizes: unhashable
             return None, None, None
+        if recipe is SEEN_ONCE:
+            recipe = _UNLEARNED
         if recipe is None or recipe is _UNLEARNED:
             return signature, recipe, None
         with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:

@@ -345,6 +345,7 @@ class SelfChecker:
         # too): each signature's recipe (None: checked the usual way), those made, the draws' stream.
         self.recipes: dict[tuple[Any, ...], Recipe | None] = {}
         self._made: list[Recipe] = []
+        self._used: set[int] = set()  # ids of the recipes that served a call since the last collect
         self._stream = seed & _MASK64
         self._queue_max = QUEUE_MAX
 
@@ -427,9 +428,21 @@ class SelfChecker:
         ticket (NaN: a group this module could not recompute after all, not measured and never
         passed); tickets start again from 0."""
         self._resolve()
+        self._forget_recipes()
         taken = self._residuals, self._coarse
         self._residuals, self._coarse = [], []
         return taken
+
+    def _forget_recipes(self) -> None:
+        """Keep the recipes that served a call since the last collect, and the signatures that
+        have none (unless there are too many): a signature whose constants change every step (an
+        optimizer's step size) never recurs, and its entries would grow without bound."""
+        used, self._used = self._used, set()
+        kept = {s: r for s, r in self.recipes.items() if r is None or (isinstance(r, Recipe) and id(r) in used)}
+        if len(kept) > RECIPES_MAX:
+            kept = {s: r for s, r in kept.items() if r is not None}
+        self.recipes = kept
+        self._made = [r for r in self._made if id(r) in used]
 
     def _resolve(self) -> None:
         """Recompute the queued checks, one float64 pass per group of calls alike."""
@@ -438,6 +451,7 @@ class SelfChecker:
             alike: dict[tuple[Any, ...], list[Recipe]] = {}
             for recipe in self._made:
                 if recipe.tickets:
+                    self._used.add(id(recipe))
                     key = (recipe.target.batch.key, recipe.target.source_dtype, recipe.out_dtype, recipe.inputs)
                     alike.setdefault((*key, recipe.masks), []).append(recipe)
             for recipes in alike.values():
@@ -492,9 +506,12 @@ class SelfChecker:
     def learn(
         self, signature: tuple[Any, ...], func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
     ) -> None:
-        """After the first call of ``signature`` (checked the usual way): its recipe, or None where
-        the per-op path cannot gather its calls (0-d, non-floating or accelerator tensors, lists,
-        a non-floating output, fewer elements than the sample)."""
+        """After a call of ``signature`` without a recipe (checked the usual way): at its first, a
+        note that it was seen; at the next, its recipe, or None where the per-op path cannot gather
+        its calls (accelerator tensors, tensors in lists, a non-floating output, a negated view)."""
+        if signature not in self.recipes:
+            self.recipes[signature] = SEEN_ONCE
+            return
         recipe = None
         try:
             with self._quietly:
@@ -503,6 +520,7 @@ class SelfChecker:
             pass
         if recipe is not None:
             self._made.append(recipe)
+            self._used.add(id(recipe))  # kept across the next collect, even before it serves a call
         self.recipes[signature] = recipe
 
     def gather_sampled(
@@ -869,6 +887,11 @@ _SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
 # --- sampled pointwise checks gathered on the per-op path (csrc/record_check.cpp mirrors these) ---
 
 _MASK64 = (1 << 64) - 1
+# A signature seen once: its recipe is made at its next call (one seen once may never recur). Not
+# a tuple, so the C path takes it for "no recipe yet" as it does a missing one.
+SEEN_ONCE = "seen once"
+# Signatures without a recipe kept at most across a collect (SelfChecker._forget_recipes).
+RECIPES_MAX = 4096
 # Calls the per-op path gathers: at most this many input tensors and dimensions (record_check.cpp).
 RECIPE_TENSORS, RECIPE_DIMS = 8, 16
 # What the per-op path gathers, by the statistics kernel's dtype codes (csrc/record_check.cpp):
