@@ -173,12 +173,34 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
   if (!cd) return -1;
   int full = truth(cd.p, s.full);
   if (full != 0) return full < 0 ? -1 : 0;
-  // SelfChecker.signature: (func, key, dtype, shape, dtype, shape, ...)
+  // SelfChecker.signature: (func, key, dtype, shape, dtype, shape, ...), the key's floats left
+  // open (trace.args.scan_value writes one (float, value)) and gathered with the call.
+  std::vector<double> floats;
+  Ref open_key(Py_NewRef(key));
+  if (PyTuple_Check(key)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); ++i) {
+      PyObject* part = PyTuple_GET_ITEM(key, i);
+      if (!PyTuple_CheckExact(part) || PyTuple_GET_SIZE(part) != 2 ||
+          PyTuple_GET_ITEM(part, 0) != reinterpret_cast<PyObject*>(&PyFloat_Type))
+        continue;
+      if (floats.empty()) {  // a new tuple: the key is the argument memo's too (a slice may be the same object)
+        open_key.reset(PyTuple_New(PyTuple_GET_SIZE(key)));
+        if (!open_key) return -1;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(key); ++j)
+          PyTuple_SET_ITEM(open_key.p, j, Py_NewRef(PyTuple_GET_ITEM(key, j)));
+      }
+      floats.push_back(PyFloat_AsDouble(PyTuple_GET_ITEM(part, 1)));
+      if (PyErr_Occurred()) return -1;
+      PyObject* old = PyTuple_GET_ITEM(open_key.p, i);
+      PyTuple_SET_ITEM(open_key.p, i, Py_NewRef(reinterpret_cast<PyObject*>(&PyFloat_Type)));
+      Py_DECREF(old);
+    }
+  }
   Py_ssize_t count = PyList_GET_SIZE(tensors);
   Ref signature(PyTuple_New(2 + 2 * count));
   if (!signature) return -1;
   PyTuple_SET_ITEM(signature.p, 0, Py_NewRef(func));
-  PyTuple_SET_ITEM(signature.p, 1, Py_NewRef(key));
+  PyTuple_SET_ITEM(signature.p, 1, open_key.release());
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* t = PyList_GET_ITEM(tensors, i);
     PyObject* dtype = PyObject_GetAttr(t, s.dtype);
@@ -236,8 +258,9 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
   draw(&state, static_cast<uint64_t>(numel), k, call.flat);
   Ref next(PyLong_FromUnsignedLongLong(state));
   if (!next || PyDict_SetItem(cd.p, s._stream, next.p) < 0) return -1;
-  call.values.reserve(static_cast<size_t>((count + 1) * k));
+  call.values.reserve(static_cast<size_t>((count + 1) * k) + floats.size());
   for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
+  call.values.insert(call.values.end(), floats.begin(), floats.end());
   call.recipe.reset(Py_NewRef(recipe));
   return 1;
 }

@@ -65,9 +65,10 @@ _PROGRAM = textwrap.dedent(
 
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
-        # integer scalars, masks, 16-bit and strided inputs, in-place ops, copies and casts.
+        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies and casts.
         x, b = torch.randn(6, 5), torch.randn(5)
-        for _ in range(3):  # a signature's first call teaches its recipe
+        for i in range(3):  # a signature's first two calls teach its recipe
+            x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
             y = x * b + 1.5
             y.t().mul_(torch.tensor(2.0))
             z = torch.where(y > 0, y, torch.zeros(()))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tracecmp.capture.selfcheck import QUEUE_MAX, SEEN_ONCE, SUMS_AT_16_BITS, Check, SelfChecker, special_ops
+from tracecmp.trace.args import scan
 
 SPECIAL = special_ops()
 
@@ -709,14 +710,21 @@ def test_a_float32_weight_gradient_summed_over_a_large_batch_is_checked_by_one_e
     assert scaled.residual > 10 * scaled.limit
 
 
+def _signed(checker: SelfChecker, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, list[float], list]:
+    """A call's signature, floats and tensors, from its memo key as the capture mode makes it."""
+    tensors: list[torch.Tensor] = []
+    signed = checker.signature(func, scan(args, kwargs, tensors), tensors)
+    assert signed is not None, func
+    return (*signed, tensors)
+
+
 def _learned(func: Any, args: tuple, kwargs: dict | None = None, **opts: Any) -> SelfChecker:
     """A checker that has seen two calls of ``func`` (checked the usual way) and made its recipe."""
     kwargs = kwargs or {}
     checker = SelfChecker(**opts)
     assert checker.prepare(func, args, kwargs) is not None
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     for _ in range(2):
-        checker.learn(checker.signature(func, "key", tensors), func, args, kwargs, func(*args, **kwargs))
+        checker.learn(_signed(checker, func, args, kwargs)[0], func, args, kwargs, func(*args, **kwargs))
     return checker
 
 
@@ -745,10 +753,10 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
     for scale in (1.0, 1.05):
         for _ in range(3):
             args = make(gen)
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            recipe = checker.recipes[checker.signature(func, "key", tensors)]
+            signature, floats, tensors = _signed(checker, func, args, kwargs)
+            recipe = checker.recipes[signature]
             assert recipe is not None, name
-            gathered = checker.gather_sampled(recipe, tensors)
+            gathered = checker.gather_sampled(recipe, tensors, floats)
             assert gathered is not None
             out = func(*args, **kwargs)
             if scale != 1.0:
@@ -775,10 +783,11 @@ def test_a_recipe_is_made_only_for_calls_the_per_op_path_can_read() -> None:
     ]
     for func, args, kwargs in unread:
         checker = SelfChecker()
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        signature = checker.signature(func, "key", tensors)
-        if signature is None:
+        tensors: list[torch.Tensor] = []
+        signed = checker.signature(func, scan(args, kwargs, tensors), tensors)
+        if signed is None:
             continue  # not a kind with recipes at all
+        signature = signed[0]
         for _ in range(2):
             checker.learn(signature, func, args, kwargs, func(*args, **kwargs))
         assert checker.recipes[signature] is None, func
@@ -794,25 +803,53 @@ def test_full_checks_take_no_recipe() -> None:
     checker = SelfChecker(full=True)
     x = torch.randn(8)
     checker.prepare(aten.exp.default, (x,), {})
-    assert checker.signature(aten.exp.default, "key", [x]) is None
+    assert checker.signature(aten.exp.default, ("key",), [x]) is None
 
 
 def test_recipes_of_signatures_that_do_not_recur_are_forgotten_at_collect() -> None:
-    """A signature whose constants change every step (an optimizer's step size) is only noted as
-    seen and dropped at the next collect; one that served calls keeps its recipe."""
+    """A signature that does not recur (its integer arguments change every step) is only noted
+    as seen and dropped at the next collect; one that served calls keeps its recipe."""
     checker, x = SelfChecker(), torch.randn(64)
-    checker.prepare(aten.mul.Tensor, (x, 2.0), {})
-    recurring = checker.signature(aten.mul.Tensor, ("key", 2.0), [x])
+    func = aten.add.Scalar
+    checker.prepare(func, (x, 2), {})
+    recurring = checker.signature(func, ("T", 2), [x])
+    assert recurring is not None
     for step in range(3):
-        for size in (0.1 * (step + 1), 2.0, 2.0):
-            signature = checker.signature(aten.mul.Tensor, ("key", size), [x])
-            recipe = checker.recipes.get(signature)
+        for other in (step + 10, 2, 2):
+            signed = checker.signature(func, ("T", other), [x])
+            assert signed is not None
+            recipe = checker.recipes.get(signed[0])
             if recipe is None or recipe == SEEN_ONCE:
-                checker.learn(signature, aten.mul.Tensor, (x, size), {}, x * size)
+                checker.learn(signed[0], func, (x, other), {}, x + other)
             else:
                 gathered = checker.gather_sampled(recipe, [x])
                 assert gathered is not None
-                checker.finish_sampled(recipe, *gathered, x * size)
+                checker.finish_sampled(recipe, *gathered, x + other)
         residuals, _ = checker.collect()
         assert all(r <= 3.25 for r in residuals)
-        assert list(checker.recipes) == [recurring]
+        assert list(checker.recipes) == [recurring[0]]
+
+
+def test_a_recipe_takes_each_calls_own_floats() -> None:
+    """Float arguments are left out of a signature (a learning rate changes every step) and
+    gathered with each call: one recipe checks every step size, and a call whose output used
+    another one than it was given fails."""
+    checker, p, g = SelfChecker(), torch.randn(256), torch.randn(256)
+    func = aten.add_.Tensor
+    checker.prepare(func, (p.clone(), g), {"alpha": -0.1})
+    tickets = []
+    for step, lr in enumerate((0.1, 0.2, 0.3, 0.4, 0.5)):
+        signed = checker.signature(func, ("T", "T", "alpha", (float, -lr)), [p, g])
+        assert signed is not None
+        signature, floats = signed
+        assert floats == [-lr]
+        recipe = checker.recipes.get(signature)
+        if recipe is None or recipe == SEEN_ONCE:
+            checker.learn(signature, func, (p.clone(), g), {"alpha": -lr}, p.clone().add_(g, alpha=-lr))
+            continue
+        gathered = checker.gather_sampled(recipe, [p, g], floats)
+        assert gathered is not None
+        out = p.clone().add_(g, alpha=-lr if step < 4 else -0.9 * lr)
+        tickets.append((step, checker.finish_sampled(recipe, *gathered, out)))
+    residuals, _ = checker.collect()
+    assert [residuals[t] <= 3.25 for _, t in tickets] == [True, True, False]

@@ -327,9 +327,10 @@ class CaptureMode(TorchDispatchMode):
         recipe or a tensor is not one the per-op path reads. csrc/record_check.cpp does the same."""
         checker = self._checker
         assert checker is not None
-        signature = checker.signature(func, key, tensors)
-        if signature is None:
+        signed = checker.signature(func, key, tensors)
+        if signed is None:
             return None, None, None
+        signature, floats = signed
         try:
             recipe = checker.recipes.get(signature, _UNLEARNED)
         except TypeError:  # symbolic sizes: unhashable
@@ -339,7 +340,7 @@ class CaptureMode(TorchDispatchMode):
         if recipe is None or recipe is _UNLEARNED:
             return signature, recipe, None
         with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
-            return signature, recipe, checker.gather_sampled(recipe, tensors)
+            return signature, recipe, checker.gather_sampled(recipe, tensors, floats)
 
     def _sample_after(self, recipe: Recipe, sampled: tuple[torch.Tensor, list[float]], op_id: int, out: Any) -> None:
         """Queue a sampled call's values with its recipe's and record its check row (filled in at take)."""

@@ -7,7 +7,11 @@ fault (a wrong scale, inputs silently rounded to fp16/bf16, noise) is so visible
 it, without any bench run. In a capture (``finish(defer=True)``) only the gathering happens at the
 op: the recomputation of calls alike (the same op, constants, shapes and dtypes: an optimizer's
 per-parameter ops, a model's repeated layers) waits for the step's hand-over, where one float64
-pass serves all of them (:meth:`SelfChecker.collect`).
+pass serves all of them (:meth:`SelfChecker.collect`). Pointwise ops and exact copies go further:
+once a signature (op, other arguments, input dtypes and shapes) recurs, its :class:`Recipe` lets
+the C per-op path draw the sample and read the values behind it by pointer, with no Python at the
+op (``csrc/record_check.cpp``; :meth:`SelfChecker.gather_sampled` and
+:meth:`SelfChecker.finish_sampled` are its reference).
 
 The residual of one sampled element, ``ref`` its float64 recomputation::
 
@@ -492,16 +496,30 @@ class SelfChecker:
 
     # --- sampled pointwise checks: one recipe per signature, the per-op path gathers ---
 
-    def signature(self, func: Any, key: Any, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
-        """What calls checked by one recipe share: the op, the memo key of its other arguments
-        (``trace.args.scan``) and each tensor's dtype and shape; None where the op is no pointwise
-        kind (or ``full`` asks for every element)."""
+    def signature(
+        self, func: Any, key: tuple[Any, ...], tensors: Sequence[torch.Tensor]
+    ) -> tuple[tuple[Any, ...], list[float]] | None:
+        """What calls checked by one recipe share, and this call's own floats: the op, the memo
+        key of its other arguments (``trace.args.scan``) with each float argument in it left open
+        (an optimizer's step size changes every step; its value is gathered with the call), and
+        each tensor's dtype and shape. None where the op is of no kind with recipes (or ``full``
+        asks for every element).
+
+        >>> import torch
+        >>> checker, x = SelfChecker(), torch.ones(3)
+        >>> _ = checker.prepare(torch.ops.aten.mul.Tensor, (x, 0.5), {})
+        >>> checker.signature(torch.ops.aten.mul.Tensor, ("T", (float, 0.5)), [x])[1]
+        [0.5]
+        """
         if self.full or self.kinds.get(func) not in RECIPE_KINDS:
             return None
+        floats = [item[1] for item in key if _float_item(item)]
+        if floats:
+            key = tuple(float if _float_item(item) else item for item in key)
         parts: list[Any] = [func, key]
         for t in tensors:
             parts += (t.dtype, t.shape)
-        return tuple(parts)
+        return tuple(parts), floats
 
     def learn(
         self, signature: tuple[Any, ...], func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
@@ -524,11 +542,12 @@ class SelfChecker:
         self.recipes[signature] = recipe
 
     def gather_sampled(
-        self, recipe: Recipe, tensors: Sequence[torch.Tensor]
+        self, recipe: Recipe, tensors: Sequence[torch.Tensor], floats: Sequence[float] = ()
     ) -> tuple[torch.Tensor, list[float]] | None:
         """Before the op: the sampled positions (drawn from the checker's stream) and its inputs'
-        values there, in float64; None where a tensor is not one the per-op path reads (the call
-        is then checked the usual way, nothing drawn)."""
+        values there, in float64, then the call's ``floats`` (:meth:`signature`); None where a
+        tensor is not one the per-op path reads (the call is then checked the usual way, nothing
+        drawn)."""
         if not all(_sampled_readable(t) for t in tensors):
             return None
         self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
@@ -537,7 +556,7 @@ class SelfChecker:
         with self._quietly:
             for t in tensors:
                 values += _take(t if t.shape == recipe.sizes else t.expand(recipe.sizes), index).to(F64).tolist()
-        return index, values
+        return index, values + list(floats)
 
     def finish_sampled(self, recipe: Recipe, index: torch.Tensor, values: list[float], out: Any) -> int | None:
         """After the op: queue the call's sampled inputs and outputs with its recipe's calls; its
@@ -563,17 +582,21 @@ class SelfChecker:
         """Recompute the queued calls of recipes alike (the same recomputation, output dtype and
         masks: one op's calls on tensors of other shapes) in one float64 pass, and file their residuals."""
         tickets, parts = [], []
+        first = recipes[0]
+        k, slots, floats = first.k, first.slots, len(first.floats)
         for recipe in recipes:
             tickets += recipe.tickets
             # Each view let go at once (a clone): the per-op path appends to the array again.
-            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone().view(-1, recipe.slots + 1, recipe.k))
+            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone().view(-1, (slots + 1) * k + floats))
             _clear(recipe.values)
             recipe.tickets.clear()
-        first = recipes[0]
         try:
-            stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
-            inputs = [stacked[:, i].bool() if i in first.masks else stacked[:, i] for i in first.inputs]
-            residual, coarse, _ = _recompute(first.target, inputs, stacked[:, -1], first.out_dtype)
+            rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+            gathered = rows[:, : slots * k].reshape(-1, slots, k)
+            inputs = [gathered[:, i].bool() if i in first.masks else gathered[:, i] for i in first.inputs]
+            residual, coarse = _recompute_by_floats(
+                self, first, inputs, rows[:, slots * k : slots * k + floats], rows[:, -k:]
+            )
         except (RuntimeError, TypeError, ValueError, IndexError):
             return
         for ticket, value, rough in zip(tickets, residual.tolist(), coarse.tolist()):
@@ -924,6 +947,20 @@ class Recipe(NamedTuple):
     slots: int  # input tensors gathered per call
     inputs: tuple[int, ...]  # those the recomputation takes, in its order (a copy's source alone)
     masks: tuple[int, ...]  # those that are bool (gathered as 0.0 and 1.0)
+    # The float arguments of the call that taught it (each call's own are gathered after its
+    # tensors), and where they go: (op, its arguments with _SLOT for a tensor, _FLOAT for a float)
+    floats: tuple[float, ...] = ()
+    skeleton: tuple[Any, ...] = ()
+
+    def target_for(self, checker: SelfChecker, floats: Sequence[float]) -> _Target:
+        """The recomputation of this recipe's calls that took ``floats``."""
+        func, (args, kwargs) = self.skeleton
+        values = iter(floats)
+        args = [next(values) if a is _FLOAT else a for a in args]
+        kwargs = {name: (next(values) if v is _FLOAT else v) for name, v in kwargs.items()}
+        slots = tuple((torch.bool if i in self.masks else F64, torch.device("cpu")) for i in range(self.slots))
+        batch = _pointwise_batch(checker, func, args, kwargs, (args, kwargs), slots, self.k)
+        return self.target._replace(batch=batch)
 
 
 def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
@@ -973,9 +1010,11 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         return None
     k = checker.sample
     masks = tuple(i for i, t in enumerate(tensors) if t.dtype == torch.bool)
+    floats: tuple[float, ...] = ()
+    skeleton: tuple[Any, ...] = ()
     if checker.kinds.get(func) is _copy:
         source = _copy_source(func, tensors)
-        if source is None or out.numel() != math.prod(sizes):
+        if source is None or out.numel() != math.prod(sizes) or any(type(a) is float for a in values):
             return None
         batch = _Batch(("exact", F64, (k,), torch.device("cpu")), _exact_values, ())
         target = _batched(0, _gathered, batch, 1, None, "exact", k, tensors[source].dtype)
@@ -988,23 +1027,57 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         batch = _pointwise_batch(checker, func, args, kwargs, template, slots, k)
         target = _batched(0, _gathered, batch, 1, None, "pointwise", k)
         inputs = tuple(range(len(tensors)))
+        floats = tuple(a for a in values if type(a) is float)
+        if floats:
+            slot = lambda a: _SLOT if isinstance(a, torch.Tensor) else _FLOAT if type(a) is float else a  # noqa: E731
+            skeleton = (func, _template(args, kwargs, slot))
     limit = _limits(target, out.dtype)[-1]
-    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    code, gathered, shape = _SAMPLED_CODES[out.dtype], _number_array(), tuple(out.shape)
+    numel = math.prod(sizes)
     return Recipe(
         sizes,
-        math.prod(sizes),
+        numel,
         k,
         limit,
         code,
         gathered,
         [],
-        tuple(out.shape),
+        shape,
         target,
         out.dtype,
         len(tensors),
         inputs,
         masks,
+        floats,
+        skeleton,
     )
+
+
+def _recompute_by_floats(
+    checker: SelfChecker, recipe: Recipe, inputs: list[torch.Tensor], floats: torch.Tensor, got: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual and coarse residual of each of a recipe's calls (a row each in ``inputs``,
+    ``floats``, ``got``): one float64 pass for the calls that took the same floats."""
+    if not floats.shape[1]:
+        residual, coarse, _ = _recompute(recipe.target, inputs, got, recipe.out_dtype)
+        return residual, coarse
+    residual, coarse = torch.empty(len(got), dtype=F64), torch.empty(len(got), dtype=F64)
+    values, calls = torch.unique(floats, dim=0, return_inverse=True)
+    for i, taken in enumerate(values.tolist()):
+        picked = calls == i
+        target = recipe.target_for(checker, taken)
+        residual[picked], coarse[picked], _ = _recompute(
+            target, [t[picked] for t in inputs], got[picked], recipe.out_dtype
+        )
+    return residual, coarse
+
+
+def _float_item(item: Any) -> bool:
+    """A float argument in a memo key (``trace.args.scan_value`` writes it ``(float, value)``)."""
+    return type(item) is tuple and len(item) == 2 and item[0] is float
+
+
+_FLOAT = object()  # where a call's own float goes in a recipe's skeleton
 
 
 def _copy_source(func: Any, tensors: Sequence[torch.Tensor]) -> int | None:
