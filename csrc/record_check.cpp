@@ -159,7 +159,43 @@ void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
 }
 
 // The Recipe's fields read here, by position (selfcheck.Recipe).
-enum RecipeField { kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kRecipeFields };
+enum RecipeField { kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kRecipeFields };
+
+// selfcheck.Recipe.grid: a 2-D matmul's block of ``count`` adjacent rows of A and ``cols``
+// adjacent columns of B (their starts drawn, columns first), every crossing a sampled output
+// element; each tensor read in its role (A's rows whole, B's columns whole, the bias at the
+// crossings). False where the recipe does not fit the tensors (no exception: the usual path).
+bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const int64_t* sizes, int dims,
+                 uint64_t* state, SampledCall& call) {
+  int64_t g[5];
+  int n_fields = 0;
+  if (!ints_of(grid, g, &n_fields) || n_fields != 5 || dims != 2) return false;
+  const int64_t rows = g[0], cols = g[1], a = g[2], b = g[3], bias = g[4];
+  const int64_t m = sizes[0], n = sizes[1];
+  if (a < 0 || a >= count || b < 0 || b >= count || bias >= count || layouts[a].dims != 2 || layouts[b].dims != 2)
+    return false;
+  const int64_t K = layouts[a].sizes[1];
+  if (layouts[a].sizes[0] != m || layouts[b].sizes[0] != K || layouts[b].sizes[1] != n || rows > m || cols > n)
+    return false;
+  std::vector<uint64_t> start;
+  draw(state, static_cast<uint64_t>(n - cols + 1), 1, start);
+  draw(state, static_cast<uint64_t>(m - rows + 1), 1, start);
+  const int64_t j = static_cast<int64_t>(start[0]), i = static_cast<int64_t>(start[1]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) call.flat.push_back(static_cast<uint64_t>((i + r) * n + j + c));
+  std::vector<uint64_t> of_a, of_b;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kk = 0; kk < K; ++kk) of_a.push_back(static_cast<uint64_t>((i + r) * K + kk));
+  for (int64_t kk = 0; kk < K; ++kk)
+    for (int64_t c = 0; c < cols; ++c) of_b.push_back(static_cast<uint64_t>(kk * n + j + c));
+  const int64_t a_sizes[2] = {m, K}, b_sizes[2] = {K, n};
+  for (Py_ssize_t t = 0; t < count; ++t) {
+    if (t == a) gather(layouts[t], a_sizes, 2, of_a, call.values);
+    else if (t == b) gather(layouts[t], b_sizes, 2, of_b, call.values);
+    else gather(layouts[t], sizes, 2, call.flat, call.values);  // the bias, broadcast to the output
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -255,11 +291,16 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
   if (PyErr_Occurred()) return -1;
   call.flat.clear();
   call.values.clear();
-  draw(&state, static_cast<uint64_t>(numel), k, call.flat);
+  PyObject* grid = PyTuple_GET_ITEM(recipe, kGrid);
+  if (grid == Py_None) {
+    draw(&state, static_cast<uint64_t>(numel), k, call.flat);
+    call.values.reserve(static_cast<size_t>((count + 1) * k) + floats.size());
+    for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
+  } else if (!gather_grid(grid, layouts, count, sizes, dims, &state, call)) {
+    return PyErr_Occurred() ? -1 : 0;
+  }
   Ref next(PyLong_FromUnsignedLongLong(state));
   if (!next || PyDict_SetItem(cd.p, s._stream, next.p) < 0) return -1;
-  call.values.reserve(static_cast<size_t>((count + 1) * k) + floats.size());
-  for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
   call.values.insert(call.values.end(), floats.begin(), floats.end());
   call.recipe.reset(Py_NewRef(recipe));
   return 1;

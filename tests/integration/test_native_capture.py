@@ -65,7 +65,7 @@ _PROGRAM = textwrap.dedent(
 
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
-        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies and casts.
+        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts, matmuls.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -77,6 +77,7 @@ _PROGRAM = textwrap.dedent(
             u = torch.empty(6, 5).copy_(b)
             s = torch.tensor(3.0)
             s += 1
+            torch.addmm(b, x.t() @ x, torch.randn(5, 5).t())  # matmuls: blocks of rows and columns
             (torch.sigmoid(h.float()) + z - u).sum() + w.sum() + s
 
     programs = {"edges": edges, "recipes": recipes}

@@ -550,9 +550,22 @@ class SelfChecker:
         drawn)."""
         if not all(_sampled_readable(t) for t in tensors):
             return None
+        values: list[float] = []
+        if recipe.grid is not None:
+            rows, cols, a, b, _ = recipe.grid
+            m, n = recipe.sizes
+            self._stream, (j,) = draw(self._stream, n - cols + 1, 1)
+            self._stream, (i,) = draw(self._stream, m - rows + 1, 1)
+            index = ((torch.arange(i, i + rows) * n)[:, None] + torch.arange(j, j + cols)).reshape(-1)
+            with self._quietly:
+                for position, t in enumerate(tensors):
+                    block = t[i : i + rows] if position == a else t[:, j : j + cols] if position == b else None
+                    if block is None:
+                        block = _take(t.expand(recipe.sizes), index)
+                    values += block.reshape(-1).to(F64).tolist()
+            return index, values + list(floats)
         self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
         index = torch.tensor(flat)
-        values: list[float] = []
         with self._quietly:
             for t in tensors:
                 values += _take(t if t.shape == recipe.sizes else t.expand(recipe.sizes), index).to(F64).tolist()
@@ -583,20 +596,19 @@ class SelfChecker:
         masks: one op's calls on tensors of other shapes) in one float64 pass, and file their residuals."""
         tickets, parts = [], []
         first = recipes[0]
-        k, slots, floats = first.k, first.slots, len(first.floats)
+        k, floats = first.k, len(first.floats)
+        widths = [math.prod(shape) for shape in first.shapes]
         for recipe in recipes:
             tickets += recipe.tickets
             # Each view let go at once (a clone): the per-op path appends to the array again.
-            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone().view(-1, (slots + 1) * k + floats))
+            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone().view(-1, sum(widths) + floats + k))
             _clear(recipe.values)
             recipe.tickets.clear()
         try:
-            rows = torch.cat(parts) if len(parts) > 1 else parts[0]
-            gathered = rows[:, : slots * k].reshape(-1, slots, k)
-            inputs = [gathered[:, i].bool() if i in first.masks else gathered[:, i] for i in first.inputs]
-            residual, coarse = _recompute_by_floats(
-                self, first, inputs, rows[:, slots * k : slots * k + floats], rows[:, -k:]
-            )
+            rows, end = (torch.cat(parts) if len(parts) > 1 else parts[0]), sum(widths)
+            gathered = [part.reshape(-1, *shape) for part, shape in zip(rows[:, :end].split(widths, 1), first.shapes)]
+            inputs = [gathered[i].bool() if i in first.masks else gathered[i] for i in first.inputs]
+            residual, coarse = _recompute_by_floats(self, first, inputs, rows[:, end : end + floats], rows[:, -k:])
         except (RuntimeError, TypeError, ValueError, IndexError):
             return
         for ticket, value, rough in zip(tickets, residual.tolist(), coarse.tolist()):
@@ -927,12 +939,13 @@ _FLOATING_CODES = 4
 
 
 class Recipe(NamedTuple):
-    """How the calls of one signature (:meth:`SelfChecker.signature`) of a pointwise op or an
-    exact copy are checked: the per-op path draws ``k`` row-major positions below ``numel``,
-    gathers every input tensor's value there (broadcast to ``sizes``) before the op and the
-    output's after it (in its own shape, ``out_sizes``: a reshaping copy's differs), all in
-    float64, onto ``values``; the checker recomputes them together at the hand-over. Its first
-    eight fields are read by position in C."""
+    """How the calls of one signature (:meth:`SelfChecker.signature`) of a pointwise op, an
+    exact copy or a 2-D matmul are checked: the per-op path draws ``k`` row-major positions below
+    ``numel``, gathers every input tensor's value there (broadcast to ``sizes``) before the op
+    and the output's after it (in its own shape, ``out_sizes``: a reshaping copy's differs), all
+    in float64, onto ``values``; the checker recomputes them together at the hand-over. A matmul
+    (``grid``) reads a block of rows of A and one of columns of B instead, and its output at
+    their crossings. Its first nine fields are read by position in C."""
 
     sizes: tuple[int, ...]  # what the inputs broadcast to (a pointwise op's output shape)
     numel: int
@@ -942,9 +955,13 @@ class Recipe(NamedTuple):
     values: Any  # float64 number array: per call, k values of each input, then k of the output
     tickets: list[int]  # per queued call, its place in what SelfChecker.collect returns
     out_sizes: tuple[int, ...]
+    # A matmul's (rows, columns, A, B, bias): the block's size and which tensors play which part
+    # (bias -1: none); None for elementwise recipes
+    grid: tuple[int, int, int, int, int] | None
     target: _Target  # the recomputation of calls alike
     out_dtype: torch.dtype
     slots: int  # input tensors gathered per call
+    shapes: tuple[tuple[int, ...], ...]  # the values gathered of each, per call
     inputs: tuple[int, ...]  # those the recomputation takes, in its order (a copy's source alone)
     masks: tuple[int, ...]  # those that are bool (gathered as 0.0 and 1.0)
     # The float arguments of the call that taught it (each call's own are gathered after its
@@ -1005,6 +1022,8 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         return None
     if not (_sampled_readable(out) and all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)):
         return None
+    if checker.kinds.get(func) is _matmul:
+        return _matmul_recipe(checker, func, args, kwargs, out, tensors)
     sizes = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
     if len(sizes) > RECIPE_DIMS or out.dim() > RECIPE_DIMS:
         return None
@@ -1033,7 +1052,7 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
             skeleton = (func, _template(args, kwargs, slot))
     limit = _limits(target, out.dtype)[-1]
     code, gathered, shape = _SAMPLED_CODES[out.dtype], _number_array(), tuple(out.shape)
-    numel = math.prod(sizes)
+    numel, shapes = math.prod(sizes), ((k,),) * len(tensors)
     return Recipe(
         sizes,
         numel,
@@ -1043,13 +1062,70 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         gathered,
         [],
         shape,
+        None,
         target,
         out.dtype,
         len(tensors),
+        shapes,
         inputs,
         masks,
         floats,
         skeleton,
+    )
+
+
+def _matmul_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    out: torch.Tensor,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """A 2-D ``mm`` or ``addmm`` (alpha and beta 1) at full float32 or 16-bit precision: the
+    usual path's block of rows and columns (:func:`_matmul`), read by the per-op path."""
+    name = func.overloadpacket.__name__
+    b = _bind(func, args, kwargs)
+    if name not in ("mm", "addmm") or checker.reduced_precision is not None or b.get("beta", 1) != 1:
+        return None
+    if b.get("alpha", 1) != 1 or any(type(a) is float for a in (*args, *kwargs.values())):
+        return None
+    A, B = (b["self"], b["mat2"]) if name == "mm" else (b["mat1"], b["mat2"])
+    if A.dim() != 2 or B.dim() != 2 or A.dtype != B.dtype or not A.is_floating_point():
+        return None
+    if _eps_matrix(A.dtype, A.device, False, None) is not None or tuple(out.shape) != (A.shape[0], B.shape[1]):
+        return None
+    (m, K), n = A.shape, B.shape[1]
+    cols = min(n, math.isqrt(max(checker.sample - 1, 0)) + 1)
+    rows = min(m, -(-checker.sample // cols))
+    roles = (0, 1, -1) if name == "mm" else (1, 2, 0)
+    shapes = {roles[0]: (rows, K), roles[1]: (K, cols)}
+    if name == "addmm":
+        shapes[0] = (rows * cols,)
+    constants = (1, 1, False, True)
+    ordered = tuple(shapes[i] for i in range(len(tensors)))
+    inputs = roles[:2] + ((0,) if name == "addmm" else ())
+    key = ("matmul", constants, tuple((F64, shapes[i], torch.device("cpu")) for i in inputs), None)
+    batch = _Batch(key, functools.partial(_matmul_values, constants, None), ())
+    target = _batched(0, _gathered, batch, K + (name == "addmm"), None, "matmul", rows * cols)
+    limit = _limits(target, out.dtype)[-1]
+    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    return Recipe(
+        (m, n),
+        m * n,
+        rows * cols,
+        limit,
+        code,
+        gathered,
+        [],
+        (m, n),
+        (rows, cols, *roles),
+        target,
+        out.dtype,
+        len(tensors),
+        ordered,
+        inputs,
+        (),
     )
 
 
@@ -2090,7 +2166,7 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
 
 
 # The kinds whose calls have recipes (the C path compares an op's kind with them).
-RECIPE_KINDS = (_pointwise, _copy)
+RECIPE_KINDS = (_pointwise, _copy, _matmul)
 
 
 def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor) -> _Target:
