@@ -63,6 +63,18 @@ class Collectives(Protocol):
 
     awaited_groups: dict[int, list[int]]  # an op reading one of these view families goes to ``slow``
 
+class Checker(Protocol):
+    """tracecmp.capture.selfcheck.SelfChecker, as dispatch() reads and writes it for the calls it
+    gathers through a recipe (instance dict; record_check.cpp)."""
+
+    full: bool
+    recipes: dict[tuple[Any, ...], Any]  # signature -> Recipe, None, or SEEN_ONCE
+    _stream: int  # the splitmix64 state the samples are drawn from
+    _residuals: list[float]  # a NaN per queued call, its ticket's place
+    _coarse: list[float]
+    _queued: int
+    _queue_max: int
+
 class Mode(Protocol):
     """tracecmp.capture.mode.CaptureMode, as dispatch() reads and writes it (instance dict)."""
 
@@ -85,6 +97,11 @@ class Mode(Protocol):
     _args: Any  # .encode(info, key, args, kwargs) -> str
     _dtypes: dict[Any, str]
     _on_limit: Callable[[], Any]
+    # Self-checks (capture/selfcheck.py): None / absent when they are off.
+    _check_kinds: dict[Any, Any] | None  # op -> its check, None: unchecked
+    _checker: Checker
+    check_rows: Columns
+    _deferred_rows: list[int]  # check row per ticket
     # The reference's methods it calls for what it does not record itself.
     def _enter(self, t: Any, rec: Any, phase: str, module: str, location: str, stack: str) -> int: ...
     def _outputs(
@@ -95,6 +112,12 @@ class Mode(Protocol):
     def _written(self, t: Any, op_id: int, outputs: list[int]) -> None: ...
     def _unbumped(self, t: Any, tid: int) -> None: ...
     def _dtype(self, dtype: Any) -> str: ...
+    def _check_before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    def _check_after(self, plan: Any, op_id: int, out: Any) -> None: ...
+    def _learn(
+        self, signature: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None: ...
+    def _resolve_checks(self) -> None: ...
 
 def configure(
     *,
@@ -122,6 +145,7 @@ def configure(
     strided: Any,
     stack_len: Callable[[], int],
     graph_task: Callable[[], int],
+    recipe_kinds: tuple[Callable[..., Any], ...],
 ) -> None:
     """Once per process, before any dispatch(): the reference's helpers and types (kept for the
     process's life). ``slow`` is the reference ``CaptureMode.__torch_dispatch__``, called for every
