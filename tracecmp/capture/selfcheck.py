@@ -1566,10 +1566,10 @@ def _dot_values(
     second of ``valid``'s leading two: any calls before it)."""
     if rounding is not None:
         left, right = rounding(left), rounding(right)
-    left, right = left.to(F64), right.to(F64)
     tail = valid.dim() - 2  # the summed dimensions, after (calls, sample); valid may broadcast over some
-    value = torch.where(valid, left * right, 0.0).flatten(-tail).sum(-1)
-    scale = torch.where(valid, left.abs() * right.abs(), 0.0).flatten(-tail).sum(-1)
+    terms = torch.where(valid, left.to(F64) * right.to(F64), 0.0).flatten(-tail)
+    # |l * r| is |l| * |r| exactly: the scale from the same products, not a second pass over both.
+    value, scale = terms.sum(-1), terms.abs().sum(-1)
     if bias is not None:
         value, scale = value + bias.to(F64), scale + bias.to(F64).abs()
     return value, scale
