@@ -64,7 +64,9 @@ in each; their checks also fit one scale through the whole sample (:func:`_coher
 rounding errors of either sign do not make and a scaled kernel does. Batch norm is layer norm's
 computation over each channel's batch and positions: sampled channels are checked whole.
 ``nll_loss`` reads one log-probability a row: its loss from every row, its gradient at the
-sampled rows' targets (the only nonzero of each row).
+sampled rows' targets (the only nonzero of each row). 2-D max pooling's output is the largest of
+its window's taps, exactly; its gradient, at the elements sampled windows picked, the sum of the
+output gradients of every window that picked each.
 
 >>> import torch
 >>> checker = SelfChecker(sample=8)
@@ -1722,14 +1724,19 @@ def _softmax(
     tensors = [b["grad_output"].detach(), b["output"].detach()] if backward else [b["self"].detach()]
     if not _floating(*tensors) or len({t.shape for t in tensors}) > 1:
         return None
+    # _safe_softmax(dtype=) rounds its input to dtype first: not the float64 softmax of the input.
+    if b.get("dtype") not in (None, tensors[0].dtype):
+        return None
     dims = [b["dim"]]
     _, count, length = _row_view(tensors[0], dims)
     rows = checker._sample(count)
     values = [_rows(_row_view(t, dims)[0], rows, length) for t in tensors]
 
     def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        if name == "_softmax":
+        if name in ("_softmax", "_safe_softmax"):
             value = torch.softmax(values[0], -1)
+            if name == "_safe_softmax":  # a row masked whole (every score -inf) is zeros, not NaN
+                value = value.masked_fill(values[0].isneginf().all(-1, keepdim=True), 0.0)
             return value, value.abs()
         if name == "_log_softmax":
             shifted = values[0] - values[0].max(-1, keepdim=True).values
@@ -2247,24 +2254,127 @@ def _scattered(
     return (_exact(lambda o: _take(o, flat), values),)
 
 
+def _pairs(value: Any, default: Sequence[int]) -> list[int]:
+    """A pooling argument's two values (one given stands for both; none given: ``default``)."""
+    values = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    return list(default) if not values else values * 2 if len(values) == 1 else values
+
+
+def _pool_size(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
+    """A max pooling's output length (ATen's ``pooling_output_shape``).
+
+    >>> _pool_size(112, 3, 2, 1, 1, False), _pool_size(5, 2, 2, 0, 1, True)
+    (56, 3)
+    """
+    out = (size + 2 * padding - dilation * (kernel - 1) - 1 + (stride - 1 if ceil_mode else 0)) // stride + 1
+    # ceil_mode: the last window must start inside the input or its left padding
+    return out - 1 if ceil_mode and (out - 1) * stride >= size + padding else out
+
+
+def _pool_geometry(b: dict[str, Any], x: torch.Tensor) -> tuple[list[int], ...] | None:
+    """A 2-D max pooling's kernel, stride, padding, dilation and output size, or None (not 2-D)."""
+    if x.dim() not in (3, 4):
+        return None
+    kernel = _pairs(b["kernel_size"], ())
+    stride = _pairs(b.get("stride", []), kernel)
+    padding, dilation = _pairs(b.get("padding", 0), (0, 0)), _pairs(b.get("dilation", 1), (1, 1))
+    size = list(x.shape[-2:])
+    ceil_mode = bool(b.get("ceil_mode", False))
+    out = [_pool_size(size[j], kernel[j], stride[j], padding[j], dilation[j], ceil_mode) for j in range(2)]
+    if any(len(v) != 2 for v in (kernel, stride, padding, dilation)) or min(out) <= 0 or min(stride) <= 0:
+        return None
+    return kernel, stride, padding, dilation, size, out
+
+
+def _max_pool(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """``max_pool2d_with_indices``: a sampled output element is the largest of its window's taps
+    (padding and taps past the edge left out), exactly. The indices output is not checked."""
+    b = _bind(func, args, kwargs)
+    x = b["self"].detach()
+    geometry = _pool_geometry(b, x) if _floating(x) else None
+    if geometry is None:
+        return None
+    kernel, stride, padding, dilation, size, out = geometry
+    planes = math.prod(x.shape[:-2])
+    flat = checker._sample(planes * math.prod(out))
+    plane, *o = _unravel(flat, (planes, *out))
+    taps = [o[j][:, None] * stride[j] - padding[j] + torch.arange(kernel[j]) * dilation[j] for j in range(2)]
+    valid = _all(_grid([(p >= 0) & (p < size[j]) for j, p in enumerate(taps)]))  # (k, *kernel)
+    spatial = _offset(_grid([p.clamp(0, size[j] - 1) for j, p in enumerate(taps)]), size)
+    values = _take(x, plane.reshape(-1, 1, 1) * math.prod(size) + spatial)
+    # A NaN tap wins, as in the kernel (amax propagates it)
+    maxima = values.masked_fill(~valid.to(values.device), -math.inf).amax((-2, -1))
+    return (_exact(lambda o: _take(o, flat), maxima),)
+
+
+def _max_pool_backward(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """``max_pool2d_with_indices_backward``: a sampled input element's gradient is the sum of the
+    output gradients whose window picked it (the forward's ``indices``), among the windows that
+    reach it (at most one per kernel tap). The elements are those sampled windows picked: most
+    of the input is picked by none, its gradient zero whatever the kernel's scale."""
+    b = _bind(func, args, kwargs)
+    grad, x, indices = b["grad_output"].detach(), b["self"].detach(), b["indices"].detach()
+    if not (_floating(grad) and _plain(indices) and _plain(x)) or indices.shape != grad.shape:
+        return None
+    geometry = _pool_geometry(b, x)
+    if geometry is None or list(grad.shape[-2:]) != geometry[-1] or grad.shape[:-2] != x.shape[:-2]:
+        return None
+    kernel, stride, padding, dilation, size, out = geometry
+    planes = math.prod(x.shape[:-2])
+    chosen = checker._sample(planes * math.prod(out))
+    picks = _take(indices, chosen).cpu()
+    if not bool(((picks >= 0) & (picks < math.prod(size))).all()):
+        return None
+    plane = chosen // math.prod(out)
+    flat = plane * math.prod(size) + picks
+    at = [picks // size[1], picks % size[1]]
+    # The window o reaches position p through tap t where o * stride - padding + t * dilation == p.
+    reach = [at[j][:, None] + padding[j] - torch.arange(kernel[j]) * dilation[j] for j in range(2)]
+    ok = [(r >= 0) & (r % stride[j] == 0) & (r // stride[j] < out[j]) for j, r in enumerate(reach)]
+    windows = _offset(_grid([(r // stride[j]).clamp(0, out[j] - 1) for j, r in enumerate(reach)]), out)
+    windows = plane.reshape(-1, 1, 1) * math.prod(out) + windows  # (k, *kernel)
+    picked = _all(_grid(ok)) & (_take(indices, windows).cpu() == (at[0] * size[1] + at[1]).reshape(-1, 1, 1))
+    terms = _take(grad, windows)
+    mask = picked.to(terms.device)
+    # A 16-bit gradient may be summed at its own precision, so wide an allowance that a scaled
+    # kernel shows only as one scale fitted through the sample
+    short = grad.dtype in (torch.float16, torch.bfloat16)
+    eps_acc = torch.finfo(grad.dtype).eps if short else None
+    batch = _Batch(("masked sums", terms.dtype, terms.shape, terms.device), _masked_sums, (terms, mask))
+    gather = lambda o: _take(o, flat)  # noqa: E731
+    return (_batched(0, gather, batch, math.prod(kernel), eps_acc, "pointwise", flat.numel(), coherent=short),)
+
+
+def _masked_sums(terms: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 sums of the gathered terms where ``mask`` holds, over the last two dimensions, and
+    of their magnitudes."""
+    values = torch.where(mask, terms.to(F64), 0.0).flatten(-2)
+    return values.sum(-1), values.abs().sum(-1)
+
+
 def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_Target, ...] | None:
     """Ops that only move or make values (a reshape's copy, a scatter into zeros, a concatenation,
     a constant): the same op on float64 copies of the inputs, sampled, must be the output exactly.
     Recomputed whole, as cheap as the op itself (it only moves memory)."""
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-    if not all(_plain(t) and _real(t) for t in tensors) or sum(t.numel() for t in tensors) > MOVED_MAX:
+    # Empty inputs move nothing (a cache's first ``cat`` onto an empty tensor): judged by the rest.
+    if not all(_plain(t) and not t.is_complex() for t in tensors) or sum(t.numel() for t in tensors) > MOVED_MAX:
         return None
     widened = lambda a: a.detach().to(F64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
     f_args = [[widened(t) for t in a] if isinstance(a, (list, tuple)) else widened(a) for a in args]
     f_kwargs = {k: (F64 if k == "dtype" and v is not None else widened(v)) for k, v in kwargs.items()}
     value = func(*f_args, **f_kwargs)
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() == 0:
         return None
     flat = checker._sample(value.numel())
     picked = _take(value, flat)
     scale = torch.zeros((), dtype=F64, device=picked.device)
     # Exact where the output keeps float64's values (same dtype as what it moved): limit 0.
-    dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+    dtype = next((t.dtype for t in tensors if t.is_floating_point() and t.numel()), None)
     return (_Target(0, lambda o: _take(o, flat), lambda: (picked, scale), 1, None, "exact", flat.numel(), dtype),)
 
 
@@ -2440,7 +2550,13 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             _convolution: ["convolution"],
             _convolution_backward: ["convolution_backward"],
             _reduction: ["sum.dim_IntList", "mean.dim", "sum", "mean"],
-            _softmax: ["_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"],
+            _softmax: [
+                "_softmax",
+                "_safe_softmax",
+                "_log_softmax",
+                "_softmax_backward_data",
+                "_log_softmax_backward_data",
+            ],
             _layer_norm: ["native_layer_norm"],
             _attention: [
                 "_scaled_dot_product_flash_attention_for_cpu",
@@ -2461,6 +2577,8 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
             _nll_loss: ["nll_loss_forward"],
             _nll_loss_backward: ["nll_loss_backward"],
             _embedding_backward: ["embedding_dense_backward"],
+            _max_pool: ["max_pool2d_with_indices"],
+            _max_pool_backward: ["max_pool2d_with_indices_backward"],
             _fused_adam: ["_fused_adam_", "_fused_adamw_", "_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr"],
             _copy: ["_to_copy", "copy_", "clone", "embedding", "_unsafe_view"],
             _scattered: ["select_backward", "slice_backward"],
@@ -2470,6 +2588,8 @@ def _special() -> dict[Any, Callable[..., tuple[_Target, ...] | None]]:
                 "index_select",
                 "gather",
                 "repeat",
+                "tril",
+                "triu",
                 "constant_pad_nd",
                 "zeros_like",
                 "ones_like",
