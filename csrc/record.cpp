@@ -19,7 +19,7 @@
 //
 // Files: record.cpp (this module: configure() and the method table), record_buffer.cpp (the
 // number columns of the row buffers), record_identity.cpp (which value each tensor holds),
-// record_check.cpp (sampled pointwise self-checks), record_dispatch.cpp (the per-op path),
+// record_check.cpp (sampled self-checks), record_dispatch.cpp (the per-op path),
 // record.hpp (what they share).
 #include "record.hpp"
 

@@ -78,7 +78,7 @@ struct Names {
   X(kinds) X(append) X(_rollback) X(layout) X(collective) X(write_only) X(_unbumped) X(_base)   \
   X(_check_kinds) X(_check_before) X(_check_after) X(_checker) X(full) X(recipes) X(_stream)      \
   X(_residuals) X(_coarse) X(_queued) X(_queue_max) X(_deferred_rows) X(check_rows) X(_learn)   \
-  X(_resolve_checks) X(pointwise)
+  X(_resolve_checks)
 #define TRACECMP_DECLARE(n) PyObject* n = nullptr;
   TRACECMP_NAMES(TRACECMP_DECLARE)
 #undef TRACECMP_DECLARE
@@ -152,11 +152,11 @@ bool fresh(PyObject* mode, PyObject* md, PyObject* idd, PyObject* t, PyObject* o
            bool stats);
 PyObject* forget(PyObject*, PyObject* const* argv, Py_ssize_t nargs);
 
-// ---- record_check.cpp: sampled pointwise self-checks (capture/selfcheck.py's recipes) -----------
+// ---- record_check.cpp: sampled self-checks (capture/selfcheck.py's recipes) ---------------------
 
 // One call's sampled check, from before the op to after it.
 struct SampledCall {
-  Ref signature;  // the calls a recipe serves (SelfChecker.signature); null: not a pointwise kind
+  Ref signature;  // the calls a recipe serves (SelfChecker.signature); null: not a kind with recipes
   Ref recipe;     // its Recipe, while the call is sampled
   bool learn = false;  // a signature seen for the first time: mode._learn after the op
   std::vector<uint64_t> flat;  // the sampled positions of the output

@@ -1,10 +1,11 @@
-// tracecmp._crecord: sampled pointwise self-checks on the per-op path.
+// tracecmp._crecord: sampled self-checks gathered on the per-op path.
 //
 // The reference is CaptureMode._sample_before and _sample_after with SelfChecker.signature,
-// gather_sampled and finish_sampled (capture/selfcheck.py, "sampled pointwise checks"): a
-// pointwise call whose signature (op, other arguments, input dtypes and shapes) has a recipe draws
-// its sample from the checker's splitmix64 stream and reads the values behind it straight from
-// each tensor's memory, into float64. The float64 recomputation stays in Python, once per recipe
+// gather_sampled and finish_sampled (capture/selfcheck.py, "sampled checks gathered on the
+// per-op path"): a call whose signature (op, other arguments, input dtypes and shapes) has a
+// recipe (a pointwise op, a copy, a 2-D matmul, a sum or mean, a softmax) draws its sample from
+// the checker's splitmix64 stream and reads the values behind it straight from each tensor's
+// memory, into float64. The float64 recomputation stays in Python, once per recipe
 // at the hand-over. Without this a check costs two calls into Python and a dozen torch calls,
 // ~100 us in a training step (cold caches between big kernels); reading a few elements by
 // pointer costs the tensors' metadata and a few cache lines.
@@ -87,9 +88,9 @@ double element(const char* p, int code) {
 // Bytes per element, by dtype code (stats._NATIVE_CODES).
 constexpr int kItemSize[10] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1};
 
-// A tuple of ints into out[0..n), n <= kMaxDims; false otherwise (no exception left).
-bool ints_of(PyObject* tuple, int64_t* out, int* n) {
-  if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > kMaxDims) return false;
+// A tuple of ints into out[0..n), n <= most; false otherwise (no exception left).
+bool ints_of(PyObject* tuple, int64_t* out, int* n, int most = kMaxDims) {
+  if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > most) return false;
   *n = static_cast<int>(PyTuple_GET_SIZE(tuple));
   for (int i = 0; i < *n; ++i) {
     out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
@@ -159,18 +160,20 @@ void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
 }
 
 // The Recipe's fields read here, by position (selfcheck.Recipe).
-enum RecipeField { kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kRecipeFields };
+enum RecipeField {
+  kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kRecipeFields
+};
+// selfcheck.GRID_MATMUL, GRID_ROWS: what a Recipe.grid's first field says it reads
+enum GridKind { kGridMatmul, kGridRows };
 
-// selfcheck.Recipe.grid: a 2-D matmul's block of ``count`` adjacent rows of A and ``cols``
-// adjacent columns of B (their starts drawn, columns first), every crossing a sampled output
-// element; each tensor read in its role (A's rows whole, B's columns whole, the bias at the
-// crossings). False where the recipe does not fit the tensors (no exception: the usual path).
-bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const int64_t* sizes, int dims,
-                 uint64_t* state, SampledCall& call) {
-  int64_t g[5];
-  int n_fields = 0;
-  if (!ints_of(grid, g, &n_fields) || n_fields != 5 || dims != 2) return false;
-  const int64_t rows = g[0], cols = g[1], a = g[2], b = g[3], bias = g[4];
+// selfcheck.Recipe.grid of GRID_MATMUL: a 2-D matmul's block of ``rows`` adjacent rows of A and
+// ``cols`` adjacent columns of B (their starts drawn, columns first), every crossing a sampled
+// output element; each tensor read in its role (A's rows whole, B's columns whole, the bias at
+// the crossings). False where the recipe does not fit the tensors (no exception: the usual path).
+bool gather_matmul(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, const int64_t* sizes,
+                   int dims, uint64_t* state, SampledCall& call) {
+  if (n_fields != 6 || dims != 2) return false;
+  const int64_t rows = g[1], cols = g[2], a = g[3], b = g[4], bias = g[5];
   const int64_t m = sizes[0], n = sizes[1];
   if (a < 0 || a >= count || b < 0 || b >= count || bias >= count || layouts[a].dims != 2 || layouts[b].dims != 2)
     return false;
@@ -195,6 +198,87 @@ bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const 
     else gather(layouts[t], sizes, 2, call.flat, call.values);  // the bias, broadcast to the output
   }
   return true;
+}
+
+// The offsets (in elements) of the row-major positions of ``count`` dimensions ``order`` of a
+// tensor of ``sizes`` and ``strides``, from ``first`` on, ``n`` of them: an odometer, last fastest.
+void offsets(const int64_t* sizes, const int64_t* strides, const int64_t* order, int count, int64_t first, int64_t n,
+             std::vector<int64_t>& out) {
+  int64_t at[kMaxDims];
+  for (int d = count - 1; d >= 0; --d) {  // ``first`` unravelled
+    at[d] = first % sizes[order[d]];
+    first /= sizes[order[d]];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < count; ++d) offset += at[d] * strides[order[d]];
+    out.push_back(offset);
+    for (int d = count - 1; d >= 0 && ++at[d] == sizes[order[d]]; --d) at[d] = 0;
+  }
+}
+
+// selfcheck.Recipe.grid of GRID_ROWS (block, kept, along, *order): ``block`` adjacent rows (their
+// start drawn) of every tensor, each viewed with its dimensions in ``order``, the first ``kept``
+// numbering the rows; the output read at those rows (along 0: a reduction's) or along them (1:
+// at the same positions of a tensor of the inputs' shape, in its own row-major order).
+bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t* state,
+                 SampledCall& call) {
+  const Layout& x = layouts[0];
+  const int dims = n_fields - 4;
+  const int64_t block = g[1], kept = g[2], along = g[3];
+  const int64_t* order = g + 4;
+  if (dims != x.dims || kept < 0 || kept > dims || block < 1) return false;
+  bool seen[kMaxDims] = {};
+  for (int d = 0; d < dims; ++d) {
+    if (order[d] < 0 || order[d] >= dims || seen[order[d]]) return false;
+    seen[order[d]] = true;
+  }
+  for (Py_ssize_t t = 1; t < count; ++t)
+    if (layouts[t].dims != dims || std::memcmp(layouts[t].sizes, x.sizes, sizeof(int64_t) * dims) != 0) return false;
+  int64_t rows = 1, length = 1;
+  for (int d = 0; d < dims; ++d) (d < kept ? rows : length) *= x.sizes[order[d]];
+  if (block > rows) return false;
+  std::vector<uint64_t> start;
+  draw(state, static_cast<uint64_t>(rows - block + 1), 1, start);
+  const int64_t first = static_cast<int64_t>(start[0]);
+  std::vector<int64_t> row_at, along_row;
+  for (Py_ssize_t t = 0; t < count; ++t) {
+    const Layout& l = layouts[t];
+    row_at.clear();
+    along_row.clear();
+    offsets(l.sizes, l.strides, order, static_cast<int>(kept), first, block, row_at);
+    offsets(l.sizes, l.strides, order + kept, static_cast<int>(dims - kept), 0, length, along_row);
+    const int64_t item = kItemSize[l.code];
+    for (int64_t r : row_at)
+      for (int64_t q : along_row) call.values.push_back(element(l.data + (r + q) * item, l.code));
+  }
+  if (!along) {
+    for (int64_t r = 0; r < block; ++r) call.flat.push_back(static_cast<uint64_t>(first + r));
+    return true;
+  }
+  int64_t dense[kMaxDims];  // the output's row-major strides: it has the inputs' shape
+  int64_t step = 1;
+  for (int d = dims - 1; d >= 0; --d) {
+    dense[d] = step;
+    step *= x.sizes[d];
+  }
+  row_at.clear();
+  along_row.clear();
+  offsets(x.sizes, dense, order, static_cast<int>(kept), first, block, row_at);
+  offsets(x.sizes, dense, order + kept, static_cast<int>(dims - kept), 0, length, along_row);
+  for (int64_t r : row_at)
+    for (int64_t q : along_row) call.flat.push_back(static_cast<uint64_t>(r + q));
+  return true;
+}
+
+// A Recipe.grid's blocks gathered: false where the recipe does not fit the tensors.
+bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const int64_t* sizes, int dims,
+                 uint64_t* state, SampledCall& call) {
+  int64_t g[4 + kMaxDims];
+  int n_fields = 0;
+  if (!ints_of(grid, g, &n_fields, 4 + kMaxDims) || n_fields < 1) return false;
+  if (g[0] == kGridMatmul) return gather_matmul(g, n_fields, layouts, count, sizes, dims, state, call);
+  return g[0] == kGridRows && gather_rows(g, n_fields, layouts, count, state, call);
 }
 
 }  // namespace
@@ -354,7 +438,7 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
   while (PyList_GET_SIZE(deferred) < PyList_GET_SIZE(residuals) - 1)
     if (PyList_Append(deferred, none_yet.p) < 0) return false;
   PyObject* fields[7] = {op_id, s.zero, nan.p, PyTuple_GET_ITEM(recipe, kLimit), nan.p,
-                         PyTuple_GET_ITEM(recipe, kSample), s.pointwise};
+                         PyTuple_GET_ITEM(recipe, kSampled), PyTuple_GET_ITEM(recipe, kHow)};
   Py_ssize_t count = 0;
   if (!append_row(rows, fields, 7, &count)) return false;
   Ref row(PyLong_FromSsize_t(count - 1));

@@ -633,7 +633,7 @@ PyObject* dispatch(PyObject*, PyObject* const* argv, Py_ssize_t nargs, PyObject*
 
   // Before the call: an in-place op overwrites the inputs its check recomputes from.
   Ref plan;
-  SampledCall sampled;  // record_check.cpp: a pointwise call with a recipe is gathered here
+  SampledCall sampled;  // record_check.cpp: a call with a recipe is gathered here
   int gathered = 0;
   if (checked) {
     gathered = sample_before(md.p, kind, func, key.p, tensors.p, sampled);

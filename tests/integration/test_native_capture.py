@@ -65,7 +65,8 @@ _PROGRAM = textwrap.dedent(
 
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
-        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts, matmuls.
+        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts,
+        # matmuls, reductions, softmax.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -78,6 +79,11 @@ _PROGRAM = textwrap.dedent(
             s = torch.tensor(3.0)
             s += 1
             torch.addmm(b, x.t() @ x, torch.randn(5, 5).t())  # matmuls: blocks of rows and columns
+            # Rows: sums and means over any dimensions, softmax along any, read in blocks
+            t = torch.randn(4, 3, 6).transpose(0, 2)
+            t.sum([0, 2]), t.mean(1, keepdim=True), h.sum(-1), t.sum(dtype=torch.float64)
+            p = torch.softmax(t, 1)
+            torch.log_softmax(t, 0), torch.ops.aten._softmax_backward_data(t, p, 1, torch.float32)
             (torch.sigmoid(h.float()) + z - u).sum() + w.sum() + s
 
     programs = {"edges": edges, "recipes": recipes}

@@ -783,6 +783,19 @@ RECIPE_CALLS = {
     "mm": (aten.mm.default, lambda g: (_randn(g, 9, 33), _randn(g, 33, 7)), {}),
     "mm of a transposed operand": (aten.mm.default, lambda g: (_randn(g, 33, 9).t(), _randn(g, 33, 12)), {}),
     "a narrow mm": (aten.mm.default, lambda g: (_randn(g, 2, 5), _randn(g, 5, 3)), {}),
+    # Rows: a block of adjacent ones, read whole, the output at them or along them
+    "a bias gradient's sum": (aten.sum.dim_IntList, lambda g: (_randn(g, 4, 7, 24), [0, 1]), {}),
+    "mean over a middle dimension": (aten.mean.dim, lambda g: (_randn(g, 5, 9, 6).transpose(0, 2), [1], True), {}),
+    "a sum of everything": (aten.sum.default, lambda g: (_randn(g, 40, 3, positive=True),), {}),
+    "a bf16 sum of rows": (aten.sum.dim_IntList, lambda g: (_randn(g, 40, 3, dtype=torch.bfloat16), [0]), {}),
+    "softmax": (aten._softmax.default, lambda g: (_randn(g, 20, 6, 9), 1, False), {}),
+    "safe softmax": (aten._safe_softmax.default, lambda g: (_masked_rows(_randn(g, 20, 9), 3), -1), {}),
+    "log_softmax of a transposed input": (aten._log_softmax.default, lambda g: (_randn(g, 9, 20).t(), 1, False), {}),
+    "softmax backward": (
+        aten._softmax_backward_data.default,
+        lambda g: (_randn(g, 20, 9), torch.softmax(_randn(g, 20, 9), -1), -1, torch.float32),
+        {},
+    ),
 }
 
 

@@ -321,7 +321,7 @@ class CaptureMode(TorchDispatchMode):
         return out
 
     def _sample_before(self, func: Any, key: Any, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any]:
-        """A pointwise call with a recipe (capture/selfcheck.py, "sampled pointwise checks"): its
+        """A call with a recipe (capture/selfcheck.py, "sampled checks gathered on the per-op path"): its
         signature, recipe and inputs gathered now; ``_UNLEARNED`` as the recipe of a signature
         without one yet (the checker learns it after the call), and no gathering (the call is checked the usual way) where there is no
         recipe or a tensor is not one the per-op path reads. csrc/record_check.cpp does the same."""
@@ -353,7 +353,7 @@ class CaptureMode(TorchDispatchMode):
         deferred = self._deferred_rows
         deferred.extend([-1] * (ticket - len(deferred)))
         deferred.append(len(self.check_rows))
-        self.check_rows.append((op_id, 0, math.nan, recipe.limit, math.nan, recipe.k, "pointwise"))
+        self.check_rows.append((op_id, 0, math.nan, recipe.limit, math.nan, recipe.sampled, recipe.how))
         if checker._queued >= checker._queue_max:
             self._resolve_checks()
 

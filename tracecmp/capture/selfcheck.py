@@ -496,7 +496,7 @@ class SelfChecker:
             return Check(target.index, float(residual), limit, target.sampled, target.how, float(coarse))
         return Check(target.index, residual[0], limit, target.sampled, target.how, coarse[0])
 
-    # --- sampled pointwise checks: one recipe per signature, the per-op path gathers ---
+    # --- sampled checks: one recipe per signature, the per-op path gathers ---
 
     def signature(
         self, func: Any, key: tuple[Any, ...], tensors: Sequence[torch.Tensor]
@@ -553,8 +553,19 @@ class SelfChecker:
         if not all(_sampled_readable(t) for t in tensors):
             return None
         values: list[float] = []
+        if recipe.grid is not None and recipe.grid[0] == GRID_ROWS:
+            _, block, kept, along, *order = recipe.grid
+            count = math.prod(recipe.sizes[d] for d in order[:kept])
+            self._stream, (start,) = draw(self._stream, count - block + 1, 1)
+            picked = torch.arange(start, start + block)
+            rows = _row_index(picked, recipe.numel // count)
+            with self._quietly:
+                for t in tensors:
+                    values += _take(t.permute(*order), rows).to(F64).reshape(-1).tolist()
+            index = _take(torch.arange(recipe.numel).reshape(recipe.sizes).permute(*order), rows) if along else picked
+            return index.reshape(-1), values + list(floats)
         if recipe.grid is not None:
-            rows, cols, a, b, _ = recipe.grid
+            _, rows, cols, a, b, _ = recipe.grid
             m, n = recipe.sizes
             self._stream, (j,) = draw(self._stream, n - cols + 1, 1)
             self._stream, (i,) = draw(self._stream, m - rows + 1, 1)
@@ -921,7 +932,7 @@ def _gathered(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 _SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
 
-# --- sampled pointwise checks gathered on the per-op path (csrc/record_check.cpp mirrors these) ---
+# --- sampled checks gathered on the per-op path (csrc/record_check.cpp mirrors these) ---
 
 _MASK64 = (1 << 64) - 1
 # A signature seen once: its recipe is made at its next call (one seen once may never recur). Not
@@ -942,12 +953,14 @@ _FLOATING_CODES = 4
 
 class Recipe(NamedTuple):
     """How the calls of one signature (:meth:`SelfChecker.signature`) of a pointwise op, an
-    exact copy or a 2-D matmul are checked: the per-op path draws ``k`` row-major positions below
-    ``numel``, gathers every input tensor's value there (broadcast to ``sizes``) before the op
-    and the output's after it (in its own shape, ``out_sizes``: a reshaping copy's differs), all
-    in float64, onto ``values``; the checker recomputes them together at the hand-over. A matmul
-    (``grid``) reads a block of rows of A and one of columns of B instead, and its output at
-    their crossings. Its first nine fields are read by position in C."""
+    exact copy, a 2-D matmul, a sum or mean, or a softmax are checked: the per-op path draws
+    ``k`` row-major positions below ``numel``, gathers every input tensor's value there
+    (broadcast to ``sizes``) before the op and the output's after it (in its own shape,
+    ``out_sizes``: a reshaping copy's differs), all in float64, onto ``values``; the checker
+    recomputes them together at the hand-over. A ``grid`` reads blocks instead: a matmul's
+    rows of A and columns of B (its output at their crossings), a reduction's or softmax's
+    whole rows (its output at those rows, or along them). Its first eleven fields are read by
+    position in C."""
 
     sizes: tuple[int, ...]  # what the inputs broadcast to (a pointwise op's output shape)
     numel: int
@@ -957,9 +970,14 @@ class Recipe(NamedTuple):
     values: Any  # float64 number array: per call, k values of each input, then k of the output
     tickets: list[int]  # per queued call, its place in what SelfChecker.collect returns
     out_sizes: tuple[int, ...]
-    # A matmul's (rows, columns, A, B, bias): the block's size and which tensors play which part
-    # (bias -1: none); None for elementwise recipes
-    grid: tuple[int, int, int, int, int] | None
+    # GRID_MATMUL, rows, columns, A, B, bias: the block's size and which tensors play which part
+    # (bias -1: none); GRID_ROWS, rows, kept, along, *order: a block of adjacent rows of every
+    # tensor (all of one shape) viewed with its dimensions in ``order``, the first ``kept`` of
+    # them numbering the rows, and the output read at those rows (along 0) or along them (1).
+    # None for elementwise recipes.
+    grid: tuple[int, ...] | None
+    how: str  # what the check rows say (Check.how)
+    sampled: int  # and how many elements or rows they say were recomputed
     target: _Target  # the recomputation of calls alike
     out_dtype: torch.dtype
     slots: int  # input tensors gathered per call
@@ -980,6 +998,9 @@ class Recipe(NamedTuple):
         slots = tuple((torch.bool if i in self.masks else F64, torch.device("cpu")) for i in range(self.slots))
         batch = _pointwise_batch(checker, func, args, kwargs, (args, kwargs), slots, self.k)
         return self.target._replace(batch=batch)
+
+
+GRID_MATMUL, GRID_ROWS = 0, 1
 
 
 def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
@@ -1026,6 +1047,8 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         return None
     if checker.kinds.get(func) is _matmul:
         return _matmul_recipe(checker, func, args, kwargs, out, tensors)
+    if checker.kinds.get(func) in (_reduction, _softmax):
+        return _rows_recipe(checker, func, args, kwargs, out, tensors)
     sizes = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
     if len(sizes) > RECIPE_DIMS or out.dim() > RECIPE_DIMS:
         return None
@@ -1065,6 +1088,8 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         [],
         shape,
         None,
+        target.how,
+        k,
         target,
         out.dtype,
         len(tensors),
@@ -1121,7 +1146,9 @@ def _matmul_recipe(
         gathered,
         [],
         (m, n),
-        (rows, cols, *roles),
+        (GRID_MATMUL, rows, cols, *roles),
+        "matmul",
+        rows * cols,
         target,
         out.dtype,
         len(tensors),
@@ -1129,6 +1156,57 @@ def _matmul_recipe(
         inputs,
         (),
     )
+
+
+def _rows_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    out: torch.Tensor,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """A ``sum`` or ``mean`` (rows: the reduced dimensions), or a softmax, log-softmax or their
+    backward (rows along ``dim``): the usual path's rows (:func:`_reduction`, :func:`_softmax`),
+    a block of adjacent ones, read by the per-op path."""
+    name = func.overloadpacket.__name__
+    b = _bind(func, args, kwargs)
+    x = tensors[0]
+    if any(type(a) is float for a in (*args, *kwargs.values())) or not x.is_floating_point() or not x.dim():
+        return None
+    if any(t.shape != x.shape or not t.is_floating_point() for t in tensors):
+        return None
+    reduction = checker.kinds.get(func) is _reduction
+    dims = ([d % x.dim() for d in b.get("dim") or ()] or range(x.dim())) if reduction else [b["dim"] % x.dim()]
+    if not reduction and (b.get("dtype") not in (None, x.dtype) or out.shape != x.shape):
+        return None
+    kept = [d for d in range(x.dim()) if d not in dims]
+    count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
+    block = min(checker.sample, count)
+    if not count or block * length * len(tensors) > GATHER_BUDGET:
+        return None
+    shapes = ((block, length),) * len(tensors)
+    device = torch.device("cpu")
+    if reduction:
+        if out.numel() != count:
+            return None
+        divisor = length if name == "mean" else 1
+        # As the usual path: a 16-bit reduction to one element accumulates at its own eps.
+        eps_acc = torch.finfo(out.dtype).eps if count == 1 and out.dtype in (torch.float16, torch.bfloat16) else None
+        batch = _Batch(("sum", divisor, F64, shapes[0], device), functools.partial(_sums, divisor), ())
+        target, k = _batched(0, _gathered, batch, length, eps_acc, "rows", block), block
+    else:
+        batch = _Batch(("softmax", name, shapes, device), functools.partial(_softmax_values, name), ())
+        target, k = _batched(0, _gathered, batch, length, None, "rows", block), block * length
+    grid = (GRID_ROWS, block, len(kept), int(not reduction), *kept, *dims)
+    limit = _limits(target, out.dtype)[-1]
+    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    inputs = tuple(range(len(tensors)))
+    sizes, shape = tuple(x.shape), tuple(out.shape)
+    return Recipe(
+        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, target, out.dtype,
+        len(tensors), shapes, inputs, (),
+    )  # fmt: skip
 
 
 def _recompute_by_floats(
@@ -1732,25 +1810,29 @@ def _softmax(
     rows = checker._sample(count)
     values = [_rows(_row_view(t, dims)[0], rows, length) for t in tensors]
 
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        if name in ("_softmax", "_safe_softmax"):
-            value = torch.softmax(values[0], -1)
-            if name == "_safe_softmax":  # a row masked whole (every score -inf) is zeros, not NaN
-                value = value.masked_fill(values[0].isneginf().all(-1, keepdim=True), 0.0)
-            return value, value.abs()
-        if name == "_log_softmax":
-            shifted = values[0] - values[0].max(-1, keepdim=True).values
-            lse = shifted.exp().sum(-1, keepdim=True).log()
-            return shifted - lse, shifted.abs() + lse.abs() + 1
-        g, y = values
-        if name == "_softmax_backward_data":
-            return y * (g - (g * y).sum(-1, keepdim=True)), y.abs() * (g.abs() + (g * y).abs().sum(-1, keepdim=True))
-        return g - y.exp() * g.sum(-1, keepdim=True), g.abs() + y.exp() * g.abs().sum(-1, keepdim=True)
-
     def gather(o: torch.Tensor) -> torch.Tensor:
         return _take(_row_view(o, dims)[0], _row_index(rows, length))
 
-    return (_Target(0, gather, ref, length, None, "rows", rows.numel()),)
+    return (_Target(0, gather, functools.partial(_softmax_values, name, *values), length, None, "rows", rows.numel()),)
+
+
+def _softmax_values(name: str, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 value and scale of a softmax, log-softmax (of ``x``) or their backward (of
+    ``grad, output``) along the last dimension of gathered rows (any leading ones)."""
+    if name in ("_softmax", "_safe_softmax", "_log_softmax"):
+        x = rows[0].to(F64)
+        if name == "_log_softmax":
+            shifted = x - x.max(-1, keepdim=True).values
+            lse = shifted.exp().sum(-1, keepdim=True).log()
+            return shifted - lse, shifted.abs() + lse.abs() + 1
+        value = torch.softmax(x, -1)
+        if name == "_safe_softmax":  # a row masked whole (every score -inf) is zeros, not NaN
+            value = value.masked_fill(x.isneginf().all(-1, keepdim=True), 0.0)
+        return value, value.abs()
+    g, y = (t.to(F64) for t in rows)
+    if name == "_softmax_backward_data":
+        return y * (g - (g * y).sum(-1, keepdim=True)), y.abs() * (g.abs() + (g * y).abs().sum(-1, keepdim=True))
+    return g - y.exp() * g.sum(-1, keepdim=True), g.abs() + y.exp() * g.abs().sum(-1, keepdim=True)
 
 
 def _attention(
@@ -2173,7 +2255,7 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
 
 
 # The kinds whose calls have recipes (the C path compares an op's kind with them).
-RECIPE_KINDS = (_pointwise, _copy, _matmul)
+RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax)
 
 
 def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor) -> _Target:
