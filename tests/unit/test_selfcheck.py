@@ -16,6 +16,8 @@ SPECIAL = special_ops()
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# What scaled-dot-product attention's math path calls for masked scores (torch 2.5 and later)
+SAFE_SOFTMAX = getattr(getattr(aten, "_safe_softmax", None), "default", None)
 
 
 def _run(
@@ -58,7 +60,7 @@ def _cases(gen: torch.Generator, dtype: torch.dtype, positive: bool, k: int) -> 
         ("sum of squares", aten.sum.dim_IntList, (a * a, [1]), {}),
         ("mean keepdim", aten.mean.dim, (r(4, k, 3), [1], True), {}),
         ("softmax", aten._softmax.default, (a, 1, False), {}),
-        ("safe_softmax", aten._safe_softmax.default, (_masked_rows(a, 2), 1), {}),
+        *([("safe_softmax", SAFE_SOFTMAX, (_masked_rows(a, 2), 1), {})] if SAFE_SOFTMAX is not None else []),
         ("log_softmax", aten._log_softmax.default, (a_t, 1, False), {}),
         ("softmax backward", aten._softmax_backward_data.default, (r(6, k), y, 1, dtype), {}),
         ("log_softmax backward", aten._log_softmax_backward_data.default, (r(6, k), y.log(), 1, dtype), {}),
@@ -789,7 +791,11 @@ RECIPE_CALLS = {
     "a sum of everything": (aten.sum.default, lambda g: (_randn(g, 40, 3, positive=True),), {}),
     "a bf16 sum of rows": (aten.sum.dim_IntList, lambda g: (_randn(g, 40, 3, dtype=torch.bfloat16), [0]), {}),
     "softmax": (aten._softmax.default, lambda g: (_randn(g, 20, 6, 9), 1, False), {}),
-    "safe softmax": (aten._safe_softmax.default, lambda g: (_masked_rows(_randn(g, 20, 9), 3), -1), {}),
+    **(
+        {"safe softmax": (SAFE_SOFTMAX, lambda g: (_masked_rows(_randn(g, 20, 9), 3), -1), {})}
+        if SAFE_SOFTMAX is not None
+        else {}
+    ),
     "log_softmax of a transposed input": (aten._log_softmax.default, lambda g: (_randn(g, 9, 20).t(), 1, False), {}),
     "softmax backward": (
         aten._softmax_backward_data.default,
@@ -804,6 +810,8 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
     """The per-op path's gathering (its reference here) judges a call as the usual path does:
     honest calls within the limit, a 5% scaled output far outside it."""
     func, make, kwargs = RECIPE_CALLS[name]
+    if SUMS_AT_16_BITS and name == "a bf16 sum of rows":
+        pytest.skip("this torch sums 16-bit rows at 16 bits: a 5% scale may hide in their allowance")
     gen = torch.Generator().manual_seed(0)
     checker = _learned(func, make(gen), kwargs)
     tickets = []
