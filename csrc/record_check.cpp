@@ -346,7 +346,7 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
     return 0;
   }
   if (recipe == Py_None) return 0;
-  if (!PyTuple_Check(recipe)) {  // selfcheck.SEEN_ONCE: made at this call's end
+  if (!PyTuple_Check(recipe)) {  // selfcheck.SEEN_ONCE or SEEN_BEFORE: made at this call's end
     call.signature.reset(signature.release());
     call.learn = true;
     return 0;

@@ -68,7 +68,7 @@ class Checker(Protocol):
     gathers through a recipe (instance dict; record_check.cpp)."""
 
     full: bool
-    recipes: dict[tuple[Any, ...], Any]  # signature -> Recipe, None, or SEEN_ONCE
+    recipes: dict[tuple[Any, ...], Any]  # signature -> Recipe, None, SEEN_ONCE or SEEN_BEFORE
     _stream: int  # the splitmix64 state the samples are drawn from
     _residuals: list[float]  # a NaN per queued call, its ticket's place
     _coarse: list[float]

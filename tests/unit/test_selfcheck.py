@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tracecmp.capture.selfcheck import QUEUE_MAX, SEEN_ONCE, SUMS_AT_16_BITS, Check, SelfChecker, special_ops
+from tracecmp.capture.selfcheck import QUEUE_MAX, SEEN_BEFORE, SUMS_AT_16_BITS, Check, Recipe, SelfChecker, special_ops
 from tracecmp.trace.args import scan
 
 SPECIAL = special_ops()
@@ -873,7 +873,7 @@ def test_full_checks_take_no_recipe() -> None:
 
 def test_recipes_of_signatures_that_do_not_recur_are_forgotten_at_collect() -> None:
     """A signature that does not recur (its integer arguments change every step) is only noted
-    as seen and dropped at the next collect; one that served calls keeps its recipe."""
+    as seen, kept across one collect and dropped at the next; one that served calls keeps its recipe."""
     checker, x = SelfChecker(), torch.randn(64)
     func = aten.add.Scalar
     checker.prepare(func, (x, 2), {})
@@ -884,7 +884,7 @@ def test_recipes_of_signatures_that_do_not_recur_are_forgotten_at_collect() -> N
             signed = checker.signature(func, ("T", other), [x])
             assert signed is not None
             recipe = checker.recipes.get(signed[0])
-            if recipe is None or recipe == SEEN_ONCE:
+            if not isinstance(recipe, Recipe):
                 checker.learn(signed[0], func, (x, other), {}, x + other)
             else:
                 gathered = checker.gather_sampled(recipe, [x])
@@ -892,7 +892,24 @@ def test_recipes_of_signatures_that_do_not_recur_are_forgotten_at_collect() -> N
                 checker.finish_sampled(recipe, *gathered, x + other)
         residuals, _ = checker.collect()
         assert all(r <= 3.25 for r in residuals)
-        assert list(checker.recipes) == [recurring[0]]
+        this_step = checker.signature(func, ("T", step + 10), [x])
+        assert this_step is not None
+        assert checker.recipes == {recurring[0]: checker.recipes[recurring[0]], this_step[0]: SEEN_BEFORE}
+
+
+def test_a_signature_called_once_between_collects_still_gets_its_recipe() -> None:
+    """A step longer than flush_secs is collected at every boundary: an op called once a step is
+    seen before one collect and given its recipe at its call after it."""
+    checker, x = SelfChecker(), torch.randn(64)
+    func = aten.mul.Scalar
+    checker.prepare(func, (x, 3), {})
+    signed = checker.signature(func, ("T", 3), [x])
+    assert signed is not None
+    checker.learn(signed[0], func, (x, 3), {}, x * 3)
+    checker.collect()
+    assert checker.recipes[signed[0]] == SEEN_BEFORE
+    checker.learn(signed[0], func, (x, 3), {}, x * 3)
+    assert isinstance(checker.recipes[signed[0]], Recipe)
 
 
 def test_a_recipe_takes_each_calls_own_floats() -> None:
@@ -909,7 +926,7 @@ def test_a_recipe_takes_each_calls_own_floats() -> None:
         signature, floats = signed
         assert floats == [-lr]
         recipe = checker.recipes.get(signature)
-        if recipe is None or recipe == SEEN_ONCE:
+        if not isinstance(recipe, Recipe):
             checker.learn(signature, func, (p.clone(), g), {"alpha": -lr}, p.clone().add_(g, alpha=-lr))
             continue
         gathered = checker.gather_sampled(recipe, [p, g], floats)

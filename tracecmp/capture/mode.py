@@ -53,7 +53,7 @@ from tracecmp.capture.location import Locator
 from tracecmp.capture.modules import ModuleScope
 from tracecmp.capture.rng import rewrite
 from tracecmp.capture.select import Selection
-from tracecmp.capture.selfcheck import RECIPE_KINDS, SEEN_ONCE, Check, Plan, Recipe, SelfChecker
+from tracecmp.capture.selfcheck import RECIPE_KINDS, SEEN_BEFORE, SEEN_ONCE, Check, Plan, Recipe, SelfChecker
 from tracecmp.capture.stats import stats_tensor_reference, tensor_stats_row, unpack_stats
 from tracecmp.capture.tensorkinds import PLAIN_TYPES, STRIDED, TRACED_OP, dims, traced_op, unreadable
 from tracecmp.capture.watch import OverflowWatch
@@ -335,7 +335,7 @@ class CaptureMode(TorchDispatchMode):
             recipe = checker.recipes.get(signature, _UNLEARNED)
         except TypeError:  # symbolic sizes: unhashable
             return None, None, None
-        if recipe is SEEN_ONCE:
+        if recipe is SEEN_ONCE or recipe is SEEN_BEFORE:
             recipe = _UNLEARNED
         if recipe is None or recipe is _UNLEARNED:
             return signature, recipe, None

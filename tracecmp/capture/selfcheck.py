@@ -440,13 +440,18 @@ class SelfChecker:
         return taken
 
     def _forget_recipes(self) -> None:
-        """Keep the recipes that served a call since the last collect, and the signatures that
-        have none (unless there are too many): a signature whose constants change every step (an
-        optimizer's step size) never recurs, and its entries would grow without bound."""
+        """Keep the recipes that served a call since the last collect, the signatures that have
+        none, and those first seen since then, once more (unless there are too many): a signature
+        whose constants change every step (an integer step count) never recurs, and its entries
+        would grow without bound."""
         used, self._used = self._used, set()
-        kept = {s: r for s, r in self.recipes.items() if r is None or (isinstance(r, Recipe) and id(r) in used)}
+        kept = {
+            s: SEEN_BEFORE if r is SEEN_ONCE else r
+            for s, r in self.recipes.items()
+            if r is None or r is SEEN_ONCE or (isinstance(r, Recipe) and id(r) in used)
+        }
         if len(kept) > RECIPES_MAX:
-            kept = {s: r for s, r in kept.items() if r is not None}
+            kept = {s: r for s, r in kept.items() if isinstance(r, Recipe)}
         self.recipes = kept
         self._made = [r for r in self._made if id(r) in used]
 
@@ -936,8 +941,12 @@ _SLOT = object()  # where a gathered tensor goes in a pointwise call's arguments
 
 _MASK64 = (1 << 64) - 1
 # A signature seen once: its recipe is made at its next call (one seen once may never recur). Not
-# a tuple, so the C path takes it for "no recipe yet" as it does a missing one.
+# a tuple, so the C path takes it for "no recipe yet" as it does a missing one. Kept across one
+# collect as SEEN_BEFORE: a step longer than flush_secs is handed over at every boundary, and an
+# op called once a step (a loss, an optimizer's update of a parameter of a shape of its own) would
+# otherwise never have its recipe made.
 SEEN_ONCE = "seen once"
+SEEN_BEFORE = "seen before the last collect"
 # Signatures without a recipe kept at most across a collect (SelfChecker._forget_recipes).
 RECIPES_MAX = 4096
 # Calls the per-op path gathers: at most this many input tensors and dimensions (record_check.cpp).
