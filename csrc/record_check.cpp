@@ -161,7 +161,8 @@ void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
 
 // The Recipe's fields read here, by position (selfcheck.Recipe).
 enum RecipeField {
-  kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kRecipeFields
+  kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kOutIndex,
+  kRecipeFields
 };
 // selfcheck.GRID_MATMUL, GRID_ROWS: what a Recipe.grid's first field says it reads
 enum GridKind { kGridMatmul, kGridRows };
@@ -219,8 +220,10 @@ void offsets(const int64_t* sizes, const int64_t* strides, const int64_t* order,
 
 // selfcheck.Recipe.grid of GRID_ROWS (block, kept, along, *order): ``block`` adjacent rows (their
 // start drawn) of every tensor, each viewed with its dimensions in ``order``, the first ``kept``
-// numbering the rows; the output read at those rows (along 0: a reduction's) or along them (1:
-// at the same positions of a tensor of the inputs' shape, in its own row-major order).
+// numbering the rows, each row as long as the tensor's own dimensions after them (a layer norm's
+// saved mean: 1); a tensor of fewer dimensions than the first is read whole, in row-major order
+// (its weight). The output is read at those rows (along 0: a reduction's) or along them (1: at
+// the same positions of a tensor of the first's shape, in its own row-major order).
 bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t* state,
                  SampledCall& call) {
   const Layout& x = layouts[0];
@@ -233,8 +236,13 @@ bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
     if (order[d] < 0 || order[d] >= dims || seen[order[d]]) return false;
     seen[order[d]] = true;
   }
-  for (Py_ssize_t t = 1; t < count; ++t)
-    if (layouts[t].dims != dims || std::memcmp(layouts[t].sizes, x.sizes, sizeof(int64_t) * dims) != 0) return false;
+  for (Py_ssize_t t = 1; t < count; ++t) {  // the same rows, each as long as its own
+    const Layout& l = layouts[t];
+    for (int d = 0; l.dims == dims && d < dims; ++d) {
+      const int64_t size = l.sizes[order[d]], own = x.sizes[order[d]];
+      if (size != own && (d < kept || size != 1)) return false;
+    }
+  }
   int64_t rows = 1, length = 1;
   for (int d = 0; d < dims; ++d) (d < kept ? rows : length) *= x.sizes[order[d]];
   if (block > rows) return false;
@@ -242,12 +250,23 @@ bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
   draw(state, static_cast<uint64_t>(rows - block + 1), 1, start);
   const int64_t first = static_cast<int64_t>(start[0]);
   std::vector<int64_t> row_at, along_row;
+  int64_t whole[kMaxDims];
   for (Py_ssize_t t = 0; t < count; ++t) {
     const Layout& l = layouts[t];
     row_at.clear();
     along_row.clear();
-    offsets(l.sizes, l.strides, order, static_cast<int>(kept), first, block, row_at);
-    offsets(l.sizes, l.strides, order + kept, static_cast<int>(dims - kept), 0, length, along_row);
+    if (l.dims < dims) {  // whole: one row of all its dimensions
+      for (int d = 0; d < l.dims; ++d) whole[d] = d;
+      int64_t numel = 1;
+      for (int d = 0; d < l.dims; ++d) numel *= l.sizes[d];
+      row_at.push_back(0);
+      offsets(l.sizes, l.strides, whole, l.dims, 0, numel, along_row);
+    } else {
+      int64_t own = 1;
+      for (int d = static_cast<int>(kept); d < dims; ++d) own *= l.sizes[order[d]];
+      offsets(l.sizes, l.strides, order, static_cast<int>(kept), first, block, row_at);
+      offsets(l.sizes, l.strides, order + kept, static_cast<int>(dims - kept), 0, own, along_row);
+    }
     const int64_t item = kItemSize[l.code];
     for (int64_t r : row_at)
       for (int64_t q : along_row) call.values.push_back(element(l.data + (r + q) * item, l.code));
@@ -394,6 +413,13 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
   PyObject* recipe = call.recipe.p;
   // SelfChecker.finish_sampled: an output the recipe does not expect is left unchecked. It is
   // read at the same row-major positions, in its own shape.
+  Py_ssize_t out_index = PyLong_AsSsize_t(PyTuple_GET_ITEM(recipe, kOutIndex));
+  if (out_index == -1 && PyErr_Occurred()) return false;
+  if (out_index >= 0) {  // one of the op's outputs
+    if (!PyTuple_Check(out) && !PyList_Check(out)) return true;
+    if (PySequence_Fast_GET_SIZE(out) <= out_index) return true;
+    out = PySequence_Fast_ITEMS(out)[out_index];
+  }
   if (!PyObject_TypeCheck(out, reinterpret_cast<PyTypeObject*>(g.tensor_type))) return true;
   Ref dtype(PyObject_GetAttr(out, s.dtype));
   Ref shape(dtype ? PyObject_GetAttr(out, s.shape) : nullptr);

@@ -802,7 +802,24 @@ RECIPE_CALLS = {
         lambda g: (_randn(g, 20, 9), torch.softmax(_randn(g, 20, 9), -1), -1, torch.float32),
         {},
     ),
+    # Its input gradient from rows of the gradient and input, the saved statistics, the weight whole
+    "layer_norm backward": (aten.native_layer_norm_backward.default, lambda g: _layer_norm_backward_call(g, 1), {}),
+    "layer_norm backward over two dimensions, no weight": (
+        aten.native_layer_norm_backward.default,
+        lambda g: _layer_norm_backward_call(g, 2),
+        {},
+    ),
 }
+
+
+def _layer_norm_backward_call(gen: torch.Generator, normalized: int) -> tuple:
+    """A layer norm's backward over the last ``normalized`` dimensions of (6, 5, 9), its mean and
+    1/std from the forward; a weight and bias where one dimension is normalized."""
+    x = _randn(gen, 6, 5, 9) * 2 + 1
+    shape = list(x.shape[3 - normalized :])
+    weight, bias = (_randn(gen, *shape), _randn(gen, *shape)) if normalized == 1 else (None, None)
+    _, mean, rstd = aten.native_layer_norm.default(x, shape, weight, bias, 1e-5)
+    return (_randn(gen, *x.shape), x, shape, mean, rstd, weight, bias, [True, weight is not None, bias is not None])
 
 
 @pytest.mark.parametrize("name", RECIPE_CALLS)
@@ -824,7 +841,9 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
             gathered = checker.gather_sampled(recipe, tensors, floats)
             assert gathered is not None
             out = func(*args, **kwargs)
-            if scale != 1.0:
+            if scale != 1.0 and isinstance(out, tuple):  # the checked output: the first
+                out = (out[0] * scale, *out[1:])
+            elif scale != 1.0:
                 out = out.mul_(scale) if out.is_floating_point() else out
                 if func is aten.where.self:
                     out += 1.0  # every element moved: 1.05 * 0 would hide where the mask picked 0

@@ -566,7 +566,12 @@ class SelfChecker:
             rows = _row_index(picked, recipe.numel // count)
             with self._quietly:
                 for t in tensors:
-                    values += _take(t.permute(*order), rows).to(F64).reshape(-1).tolist()
+                    if t.dim() < len(order):  # a layer norm's weight: whole
+                        values += t.reshape(-1).to(F64).tolist()
+                        continue
+                    view = t.permute(*order)  # its rows, each as long as its own (a mean's: 1)
+                    along_t = math.prod(view.shape[kept:])
+                    values += _take(view, _row_index(picked, along_t)).to(F64).reshape(-1).tolist()
             index = _take(torch.arange(recipe.numel).reshape(recipe.sizes).permute(*order), rows) if along else picked
             return index.reshape(-1), values + list(floats)
         if recipe.grid is not None:
@@ -592,6 +597,8 @@ class SelfChecker:
     def finish_sampled(self, recipe: Recipe, index: torch.Tensor, values: list[float], out: Any) -> int | None:
         """After the op: queue the call's sampled inputs and outputs with its recipe's calls; its
         ticket (:meth:`collect`), or None where the output is not what the recipe expects (unchecked)."""
+        if recipe.out_index >= 0:  # one of the op's outputs
+            out = out[recipe.out_index] if isinstance(out, (tuple, list)) and len(out) > recipe.out_index else None
         if not (
             isinstance(out, torch.Tensor)
             and _sampled_readable(out)
@@ -968,7 +975,7 @@ class Recipe(NamedTuple):
     ``out_sizes``: a reshaping copy's differs), all in float64, onto ``values``; the checker
     recomputes them together at the hand-over. A ``grid`` reads blocks instead: a matmul's
     rows of A and columns of B (its output at their crossings), a reduction's or softmax's
-    whole rows (its output at those rows, or along them). Its first eleven fields are read by
+    whole rows (its output at those rows, or along them). Its first twelve fields are read by
     position in C."""
 
     sizes: tuple[int, ...]  # what the inputs broadcast to (a pointwise op's output shape)
@@ -981,12 +988,14 @@ class Recipe(NamedTuple):
     out_sizes: tuple[int, ...]
     # GRID_MATMUL, rows, columns, A, B, bias: the block's size and which tensors play which part
     # (bias -1: none); GRID_ROWS, rows, kept, along, *order: a block of adjacent rows of every
-    # tensor (all of one shape) viewed with its dimensions in ``order``, the first ``kept`` of
-    # them numbering the rows, and the output read at those rows (along 0) or along them (1).
-    # None for elementwise recipes.
+    # tensor viewed with its dimensions in ``order``, the first ``kept`` of them numbering the
+    # rows, and the output read at those rows (along 0) or along them (1). A row of a tensor is
+    # as long as its own dimensions after ``kept`` (a layer norm's saved mean: 1), and one of
+    # fewer dimensions than the first is read whole (its weight). None for elementwise recipes.
     grid: tuple[int, ...] | None
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
+    out_index: int  # which of the op's outputs is checked (-1: the op returns one tensor)
     target: _Target  # the recomputation of calls alike
     out_dtype: torch.dtype
     slots: int  # input tensors gathered per call
@@ -1050,13 +1059,18 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     listed = [a for a in values if isinstance(a, (list, tuple))]
     if not 0 < len(tensors) <= RECIPE_TENSORS or any(isinstance(x, torch.Tensor) for a in listed for x in a):
         return None
+    kind = checker.kinds.get(func)
+    if kind is _layer_norm_backward:  # its input gradient alone, as the usual path checks it
+        out = out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(out, torch.Tensor) or _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
         return None
     if not (_sampled_readable(out) and all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)):
         return None
-    if checker.kinds.get(func) is _matmul:
+    if kind is _matmul:
         return _matmul_recipe(checker, func, args, kwargs, out, tensors)
-    if checker.kinds.get(func) in (_reduction, _softmax):
+    if kind is _layer_norm_backward:
+        return _layer_norm_backward_recipe(checker, func, args, kwargs, out, tensors)
+    if kind in (_reduction, _softmax):
         return _rows_recipe(checker, func, args, kwargs, out, tensors)
     sizes = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
     if len(sizes) > RECIPE_DIMS or out.dim() > RECIPE_DIMS:
@@ -1099,6 +1113,7 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         None,
         target.how,
         k,
+        -1,
         target,
         out.dtype,
         len(tensors),
@@ -1158,6 +1173,7 @@ def _matmul_recipe(
         (GRID_MATMUL, rows, cols, *roles),
         "matmul",
         rows * cols,
+        -1,
         target,
         out.dtype,
         len(tensors),
@@ -1213,8 +1229,52 @@ def _rows_recipe(
     inputs = tuple(range(len(tensors)))
     sizes, shape = tuple(x.shape), tuple(out.shape)
     return Recipe(
-        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, target, out.dtype,
+        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, -1, target, out.dtype,
         len(tensors), shapes, inputs, (),
+    )  # fmt: skip
+
+
+def _layer_norm_backward_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    out: torch.Tensor,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """A layer norm's input gradient (:func:`_layer_norm_backward`) at a block of adjacent rows:
+    those rows of the output gradient and input, the saved mean and 1/std there, the weight (and
+    bias, unused) whole; the gradient read along the rows."""
+    b = _bind(func, args, kwargs)
+    grad, x, mean, rstd, weight = b["grad_out"], b["input"], b["mean"], b["rstd"], b["weight"]
+    if not b["output_mask"][0] or not all(t.is_floating_point() for t in tensors) or grad is not tensors[0]:
+        return None
+    dims = list(range(x.dim() - len(b["normalized_shape"]), x.dim()))
+    kept = [d for d in range(x.dim()) if d not in dims]
+    saved = [x.shape[d] if d in kept else 1 for d in range(x.dim())]
+    if grad.shape != x.shape or list(mean.shape) != saved or list(rstd.shape) != saved or out.shape != x.shape:
+        return None
+    if not kept or any(t.dim() >= x.dim() for t in tensors[4:]):
+        return None
+    count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
+    block = min(checker.sample, count)
+    if block * length * 2 > GATHER_BUDGET:
+        return None
+    shapes = tuple((block, length) if t.dim() == x.dim() and t.shape == x.shape else (block,) if t.dim() == x.dim()
+                   else (t.numel(),) for t in tensors)  # fmt: skip
+    # In the values function's order: input, output gradient, mean, 1/std[, weight]
+    position = {id(t): i for i, t in enumerate(tensors)}
+    inputs = tuple(position[id(t)] for t in (x, grad, mean, rstd, weight) if t is not None)
+    device = torch.device("cpu")
+    key = ("layer_norm_backward", tuple(shapes[i] for i in inputs), device)
+    batch = _Batch(key, _layer_norm_backward_values, ())
+    target = _batched(0, _gathered, batch, length, None, "rows", block)
+    limit = _limits(target, out.dtype)[-1]
+    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    grid = (GRID_ROWS, block, len(kept), 1, *kept, *dims)
+    return Recipe(
+        tuple(x.shape), count * length, block * length, limit, code, gathered, [], tuple(out.shape), grid, "rows",
+        block, 0, target, out.dtype, len(tensors), shapes, inputs, (),
     )  # fmt: skip
 
 
@@ -2264,7 +2324,7 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
 
 
 # The kinds whose calls have recipes (the C path compares an op's kind with them).
-RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax)
+RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm_backward)
 
 
 def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor) -> _Target:
