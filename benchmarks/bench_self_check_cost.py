@@ -8,12 +8,19 @@ a step; this script says where it goes and why per-call tuning stops paying:
    ``finish`` (after it: the sampled outputs gathered, the check queued) and ``collect`` (the
    float64 recomputation of the queued checks, at each hand-over to the writer) are timed around
    every call of a few traced steps; the table lists the ops that cost most, per call and per step.
+   Calls the C per-op path gathers through a recipe never reach ``prepare`` and are not listed.
 2. **Hot and cold.** The preparation of a few representative calls is timed in a loop (its code
    and data in the caches), then once after each of many big kernels (a 64 MiB copy, a 1024 x 1024
    matmul), which evict the interpreter's code and objects as a training step's kernels do.
+3. **Alternated** (``--rounds N``): what the checks add to a whole step, measured in one process,
+   configurations taking turns round by round (plain, statistics, checks, checks with nothing
+   checked in Python: only the calls with a recipe), a few steps each after two untimed ones.
+   Separate processes (``bench_overhead.py``) differ by more than the checks cost at two threads
+   on this machine; within one process that noise is shared.
 
     python benchmarks/bench_self_check_cost.py                       # d512 transformer, 2 threads
     python benchmarks/bench_self_check_cost.py --model resnet50 --threads 1 --top 15
+    python benchmarks/bench_self_check_cost.py --rounds 8 --steps 4 --alternated-only
 """
 
 from __future__ import annotations
@@ -134,6 +141,53 @@ def hot_and_cold(reps: int) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def alternated(model_name: str, rounds: int, steps: int) -> None:
+    """Steps of each configuration in turn, ``rounds`` times, in this process: medians and what
+    the checks add beside statistics alone, as a share of the plain step."""
+    import statistics
+
+    import tracecmp
+    from benchmarks.bench_overhead import build
+    from tracecmp.capture.selfcheck import SelfChecker
+
+    model, _, step = build(model_name)
+    step()
+    prepare = SelfChecker.prepare
+    configs = ("plain", "statistics", "checks", "checks with a recipe only")
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for config in configs:
+            with tempfile.TemporaryDirectory() as folder:
+                if config == "plain":
+                    for i in range(steps + 2):
+                        start = time.perf_counter()
+                        step()
+                        if i >= 2:
+                            times[config].append(time.perf_counter() - start)
+                    continue
+                if config == "checks with a recipe only":  # the usual path's checks left out
+                    SelfChecker.prepare = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+                mode = "off" if config == "statistics" else "sample"
+                try:
+                    with tracecmp.TraceCompare(Path(folder) / "trace", model=model, self_check=mode) as tc:
+                        for i in range(steps + 2):  # the first two teach the recipes
+                            start = time.perf_counter()
+                            step()
+                            tc.step()
+                            if i >= 2:
+                                times[config].append(time.perf_counter() - start)
+                finally:
+                    SelfChecker.prepare = prepare  # type: ignore[method-assign]
+    median = {c: statistics.median(t) for c, t in times.items()}
+    print(f"| {model_name}, alternated ({rounds} rounds of {steps} steps) | step (median) | added by the checks |")
+    print("|---|---:|---:|")
+    for config in configs:
+        added = median[config] - median["statistics"]
+        share = f"{added * 1e3:.1f} ms ({added / median['plain']:.1%} of the plain step)" if "checks" in config else ""
+        print(f"| {config} | {median[config] * 1e3:.1f} ms | {share} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="transformer512", help="a model of bench_overhead.py")
@@ -141,13 +195,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed traced steps")
     parser.add_argument("--top", type=int, default=12, help="ops listed")
     parser.add_argument("--reps", type=int, default=200, help="prepares timed per call and setting")
+    parser.add_argument("--rounds", type=int, default=0, help="also the alternated table, of this many rounds")
+    parser.add_argument("--alternated-only", action="store_true", help="only the alternated table")
     args = parser.parse_args()
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    in_step(args.model, args.steps, args.top)
-    hot_and_cold(args.reps)
+    if not args.alternated_only:
+        in_step(args.model, args.steps, args.top)
+        hot_and_cold(args.reps)
+    if args.rounds:
+        alternated(args.model, args.rounds, args.steps)
 
 
 if __name__ == "__main__":
