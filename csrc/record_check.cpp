@@ -164,8 +164,8 @@ enum RecipeField {
   kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kOutIndex,
   kRecipeFields
 };
-// selfcheck.GRID_MATMUL, GRID_ROWS: what a Recipe.grid's first field says it reads
-enum GridKind { kGridMatmul, kGridRows };
+// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED: what a Recipe.grid's first field says it reads
+enum GridKind { kGridMatmul, kGridRows, kGridPlaced };
 
 // selfcheck.Recipe.grid of GRID_MATMUL: a 2-D matmul's block of ``rows`` adjacent rows of A and
 // ``cols`` adjacent columns of B (their starts drawn, columns first), every crossing a sampled
@@ -290,13 +290,51 @@ bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
   return true;
 }
 
+// selfcheck.Recipe.grid of GRID_PLACED (dim, start, step, taken, dropped), selfcheck._placed: at
+// ``k`` positions drawn below the output's ``numel`` (of ``sizes``), the gradient's element a
+// select's or slice's backward places there (``taken`` positions of ``dim`` from ``start`` by
+// ``step``; ``dropped``: the gradient lacks ``dim``), or 0.
+bool gather_placed(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, const int64_t* sizes,
+                   int dims, uint64_t numel, int64_t k, uint64_t* state, SampledCall& call) {
+  if (n_fields != 6 || count != 1) return false;
+  const int64_t dim = g[1], start = g[2], step = g[3], taken = g[4], dropped = g[5];
+  const Layout& grad = layouts[0];
+  if (dim < 0 || dim >= dims || step < 1 || grad.dims != dims - (dropped ? 1 : 0)) return false;
+  for (int d = 0, s = 0; d < dims; ++d) {  // the gradient's own dimensions, in the output's order
+    if (d == dim && dropped) continue;
+    if (grad.sizes[s++] != (d == dim ? taken : sizes[d])) return false;
+  }
+  draw(state, numel, k, call.flat);
+  const int64_t item = kItemSize[grad.code];
+  for (uint64_t position : call.flat) {
+    int64_t at[kMaxDims];
+    for (int d = dims - 1; d >= 0; --d) {
+      at[d] = static_cast<int64_t>(position % static_cast<uint64_t>(sizes[d]));
+      position /= static_cast<uint64_t>(sizes[d]);
+    }
+    const int64_t from = at[dim] - start;
+    if (from < 0 || from % step != 0 || from / step >= taken) {
+      call.values.push_back(0.0);
+      continue;
+    }
+    int64_t offset = 0;
+    for (int d = 0, s = 0; d < dims; ++d) {
+      if (d == dim && dropped) continue;
+      offset += (d == dim ? from / step : at[d]) * grad.strides[s++];
+    }
+    call.values.push_back(element(grad.data + offset * item, grad.code));
+  }
+  return true;
+}
+
 // A Recipe.grid's blocks gathered: false where the recipe does not fit the tensors.
 bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const int64_t* sizes, int dims,
-                 uint64_t* state, SampledCall& call) {
+                 uint64_t numel, int64_t k, uint64_t* state, SampledCall& call) {
   int64_t g[4 + kMaxDims];
   int n_fields = 0;
   if (!ints_of(grid, g, &n_fields, 4 + kMaxDims) || n_fields < 1) return false;
   if (g[0] == kGridMatmul) return gather_matmul(g, n_fields, layouts, count, sizes, dims, state, call);
+  if (g[0] == kGridPlaced) return gather_placed(g, n_fields, layouts, count, sizes, dims, numel, k, state, call);
   return g[0] == kGridRows && gather_rows(g, n_fields, layouts, count, state, call);
 }
 
@@ -399,7 +437,7 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
     draw(&state, static_cast<uint64_t>(numel), k, call.flat);
     call.values.reserve(static_cast<size_t>((count + 1) * k) + floats.size());
     for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
-  } else if (!gather_grid(grid, layouts, count, sizes, dims, &state, call)) {
+  } else if (!gather_grid(grid, layouts, count, sizes, dims, static_cast<uint64_t>(numel), k, &state, call)) {
     return PyErr_Occurred() ? -1 : 0;
   }
   Ref next(PyLong_FromUnsignedLongLong(state));

@@ -66,7 +66,7 @@ _PROGRAM = textwrap.dedent(
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
         # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts,
-        # matmuls, reductions, softmax, layer norm's input gradient.
+        # matmuls, reductions, softmax, layer norm's input gradient, gradients placed into zeros.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -88,6 +88,7 @@ _PROGRAM = textwrap.dedent(
             torch.ops.aten.native_layer_norm_backward(p, t, [3, 4], mean, rstd, None, None, [True, False, False])
             _, mean, rstd = torch.ops.aten.native_layer_norm(t, [4], b[:4], b[1:], 1e-5)
             torch.ops.aten.native_layer_norm_backward(p, t, [4], mean, rstd, b[:4], b[1:], [True, True, True])
+            torch.ops.aten.select_backward(t[:, 1], [6, 3, 4], 1, -2), torch.ops.aten.slice_backward(t, [6, 9, 4], 1, 1, 8, 3)
             (torch.sigmoid(h.float()) + z - u).sum() + w.sum() + s
 
     programs = {"edges": edges, "recipes": recipes}

@@ -802,6 +802,13 @@ RECIPE_CALLS = {
         lambda g: (_randn(g, 20, 9), torch.softmax(_randn(g, 20, 9), -1), -1, torch.float32),
         {},
     ),
+    # A gradient placed into zeros: the sampled positions that hold it read it, the others 0
+    "select_backward": (aten.select_backward.default, lambda g: (_randn(g, 6, 5), [6, 4, 5], 1, -3), {}),
+    "slice_backward of a strided gradient": (
+        aten.slice_backward.default,
+        lambda g: (_randn(g, 3, 6, 4).transpose(0, 2), [4, 20, 3], 1, 2, 19, 3),
+        {},
+    ),
     # Its input gradient from rows of the gradient and input, the saved statistics, the weight whole
     "layer_norm backward": (aten.native_layer_norm_backward.default, lambda g: _layer_norm_backward_call(g, 1), {}),
     "layer_norm backward over two dimensions, no weight": (
@@ -843,6 +850,8 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
             out = func(*args, **kwargs)
             if scale != 1.0 and isinstance(out, tuple):  # the checked output: the first
                 out = (out[0] * scale, *out[1:])
+            elif scale != 1.0 and func in (aten.select_backward.default, aten.slice_backward.default):
+                out = out * scale + 1.0  # every element moved: 1.05 * 0 would hide where nothing was placed
             elif scale != 1.0:
                 out = out.mul_(scale) if out.is_floating_point() else out
                 if func is aten.where.self:

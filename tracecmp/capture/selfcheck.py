@@ -574,6 +574,12 @@ class SelfChecker:
                     values += _take(view, _row_index(picked, along_t)).to(F64).reshape(-1).tolist()
             index = _take(torch.arange(recipe.numel).reshape(recipe.sizes).permute(*order), rows) if along else picked
             return index.reshape(-1), values + list(floats)
+        if recipe.grid is not None and recipe.grid[0] == GRID_PLACED:
+            self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
+            index = torch.tensor(flat)
+            with self._quietly:
+                values = _placed(tensors[0], recipe.sizes, recipe.grid, index).to(F64).tolist()
+            return index, values + list(floats)
         if recipe.grid is not None:
             _, rows, cols, a, b, _ = recipe.grid
             m, n = recipe.sizes
@@ -991,7 +997,10 @@ class Recipe(NamedTuple):
     # tensor viewed with its dimensions in ``order``, the first ``kept`` of them numbering the
     # rows, and the output read at those rows (along 0) or along them (1). A row of a tensor is
     # as long as its own dimensions after ``kept`` (a layer norm's saved mean: 1), and one of
-    # fewer dimensions than the first is read whole (its weight). None for elementwise recipes.
+    # fewer dimensions than the first is read whole (its weight). GRID_PLACED, dim, start, step,
+    # taken, dropped: a gradient placed into zeros at ``taken`` positions of ``dim`` from ``start``
+    # by ``step`` (``dropped``: a select's, whose gradient lacks ``dim``), read at the sampled
+    # positions of the output where they hold it, 0 elsewhere. None for elementwise recipes.
     grid: tuple[int, ...] | None
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
@@ -1018,7 +1027,7 @@ class Recipe(NamedTuple):
         return self.target._replace(batch=batch)
 
 
-GRID_MATMUL, GRID_ROWS = 0, 1
+GRID_MATMUL, GRID_ROWS, GRID_PLACED = 0, 1, 2
 
 
 def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
@@ -1072,6 +1081,8 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         return _layer_norm_backward_recipe(checker, func, args, kwargs, out, tensors)
     if kind in (_reduction, _softmax):
         return _rows_recipe(checker, func, args, kwargs, out, tensors)
+    if kind is _scattered:
+        return _placed_recipe(checker, func, args, kwargs, out, tensors)
     sizes = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
     if len(sizes) > RECIPE_DIMS or out.dim() > RECIPE_DIMS:
         return None
@@ -1232,6 +1243,64 @@ def _rows_recipe(
         sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, -1, target, out.dtype,
         len(tensors), shapes, inputs, (),
     )  # fmt: skip
+
+
+def _placed_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    out: torch.Tensor,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """``select_backward`` or ``slice_backward`` (:func:`_scattered`): at sampled positions of the
+    output, the gradient's element placed there or 0, exactly."""
+    geometry = _placement(func, _bind(func, args, kwargs))
+    grad = tensors[0]
+    if geometry is None or len(tensors) != 1 or not grad.is_floating_point() or out.dtype != grad.dtype:
+        return None
+    sizes, grid = geometry
+    if tuple(out.shape) != sizes or not out.numel() or len(sizes) > RECIPE_DIMS:
+        return None
+    k = checker.sample
+    batch = _Batch(("exact", F64, (k,), torch.device("cpu")), _exact_values, ())
+    target = _batched(0, _gathered, batch, 1, None, "exact", k, grad.dtype)
+    limit = _limits(target, out.dtype)[-1]
+    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    return Recipe(
+        sizes, math.prod(sizes), k, limit, code, gathered, [], sizes, grid, "exact", k, -1, target, out.dtype, 1,
+        ((k,),), (0,), (),
+    )  # fmt: skip
+
+
+def _placement(func: Any, b: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A select's or slice's backward: the output's sizes and the GRID_PLACED grid, or None where
+    its gradient's shape is not the one it places."""
+    grad, sizes = b["grad_output"], tuple(int(size) for size in b["input_sizes"])
+    if not sizes:
+        return None
+    dim = b["dim"] % len(sizes)
+    if func.overloadpacket.__name__ == "select_backward":
+        start, step, taken, dropped = b["index"] % sizes[dim], 1, 1, 1
+    else:
+        start, end, step = slice(b["start"], b["end"], b["step"]).indices(sizes[dim])
+        taken, dropped = len(range(start, end, step)), 0
+    expected = (*sizes[:dim], *([] if dropped else [taken]), *sizes[dim + 1 :])
+    if tuple(grad.shape) != expected or step < 1:
+        return None
+    return sizes, (GRID_PLACED, dim, start, step, taken, dropped)
+
+
+def _placed(grad: torch.Tensor, sizes: Sequence[int], grid: Sequence[int], flat: torch.Tensor) -> torch.Tensor:
+    """The values a GRID_PLACED recipe's op puts at row-major positions ``flat`` of ``sizes``:
+    the gradient's element placed there, or 0 (in its dtype, on its device)."""
+    _, dim, start, step, taken, dropped = grid
+    coords = _unravel(flat, sizes)
+    at = coords[dim] - start
+    inside = (at >= 0) & (at % step == 0) & (at // step < taken)
+    source = coords[:dim] + ([] if dropped else [(at // step).clamp(0, max(taken - 1, 0))]) + coords[dim + 1 :]
+    picked = _take(grad, _offset(source, grad.shape) if source else torch.zeros_like(flat))
+    return torch.where(inside.to(grad.device), picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
 def _layer_norm_backward_recipe(
@@ -2323,10 +2392,6 @@ def _copy(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str
     return (_exact(lambda o: _take(o, flat), src),)
 
 
-# The kinds whose calls have recipes (the C path compares an op's kind with them).
-RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm_backward)
-
-
 def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor) -> _Target:
     """A check that the gathered output is ``values`` exactly (or rounded once, for a cast)."""
     batch = _Batch(("exact", values.dtype, values.shape, values.device), _exact_values, (values,))
@@ -2384,25 +2449,13 @@ def _scattered(
     written at the selected index or slice. A sampled element is the gradient's element it maps
     to, or exactly zero."""
     b = _bind(func, args, kwargs)
-    grad, sizes = b["grad_output"].detach(), [int(size) for size in b["input_sizes"]]
-    if not (_plain(grad) and _real(grad)) or not sizes:
+    grad = b["grad_output"].detach()
+    geometry = _placement(func, b) if _plain(grad) and _real(grad) else None
+    if geometry is None:
         return None
-    dim = b["dim"] % len(sizes)
+    sizes, grid = geometry
     flat = checker._sample(math.prod(sizes))
-    coords = _unravel(flat, sizes)
-    at = coords[dim]
-    if func.overloadpacket.__name__ == "select_backward":
-        inside = at == b["index"] % sizes[dim]
-        source = coords[:dim] + coords[dim + 1 :]
-    else:
-        start, end, step = slice(b["start"], b["end"], b["step"]).indices(sizes[dim])
-        inside = (at >= start) & (at < end) & ((at - start) % step == 0)
-        source = [*coords[:dim], ((at - start) // step).clamp(0, max(grad.shape[dim] - 1, 0)), *coords[dim + 1 :]]
-    if list(grad.shape) != [*sizes[:dim], *([] if len(source) < len(sizes) else [grad.shape[dim]]), *sizes[dim + 1 :]]:
-        return None
-    picked = _take(grad, _offset(source, grad.shape) if source else torch.zeros_like(flat))
-    values = torch.where(inside.to(grad.device), picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
-    return (_exact(lambda o: _take(o, flat), values),)
+    return (_exact(lambda o: _take(o, flat), _placed(grad, sizes, grid, flat)),)
 
 
 def _pairs(value: Any, default: Sequence[int]) -> list[int]:
@@ -2664,6 +2717,10 @@ def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple
     if not all(name in {a.name for a in arguments} for name in kwargs):
         return None
     return list(args[: len(positional)]), kwargs
+
+
+# The kinds whose calls have recipes (the C path compares an op's kind with them).
+RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm_backward, _scattered)
 
 
 def _classify(func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
