@@ -162,7 +162,7 @@ void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
 // The Recipe's fields read here, by position (selfcheck.Recipe).
 enum RecipeField {
   kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kOutIndex,
-  kRecipeFields
+  kExtras, kRecipeFields
 };
 // selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED: what a Recipe.grid's first field says it reads
 enum GridKind { kGridMatmul, kGridRows, kGridPlaced };
@@ -350,11 +350,12 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
   if (!cd) return -1;
   int full = truth(cd.p, s.full);
   if (full != 0) return full < 0 ? -1 : 0;
-  // SelfChecker.signature: (func, key, dtype, shape, dtype, shape, ...), the key's floats left
-  // open (trace.args.scan_value writes one (float, value)) and gathered with the call.
+  // SelfChecker.signature: (func, key, dtype, shape, dtype, shape, ...), a pointwise op's
+  // (RECIPE_KINDS[0]) floats left open in the key (trace.args.scan_value writes one (float, value))
+  // and gathered with the call.
   std::vector<double> floats;
   Ref open_key(Py_NewRef(key));
-  if (PyTuple_Check(key)) {
+  if (PyTuple_Check(key) && PyTuple_GET_SIZE(g.recipe_kinds) > 0 && PyTuple_GET_ITEM(g.recipe_kinds, 0) == kind) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); ++i) {
       PyObject* part = PyTuple_GET_ITEM(key, i);
       if (!PyTuple_CheckExact(part) || PyTuple_GET_SIZE(part) != 2 ||
@@ -447,29 +448,71 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
   return 1;
 }
 
+namespace {
+
+// An output as a recipe expects it (its shape ``sizes``, its dtype ``code``): 1 with its layout,
+// 0 where it is not (the call is left unchecked), -1 with an exception set.
+int expected_output(PyObject* t, PyObject* sizes, PyObject* code, Layout& layout) {
+  if (t == nullptr || !PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(g.tensor_type))) return 0;
+  Ref dtype(PyObject_GetAttr(t, s.dtype));
+  Ref shape(dtype ? PyObject_GetAttr(t, s.shape) : nullptr);
+  if (!shape) return -1;
+  if (!readable(t, dtype.p, shape.p, layout)) return 0;
+  int same = PyObject_RichCompareBool(shape.p, sizes, Py_EQ);
+  long wanted = PyLong_AsLong(code);
+  if (same < 0 || (wanted == -1 && PyErr_Occurred())) return -1;
+  return same && layout.code == wanted;  // the recipe's code: a floating one
+}
+
+}  // namespace
+
 bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_id, PyObject* out) {
   PyObject* recipe = call.recipe.p;
-  // SelfChecker.finish_sampled: an output the recipe does not expect is left unchecked. It is
-  // read at the same row-major positions, in its own shape.
+  // SelfChecker.finish_sampled: an output the recipe does not expect is left unchecked (every
+  // output it reads, or none). It is read at the same row-major positions, in its own shape; its
+  // extras (a layer norm's mean and 1/std) at the block's rows.
   Py_ssize_t out_index = PyLong_AsSsize_t(PyTuple_GET_ITEM(recipe, kOutIndex));
   if (out_index == -1 && PyErr_Occurred()) return false;
-  if (out_index >= 0) {  // one of the op's outputs
-    if (!PyTuple_Check(out) && !PyList_Check(out)) return true;
-    if (PySequence_Fast_GET_SIZE(out) <= out_index) return true;
-    out = PySequence_Fast_ITEMS(out)[out_index];
+  PyObject* extras = PyTuple_GET_ITEM(recipe, kExtras);
+  if (!PyTuple_Check(extras)) {
+    PyErr_SetString(PyExc_TypeError, "a recipe's extras must be a tuple");
+    return false;
   }
-  if (!PyObject_TypeCheck(out, reinterpret_cast<PyTypeObject*>(g.tensor_type))) return true;
-  Ref dtype(PyObject_GetAttr(out, s.dtype));
-  Ref shape(dtype ? PyObject_GetAttr(out, s.shape) : nullptr);
-  if (!shape) return false;
+  const Py_ssize_t n_extras = PyTuple_GET_SIZE(extras);
+  const bool several = PyTuple_Check(out) || PyList_Check(out);
+  const Py_ssize_t n_outputs = several ? PySequence_Fast_GET_SIZE(out) : 0;
+  PyObject* const* outputs = several ? PySequence_Fast_ITEMS(out) : nullptr;
+  if (out_index >= 0) out = out_index < n_outputs ? outputs[out_index] : nullptr;  // one of the op's outputs
   Layout layout;
-  if (!readable(out, dtype.p, shape.p, layout)) return true;
-  int same = PyObject_RichCompareBool(shape.p, PyTuple_GET_ITEM(recipe, kOutSizes), Py_EQ);
-  if (same < 0) return false;
-  long out_code = PyLong_AsLong(PyTuple_GET_ITEM(recipe, kOutCode));
-  if (out_code == -1 && PyErr_Occurred()) return false;
-  if (!same || layout.code != out_code) return true;  // the recipe's code: a floating one
+  int ok = expected_output(out, PyTuple_GET_ITEM(recipe, kOutSizes), PyTuple_GET_ITEM(recipe, kOutCode), layout);
+  if (ok <= 0) return ok == 0;
+  std::vector<Layout> more(static_cast<size_t>(n_extras));
+  for (Py_ssize_t e = 0; e < n_extras; ++e) {  // (index, sizes, code, limit, rows)
+    PyObject* extra = PyTuple_GET_ITEM(extras, e);
+    if (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) != 5) {
+      PyErr_SetString(PyExc_TypeError, "a recipe's extra must be (index, sizes, code, limit, rows)");
+      return false;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(extra, 0));
+    if (index == -1 && PyErr_Occurred()) return false;
+    PyObject* t = index >= 0 && index < n_outputs ? outputs[index] : nullptr;
+    ok = expected_output(t, PyTuple_GET_ITEM(extra, 1), PyTuple_GET_ITEM(extra, 2), more[e]);
+    if (ok <= 0) return ok == 0;
+  }
   gather(layout, layout.sizes, layout.dims, call.flat, call.values);
+  if (n_extras) {  // the block's rows: its kept dimensions lead, each row ``length`` long
+    long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSample));
+    long long rows_n = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSampled));
+    if (PyErr_Occurred()) return false;
+    if (rows_n <= 0 || k % rows_n != 0 || static_cast<size_t>(k) != call.flat.size()) {
+      PyErr_SetString(PyExc_ValueError, "a recipe with extras reads whole rows");
+      return false;
+    }
+    const uint64_t length = static_cast<uint64_t>(k / rows_n);
+    std::vector<uint64_t> rows;
+    for (long long r = 0; r < rows_n; ++r) rows.push_back(call.flat[static_cast<size_t>(r) * length] / length);
+    for (const Layout& l : more) gather(l, l.sizes, l.dims, rows, call.values);
+  }
   PyObject* checker = item(md, s._checker);
   Ref cd(checker != nullptr ? dict_of(checker) : nullptr);
   if (!cd) return false;
@@ -481,16 +524,19 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "the checker's queues must be lists");
     return false;
   }
-  Ref ticket(PyLong_FromSsize_t(PyList_GET_SIZE(residuals)));
+  const Py_ssize_t first = PyList_GET_SIZE(residuals);
+  Ref ticket(PyLong_FromSsize_t(first));
   Ref nan(PyFloat_FromDouble(NAN));
   if (!ticket || !nan ||
       !buffer_extend_doubles(PyTuple_GET_ITEM(recipe, kValues), call.values.data(),
                              static_cast<Py_ssize_t>(call.values.size())) ||
-      PyList_Append(residuals, nan.p) < 0 || PyList_Append(coarse, nan.p) < 0 || PyList_Append(tickets, ticket.p) < 0)
+      PyList_Append(tickets, ticket.p) < 0)
     return false;
+  for (Py_ssize_t e = 0; e <= n_extras; ++e)  // a ticket an output: the call's first, then its extras'
+    if (PyList_Append(residuals, nan.p) < 0 || PyList_Append(coarse, nan.p) < 0) return false;
   Ref queued(bump(cd.p, s._queued));
   if (!queued) return false;
-  // CaptureMode._sample_after: the check row, filled in at take through its ticket.
+  // CaptureMode._sample_after: the check rows, filled in at take through their tickets.
   PyObject* deferred = item(md, s._deferred_rows);
   PyObject* rows = item(md, s.check_rows);
   if (deferred == nullptr || rows == nullptr || !PyList_Check(deferred)) {
@@ -499,14 +545,22 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
   }
   Ref none_yet(PyLong_FromLong(-1));
   if (!none_yet) return false;
-  while (PyList_GET_SIZE(deferred) < PyList_GET_SIZE(residuals) - 1)
+  while (PyList_GET_SIZE(deferred) < first)
     if (PyList_Append(deferred, none_yet.p) < 0) return false;
-  PyObject* fields[7] = {op_id, s.zero, nan.p, PyTuple_GET_ITEM(recipe, kLimit), nan.p,
-                         PyTuple_GET_ITEM(recipe, kSampled), PyTuple_GET_ITEM(recipe, kHow)};
-  Py_ssize_t count = 0;
-  if (!append_row(rows, fields, 7, &count)) return false;
-  Ref row(PyLong_FromSsize_t(count - 1));
-  if (!row || PyList_Append(deferred, row.p) < 0) return false;
+  for (Py_ssize_t e = 0; e <= n_extras; ++e) {
+    PyObject* extra = e ? PyTuple_GET_ITEM(extras, e - 1) : nullptr;
+    PyObject* fields[7] = {op_id,
+                           extra ? PyTuple_GET_ITEM(extra, 0) : s.zero,
+                           nan.p,
+                           extra ? PyTuple_GET_ITEM(extra, 3) : PyTuple_GET_ITEM(recipe, kLimit),
+                           nan.p,
+                           extra ? PyTuple_GET_ITEM(extra, 4) : PyTuple_GET_ITEM(recipe, kSampled),
+                           PyTuple_GET_ITEM(recipe, kHow)};
+    Py_ssize_t count = 0;
+    if (!append_row(rows, fields, 7, &count)) return false;
+    Ref row(PyLong_FromSsize_t(count - 1));
+    if (!row || PyList_Append(deferred, row.p) < 0) return false;
+  }
   PyObject* most = item(cd.p, s._queue_max);
   if (most == nullptr) return false;
   Ref now(PyNumber_Add(queued.p, s.one));

@@ -66,7 +66,7 @@ _PROGRAM = textwrap.dedent(
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
         # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts,
-        # matmuls, reductions, softmax, layer norm's input gradient, gradients placed into zeros.
+        # matmuls, reductions, softmax, layer norm and its input gradient, gradients placed into zeros.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -84,7 +84,7 @@ _PROGRAM = textwrap.dedent(
             t.sum([0, 2]), t.mean(1, keepdim=True), h.sum(-1), t.sum(dtype=torch.float64)
             p = torch.softmax(t, 1)
             torch.log_softmax(t, 0), torch.ops.aten._softmax_backward_data(t, p, 1, torch.float32)
-            _, mean, rstd = torch.ops.aten.native_layer_norm(t, [3, 4], None, None, 1e-5)
+            _, mean, rstd = torch.ops.aten.native_layer_norm(t, [3, 4], None, None, 1e-5 * (i + 1))  # eps: signed
             torch.ops.aten.native_layer_norm_backward(p, t, [3, 4], mean, rstd, None, None, [True, False, False])
             _, mean, rstd = torch.ops.aten.native_layer_norm(t, [4], b[:4], b[1:], 1e-5)
             torch.ops.aten.native_layer_norm_backward(p, t, [4], mean, rstd, b[:4], b[1:], [True, True, True])

@@ -809,6 +809,17 @@ RECIPE_CALLS = {
         lambda g: (_randn(g, 3, 6, 4).transpose(0, 2), [4, 20, 3], 1, 2, 19, 3),
         {},
     ),
+    # Rows of the input, the weight and bias whole; the output along the rows (mean and 1/std: below)
+    "layer_norm": (
+        aten.native_layer_norm.default,
+        lambda g: (_randn(g, 6, 5, 9) * 2 + 1, [9], _randn(g, 9), _randn(g, 9), 1e-5),
+        {},
+    ),
+    "layer_norm over two dimensions, no affine": (
+        aten.native_layer_norm.default,
+        lambda g: (_randn(g, 6, 5, 9).to(torch.bfloat16), [5, 9], None, None, 1e-6),
+        {},
+    ),
     # Its input gradient from rows of the gradient and input, the saved statistics, the weight whole
     "layer_norm backward": (aten.native_layer_norm_backward.default, lambda g: _layer_norm_backward_call(g, 1), {}),
     "layer_norm backward over two dimensions, no weight": (
@@ -862,6 +873,47 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
     for scale, ticket in tickets:
         assert ticket is not None
         assert (residuals[ticket] <= limit) == (scale == 1.0), (name, scale, residuals[ticket], limit)
+
+
+@pytest.mark.parametrize("faulty", [None, 1, 2])
+def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | None) -> None:
+    """A layer norm's recipe checks its three outputs of each call, each with a ticket of its own
+    (the call's first, then one each): a 5% scaled mean or 1/std fails alone."""
+    func, make, kwargs = RECIPE_CALLS["layer_norm"]
+    gen = torch.Generator().manual_seed(3)
+    checker = _learned(func, make(gen), kwargs)
+    args = make(gen)
+    signature, floats, tensors = _signed(checker, func, args, kwargs)
+    recipe = checker.recipes[signature]
+    assert isinstance(recipe, Recipe) and len(recipe.extras) == 2
+    gathered = checker.gather_sampled(recipe, tensors, floats)
+    assert gathered is not None
+    out = list(func(*args, **kwargs))
+    if faulty is not None:
+        out[faulty] = out[faulty] * 1.05
+    ticket = checker.finish_sampled(recipe, *gathered, tuple(out))
+    assert ticket is not None
+    residuals, _ = checker.collect()
+    limits = [recipe.limit] + [extra[3] for extra in recipe.extras]
+    failed = [residuals[ticket + j] > limits[j] for j in range(3)]
+    assert failed == [j == faulty for j in range(3)], (residuals, limits)
+
+
+def test_a_layer_norm_whose_saved_statistics_cannot_be_read_is_left_unchecked() -> None:
+    """Every output a recipe reads, or none: a call whose mean is not what the recipe expects
+    queues nothing."""
+    func, make, kwargs = RECIPE_CALLS["layer_norm"]
+    gen = torch.Generator().manual_seed(4)
+    checker = _learned(func, make(gen), kwargs)
+    args = make(gen)
+    signature, floats, tensors = _signed(checker, func, args, kwargs)
+    recipe = checker.recipes[signature]
+    assert isinstance(recipe, Recipe)
+    gathered = checker.gather_sampled(recipe, tensors, floats)
+    assert gathered is not None
+    out, mean, rstd = func(*args, **kwargs)
+    assert checker.finish_sampled(recipe, *gathered, (out, mean.double(), rstd)) is None
+    assert checker.collect() == ([], [])
 
 
 def test_a_recipe_is_made_only_for_calls_the_per_op_path_can_read() -> None:

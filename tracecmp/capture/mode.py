@@ -354,6 +354,9 @@ class CaptureMode(TorchDispatchMode):
         deferred.extend([-1] * (ticket - len(deferred)))
         deferred.append(len(self.check_rows))
         self.check_rows.append((op_id, 0, math.nan, recipe.limit, math.nan, recipe.sampled, recipe.how))
+        for index, _, _, limit, sampled in recipe.extras:  # more outputs: the next tickets
+            deferred.append(len(self.check_rows))
+            self.check_rows.append((op_id, index, math.nan, limit, math.nan, sampled, recipe.how))
         if checker._queued >= checker._queue_max:
             self._resolve_checks()
 

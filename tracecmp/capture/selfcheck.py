@@ -518,9 +518,12 @@ class SelfChecker:
         >>> checker.signature(torch.ops.aten.mul.Tensor, ("T", (float, 0.5)), [x])[1]
         [0.5]
         """
-        if self.full or self.kinds.get(func) not in RECIPE_KINDS:
+        kind = self.kinds.get(func)
+        if self.full or kind not in RECIPE_KINDS:
             return None
-        floats = [item[1] for item in key if _float_item(item)]
+        # Only a pointwise op's floats (RECIPE_KINDS[0]) are gathered per call; another's (a
+        # layer norm's eps) stay in the signature, so calls with other floats get their own recipe.
+        floats = [item[1] for item in key if _float_item(item)] if kind is RECIPE_KINDS[0] else []
         if floats:
             key = tuple(float if _float_item(item) else item for item in key)
         parts: list[Any] = [func, key]
@@ -603,21 +606,26 @@ class SelfChecker:
     def finish_sampled(self, recipe: Recipe, index: torch.Tensor, values: list[float], out: Any) -> int | None:
         """After the op: queue the call's sampled inputs and outputs with its recipe's calls; its
         ticket (:meth:`collect`), or None where the output is not what the recipe expects (unchecked)."""
+        outputs = out if isinstance(out, (tuple, list)) else ()
         if recipe.out_index >= 0:  # one of the op's outputs
-            out = out[recipe.out_index] if isinstance(out, (tuple, list)) and len(out) > recipe.out_index else None
-        if not (
-            isinstance(out, torch.Tensor)
-            and _sampled_readable(out)
-            and out.dtype == recipe.out_dtype
-            and out.shape == recipe.out_sizes
-        ):
-            return None
+            out = outputs[recipe.out_index] if len(outputs) > recipe.out_index else None
+        more = [outputs[e[0]] if len(outputs) > e[0] else None for e in recipe.extras]
+        expected = [(out, recipe.out_dtype, recipe.out_sizes)]
+        expected += [(t, dtype, e[1]) for t, e, (_, dtype) in zip(more, recipe.extras, recipe.extra_targets)]
+        for t, dtype, sizes in expected:  # every output read, or none
+            if not (isinstance(t, torch.Tensor) and _sampled_readable(t) and t.dtype == dtype and t.shape == sizes):
+                return None
         with self._quietly:
             values = values + _take(out, index).to(F64).tolist()
+            if more:  # at the block's rows: its kept dimensions lead, each row ``length`` long
+                length = recipe.k // recipe.sampled
+                rows = index.reshape(-1, length)[:, 0] // length
+                for t in more:
+                    values += _take(t, rows).to(F64).tolist()
         recipe.values.extend(values)
         ticket = len(self._residuals)
-        self._residuals.append(math.nan)
-        self._coarse.append(math.nan)
+        self._residuals += [math.nan] * (1 + len(more))
+        self._coarse += [math.nan] * (1 + len(more))
         recipe.tickets.append(ticket)
         self._queued += 1
         return ticket
@@ -629,21 +637,28 @@ class SelfChecker:
         first = recipes[0]
         k, floats = first.k, len(first.floats)
         widths = [math.prod(shape) for shape in first.shapes]
+        outputs = [k] + [extra[-1] for extra in first.extras]  # values of each output, per call
+        width = sum(widths) + floats + sum(outputs)
         for recipe in recipes:
             tickets += recipe.tickets
             # Each view let go at once (a clone): the per-op path appends to the array again.
-            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone().view(-1, sum(widths) + floats + k))
+            parts.append(torch.frombuffer(recipe.values, dtype=F64).clone())
             _clear(recipe.values)
             recipe.tickets.clear()
-        try:
+        try:  # a failure leaves these calls' residuals NaN: not measured, never passed
+            parts = [part.view(-1, width) for part in parts]
             rows, end = (torch.cat(parts) if len(parts) > 1 else parts[0]), sum(widths)
             gathered = [part.reshape(-1, *shape) for part, shape in zip(rows[:, :end].split(widths, 1), first.shapes)]
             inputs = [gathered[i].bool() if i in first.masks else gathered[i] for i in first.inputs]
-            residual, coarse = _recompute_by_floats(self, first, inputs, rows[:, end : end + floats], rows[:, -k:])
+            got = rows[:, end + floats :].split(outputs, 1)
+            checked = [_recompute_by_floats(self, first, inputs, rows[:, end : end + floats], got[0])]
+            for (target, dtype), values in zip(first.extra_targets, got[1:]):
+                checked.append(_recompute(target, inputs, values, dtype)[:2])
         except (RuntimeError, TypeError, ValueError, IndexError):
             return
-        for ticket, value, rough in zip(tickets, residual.tolist(), coarse.tolist()):
-            self._residuals[ticket], self._coarse[ticket] = value, rough
+        for j, (residual, coarse) in enumerate(checked):  # an output's ticket: the call's first, plus j
+            for ticket, value, rough in zip(tickets, residual.tolist(), coarse.tolist()):
+                self._residuals[ticket + j], self._coarse[ticket + j] = value, rough
 
     # --- sampling (the checker's own generator, on the CPU) ---
 
@@ -981,7 +996,7 @@ class Recipe(NamedTuple):
     ``out_sizes``: a reshaping copy's differs), all in float64, onto ``values``; the checker
     recomputes them together at the hand-over. A ``grid`` reads blocks instead: a matmul's
     rows of A and columns of B (its output at their crossings), a reduction's or softmax's
-    whole rows (its output at those rows, or along them). Its first twelve fields are read by
+    whole rows (its output at those rows, or along them). Its first thirteen fields are read by
     position in C."""
 
     sizes: tuple[int, ...]  # what the inputs broadcast to (a pointwise op's output shape)
@@ -1005,6 +1020,9 @@ class Recipe(NamedTuple):
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
     out_index: int  # which of the op's outputs is checked (-1: the op returns one tensor)
+    # More outputs checked with it (a layer norm's mean and 1/std), each read at the block's rows
+    # (a GRID_ROWS recipe whose rows come first in order): (index, sizes, dtype code, limit, rows)
+    extras: tuple[tuple[int, tuple[int, ...], int, float, int], ...]
     target: _Target  # the recomputation of calls alike
     out_dtype: torch.dtype
     slots: int  # input tensors gathered per call
@@ -1015,6 +1033,7 @@ class Recipe(NamedTuple):
     # tensors), and where they go: (op, its arguments with _SLOT for a tensor, _FLOAT for a float)
     floats: tuple[float, ...] = ()
     skeleton: tuple[Any, ...] = ()
+    extra_targets: tuple[tuple[_Target, torch.dtype], ...] = ()  # the extras' recomputations and dtypes
 
     def target_for(self, checker: SelfChecker, floats: Sequence[float]) -> _Target:
         """The recomputation of this recipe's calls that took ``floats``."""
@@ -1069,7 +1088,8 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     if not 0 < len(tensors) <= RECIPE_TENSORS or any(isinstance(x, torch.Tensor) for a in listed for x in a):
         return None
     kind = checker.kinds.get(func)
-    if kind is _layer_norm_backward:  # its input gradient alone, as the usual path checks it
+    outputs = out
+    if kind in (_layer_norm, _layer_norm_backward):  # a layer norm's output or input gradient first
         out = out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(out, torch.Tensor) or _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
         return None
@@ -1079,6 +1099,8 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         return _matmul_recipe(checker, func, args, kwargs, out, tensors)
     if kind is _layer_norm_backward:
         return _layer_norm_backward_recipe(checker, func, args, kwargs, out, tensors)
+    if kind is _layer_norm:
+        return _layer_norm_recipe(checker, func, args, kwargs, outputs, tensors)
     if kind in (_reduction, _softmax):
         return _rows_recipe(checker, func, args, kwargs, out, tensors)
     if kind is _scattered:
@@ -1125,6 +1147,7 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         target.how,
         k,
         -1,
+        (),
         target,
         out.dtype,
         len(tensors),
@@ -1185,6 +1208,7 @@ def _matmul_recipe(
         "matmul",
         rows * cols,
         -1,
+        (),
         target,
         out.dtype,
         len(tensors),
@@ -1240,7 +1264,7 @@ def _rows_recipe(
     inputs = tuple(range(len(tensors)))
     sizes, shape = tuple(x.shape), tuple(out.shape)
     return Recipe(
-        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, -1, target, out.dtype,
+        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, -1, (), target, out.dtype,
         len(tensors), shapes, inputs, (),
     )  # fmt: skip
 
@@ -1268,8 +1292,8 @@ def _placed_recipe(
     limit = _limits(target, out.dtype)[-1]
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
     return Recipe(
-        sizes, math.prod(sizes), k, limit, code, gathered, [], sizes, grid, "exact", k, -1, target, out.dtype, 1,
-        ((k,),), (0,), (),
+        sizes, math.prod(sizes), k, limit, code, gathered, [], sizes, grid, "exact", k, -1, (), target, out.dtype,
+        1, ((k,),), (0,), (),
     )  # fmt: skip
 
 
@@ -1301,6 +1325,65 @@ def _placed(grad: torch.Tensor, sizes: Sequence[int], grid: Sequence[int], flat:
     source = coords[:dim] + ([] if dropped else [(at // step).clamp(0, max(taken - 1, 0))]) + coords[dim + 1 :]
     picked = _take(grad, _offset(source, grad.shape) if source else torch.zeros_like(flat))
     return torch.where(inside.to(grad.device), picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def _layer_norm_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    outputs: Any,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """A layer norm (:func:`_layer_norm`) at a block of adjacent rows: those rows of its input, its
+    weight and bias whole; its output along the rows, its mean and 1/std at them (extras)."""
+    b = _bind(func, args, kwargs)
+    x, weight, bias = b["input"], b["weight"], b["bias"]
+    if x is not tensors[0] or not all(t.is_floating_point() for t in tensors) or len(outputs) != 3:
+        return None
+    out, mean, rstd = outputs
+    dims = list(range(x.dim() - len(b["normalized_shape"]), x.dim()))
+    kept = [d for d in range(x.dim()) if d not in dims]
+    saved = [x.shape[d] if d in kept else 1 for d in range(x.dim())]
+    if out.shape != x.shape or list(mean.shape) != saved or list(rstd.shape) != saved or not kept:
+        return None
+    if not all(isinstance(t, torch.Tensor) and _sampled_readable(t) for t in (mean, rstd)):
+        return None
+    if any(t.dim() >= x.dim() or t.dtype not in _SAMPLED_CODES for t in tensors[1:]):
+        return None
+    if any(_SAMPLED_CODES.get(t.dtype, _FLOATING_CODES) >= _FLOATING_CODES for t in (mean, rstd)):
+        return None
+    count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
+    block = min(checker.sample, count)
+    if block * length > GATHER_BUDGET:
+        return None
+    constants = (weight is not None, bias is not None, b["eps"])
+    shapes = ((block, length), *((t.numel(),) for t in tensors[1:]))
+    device = torch.device("cpu")
+    targets = []
+    for which in range(3):
+        key = ("layer_norm rows", which, constants, shapes, device)
+        batch = _Batch(key, functools.partial(_layer_norm_rows_values, which, constants), ())
+        targets.append(_batched(which, _gathered, batch, length, None, "rows", block))
+    limits = [_limits(target, t.dtype)[-1] for target, t in zip(targets, outputs)]
+    extras = tuple((which, tuple(outputs[which].shape), _SAMPLED_CODES[outputs[which].dtype], limits[which], block)
+                   for which in (1, 2))  # fmt: skip
+    grid = (GRID_ROWS, block, len(kept), 1, *kept, *dims)
+    code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
+    return Recipe(
+        tuple(x.shape), count * length, block * length, limits[0], code, gathered, [], tuple(out.shape), grid,
+        "rows", block, 0, extras, targets[0], out.dtype, len(tensors), shapes, tuple(range(len(tensors))), (),
+        extra_targets=((targets[1], mean.dtype), (targets[2], rstd.dtype)),
+    )  # fmt: skip
+
+
+def _layer_norm_rows_values(
+    which: int, constants: tuple[bool, bool, float], values: torch.Tensor, *affine: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_layer_norm_values` of gathered whole rows (..., k, length): the output at every
+    column of them."""
+    cols = torch.arange(values.shape[-1], device=values.device).expand(*values.shape[:-2], values.shape[-1])
+    return _layer_norm_values(which, constants, values, cols, *affine)
 
 
 def _layer_norm_backward_recipe(
@@ -1343,7 +1426,7 @@ def _layer_norm_backward_recipe(
     grid = (GRID_ROWS, block, len(kept), 1, *kept, *dims)
     return Recipe(
         tuple(x.shape), count * length, block * length, limit, code, gathered, [], tuple(out.shape), grid, "rows",
-        block, 0, target, out.dtype, len(tensors), shapes, inputs, (),
+        block, 0, (), target, out.dtype, len(tensors), shapes, inputs, (),
     )  # fmt: skip
 
 
@@ -2719,8 +2802,9 @@ def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple
     return list(args[: len(positional)]), kwargs
 
 
-# The kinds whose calls have recipes (the C path compares an op's kind with them).
-RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm_backward, _scattered)
+# The kinds whose calls have recipes (the C path compares an op's kind with them); the first,
+# pointwise ops, the one whose float arguments are left out of a signature and gathered per call.
+RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm, _layer_norm_backward, _scattered)
 
 
 def _classify(func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
