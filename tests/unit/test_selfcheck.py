@@ -875,12 +875,10 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
         assert (residuals[ticket] <= limit) == (scale == 1.0), (name, scale, residuals[ticket], limit)
 
 
-@pytest.mark.parametrize("faulty", [None, 1, 2])
-def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | None) -> None:
-    """A layer norm's recipe checks its three outputs of each call, each with a ticket of its own
-    (the call's first, then one each): a 5% scaled mean or 1/std fails alone."""
+def _layer_norm_through_its_recipe(seed: int) -> tuple[SelfChecker, Recipe, tuple, tuple]:
+    """A checker with a layer norm's recipe, one more call's gathered sample, and its outputs."""
     func, make, kwargs = RECIPE_CALLS["layer_norm"]
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     checker = _learned(func, make(gen), kwargs)
     args = make(gen)
     signature, floats, tensors = _signed(checker, func, args, kwargs)
@@ -888,7 +886,15 @@ def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | N
     assert isinstance(recipe, Recipe) and len(recipe.extras) == 2
     gathered = checker.gather_sampled(recipe, tensors, floats)
     assert gathered is not None
-    out = list(func(*args, **kwargs))
+    return checker, recipe, gathered, func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("faulty", [None, 1, 2])
+def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | None) -> None:
+    """A layer norm's recipe checks its three outputs of each call, each with a ticket of its own
+    (the call's first, then one each): a 5% scaled mean or 1/std fails alone."""
+    checker, recipe, gathered, outputs = _layer_norm_through_its_recipe(3)
+    out = list(outputs)
     if faulty is not None:
         out[faulty] = out[faulty] * 1.05
     ticket = checker.finish_sampled(recipe, *gathered, tuple(out))
@@ -902,16 +908,7 @@ def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | N
 def test_a_layer_norm_whose_saved_statistics_cannot_be_read_is_left_unchecked() -> None:
     """Every output a recipe reads, or none: a call whose mean is not what the recipe expects
     queues nothing."""
-    func, make, kwargs = RECIPE_CALLS["layer_norm"]
-    gen = torch.Generator().manual_seed(4)
-    checker = _learned(func, make(gen), kwargs)
-    args = make(gen)
-    signature, floats, tensors = _signed(checker, func, args, kwargs)
-    recipe = checker.recipes[signature]
-    assert isinstance(recipe, Recipe)
-    gathered = checker.gather_sampled(recipe, tensors, floats)
-    assert gathered is not None
-    out, mean, rstd = func(*args, **kwargs)
+    checker, recipe, gathered, (out, mean, rstd) = _layer_norm_through_its_recipe(4)
     assert checker.finish_sampled(recipe, *gathered, (out, mean.double(), rstd)) is None
     assert checker.collect() == ([], [])
 
