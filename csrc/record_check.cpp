@@ -205,6 +205,7 @@ bool gather_matmul(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
 // tensor of ``sizes`` and ``strides``, from ``first`` on, ``n`` of them: an odometer, last fastest.
 void offsets(const int64_t* sizes, const int64_t* strides, const int64_t* order, int count, int64_t first, int64_t n,
              std::vector<int64_t>& out) {
+  if (n <= 0) return;  // an empty dimension: nothing to read (and no size to divide by)
   int64_t at[kMaxDims];
   for (int d = count - 1; d >= 0; --d) {  // ``first`` unravelled
     at[d] = first % sizes[order[d]];

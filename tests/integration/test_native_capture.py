@@ -82,6 +82,7 @@ _PROGRAM = textwrap.dedent(
             # Rows: sums and means over any dimensions, softmax along any, read in blocks
             t = torch.randn(4, 3, 6).transpose(0, 2)
             t.sum([0, 2]), t.mean(1, keepdim=True), h.sum(-1), t.sum(dtype=torch.float64)
+            torch.randn(4, 0, 3).sum(1), torch.ones(0, 5).softmax(1)  # empty rows: nothing to read
             p = torch.softmax(t, 1)
             torch.log_softmax(t, 0), torch.ops.aten._softmax_backward_data(t, p, 1, torch.float32)
             _, mean, rstd = torch.ops.aten.native_layer_norm(t, [3, 4], None, None, 1e-5 * (i + 1))  # eps: signed

@@ -1243,7 +1243,7 @@ def _rows_recipe(
     kept = [d for d in range(x.dim()) if d not in dims]
     count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
     block = min(checker.sample, count)
-    if not count or block * length * len(tensors) > GATHER_BUDGET:
+    if not count or not length or block * length * len(tensors) > GATHER_BUDGET:  # a sum over nothing: 0
         return None
     shapes = ((block, length),) * len(tensors)
     device = torch.device("cpu")
@@ -1355,7 +1355,7 @@ def _layer_norm_recipe(
         return None
     count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
     block = min(checker.sample, count)
-    if block * length > GATHER_BUDGET:
+    if not length or block * length > GATHER_BUDGET:
         return None
     constants = (weight is not None, bias is not None, b["eps"])
     shapes = ((block, length), *((t.numel(),) for t in tensors[1:]))
@@ -1410,7 +1410,7 @@ def _layer_norm_backward_recipe(
         return None
     count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
     block = min(checker.sample, count)
-    if block * length * 2 > GATHER_BUDGET:
+    if not length or block * length * 2 > GATHER_BUDGET:
         return None
     shapes = tuple((block, length) if t.dim() == x.dim() and t.shape == x.shape else (block,) if t.dim() == x.dim()
                    else (t.numel(),) for t in tensors)  # fmt: skip
