@@ -1327,6 +1327,25 @@ def _placed(grad: torch.Tensor, sizes: Sequence[int], grid: Sequence[int], flat:
     return torch.where(inside.to(grad.device), picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
+def _normalized_rows(
+    checker: SelfChecker, x: torch.Tensor, normalized: int, mean: torch.Tensor, rstd: torch.Tensor, read: int
+) -> tuple[int, int, int, tuple[int, ...]] | None:
+    """A layer norm's rows for its recipes (normalized over the last ``normalized`` dimensions of
+    ``x``): their number and length, the block read and the GRID_ROWS grid (its output read along
+    them); None where the saved mean and 1/std are not one a row, or ``read`` tensors of the
+    block's rows would pass the gather budget."""
+    dims = list(range(x.dim() - normalized, x.dim()))
+    kept = [d for d in range(x.dim()) if d not in dims]
+    saved = [x.shape[d] if d in kept else 1 for d in range(x.dim())]
+    if not kept or list(mean.shape) != saved or list(rstd.shape) != saved:
+        return None
+    count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
+    block = min(checker.sample, count)
+    if not length or block * length * read > GATHER_BUDGET:  # empty rows: nothing to read
+        return None
+    return count, length, block, (GRID_ROWS, block, len(kept), 1, *kept, *dims)
+
+
 def _layer_norm_recipe(
     checker: SelfChecker,
     func: Any,
@@ -1342,21 +1361,16 @@ def _layer_norm_recipe(
     if x is not tensors[0] or not all(t.is_floating_point() for t in tensors) or len(outputs) != 3:
         return None
     out, mean, rstd = outputs
-    dims = list(range(x.dim() - len(b["normalized_shape"]), x.dim()))
-    kept = [d for d in range(x.dim()) if d not in dims]
-    saved = [x.shape[d] if d in kept else 1 for d in range(x.dim())]
-    if out.shape != x.shape or list(mean.shape) != saved or list(rstd.shape) != saved or not kept:
-        return None
-    if not all(isinstance(t, torch.Tensor) and _sampled_readable(t) for t in (mean, rstd)):
+    if not all(isinstance(t, torch.Tensor) and _sampled_readable(t) for t in (mean, rstd)) or out.shape != x.shape:
         return None
     if any(t.dim() >= x.dim() or t.dtype not in _SAMPLED_CODES for t in tensors[1:]):
         return None
     if any(_SAMPLED_CODES.get(t.dtype, _FLOATING_CODES) >= _FLOATING_CODES for t in (mean, rstd)):
         return None
-    count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
-    block = min(checker.sample, count)
-    if not length or block * length > GATHER_BUDGET:
+    rows = _normalized_rows(checker, x, len(b["normalized_shape"]), mean, rstd, 1)
+    if rows is None:
         return None
+    count, length, block, grid = rows
     constants = (weight is not None, bias is not None, b["eps"])
     shapes = ((block, length), *((t.numel(),) for t in tensors[1:]))
     device = torch.device("cpu")
@@ -1368,7 +1382,6 @@ def _layer_norm_recipe(
     limits = [_limits(target, t.dtype)[-1] for target, t in zip(targets, outputs)]
     extras = tuple((which, tuple(outputs[which].shape), _SAMPLED_CODES[outputs[which].dtype], limits[which], block)
                    for which in (1, 2))  # fmt: skip
-    grid = (GRID_ROWS, block, len(kept), 1, *kept, *dims)
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
     return Recipe(
         tuple(x.shape), count * length, block * length, limits[0], code, gathered, [], tuple(out.shape), grid,
@@ -1401,17 +1414,12 @@ def _layer_norm_backward_recipe(
     grad, x, mean, rstd, weight = b["grad_out"], b["input"], b["mean"], b["rstd"], b["weight"]
     if not b["output_mask"][0] or not all(t.is_floating_point() for t in tensors) or grad is not tensors[0]:
         return None
-    dims = list(range(x.dim() - len(b["normalized_shape"]), x.dim()))
-    kept = [d for d in range(x.dim()) if d not in dims]
-    saved = [x.shape[d] if d in kept else 1 for d in range(x.dim())]
-    if grad.shape != x.shape or list(mean.shape) != saved or list(rstd.shape) != saved or out.shape != x.shape:
+    if grad.shape != x.shape or out.shape != x.shape or any(t.dim() >= x.dim() for t in tensors[4:]):
         return None
-    if not kept or any(t.dim() >= x.dim() for t in tensors[4:]):
+    rows = _normalized_rows(checker, x, len(b["normalized_shape"]), mean, rstd, 2)
+    if rows is None:
         return None
-    count, length = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
-    block = min(checker.sample, count)
-    if not length or block * length * 2 > GATHER_BUDGET:
-        return None
+    count, length, block, grid = rows
     shapes = tuple((block, length) if t.dim() == x.dim() and t.shape == x.shape else (block,) if t.dim() == x.dim()
                    else (t.numel(),) for t in tensors)  # fmt: skip
     # In the values function's order: input, output gradient, mean, 1/std[, weight]
@@ -1423,7 +1431,6 @@ def _layer_norm_backward_recipe(
     target = _batched(0, _gathered, batch, length, None, "rows", block)
     limit = _limits(target, out.dtype)[-1]
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
-    grid = (GRID_ROWS, block, len(kept), 1, *kept, *dims)
     return Recipe(
         tuple(x.shape), count * length, block * length, limit, code, gathered, [], tuple(out.shape), grid, "rows",
         block, 0, (), target, out.dtype, len(tensors), shapes, inputs, (),
