@@ -154,13 +154,18 @@ PyObject* forget(PyObject*, PyObject* const* argv, Py_ssize_t nargs);
 
 // ---- record_check.cpp: sampled self-checks (capture/selfcheck.py's recipes) ---------------------
 
+// What one recipe of a call gathers.
+struct SampledPiece {
+  std::vector<uint64_t> flat;  // the sampled positions of its output
+  std::vector<double> values;  // the inputs' values there, then the output's
+  std::vector<uint64_t> rows;  // a block's rows, where its extras are read
+};
 // One call's sampled check, from before the op to after it.
 struct SampledCall {
   Ref signature;  // the calls a recipe serves (SelfChecker.signature); null: not a kind with recipes
   Ref recipe;     // its Recipe, while the call is sampled
   bool learn = false;  // a signature seen for the first time: mode._learn after the op
-  std::vector<uint64_t> flat;  // the sampled positions of the output
-  std::vector<double> values;  // the inputs' values there, then the output's
+  std::vector<SampledPiece> pieces;  // the recipe's, then each of its ``more``'s
 };
 // Before the op: 1 with the call's inputs gathered, 0 where it is checked the usual way
 // (call.learn set for a new signature), -1 with an exception set.

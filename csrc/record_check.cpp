@@ -3,7 +3,8 @@
 // The reference is CaptureMode._sample_before and _sample_after with SelfChecker.signature,
 // gather_sampled and finish_sampled (capture/selfcheck.py, "sampled checks gathered on the
 // per-op path"): a call whose signature (op, other arguments, input dtypes and shapes) has a
-// recipe (a pointwise op, a copy, a 2-D matmul, a sum or mean, a softmax) draws its sample from
+// recipe (a pointwise op, a copy, a 2-D matmul, a sum or mean, a softmax, a layer or batch norm,
+// a convolution, and some of their gradients) draws its sample from
 // the checker's splitmix64 stream and reads the values behind it straight from each tensor's
 // memory, into float64. The float64 recomputation stays in Python, once per recipe
 // at the hand-over. Without this a check costs two calls into Python and a dozen torch calls,
@@ -88,6 +89,24 @@ double element(const char* p, int code) {
 // Bytes per element, by dtype code (stats._NATIVE_CODES).
 constexpr int kItemSize[10] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1};
 
+// One element of a dtype read as a double: ``element`` with its dtype chosen once per tensor,
+// not per element (a convolution's sample reads up to ~10^5 of them).
+using Load = double (*)(const char*);
+template <int Code>
+double load(const char* p) {
+  return element(p, Code);
+}
+constexpr Load kLoad[10] = {load<0>, load<1>, load<2>, load<3>, load<4>, load<5>, load<6>, load<7>, load<8>, load<9>};
+
+// A tensor's elements read by offset (in elements): its data, item size and loader.
+struct Reader {
+  const char* data;
+  int64_t item;
+  Load read;
+  explicit Reader(const Layout& t) : data(t.data), item(kItemSize[t.code]), read(kLoad[t.code]) {}
+  double operator()(int64_t offset) const { return read(data + offset * item); }
+};
+
 // A tuple of ints into out[0..n), n <= most; false otherwise (no exception left).
 bool ints_of(PyObject* tuple, int64_t* out, int* n, int most = kMaxDims) {
   if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > most) return false;
@@ -162,17 +181,19 @@ void draw(uint64_t* state, uint64_t n, int64_t k, std::vector<uint64_t>& flat) {
 // The Recipe's fields read here, by position (selfcheck.Recipe).
 enum RecipeField {
   kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kOutIndex,
-  kExtras, kRecipeFields
+  kExtras, kMore, kRecipeFields
 };
-// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED: what a Recipe.grid's first field says it reads
-enum GridKind { kGridMatmul, kGridRows, kGridPlaced };
+// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS: what a Recipe.grid's first field says it reads
+enum GridKind { kGridMatmul, kGridRows, kGridPlaced, kGridConv, kGridChannels };
+// selfcheck.CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT: a GRID_CONV's roles
+enum ConvRole { kConvOutput, kConvInputGradient, kConvWeightGradient };
 
 // selfcheck.Recipe.grid of GRID_MATMUL: a 2-D matmul's block of ``rows`` adjacent rows of A and
 // ``cols`` adjacent columns of B (their starts drawn, columns first), every crossing a sampled
 // output element; each tensor read in its role (A's rows whole, B's columns whole, the bias at
 // the crossings). False where the recipe does not fit the tensors (no exception: the usual path).
 bool gather_matmul(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, const int64_t* sizes,
-                   int dims, uint64_t* state, SampledCall& call) {
+                   int dims, uint64_t* state, SampledPiece& call) {
   if (n_fields != 6 || dims != 2) return false;
   const int64_t rows = g[1], cols = g[2], a = g[3], b = g[4], bias = g[5];
   const int64_t m = sizes[0], n = sizes[1];
@@ -226,7 +247,7 @@ void offsets(const int64_t* sizes, const int64_t* strides, const int64_t* order,
 // (its weight). The output is read at those rows (along 0: a reduction's) or along them (1: at
 // the same positions of a tensor of the first's shape, in its own row-major order).
 bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t* state,
-                 SampledCall& call) {
+                 SampledPiece& call) {
   const Layout& x = layouts[0];
   const int dims = n_fields - 4;
   const int64_t block = g[1], kept = g[2], along = g[3];
@@ -272,8 +293,9 @@ bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
     for (int64_t r : row_at)
       for (int64_t q : along_row) call.values.push_back(element(l.data + (r + q) * item, l.code));
   }
+  for (int64_t r = 0; r < block; ++r) call.rows.push_back(static_cast<uint64_t>(first + r));
   if (!along) {
-    for (int64_t r = 0; r < block; ++r) call.flat.push_back(static_cast<uint64_t>(first + r));
+    call.flat = call.rows;
     return true;
   }
   int64_t dense[kMaxDims];  // the output's row-major strides: it has the inputs' shape
@@ -291,12 +313,64 @@ bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
   return true;
 }
 
+// selfcheck.Recipe.grid of GRID_CHANNELS (block): ``block`` adjacent channels (dimension 1, their
+// start drawn) of every tensor of the first's shape, each channel whole in (batch, positions)
+// order, and of every 1-D tensor as long as the channels, one value a channel; the output (of
+// the first's shape) read along them, its extras at them.
+bool gather_channels(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t* state,
+                     SampledPiece& call) {
+  const Layout& x = layouts[0];
+  if (n_fields != 2 || x.dims < 2) return false;
+  const int64_t block = g[1], channels = x.sizes[1];
+  if (block < 1 || block > channels) return false;
+  for (Py_ssize_t t = 1; t < count; ++t) {
+    const Layout& l = layouts[t];
+    if (l.dims == 1 && l.sizes[0] == channels) continue;
+    if (l.dims != x.dims) return false;
+    for (int d = 0; d < x.dims; ++d)
+      if (l.sizes[d] != x.sizes[d]) return false;
+  }
+  int64_t spatial = 1;
+  for (int d = 2; d < x.dims; ++d) spatial *= x.sizes[d];
+  const int64_t length = x.sizes[0] * spatial;
+  std::vector<uint64_t> start;
+  draw(state, static_cast<uint64_t>(channels - block + 1), 1, start);
+  const int64_t first = static_cast<int64_t>(start[0]);
+  int64_t order[kMaxDims];
+  for (int d = 2; d < x.dims; ++d) order[d - 2] = d;
+  std::vector<int64_t> at;  // a channel's positions within one image, as offsets
+  for (Py_ssize_t t = 0; t < count; ++t) {
+    const Layout& l = layouts[t];
+    const Reader read(l);
+    if (l.dims == 1 && l.dims != x.dims) {
+      for (int64_t c = first; c < first + block; ++c) call.values.push_back(read(c * l.strides[0]));
+      continue;
+    }
+    at.clear();
+    offsets(l.sizes, l.strides, order, l.dims - 2, 0, spatial, at);
+    const size_t base = call.values.size();
+    call.values.resize(base + static_cast<size_t>(block * length));
+    double* out = call.values.data() + base;
+    for (int64_t c = first; c < first + block; ++c)
+      for (int64_t n = 0; n < x.sizes[0]; ++n) {
+        const int64_t from = c * l.strides[1] + n * l.strides[0];
+        for (int64_t q : at) *out++ = read(from + q);
+      }
+  }
+  // The output (of the first's shape, row-major) along the same channels
+  for (int64_t c = first; c < first + block; ++c)
+    for (int64_t n = 0; n < x.sizes[0]; ++n)
+      for (int64_t q = 0; q < spatial; ++q) call.flat.push_back(static_cast<uint64_t>((n * channels + c) * spatial + q));
+  for (int64_t r = 0; r < block; ++r) call.rows.push_back(static_cast<uint64_t>(first + r));
+  return true;
+}
+
 // selfcheck.Recipe.grid of GRID_PLACED (dim, start, step, taken, dropped), selfcheck._placed: at
 // ``k`` positions drawn below the output's ``numel`` (of ``sizes``), the gradient's element a
 // select's or slice's backward places there (``taken`` positions of ``dim`` from ``start`` by
 // ``step``; ``dropped``: the gradient lacks ``dim``), or 0.
 bool gather_placed(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, const int64_t* sizes,
-                   int dims, uint64_t numel, int64_t k, uint64_t* state, SampledCall& call) {
+                   int dims, uint64_t numel, int64_t k, uint64_t* state, SampledPiece& call) {
   if (n_fields != 6 || count != 1) return false;
   const int64_t dim = g[1], start = g[2], step = g[3], taken = g[4], dropped = g[5];
   const Layout& grad = layouts[0];
@@ -328,15 +402,168 @@ bool gather_placed(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
   return true;
 }
 
+// A row-major counter ``at`` over ``sizes`` (``n`` of them) advanced: false once it wraps to 0.
+bool advance(int64_t* at, const int64_t* sizes, int64_t n) {
+  for (int64_t j = n - 1; j >= 0; --j) {
+    if (++at[j] < sizes[j]) return true;
+    at[j] = 0;
+  }
+  return false;
+}
+
+// selfcheck.Recipe.grid of GRID_CONV (role, dims, groups, *stride, *padding, *dilation),
+// selfcheck._conv_terms: at ``k`` positions drawn below the checked output's ``numel``, the two
+// factors of each term its element sums (both 0 where a tap reads nothing): a convolution's
+// output from input taps and weights (and its bias), its input gradient from output gradients
+// and weights, its weight gradient from output gradients and inputs; each in its tensor's slot.
+// Per sampled element, the offsets of its taps (or output positions) are worked out once and
+// read for every channel (or image).
+bool gather_conv(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t numel, int64_t k,
+                 uint64_t* state, SampledPiece& call) {
+  if (n_fields < 4) return false;
+  const int64_t role = g[1], d = g[2], groups = g[3];
+  if (d < 1 || d > kMaxDims - 2 || n_fields != 4 + 3 * d || groups < 1) return false;
+  const int64_t *stride = g + 4, *padding = g + 4 + d, *dilation = g + 4 + 2 * d;
+  const Layout *x = nullptr, *w = nullptr, *grad = nullptr, *bias = nullptr;
+  if (role == kConvOutput && (count == 2 || count == 3)) {
+    x = &layouts[0], w = &layouts[1], bias = count == 3 ? &layouts[2] : nullptr;
+  } else if ((role == kConvInputGradient || role == kConvWeightGradient) && count == 3) {
+    grad = &layouts[0], x = &layouts[1], w = &layouts[2];
+  } else {
+    return false;
+  }
+  if (x->dims != d + 2 || w->dims != d + 2) return false;
+  const int64_t batch = x->sizes[0], channels = x->sizes[1], out_channels = w->sizes[0], group_in = w->sizes[1];
+  if (group_in * groups != channels || out_channels % groups) return false;
+  const int64_t group_out = out_channels / groups;
+  const int64_t *size = x->sizes + 2, *kernel = w->sizes + 2;
+  int64_t out[kMaxDims], out_sizes[kMaxDims] = {batch, out_channels};
+  for (int64_t j = 0; j < d; ++j) {
+    const int64_t reach = size[j] + 2 * padding[j] - dilation[j] * (kernel[j] - 1) - 1;
+    if (stride[j] < 1 || dilation[j] < 1 || kernel[j] < 1 || reach < 0) return false;
+    out[j] = out_sizes[2 + j] = reach / stride[j] + 1;
+  }
+  if (grad != nullptr) {
+    if (grad->dims != d + 2) return false;
+    for (int64_t j = 0; j < d + 2; ++j)
+      if (grad->sizes[j] != out_sizes[j]) return false;
+  }
+  if (bias != nullptr && (bias->dims != 1 || bias->sizes[0] != out_channels)) return false;
+  // The checked output: its sizes, from which the sampled positions are unravelled
+  const int64_t* checked = role == kConvOutput ? out_sizes : role == kConvInputGradient ? x->sizes : w->sizes;
+  uint64_t total = 1;
+  for (int64_t j = 0; j < d + 2; ++j) total *= static_cast<uint64_t>(checked[j]);
+  if (total != numel) return false;
+  draw(state, numel, k, call.flat);
+  // Positions a sampled element reads, each its spatial offset into the two tensors, or -1 (none):
+  // the kernel's taps (output and input gradient) or the output's positions (weight gradient).
+  int64_t taps = 1, positions = 1;
+  for (int64_t j = 0; j < d; ++j) taps *= kernel[j], positions *= out[j];
+  const int64_t spots = role == kConvWeightGradient ? positions : taps;
+  const int64_t width = spots * (role == kConvOutput ? group_in : role == kConvInputGradient ? group_out : batch);
+  std::vector<int64_t> first_at(static_cast<size_t>(spots)), second_at(static_cast<size_t>(spots));
+  const Layout& first = role == kConvOutput ? *x : *grad;  // the tensors of the two factors
+  const Layout& second = role == kConvWeightGradient ? *x : *w;
+  const Reader read_first(first), read_second(second);
+  const size_t base = call.values.size(), n = call.flat.size() * static_cast<size_t>(width);
+  call.values.resize(base + 2 * n);
+  double* left = call.values.data() + base;
+  double* right = left + n;
+  std::vector<double> biases;
+  int64_t at[kMaxDims], t[kMaxDims];
+  for (uint64_t position : call.flat) {
+    for (int64_t j = d + 1; j >= 0; --j) {
+      at[j] = static_cast<int64_t>(position % static_cast<uint64_t>(checked[j]));
+      position /= static_cast<uint64_t>(checked[j]);
+    }
+    std::fill(t, t + d, 0);
+    for (int64_t spot = 0; spot < spots; ++spot, advance(t, role == kConvWeightGradient ? out : kernel, d)) {
+      int64_t a = 0, b = 0;  // offsets into the first and second factor's tensors
+      bool valid = true;
+      for (int64_t j = 0; j < d && valid; ++j) {
+        if (role == kConvOutput) {  // at: (n, co, *o); x at o * stride - padding + t * dilation
+          const int64_t p = at[2 + j] * stride[j] - padding[j] + t[j] * dilation[j];
+          valid = p >= 0 && p < size[j];
+          a += p * first.strides[2 + j], b += t[j] * second.strides[2 + j];
+        } else if (role == kConvInputGradient) {  // at: (n, ci, *p); grad at (p + padding - t * dilation) / stride
+          const int64_t r = at[2 + j] + padding[j] - t[j] * dilation[j];
+          valid = r >= 0 && r % stride[j] == 0 && r / stride[j] < out[j];
+          a += r / stride[j] * first.strides[2 + j], b += t[j] * second.strides[2 + j];
+        } else {  // at: (co, cl, *tap), t: an output position o; x at o * stride - padding + tap * dilation
+          const int64_t p = t[j] * stride[j] - padding[j] + at[2 + j] * dilation[j];
+          valid = p >= 0 && p < size[j];
+          a += t[j] * first.strides[2 + j], b += p * second.strides[2 + j];
+        }
+      }
+      first_at[static_cast<size_t>(spot)] = valid ? a : -1;
+      second_at[static_cast<size_t>(spot)] = valid ? b : -1;
+    }
+    // Per channel (or image), the offsets of its slice of each tensor; the spots inside it
+    for (int64_t c = 0, outer = width / spots; c < outer; ++c) {
+      int64_t a, b;
+      if (role == kConvOutput) {
+        a = at[0] * first.strides[0] + (at[1] / group_out * group_in + c) * first.strides[1];
+        b = at[1] * second.strides[0] + c * second.strides[1];
+      } else if (role == kConvInputGradient) {
+        const int64_t co = at[1] / group_in * group_out + c;
+        a = at[0] * first.strides[0] + co * first.strides[1];
+        b = co * second.strides[0] + at[1] % group_in * second.strides[1];
+      } else {
+        a = c * first.strides[0] + at[0] * first.strides[1];
+        b = c * second.strides[0] + (at[0] / group_out * group_in + at[1]) * second.strides[1];
+      }
+      for (int64_t spot = 0; spot < spots; ++spot) {
+        const int64_t at_a = first_at[static_cast<size_t>(spot)];
+        *left++ = at_a < 0 ? 0.0 : read_first(a + at_a);
+        *right++ = at_a < 0 ? 0.0 : read_second(b + second_at[static_cast<size_t>(spot)]);
+      }
+    }
+    if (bias != nullptr) biases.push_back(Reader(*bias)(at[1] * bias->strides[0]));
+  }
+  call.values.insert(call.values.end(), biases.begin(), biases.end());
+  return true;
+}
+
 // A Recipe.grid's blocks gathered: false where the recipe does not fit the tensors.
 bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const int64_t* sizes, int dims,
-                 uint64_t numel, int64_t k, uint64_t* state, SampledCall& call) {
-  int64_t g[4 + kMaxDims];
+                 uint64_t numel, int64_t k, uint64_t* state, SampledPiece& call) {
+  int64_t g[4 + 3 * kMaxDims];
   int n_fields = 0;
-  if (!ints_of(grid, g, &n_fields, 4 + kMaxDims) || n_fields < 1) return false;
+  if (!ints_of(grid, g, &n_fields, 4 + 3 * kMaxDims) || n_fields < 1) return false;
   if (g[0] == kGridMatmul) return gather_matmul(g, n_fields, layouts, count, sizes, dims, state, call);
   if (g[0] == kGridPlaced) return gather_placed(g, n_fields, layouts, count, sizes, dims, numel, k, state, call);
+  if (g[0] == kGridConv) return gather_conv(g, n_fields, layouts, count, numel, k, state, call);
+  if (g[0] == kGridChannels) return gather_channels(g, n_fields, layouts, count, state, call);
   return g[0] == kGridRows && gather_rows(g, n_fields, layouts, count, state, call);
+}
+
+// One recipe of a call gathered (selfcheck.SelfChecker.gather_sampled): 1, 0 where it does not
+// fit the tensors, -1 with an exception set.
+int gather_piece(PyObject* recipe, const Layout* layouts, Py_ssize_t count, uint64_t* state, SampledPiece& call) {
+  if (!PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) < kRecipeFields) {
+    PyErr_SetString(PyExc_TypeError, "a self-check recipe must be a selfcheck.Recipe");
+    return -1;
+  }
+  int64_t sizes[kMaxDims];
+  int dims = 0;
+  if (!ints_of(PyTuple_GET_ITEM(recipe, kSizes), sizes, &dims)) return 0;
+  for (Py_ssize_t i = 0; i < count; ++i)
+    if (layouts[i].dims > dims) return 0;
+  long long numel = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kNumel));
+  long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSample));
+  if (PyErr_Occurred()) return -1;
+  call.flat.clear();
+  call.values.clear();
+  call.rows.clear();
+  PyObject* grid = PyTuple_GET_ITEM(recipe, kGrid);
+  if (grid == Py_None) {
+    draw(state, static_cast<uint64_t>(numel), k, call.flat);
+    call.values.reserve(static_cast<size_t>((count + 1) * k));
+    for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
+  } else if (!gather_grid(grid, layouts, count, sizes, dims, static_cast<uint64_t>(numel), k, state, call)) {
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  return 1;
 }
 
 }  // namespace
@@ -410,41 +637,34 @@ int sample_before(PyObject* md, PyObject* kind, PyObject* func, PyObject* key, P
     call.learn = true;
     return 0;
   }
-  if (PyTuple_GET_SIZE(recipe) < kRecipeFields) {
+  if (!PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) < kRecipeFields || !PyTuple_Check(PyTuple_GET_ITEM(recipe, kMore))) {
     PyErr_SetString(PyExc_TypeError, "a self-check recipe must be a selfcheck.Recipe");
     return -1;
   }
-  int64_t sizes[kMaxDims];
-  int dims = 0;
-  if (!ints_of(PyTuple_GET_ITEM(recipe, kSizes), sizes, &dims)) return 0;
   Layout layouts[8];
   if (count > 8) return 0;
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* t = PyList_GET_ITEM(tensors, i);
     PyObject* dtype = PyTuple_GET_ITEM(signature.p, 2 + 2 * i);
     PyObject* shape = PyTuple_GET_ITEM(signature.p, 3 + 2 * i);
-    if (!readable(t, dtype, shape, layouts[i]) || layouts[i].dims > dims) return 0;
+    if (!readable(t, dtype, shape, layouts[i])) return 0;
   }
-  // Drawn only once every tensor is readable, as the reference does.
+  // Drawn only once every tensor is readable, as the reference does; kept only once every
+  // recipe of the call has gathered (SelfChecker.gather_call).
   PyObject* stream = item(cd.p, s._stream);
   if (stream == nullptr) return -1;
   uint64_t state = PyLong_AsUnsignedLongLong(stream);
-  long long numel = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kNumel));
-  long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSample));
   if (PyErr_Occurred()) return -1;
-  call.flat.clear();
-  call.values.clear();
-  PyObject* grid = PyTuple_GET_ITEM(recipe, kGrid);
-  if (grid == Py_None) {
-    draw(&state, static_cast<uint64_t>(numel), k, call.flat);
-    call.values.reserve(static_cast<size_t>((count + 1) * k) + floats.size());
-    for (Py_ssize_t i = 0; i < count; ++i) gather(layouts[i], sizes, dims, call.flat, call.values);
-  } else if (!gather_grid(grid, layouts, count, sizes, dims, static_cast<uint64_t>(numel), k, &state, call)) {
-    return PyErr_Occurred() ? -1 : 0;
+  PyObject* more = PyTuple_GET_ITEM(recipe, kMore);
+  call.pieces.resize(static_cast<size_t>(1 + PyTuple_GET_SIZE(more)));
+  for (size_t p = 0; p < call.pieces.size(); ++p) {
+    int got = gather_piece(p ? PyTuple_GET_ITEM(more, p - 1) : recipe, layouts, count, &state, call.pieces[p]);
+    if (got <= 0) return got;
   }
   Ref next(PyLong_FromUnsignedLongLong(state));
   if (!next || PyDict_SetItem(cd.p, s._stream, next.p) < 0) return -1;
-  call.values.insert(call.values.end(), floats.begin(), floats.end());
+  std::vector<double>& first = call.pieces[0].values;
+  first.insert(first.end(), floats.begin(), floats.end());
   call.recipe.reset(Py_NewRef(recipe));
   return 1;
 }
@@ -467,8 +687,11 @@ int expected_output(PyObject* t, PyObject* sizes, PyObject* code, Layout& layout
 
 }  // namespace
 
-bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_id, PyObject* out) {
-  PyObject* recipe = call.recipe.p;
+namespace {
+
+// One recipe's gathered call queued with its calls (SelfChecker.finish_sampled) and its check
+// rows recorded (CaptureMode._sample_after); false with an exception set.
+bool queue_piece(PyObject* md, PyObject* recipe, SampledPiece& call, PyObject* op_id, PyObject* out) {
   // SelfChecker.finish_sampled: an output the recipe does not expect is left unchecked (every
   // output it reads, or none). It is read at the same row-major positions, in its own shape; its
   // extras (a layer norm's mean and 1/std) at the block's rows.
@@ -484,6 +707,12 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
   const Py_ssize_t n_outputs = several ? PySequence_Fast_GET_SIZE(out) : 0;
   PyObject* const* outputs = several ? PySequence_Fast_ITEMS(out) : nullptr;
   if (out_index >= 0) out = out_index < n_outputs ? outputs[out_index] : nullptr;  // one of the op's outputs
+  // Its check rows name each output by its place among the op's tensors (None ones are not recorded)
+  auto place = [&](Py_ssize_t index) {
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < index && i < n_outputs; ++i) at += outputs[i] != Py_None;
+    return PyLong_FromSsize_t(at);
+  };
   Layout layout;
   int ok = expected_output(out, PyTuple_GET_ITEM(recipe, kOutSizes), PyTuple_GET_ITEM(recipe, kOutCode), layout);
   if (ok <= 0) return ok == 0;
@@ -501,7 +730,7 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
     if (ok <= 0) return ok == 0;
   }
   gather(layout, layout.sizes, layout.dims, call.flat, call.values);
-  if (n_extras) {  // the block's rows: its kept dimensions lead, each row ``length`` long
+  if (n_extras) {  // at the block's rows
     long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSample));
     long long rows_n = PyLong_AsLongLong(PyTuple_GET_ITEM(recipe, kSampled));
     if (PyErr_Occurred()) return false;
@@ -509,10 +738,11 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
       PyErr_SetString(PyExc_ValueError, "a recipe with extras reads whole rows");
       return false;
     }
-    const uint64_t length = static_cast<uint64_t>(k / rows_n);
-    std::vector<uint64_t> rows;
-    for (long long r = 0; r < rows_n; ++r) rows.push_back(call.flat[static_cast<size_t>(r) * length] / length);
-    for (const Layout& l : more) gather(l, l.sizes, l.dims, rows, call.values);
+    if (call.rows.size() != static_cast<size_t>(rows_n)) {
+      PyErr_SetString(PyExc_ValueError, "a recipe with extras reads a block of rows");
+      return false;
+    }
+    for (const Layout& l : more) gather(l, l.sizes, l.dims, call.rows, call.values);
   }
   PyObject* checker = item(md, s._checker);
   Ref cd(checker != nullptr ? dict_of(checker) : nullptr);
@@ -550,8 +780,12 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
     if (PyList_Append(deferred, none_yet.p) < 0) return false;
   for (Py_ssize_t e = 0; e <= n_extras; ++e) {
     PyObject* extra = e ? PyTuple_GET_ITEM(extras, e - 1) : nullptr;
+    Py_ssize_t index = extra ? PyLong_AsSsize_t(PyTuple_GET_ITEM(extra, 0)) : out_index;
+    if (index == -1 && PyErr_Occurred()) return false;
+    Ref place_id(place(index));
+    if (!place_id) return false;
     PyObject* fields[7] = {op_id,
-                           extra ? PyTuple_GET_ITEM(extra, 0) : s.zero,
+                           place_id.p,
                            nan.p,
                            extra ? PyTuple_GET_ITEM(extra, 3) : PyTuple_GET_ITEM(recipe, kLimit),
                            nan.p,
@@ -562,10 +796,21 @@ bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_
     Ref row(PyLong_FromSsize_t(count - 1));
     if (!row || PyList_Append(deferred, row.p) < 0) return false;
   }
-  PyObject* most = item(cd.p, s._queue_max);
-  if (most == nullptr) return false;
-  Ref now(PyNumber_Add(queued.p, s.one));
-  int full = now ? PyObject_RichCompareBool(now.p, most, Py_GE) : -1;
+  return true;
+}
+
+}  // namespace
+
+bool sample_after(PyObject* mode, PyObject* md, SampledCall& call, PyObject* op_id, PyObject* out) {
+  PyObject* more = PyTuple_GET_ITEM(call.recipe.p, kMore);
+  for (size_t p = 0; p < call.pieces.size(); ++p)
+    if (!queue_piece(md, p ? PyTuple_GET_ITEM(more, p - 1) : call.recipe.p, call.pieces[p], op_id, out)) return false;
+  PyObject* checker = item(md, s._checker);
+  Ref cd(checker != nullptr ? dict_of(checker) : nullptr);
+  PyObject* queued = cd ? item(cd.p, s._queued) : nullptr;
+  PyObject* most = cd ? item(cd.p, s._queue_max) : nullptr;
+  if (queued == nullptr || most == nullptr) return false;
+  int full = PyObject_RichCompareBool(queued, most, Py_GE);
   if (full < 0) return false;
   if (full) {
     Ref r(call_method(mode, s._resolve_checks, {}));

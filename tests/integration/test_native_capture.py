@@ -66,7 +66,8 @@ _PROGRAM = textwrap.dedent(
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
         # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts,
-        # matmuls, reductions, softmax, layer norm and its input gradient, gradients placed into zeros.
+        # matmuls, reductions, softmax, layer norm and its input gradient, gradients placed into zeros,
+        # convolutions, batch norms and their gradients.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -90,6 +91,20 @@ _PROGRAM = textwrap.dedent(
             _, mean, rstd = torch.ops.aten.native_layer_norm(t, [4], b[:4], b[1:], 1e-5)
             torch.ops.aten.native_layer_norm_backward(p, t, [4], mean, rstd, b[:4], b[1:], [True, True, True])
             torch.ops.aten.select_backward(t[:, 1], [6, 3, 4], 1, -2), torch.ops.aten.slice_backward(t, [6, 9, 4], 1, 1, 8, 3)
+            # Convolutions: sampled elements with the terms each sums, padding read as nothing
+            c, k = torch.randn(2, 4, 9, 8).transpose(2, 3), torch.randn(6, 2, 3, 3)
+            o = torch.convolution(c, k, torch.randn(6), [2, 1], [1, 2], [1, 2], False, [0, 0], 2)
+            torch.ops.aten.convolution_backward(torch.randn_like(o), c, k, [6], [2, 1], [1, 2], [1, 2], False, [0, 0], 2, [True, True, True])
+            torch.ops.aten.convolution_backward(torch.randn_like(o), c, k, None, [2, 1], [1, 2], [1, 2], False, [0, 0], 2, [False, True, False])
+            c16, k16 = torch.randn(3, 4, 20, dtype=torch.bfloat16), torch.randn(5, 4, 3, dtype=torch.bfloat16)
+            o16 = torch.convolution(c16, k16, None, [1], [1], [1], False, [0], 1)
+            torch.ops.aten.convolution_backward(torch.ones_like(o16), c16, k16, None, [1], [1], [1], False, [0], 1, [True, True, False])
+            # Batch norms: adjacent channels whole, per-channel tensors at them, saved statistics as extras
+            rm, rv, g6 = torch.zeros(6), torch.ones(6), torch.randn(6)
+            _, sm, si = torch.ops.aten.native_batch_norm(o, g6, g6.neg(), rm, rv, True, 0.1, 1e-5)
+            torch.ops.aten.native_batch_norm(o.to(torch.bfloat16), None, None, rm, rv, False, 0.1, 1e-5)
+            torch.ops.aten.native_batch_norm_backward(o.flip(0), o, g6, rm, rv, sm, si, True, 1e-5, [True, False, True])
+            torch.ops.aten.native_batch_norm_backward(o, o, None, rm, rv, None, None, False, 1e-5, [True, True, True])
             (torch.sigmoid(h.float()) + z - u).sum() + w.sum() + s
 
     programs = {"edges": edges, "recipes": recipes}

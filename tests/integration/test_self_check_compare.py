@@ -48,3 +48,27 @@ def test_a_fault_inside_the_drift_is_found_only_by_the_ops_own_check(tmp_path, b
     assert [(s.op, s.module) for s in result.suspects] == [
         ("aten.native_layer_norm.default", FAULTS["layer-norm-noise"][2])
     ], result.summary()
+
+
+def test_each_check_at_capture_names_one_of_its_ops_recorded_outputs(tmp_path):
+    """A check row's ``index`` is a place among the op's tensor outputs: a convolution backward
+    that returns no input gradient (its input wants none) names its weight gradient 0, on the
+    per-op path's recipes as on the usual path."""
+    import torch
+
+    from tracecmp.trace import reader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=False), torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 3, 8, 8)
+    with tracecmp.TraceCompare(tmp_path / "run", model=model, self_check="sample") as tc:
+        for _ in range(4):  # a signature's first two calls teach its recipe
+            model(x).sum().backward()
+            tc.step()
+    rank = reader.load(tmp_path / "run").rank()
+    ops, checks = rank.ops, rank.checks
+    outputs = dict(zip(ops["op_id"], ops["outputs"].map(len)))
+    names = dict(zip(ops["op_id"], ops["op"]))
+    assert (checks["index"] < checks["op_id"].map(outputs)).all()
+    backward = checks[checks["op_id"].map(names) == "aten.convolution_backward.default"]
+    assert len(backward) == 4 * 3 and (backward["residual"] <= backward["limit"]).all()

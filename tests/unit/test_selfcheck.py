@@ -827,7 +827,70 @@ RECIPE_CALLS = {
         lambda g: _layer_norm_backward_call(g, 2),
         {},
     ),
+    # Convolutions: sampled elements with the terms each sums (padding reads nothing); a
+    # backward's input gradient here, its weight gradient in a recipe of its own (below)
+    "a strided, padded, dilated, grouped convolution": (
+        aten.convolution.default,
+        lambda g: (
+            _randn(g, 2, 4, 9, 8),
+            _randn(g, 6, 2, 3, 3),
+            _randn(g, 6),
+            [2, 1],
+            [1, 2],
+            [1, 2],
+            False,
+            [0, 0],
+            2,
+        ),
+        {},
+    ),
+    "a bf16 1-d convolution": (
+        aten.convolution.default,
+        lambda g: (
+            _randn(g, 3, 4, 20, dtype=torch.bfloat16),
+            _randn(g, 5, 4, 3, dtype=torch.bfloat16),
+            None,
+            [1],
+            [1],
+            [1],
+            False,
+            [0],
+            1,
+        ),
+        {},
+    ),  # fmt: skip
+    "convolution backward": (aten.convolution_backward.default, lambda g: _convolution_backward_call(g), {}),
+    # Batch norms: adjacent channels whole (the output along them), per-channel tensors at them
+    "batch norm in training": (aten.native_batch_norm.default, lambda g: _batch_norm_call(g, True), {}),
+    "batch norm in evaluation": (aten.native_batch_norm.default, lambda g: _batch_norm_call(g, False), {}),
+    "batch norm backward": (aten.native_batch_norm_backward.default, lambda g: _batch_norm_backward_call(g, True), {}),
+    "batch norm backward in evaluation": (
+        aten.native_batch_norm_backward.default,
+        lambda g: _batch_norm_backward_call(g, False),
+        {},
+    ),
 }
+
+
+def _convolution_backward_call(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> tuple:
+    """A strided, padded, dilated, grouped convolution's backward: both gradients wanted."""
+    x, w = _randn(gen, 2, 4, 9, 8, dtype=dtype), _randn(gen, 6, 2, 3, 3, dtype=dtype)
+    geometry = ([2, 1], [1, 2], [1, 2], False, [0, 0], 2)
+    grad = _randn(gen, *aten.convolution.default(x, w, None, *geometry).shape, dtype=dtype)
+    return (grad, x, w, None, *geometry, [True, True, False])
+
+
+def _batch_norm_call(gen: torch.Generator, training: bool) -> tuple:
+    x = _randn(gen, 4, 6, 5, 7) * 2 + 1
+    return (x, _randn(gen, 6), _randn(gen, 6), _randn(gen, 6), _randn(gen, 6, positive=True) + 0.5, training, 0.1, 1e-5)
+
+
+def _batch_norm_backward_call(gen: torch.Generator, training: bool) -> tuple:
+    """A batch norm's backward, its saved statistics from the forward; all three gradients wanted."""
+    x, weight = _randn(gen, 4, 6, 5, 7) * 2 + 1, _randn(gen, 6)
+    running = (_randn(gen, 6), _randn(gen, 6, positive=True) + 0.5)
+    _, mean, rstd = aten.native_batch_norm.default(x, weight, None, *(t.clone() for t in running), True, 0.1, 1e-5)
+    return (_randn(gen, *x.shape), x, weight, *running, mean, rstd, training, 1e-5, [True, True, True])
 
 
 def _layer_norm_backward_call(gen: torch.Generator, normalized: int) -> tuple:
@@ -903,6 +966,44 @@ def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | N
     limits = [recipe.limit] + [extra[3] for extra in recipe.extras]
     failed = [residuals[ticket + j] > limits[j] for j in range(3)]
     assert failed == [j == faulty for j in range(3)], (residuals, limits)
+
+
+@pytest.mark.parametrize(
+    ("name", "outputs"), [("convolution backward", 2), ("batch norm in training", 3), ("batch norm backward", 3)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_output_a_call_checks_through_its_recipes_fails_alone(name: str, outputs: int, dtype: torch.dtype) -> None:
+    """A convolution backward's two gradients (a recipe each: the second in ``more``), a batch
+    norm's output, saved mean and 1/std, its backward's three gradients (extras): each checked
+    with a ticket of its own, an honest call within every limit and a 5% scaled output failing alone."""
+    func, make, kwargs = RECIPE_CALLS[name]
+    if dtype != torch.float32:
+        if name != "convolution backward":
+            pytest.skip("16-bit batch norms hold their statistics at 16 bits: a 5% scaled mean hides")
+        make = lambda g: _convolution_backward_call(g, dtype)  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    checker = _learned(func, make(gen), kwargs)
+    cases = []
+    for faulty in (None, *range(outputs)):
+        args = make(gen)
+        signature, floats, tensors = _signed(checker, func, args, kwargs)
+        recipe = checker.recipes[signature]
+        assert isinstance(recipe, Recipe)
+        pieces = checker.gather_call(recipe, tensors, floats)
+        assert pieces is not None and len(pieces) == 1 + len(recipe.more)
+        out = list(func(*args, **kwargs))
+        if faulty is not None:
+            out[faulty] = out[faulty] * 1.05
+        for piece, index, values in pieces:
+            ticket = checker.finish_sampled(piece, index, values, tuple(out))
+            assert ticket is not None
+            limits = [piece.limit] + [extra[3] for extra in piece.extras]
+            outs = [max(piece.out_index, 0)] + [extra[0] for extra in piece.extras]
+            cases += [(faulty, o, ticket + j, limits[j]) for j, o in enumerate(outs)]
+    assert sorted({o for _, o, _, _ in cases}) == list(range(outputs))
+    residuals, _ = checker.collect()
+    for faulty, output, ticket, limit in cases:
+        assert (residuals[ticket] > limit) == (faulty == output), (faulty, output, residuals[ticket], limit)
 
 
 def test_a_layer_norm_whose_saved_statistics_cannot_be_read_is_left_unchecked() -> None:

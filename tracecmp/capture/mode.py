@@ -112,6 +112,12 @@ def _among(t: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
 _UNLEARNED = object()
 
 
+def _place(out: Any, index: int) -> int:
+    """Where output ``index`` of an op's returned ``out`` lies among its tensors (a check row's
+    index: None outputs are not recorded); 0 for an op that returns one tensor (index -1)."""
+    return sum(o is not None for o in out[:index]) if index > 0 else 0
+
+
 class CaptureMode(TorchDispatchMode):
     """Records ops into row buffers; :meth:`take` hands them over as columns for one chunk."""
 
@@ -311,7 +317,7 @@ class CaptureMode(TorchDispatchMode):
             )
         )
         if sampled is not None:
-            self._sample_after(recipe, sampled, op_id, out)
+            self._sample_after(sampled, op_id, out)
         elif plan is not None:
             self._check_after(plan, op_id, out)
         if signature is not None and recipe is _UNLEARNED:
@@ -340,23 +346,25 @@ class CaptureMode(TorchDispatchMode):
         if recipe is None or recipe is _UNLEARNED:
             return signature, recipe, None
         with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
-            return signature, recipe, checker.gather_sampled(recipe, tensors, floats)
+            return signature, recipe, checker.gather_call(recipe, tensors, floats)
 
-    def _sample_after(self, recipe: Recipe, sampled: tuple[torch.Tensor, list[float]], op_id: int, out: Any) -> None:
-        """Queue a sampled call's values with its recipe's and record its check row (filled in at take)."""
+    def _sample_after(self, pieces: list[tuple[Recipe, torch.Tensor, list[float]]], op_id: int, out: Any) -> None:
+        """Queue a sampled call's values with its recipes' and record its check rows (filled in at take)."""
         checker = self._checker
         assert checker is not None and self.check_rows is not None
-        with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
-            ticket = checker.finish_sampled(recipe, *sampled, out)
-        if ticket is None:
-            return
-        deferred = self._deferred_rows
-        deferred.extend([-1] * (ticket - len(deferred)))
-        deferred.append(len(self.check_rows))
-        self.check_rows.append((op_id, 0, math.nan, recipe.limit, math.nan, recipe.sampled, recipe.how))
-        for index, _, _, limit, sampled in recipe.extras:  # more outputs: the next tickets
+        for recipe, index, values in pieces:
+            with _disable_current_modes() if _dispatch_stack_len() else _NOTHING:
+                ticket = checker.finish_sampled(recipe, index, values, out)
+            if ticket is None:
+                continue
+            deferred = self._deferred_rows
+            deferred.extend([-1] * (ticket - len(deferred)))
             deferred.append(len(self.check_rows))
-            self.check_rows.append((op_id, index, math.nan, limit, math.nan, sampled, recipe.how))
+            row = (op_id, _place(out, recipe.out_index), math.nan, recipe.limit, math.nan, recipe.sampled, recipe.how)
+            self.check_rows.append(row)
+            for extra, _, _, limit, sampled in recipe.extras:  # more outputs: the next tickets
+                deferred.append(len(self.check_rows))
+                self.check_rows.append((op_id, _place(out, extra), math.nan, limit, math.nan, sampled, recipe.how))
         if checker._queued >= checker._queue_max:
             self._resolve_checks()
 

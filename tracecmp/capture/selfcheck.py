@@ -445,6 +445,9 @@ class SelfChecker:
         whose constants change every step (an integer step count) never recurs, and its entries
         would grow without bound."""
         used, self._used = self._used, set()
+        for recipe in self.recipes.values():  # a call's recipes are kept together
+            if isinstance(recipe, Recipe) and recipe.more and any(id(r) in used for r in (recipe, *recipe.more)):
+                used.update(id(r) for r in (recipe, *recipe.more))
         kept = {
             s: SEEN_BEFORE if r is SEEN_ONCE else r
             for s, r in self.recipes.items()
@@ -547,8 +550,9 @@ class SelfChecker:
         except (RuntimeError, TypeError, ValueError, IndexError):
             pass
         if recipe is not None:
-            self._made.append(recipe)
+            self._made += (recipe, *recipe.more)
             self._used.add(id(recipe))  # kept across the next collect, even before it serves a call
+            self._used.update(id(piece) for piece in recipe.more)
         self.recipes[signature] = recipe
 
     def gather_sampled(
@@ -577,6 +581,24 @@ class SelfChecker:
                     values += _take(view, _row_index(picked, along_t)).to(F64).reshape(-1).tolist()
             index = _take(torch.arange(recipe.numel).reshape(recipe.sizes).permute(*order), rows) if along else picked
             return index.reshape(-1), values + list(floats)
+        if recipe.grid is not None and recipe.grid[0] == GRID_CHANNELS:
+            block, channels = recipe.grid[1], recipe.sizes[1]
+            self._stream, (start,) = draw(self._stream, channels - block + 1, 1)
+            with self._quietly:
+                for t in tensors:
+                    if t.dim() == 1:  # a weight, bias or statistic: one value a channel
+                        values += t[start : start + block].to(F64).tolist()
+                    else:
+                        values += t.narrow(1, start, block).transpose(0, 1).to(F64).reshape(-1).tolist()
+            index = torch.arange(recipe.numel).reshape(recipe.sizes).narrow(1, start, block).transpose(0, 1)
+            return index.reshape(-1), values + list(floats)
+        if recipe.grid is not None and recipe.grid[0] == GRID_CONV:
+            self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
+            index = torch.tensor(flat)
+            with self._quietly:
+                for shape, t in zip(recipe.shapes, _conv_terms(recipe.grid, tensors, index)):
+                    values += t.to(F64).reshape(-1).tolist() if math.prod(shape) else []
+            return index, values + list(floats)
         if recipe.grid is not None and recipe.grid[0] == GRID_PLACED:
             self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
             index = torch.tensor(flat)
@@ -603,6 +625,21 @@ class SelfChecker:
                 values += _take(t if t.shape == recipe.sizes else t.expand(recipe.sizes), index).to(F64).tolist()
         return index, values + list(floats)
 
+    def gather_call(
+        self, recipe: Recipe, tensors: Sequence[torch.Tensor], floats: Sequence[float] = ()
+    ) -> list[tuple[Recipe, torch.Tensor, list[float]]] | None:
+        """:meth:`gather_sampled` of a call for its recipe and each of the recipe's ``more`` in
+        turn (the floats with the first): each recipe with what it gathered, or None (nothing
+        drawn) where one cannot gather."""
+        state, pieces = self._stream, []
+        for piece in (recipe, *recipe.more):
+            gathered = self.gather_sampled(piece, tensors, floats if piece is recipe else ())
+            if gathered is None:
+                self._stream = state
+                return None
+            pieces.append((piece, *gathered))
+        return pieces
+
     def finish_sampled(self, recipe: Recipe, index: torch.Tensor, values: list[float], out: Any) -> int | None:
         """After the op: queue the call's sampled inputs and outputs with its recipe's calls; its
         ticket (:meth:`collect`), or None where the output is not what the recipe expects (unchecked)."""
@@ -617,9 +654,13 @@ class SelfChecker:
                 return None
         with self._quietly:
             values = values + _take(out, index).to(F64).tolist()
-            if more:  # at the block's rows: its kept dimensions lead, each row ``length`` long
+            if more:  # at the block's rows: its first element's kept positions (GRID_ROWS: leading)
                 length = recipe.k // recipe.sampled
-                rows = index.reshape(-1, length)[:, 0] // length
+                rows = index.reshape(-1, length)[:, 0]
+                if recipe.grid is not None and recipe.grid[0] == GRID_CHANNELS:
+                    rows = rows // math.prod(recipe.sizes[2:]) % recipe.sizes[1]
+                else:
+                    rows = rows // length
                 for t in more:
                     values += _take(t, rows).to(F64).tolist()
         recipe.values.extend(values)
@@ -648,7 +689,9 @@ class SelfChecker:
         try:  # a failure leaves these calls' residuals NaN: not measured, never passed
             parts = [part.view(-1, width) for part in parts]
             rows, end = (torch.cat(parts) if len(parts) > 1 else parts[0]), sum(widths)
-            gathered = [part.reshape(-1, *shape) for part, shape in zip(rows[:, :end].split(widths, 1), first.shapes)]
+            gathered = [
+                part.reshape(len(rows), *shape) for part, shape in zip(rows[:, :end].split(widths, 1), first.shapes)
+            ]
             inputs = [gathered[i].bool() if i in first.masks else gathered[i] for i in first.inputs]
             got = rows[:, end + floats :].split(outputs, 1)
             checked = [_recompute_by_floats(self, first, inputs, rows[:, end : end + floats], got[0])]
@@ -990,13 +1033,14 @@ _FLOATING_CODES = 4
 
 class Recipe(NamedTuple):
     """How the calls of one signature (:meth:`SelfChecker.signature`) of a pointwise op, an
-    exact copy, a 2-D matmul, a sum or mean, or a softmax are checked: the per-op path draws
+    exact copy, a 2-D matmul, a sum or mean, a softmax, a layer or batch norm, a convolution or
+    their gradients are checked: the per-op path draws
     ``k`` row-major positions below ``numel``, gathers every input tensor's value there
     (broadcast to ``sizes``) before the op and the output's after it (in its own shape,
     ``out_sizes``: a reshaping copy's differs), all in float64, onto ``values``; the checker
     recomputes them together at the hand-over. A ``grid`` reads blocks instead: a matmul's
     rows of A and columns of B (its output at their crossings), a reduction's or softmax's
-    whole rows (its output at those rows, or along them). Its first thirteen fields are read by
+    whole rows (its output at those rows, or along them). Its first fourteen fields are read by
     position in C."""
 
     sizes: tuple[int, ...]  # what the inputs broadcast to (a pointwise op's output shape)
@@ -1015,7 +1059,13 @@ class Recipe(NamedTuple):
     # fewer dimensions than the first is read whole (its weight). GRID_PLACED, dim, start, step,
     # taken, dropped: a gradient placed into zeros at ``taken`` positions of ``dim`` from ``start``
     # by ``step`` (``dropped``: a select's, whose gradient lacks ``dim``), read at the sampled
-    # positions of the output where they hold it, 0 elsewhere. None for elementwise recipes.
+    # positions of the output where they hold it, 0 elsewhere. GRID_CONV, role, dims, groups,
+    # *stride, *padding, *dilation: a (not transposed) convolution's sampled output (role
+    # CONV_OUTPUT), input gradient or weight gradient elements, each with the terms it sums
+    # (:func:`_output_taps` and the two like it), 0 for both factors of a tap that reads nothing.
+    # GRID_CHANNELS, block: a block of adjacent channels (dimension 1) of every tensor of the
+    # first's shape, each whole, one value a channel of 1-D ones; the output read along them, its
+    # extras at them (a batch norm's). None for elementwise recipes.
     grid: tuple[int, ...] | None
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
@@ -1023,6 +1073,9 @@ class Recipe(NamedTuple):
     # More outputs checked with it (a layer norm's mean and 1/std), each read at the block's rows
     # (a GRID_ROWS recipe whose rows come first in order): (index, sizes, dtype code, limit, rows)
     extras: tuple[tuple[int, tuple[int, ...], int, float, int], ...]
+    # Recipes of the same call's other outputs, each gathered from its tensors after this one's
+    # and queued with tickets of its own (a convolution backward's weight gradient)
+    more: tuple[Recipe, ...]
     target: _Target  # the recomputation of calls alike
     out_dtype: torch.dtype
     slots: int  # input tensors gathered per call
@@ -1046,7 +1099,8 @@ class Recipe(NamedTuple):
         return self.target._replace(batch=batch)
 
 
-GRID_MATMUL, GRID_ROWS, GRID_PLACED = 0, 1, 2
+GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS = 0, 1, 2, 3, 4
+CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT = 0, 1, 2  # a GRID_CONV's roles
 
 
 def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
@@ -1088,7 +1142,13 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     if not 0 < len(tensors) <= RECIPE_TENSORS or any(isinstance(x, torch.Tensor) for a in listed for x in a):
         return None
     kind = checker.kinds.get(func)
+    if kind in (_convolution, _convolution_backward):
+        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
+        return _convolution_recipe(checker, func, args, kwargs, out, tensors) if readable else None
     outputs = out
+    if kind in (_batch_norm, _batch_norm_backward):
+        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
+        return _batch_norm_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
     if kind in (_layer_norm, _layer_norm_backward):  # a layer norm's output or input gradient first
         out = out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(out, torch.Tensor) or _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
@@ -1147,6 +1207,7 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         target.how,
         k,
         -1,
+        (),
         (),
         target,
         out.dtype,
@@ -1209,6 +1270,7 @@ def _matmul_recipe(
         rows * cols,
         -1,
         (),
+        (),
         target,
         out.dtype,
         len(tensors),
@@ -1264,9 +1326,240 @@ def _rows_recipe(
     inputs = tuple(range(len(tensors)))
     sizes, shape = tuple(x.shape), tuple(out.shape)
     return Recipe(
-        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, -1, (), target, out.dtype,
+        sizes, count * length, k, limit, code, gathered, [], shape, grid, "rows", block, -1, (), (), target, out.dtype,
         len(tensors), shapes, inputs, (),
     )  # fmt: skip
+
+
+def _convolution_recipe(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, tensors: list[torch.Tensor]
+) -> Recipe | None:
+    """A (not transposed) convolution at full float32 or 16-bit precision: sampled output
+    elements, or a backward's sampled input and weight gradient elements (a recipe each, the
+    second in ``more``), each with the terms it sums, as the usual path reads them
+    (:func:`_convolution_elements` and the two like it), gathered by the per-op path."""
+    b = _bind(func, args, kwargs)
+    backward = checker.kinds.get(func) is _convolution_backward
+    x, w = b["input"], b["weight"]
+    grad, bias = (b["grad_output"], None) if backward else (None, b["bias"])
+    geometry = [list(b[name]) for name in ("stride", "padding", "dilation")]
+    d = x.dim() - 2
+    if checker.reduced_precision is not None or b["transposed"] or d < 1 or w.dim() != x.dim():
+        return None
+    if any(len(g) != d for g in geometry) or not _floating(x, w, bias, grad) or x.dtype != w.dtype:
+        return None
+    if _eps_matrix(w.dtype, w.device, True, None) is not None:
+        return None
+    wanted = [grad, x, w] if backward else [x, w, *([bias] if bias is not None else [])]
+    if len(tensors) != len(wanted) or any(t is not u for t, u in zip(tensors, wanted)):
+        return None
+    groups, kernel = b["groups"], math.prod(w.shape[2:])
+    out_size = _output_size(x, w, b)
+    if groups < 1 or x.shape[1] != w.shape[1] * groups or w.shape[0] % groups or min(out_size) <= 0:
+        return None
+    if grad is not None and list(grad.shape) != [x.shape[0], w.shape[0], *out_size]:
+        return None
+    tail = (d, groups, *(v for g in geometry for v in g))
+    device = torch.device("cpu")
+
+    def made(role: int, index: int, t: Any, k: int, width: int, coherent: bool) -> Recipe | None:
+        # Each slot's terms (k, width) or nothing (a tensor the role does not read); the bias (k,)
+        shape = {CONV_OUTPUT: [x.shape[0], w.shape[0], *out_size], CONV_INPUT_GRADIENT: list(x.shape)}
+        if not isinstance(t, torch.Tensor) or not _sampled_readable(t) or t.dtype != w.dtype:
+            return None
+        if list(t.shape) != shape.get(role, list(w.shape)) or len(t.shape) > RECIPE_DIMS:
+            return None
+        reads = {CONV_OUTPUT: (0, 1, 2), CONV_INPUT_GRADIENT: (0, 2), CONV_WEIGHT_GRADIENT: (0, 1)}[role]
+        shapes = tuple(((k,) if i == 2 and not backward else (k, width)) if i in reads else (0,)
+                       for i in range(len(tensors)))  # fmt: skip
+        inputs = tuple(i for i in reads if i < len(tensors))
+        key = ("conv terms", tuple(shapes[i] for i in inputs), device)
+        batch = _Batch(key, _term_sums, ())
+        eps_acc = torch.finfo(w.dtype).eps if coherent else None
+        n = width + (bias is not None)
+        target = _batched(0, _gathered, batch, n, eps_acc, "matmul", k, coherent=coherent)
+        limit = _limits(target, t.dtype)[-1]
+        sizes = tuple(t.shape)
+        return Recipe(
+            sizes, math.prod(sizes), k, limit, _SAMPLED_CODES[t.dtype], _number_array(), [], sizes,
+            (GRID_CONV, role, *tail), "matmul", k, index, (), (), target, t.dtype, len(tensors), shapes, inputs, (),
+        )  # fmt: skip
+
+    if not backward:
+        width = math.prod(w.shape[1:])
+        return made(CONV_OUTPUT, -1, out, _conv_sample(checker, width, False), width, False)
+    # As the usual path: 16-bit kernels' sums are fitted one scale through a wider sample.
+    sixteen = w.dtype in (torch.float16, torch.bfloat16)
+    mask, outputs = b["output_mask"], out if isinstance(out, (tuple, list)) else ()
+    terms = x.shape[0] * math.prod(out_size)
+    recipes = []
+    if mask[0] and len(outputs) > 0:
+        width = w.shape[0] // groups * kernel
+        recipes.append(made(CONV_INPUT_GRADIENT, 0, outputs[0], _conv_sample(checker, width, sixteen), width, sixteen))
+    if mask[1] and len(outputs) > 1:
+        recipes.append(made(CONV_WEIGHT_GRADIENT, 1, outputs[1], _conv_sample(checker, terms, sixteen), terms, sixteen))
+    if not recipes or None in recipes:
+        return None
+    first, *rest = recipes
+    return first._replace(more=tuple(rest))  # type: ignore[union-attr]
+
+
+def _conv_terms(grid: Sequence[int], tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """What a GRID_CONV recipe gathers of each of the call's tensors at sampled positions ``flat``:
+    the two factors of every term summed (both 0 where a tap reads nothing), the bias, or nothing."""
+    _, role, d, groups, *rest = grid
+    b = {"stride": rest[:d], "padding": rest[d : 2 * d], "dilation": rest[2 * d :], "groups": groups}
+    nothing = torch.empty(0)
+    if role == CONV_OUTPUT:
+        left, right, valid, *bias = _output_taps(
+            tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None, b, flat
+        )
+    elif role == CONV_INPUT_GRADIENT:
+        grad, x, w = tensors
+        left, right, valid = _input_gradient_taps(grad, x.shape, w, b, flat)
+    else:
+        grad, x, w = tensors
+        left, right, valid = _weight_gradient_taps(grad, x, w.shape, b, flat)
+    left, right = (torch.where(valid, t.to(F64), 0.0).flatten(1) for t in (left, right))
+    if role == CONV_OUTPUT:
+        return [left, right, *bias]
+    return [left, nothing, right] if role == CONV_INPUT_GRADIENT else [left, right, nothing]
+
+
+def _term_sums(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Float64 value and scale of sums of products of gathered terms (..., width), plus a bias."""
+    terms = left * right
+    # |l * r| is |l| * |r| exactly: the scale from the same products.
+    value, scale = terms.sum(-1), terms.abs().sum(-1)
+    if bias is not None:
+        value, scale = value + bias, scale + bias.abs()
+    return value, scale
+
+
+def _batch_norm_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    outputs: Any,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """A ``native_batch_norm`` (:func:`_batch_norm`) or its backward (:func:`_batch_norm_backward`)
+    at a block of adjacent channels: those channels of its input (and output gradient) whole, its
+    weight, bias and statistics at them; its output (input gradient) along them, and at them its
+    saved mean and 1/std in training (its weight and bias gradients), as extras."""
+    backward = checker.kinds.get(func) is _batch_norm_backward
+    if func.overloadpacket.__name__ != ("native_batch_norm_backward" if backward else "native_batch_norm"):
+        return None
+    b = _bind(func, args, kwargs)
+    x, weight = b["input"], b["weight"]
+    first = b["grad_out"] if backward else x
+    training = bool(b["train"] if backward else b["training"])
+    if backward:
+        mean, rstd = (b["save_mean"], b["save_invstd"]) if training else (b["running_mean"], b["running_var"])
+        wanted = [i for i, wants in enumerate(b["output_mask"]) if wants]
+        per_channel = [weight, mean, rstd]
+    else:
+        mean, rstd = b["running_mean"], b["running_var"]
+        wanted = [0, 1, 2] if training else [0]
+        per_channel = [weight, b["bias"], *(() if training else (mean, rstd))]
+    if first is not tensors[0] or x.dim() < 2 or (backward or not training) and (mean is None or rstd is None):
+        return None
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != 3 or not wanted or wanted[0] != 0:
+        return None
+    channels, length = x.shape[1], x.numel() // max(x.shape[1], 1)
+    if any(not t.is_floating_point() or (t.shape != x.shape and t.shape != (channels,)) for t in tensors):
+        return None
+    if not length or any(t.shape != x.shape for t in tensors[: 1 + backward]) or outputs[0].shape != x.shape:
+        return None
+    block = min(checker.sample, max(1, CHANNEL_BUDGET // ((1 + backward) * length)), channels)
+    position = {id(t): i for i, t in enumerate(tensors)}
+    if x is not tensors[int(backward)] or any(t is not None and id(t) not in position for t in per_channel):
+        return None
+    inputs = tuple(range(1 + backward)) + tuple(position[id(t)] for t in per_channel if t is not None)
+    shapes = tuple((block, length) if t.shape == x.shape else (block,) for t in tensors)
+    # CPU kernels of 16-bit inputs normalize with statistics held at the input's precision (as
+    # the usual path: a 5% scale then shows only as a scale fitted through the channels).
+    sixteen = not backward and x.dtype in (torch.float16, torch.bfloat16)
+    eps_acc = torch.finfo(x.dtype).eps if sixteen else None
+    if backward:
+        constants: tuple[Any, ...] = (weight is not None, training, b["eps"])
+        values = _batch_norm_backward_channels_values
+    else:
+        constants = (weight is not None, b["bias"] is not None, training, b["eps"])
+        values = _batch_norm_channels_values
+    device = torch.device("cpu")
+    targets, limits = [], []
+    for which in wanted:
+        key = ("batch_norm channels", backward, which, constants, tuple(shapes[i] for i in inputs), device)
+        batch = _Batch(key, functools.partial(values, which, constants), ())
+        n = length if training or which else 1
+        targets.append(_batched(which, _gathered, batch, n, eps_acc, "rows", block, coherent=sixteen and not which))
+        t = outputs[which]
+        if not isinstance(t, torch.Tensor) or not _sampled_readable(t):
+            return None
+        if _SAMPLED_CODES.get(t.dtype, _FLOATING_CODES) >= _FLOATING_CODES or (which and t.shape != (channels,)):
+            return None
+        limits.append(_limits(targets[-1], t.dtype)[-1])
+    out = outputs[0]
+    extras = tuple((which, (channels,), _SAMPLED_CODES[outputs[which].dtype], limit, block)
+                   for which, limit in zip(wanted[1:], limits[1:]))  # fmt: skip
+    return Recipe(
+        tuple(x.shape), x.numel(), block * length, limits[0], _SAMPLED_CODES[out.dtype], _number_array(), [],
+        tuple(out.shape), (GRID_CHANNELS, block), "rows", block, 0, extras, (), targets[0], out.dtype, len(tensors),
+        shapes, inputs, (), extra_targets=tuple((t, outputs[w].dtype) for t, w in zip(targets[1:], wanted[1:])),
+    )  # fmt: skip
+
+
+def _batch_norm_channels_values(
+    which: int, constants: tuple[bool, bool, bool, float], values: torch.Tensor, *per_channel: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``ref`` of a batch norm's output along gathered channels ``values`` (..., block,
+    length) (``which`` 0), or of its saved mean (1) or 1/std (2) at them, from the weight and bias
+    that are given, then in evaluation the running mean and variance, at them (..., block)."""
+    has_weight, has_bias, training, eps = constants
+    given = iter(t[..., None] for t in per_channel)
+    w = next(given) if has_weight else None
+    bb = next(given) if has_bias else None
+    if training:
+        mean = values.mean(-1, keepdim=True)
+        rstd = ((values - mean).square().mean(-1, keepdim=True) + eps).rsqrt()  # centred (Tensor.var is slower)
+        # The variance cancels by the mean's own size (E x^2 - mean^2), not by that of |x|.
+        stats = (mean, rstd, values.abs().mean(-1, keepdim=True), 1 + mean.abs() * rstd)
+    else:  # running statistics are read, not summed
+        mean = next(given)
+        rstd = (next(given) + eps).rsqrt()
+        stats = (mean, rstd, mean.abs(), torch.ones_like(mean))
+    value, scale = _normalization(values, lambda: stats, w, bb)[which]()
+    return (value.flatten(-2), scale.flatten(-2)) if which == 0 else (value, scale)
+
+
+def _batch_norm_backward_channels_values(
+    which: int, constants: tuple[bool, bool, float], gs: torch.Tensor, xs: torch.Tensor, *per_channel: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``ref`` of a batch norm's input gradient along gathered channels of the output
+    gradient and input ``gs``, ``xs`` (..., block, length) (``which`` 0), or of its weight (1) or
+    bias (2) gradient at them, from the weight if given and the statistics the op reads (saved
+    mean and 1/std in training, running mean and variance in evaluation) at them (..., block)."""
+    has_weight, training, eps = constants
+    given = iter(t[..., None] for t in per_channel)
+    w = next(given) if has_weight else None
+    mu, rs = next(given), next(given)
+    if not training:
+        rs = (rs + eps).rsqrt()
+    xhat = (xs - mu) * rs
+    spread = (xs.abs() + mu.abs()) * rs  # what xhat is known to: x - mean cancels
+    if which == 1:
+        return (gs * xhat).sum(-1), (gs.abs() * spread).sum(-1)
+    if which == 2:
+        return gs.sum(-1), gs.abs().sum(-1)
+    gw = gs * w if w is not None else gs
+    if not training:
+        return (gw * rs).flatten(-2), (gw.abs() * rs).flatten(-2)
+    value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    spreads = (gw.abs() * spread).mean(-1, keepdim=True)
+    scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * spreads)
+    return value.flatten(-2), scale.flatten(-2)
 
 
 def _placed_recipe(
@@ -1292,7 +1585,7 @@ def _placed_recipe(
     limit = _limits(target, out.dtype)[-1]
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
     return Recipe(
-        sizes, math.prod(sizes), k, limit, code, gathered, [], sizes, grid, "exact", k, -1, (), target, out.dtype,
+        sizes, math.prod(sizes), k, limit, code, gathered, [], sizes, grid, "exact", k, -1, (), (), target, out.dtype,
         1, ((k,),), (0,), (),
     )  # fmt: skip
 
@@ -1385,7 +1678,7 @@ def _layer_norm_recipe(
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
     return Recipe(
         tuple(x.shape), count * length, block * length, limits[0], code, gathered, [], tuple(out.shape), grid,
-        "rows", block, 0, extras, targets[0], out.dtype, len(tensors), shapes, tuple(range(len(tensors))), (),
+        "rows", block, 0, extras, (), targets[0], out.dtype, len(tensors), shapes, tuple(range(len(tensors))), (),
         extra_targets=((targets[1], mean.dtype), (targets[2], rstd.dtype)),
     )  # fmt: skip
 
@@ -1433,7 +1726,7 @@ def _layer_norm_backward_recipe(
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
     return Recipe(
         tuple(x.shape), count * length, block * length, limit, code, gathered, [], tuple(out.shape), grid, "rows",
-        block, 0, (), target, out.dtype, len(tensors), shapes, inputs, (),
+        block, 0, (), (), target, out.dtype, len(tensors), shapes, inputs, (),
     )  # fmt: skip
 
 
@@ -1807,11 +2100,16 @@ def _weight_gradient(checker: SelfChecker, index: int, call: _Gradients) -> _Tar
     )
 
 
-# Sampled convolutions read, per sampled element, only the taps that made it (gathered by index
+# Sampled convolutions read, per sampled element, only the terms it sums (gathered by index
 # arithmetic, as im2col would for that element alone): a float64 recomputation of whole batch
-# elements costs 7-15x the convolution itself. A weight gradient's element reads the whole batch
-# at every output position, so its sample is held to this many gathered values.
+# elements costs 7-15x the convolution itself. Where one scale is fitted through the sample (16
+# bits) it is held to this many gathered values a call (a weight gradient's element reads the
+# whole batch at every output position) ...
 GATHER_BUDGET = 1 << 19
+# ... and where each element's own residual judges it, to this many (at least one element): a 5%
+# scale of a float32 sum of 10^5 random-sign terms lies ~1000x beyond its limit of ~80, in any
+# element, while reading a deep layer's 16 elements of 4608 terms each cost ~1 ms a call.
+CONV_TERMS = 1 << 14
 # A batch norm's sampled channels are recomputed whole (its statistics read every element): at
 # most this many elements a call, and at least one channel. A scaled kernel shows in any element.
 CHANNEL_BUDGET = 1 << 14
@@ -1889,6 +2187,13 @@ def _dot_models(
     return [_dot_values(rounding, *operands)[0] for rounding in models]
 
 
+def _output_size(x: torch.Tensor, w: torch.Tensor, b: dict[str, Any]) -> list[int]:
+    """A (not transposed) convolution's output positions per spatial dimension."""
+    stride, padding, dilation = b["stride"], b["padding"], b["dilation"]
+    size, kernel = x.shape[2:], w.shape[2:]
+    return [(size[j] + 2 * padding[j] - dilation[j] * (kernel[j] - 1) - 1) // stride[j] + 1 for j in range(len(size))]
+
+
 def _convolution_elements(
     checker: SelfChecker,
     x: torch.Tensor,
@@ -1899,15 +2204,25 @@ def _convolution_elements(
     models: tuple[Callable[[torch.Tensor], torch.Tensor], ...],
 ) -> _Target | None:
     """Sampled output elements of a (not transposed) convolution, each from its receptive field."""
-    stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
-    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
-    out_size = [
-        (size[j] + 2 * padding[j] - dilation[j] * (kernel[j] - 1) - 1) // stride[j] + 1 for j in range(len(size))
-    ]
+    out_size = _output_size(x, w, b)
     if min(out_size, default=1) <= 0:
         return None
-    flat = checker._sample(batch * out_channels * math.prod(out_size))
-    n, co, *o = _unravel(flat, (batch, out_channels, *out_size))
+    width = math.prod(w.shape[1:])
+    flat = checker._pick(x.shape[0] * w.shape[0] * math.prod(out_size), _conv_sample(checker, width, False))
+    operands = _output_taps(x, w, bias, b, flat)
+    n_acc = width + (bias is not None)
+    return _dots(lambda out: _take(out, flat), operands, n_acc, eps_acc, models)
+
+
+def _output_taps(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, b: dict[str, Any], flat: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``(x taps, weights, valid[, bias])`` of a (not transposed) convolution's output elements at
+    row-major positions ``flat``: (k, group_in, *kernel) each, valid where a tap reads the input
+    (not its padding), and the bias (k,)."""
+    stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
+    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
+    n, co, *o = _unravel(flat, (batch, out_channels, *_output_size(x, w, b)))
     taps = [o[j][:, None] * stride[j] - padding[j] + torch.arange(kernel[j]) * dilation[j] for j in range(len(size))]
     valid = _all(_grid([(p >= 0) & (p < size[j]) for j, p in enumerate(taps)]))[:, None]  # (k, 1, *kernel)
     spatial = _offset(_grid([p.clamp(0, size[j] - 1) for j, p in enumerate(taps)]), size)[:, None]
@@ -1916,19 +2231,27 @@ def _convolution_elements(
     xs32 = _take(x.detach(), chan * math.prod(size) + spatial)  # (k, group_in, *kernel)
     ws32 = _take(w.detach(), _row_index(co, group_in * math.prod(kernel))).reshape(xs32.shape)
     operands = (xs32, ws32, valid.to(xs32.device))
-    operands += (_take(bias.detach(), co),) if bias is not None else ()
-    n_acc = group_in * math.prod(kernel) + (bias is not None)
-    return _dots(lambda out: _take(out, flat), operands, n_acc, eps_acc, models)
+    return operands + ((_take(bias.detach(), co),) if bias is not None else ())
 
 
 def _input_gradient_elements(checker: SelfChecker, call: _Gradients) -> _Target:
     """Sampled elements of a (not transposed) convolution's input gradient, each from the output
     gradient's elements its taps reach and the weights that reached them."""
     grad, x, w, b, eps_acc, models, coherent = call
+    n_acc = w.shape[0] // b["groups"] * math.prod(w.shape[2:])
+    flat = checker._pick(x.numel(), _conv_sample(checker, n_acc, coherent))
+    operands = _input_gradient_taps(grad, x.shape, w, b, flat)
+    return _dots(lambda out: _take(out, flat), operands, n_acc, eps_acc, models, coherent)
+
+
+def _input_gradient_taps(
+    grad: torch.Tensor, x_shape: Sequence[int], w: torch.Tensor, b: dict[str, Any], flat: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output gradients, weights, valid)`` that a (not transposed) convolution's input gradient
+    sums at row-major positions ``flat`` (of an input of ``x_shape``): (k, group_out, *kernel) each."""
     stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
-    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
+    (batch, channels, *size), (out_channels, group_in, *kernel) = x_shape, w.shape
     out_size, group_out = list(grad.shape[2:]), out_channels // groups
-    flat = checker._sample(batch * channels * math.prod(size), 4 if coherent else 1)
     n, ci, *p = _unravel(flat, (batch, channels, *size))
     # Tap t of output position o reads input position o * stride - padding + t * dilation.
     reach = [p[j][:, None] + padding[j] - torch.arange(kernel[j]) * dilation[j] for j in range(len(size))]
@@ -1943,23 +2266,36 @@ def _input_gradient_elements(checker: SelfChecker, call: _Gradients) -> _Target:
     )
     taps = torch.arange(math.prod(kernel)).reshape(kernel)
     ws32 = _take(w.detach(), (co * group_in + (ci % group_in)[:, None]).reshape(shape) * math.prod(kernel) + taps)
-    operands = (gs32, ws32, valid.to(gs32.device))
-    return _dots(lambda out: _take(out, flat), operands, group_out * math.prod(kernel), eps_acc, models, coherent)
+    return gs32, ws32, valid.to(gs32.device)
 
 
 def _weight_gradient_elements(checker: SelfChecker, index: int, call: _Gradients) -> _Target:
     """Sampled elements of a (not transposed) convolution's weight gradient, each a sum over the
     batch and the output positions of output gradient times the input its tap read."""
     grad, x, w, b, eps_acc, models, coherent = call
+    terms = grad.shape[0] * math.prod(grad.shape[2:])
+    flat = checker._pick(w.numel(), _conv_sample(checker, terms, coherent))
+    operands = _weight_gradient_taps(grad, x, w.shape, b, flat)
+    return _dots(lambda out: _take(out, flat), operands, terms, eps_acc, models, coherent)._replace(index=index)
+
+
+def _conv_sample(checker: SelfChecker, width: int, coherent: bool) -> int:
+    """How many of a convolution's (or its gradient's) elements a check reads, each a sum of
+    ``width`` terms: with one scale fitted through them (16-bit gradients), four times the sample
+    within GATHER_BUDGET; else the sample within CONV_TERMS; at least one."""
+    if coherent:
+        return min(4 * checker.sample, max(1, GATHER_BUDGET // max(width, 1)))
+    return min(checker.sample, max(1, CONV_TERMS // max(width, 1)))
+
+
+def _weight_gradient_taps(
+    grad: torch.Tensor, x: torch.Tensor, w_shape: Sequence[int], b: dict[str, Any], flat: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output gradients, inputs, valid)`` that a (not transposed) convolution's weight gradient
+    sums at row-major positions ``flat`` (of a weight of ``w_shape``): (k, batch, *out_size) each."""
     stride, padding, dilation, groups = b["stride"], b["padding"], b["dilation"], b["groups"]
-    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w.shape
+    (batch, channels, *size), (out_channels, group_in, *kernel) = x.shape, w_shape
     out_size, group_out = list(grad.shape[2:]), out_channels // groups
-    terms = batch * math.prod(out_size)
-    # A scale fitted through the sample (16 bits) wants many elements; a per-element residual
-    # shows a scaled kernel in any one (a 5% scale of a float32 sum of 10^5 random-sign terms
-    # lies ~1000x beyond its limit of ~80), so float32 ones read an eighth as much.
-    budget = max(1, (GATHER_BUDGET if coherent else GATHER_BUDGET // 8) // max(terms, 1))
-    flat = checker._sample(out_channels * group_in * math.prod(kernel), 4 if coherent else 1, budget)
     co, cl, *t = _unravel(flat, (out_channels, group_in, *kernel))
     read = [torch.arange(out_size[j]) * stride[j] - padding[j] + t[j][:, None] * dilation[j] for j in range(len(size))]
     valid = _all(_grid([(r >= 0) & (r < size[j]) for j, r in enumerate(read)]))[:, None]  # (k, 1, *out_size)
@@ -1970,8 +2306,7 @@ def _weight_gradient_elements(checker: SelfChecker, index: int, call: _Gradients
     xs32 = _take(x.detach(), (images * channels + ci[:, None]).reshape(shape) * math.prod(size) + spatial)
     positions = torch.arange(math.prod(out_size)).reshape(out_size)
     gs32 = _take(grad.detach(), (images * out_channels + co[:, None]).reshape(shape) * math.prod(out_size) + positions)
-    operands = (gs32, xs32, valid.to(gs32.device))
-    return _dots(lambda out: _take(out, flat), operands, terms, eps_acc, models, coherent)._replace(index=index)
+    return gs32, xs32, valid.to(gs32.device)
 
 
 # --- reductions and row ops (softmax, layer norm) ---
@@ -2811,7 +3146,10 @@ def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple
 
 # The kinds whose calls have recipes (the C path compares an op's kind with them); the first,
 # pointwise ops, the one whose float arguments are left out of a signature and gathered per call.
-RECIPE_KINDS = (_pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm, _layer_norm_backward, _scattered)
+RECIPE_KINDS = (
+    _pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm, _layer_norm_backward, _scattered, _convolution,
+    _convolution_backward, _batch_norm, _batch_norm_backward,
+)  # fmt: skip
 
 
 def _classify(func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
