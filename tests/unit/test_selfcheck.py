@@ -1113,3 +1113,22 @@ def test_a_recipe_takes_each_calls_own_floats() -> None:
         tickets.append((step, checker.finish_sampled(recipe, *gathered, out)))
     residuals, _ = checker.collect()
     assert [residuals[t] <= 3.25 for _, t in tickets] == [True, True, False]
+
+
+def test_a_wide_float32_convolution_reads_fewer_elements_and_a_16_bit_gradient_more() -> None:
+    """A float32 convolution's check reads at most CONV_TERMS of the terms its elements sum (a
+    scaled kernel shows in any one element); a 16-bit gradient's, one scale fitted through its
+    sample, four times the sample."""
+    from tracecmp.capture.selfcheck import CONV_TERMS
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = _randn(gen, 2, 512, 5, 5), _randn(gen, 8, 512, 3, 3)
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    checker = _learned(aten.convolution.default, args)
+    (recipe,) = [r for r in checker.recipes.values() if isinstance(r, Recipe)]
+    assert recipe.k == CONV_TERMS // (512 * 9) == 3
+    func, make, kwargs = RECIPE_CALLS["convolution backward"]
+    args = _convolution_backward_call(gen, torch.bfloat16)
+    checker = _learned(func, args, kwargs)
+    (recipe,) = [r for r in checker.recipes.values() if isinstance(r, Recipe)]
+    assert [piece.k for piece in (recipe, *recipe.more)] == [4 * checker.sample] * 2
