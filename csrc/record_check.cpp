@@ -187,6 +187,8 @@ enum RecipeField {
 enum GridKind { kGridMatmul, kGridRows, kGridPlaced, kGridConv, kGridChannels };
 // selfcheck.CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT: a GRID_CONV's roles
 enum ConvRole { kConvOutput, kConvInputGradient, kConvWeightGradient };
+// A grid's fields at most: a convolution's geometry, or a batch norm's positions (selfcheck.CHANNEL_POSITIONS)
+constexpr int kGridFields = 128;
 
 // selfcheck.Recipe.grid of GRID_MATMUL: a 2-D matmul's block of ``rows`` adjacent rows of A and
 // ``cols`` adjacent columns of B (their starts drawn, columns first), every crossing a sampled
@@ -313,15 +315,16 @@ bool gather_rows(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
   return true;
 }
 
-// selfcheck.Recipe.grid of GRID_CHANNELS (block): ``block`` adjacent channels (dimension 1, their
-// start drawn) of every tensor of the first's shape, each channel whole in (batch, positions)
-// order, and of every 1-D tensor as long as the channels, one value a channel; the output (of
-// the first's shape) read along them, its extras at them.
+// selfcheck.Recipe.grid of GRID_CHANNELS (block, *positions): ``block`` adjacent channels
+// (dimension 1, their start drawn) of every tensor of the first's shape, each channel whole in
+// (batch, positions) order, and of every 1-D tensor as long as the channels, one value a channel;
+// the output (of the first's shape) read in each of them at ``positions`` (row-major over the
+// channel's batch and positions), its extras at them.
 bool gather_channels(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t* state,
                      SampledPiece& call) {
   const Layout& x = layouts[0];
-  if (n_fields != 2 || x.dims < 2) return false;
-  const int64_t block = g[1], channels = x.sizes[1];
+  if (n_fields < 3 || x.dims < 2) return false;
+  const int64_t block = g[1], channels = x.sizes[1], *positions = g + 2, picked = n_fields - 2;
   if (block < 1 || block > channels) return false;
   for (Py_ssize_t t = 1; t < count; ++t) {
     const Layout& l = layouts[t];
@@ -333,6 +336,8 @@ bool gather_channels(const int64_t* g, int n_fields, const Layout* layouts, Py_s
   int64_t spatial = 1;
   for (int d = 2; d < x.dims; ++d) spatial *= x.sizes[d];
   const int64_t length = x.sizes[0] * spatial;
+  for (int64_t i = 0; i < picked; ++i)
+    if (positions[i] < 0 || positions[i] >= length) return false;
   std::vector<uint64_t> start;
   draw(state, static_cast<uint64_t>(channels - block + 1), 1, start);
   const int64_t first = static_cast<int64_t>(start[0]);
@@ -357,10 +362,12 @@ bool gather_channels(const int64_t* g, int n_fields, const Layout* layouts, Py_s
         for (int64_t q : at) *out++ = read(from + q);
       }
   }
-  // The output (of the first's shape, row-major) along the same channels
+  // The output (of the first's shape, row-major) at the same positions of each channel
   for (int64_t c = first; c < first + block; ++c)
-    for (int64_t n = 0; n < x.sizes[0]; ++n)
-      for (int64_t q = 0; q < spatial; ++q) call.flat.push_back(static_cast<uint64_t>((n * channels + c) * spatial + q));
+    for (int64_t i = 0; i < picked; ++i) {
+      const int64_t n = positions[i] / spatial, q = positions[i] % spatial;
+      call.flat.push_back(static_cast<uint64_t>((n * channels + c) * spatial + q));
+    }
   for (int64_t r = 0; r < block; ++r) call.rows.push_back(static_cast<uint64_t>(first + r));
   return true;
 }
@@ -527,9 +534,9 @@ bool gather_conv(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize
 // A Recipe.grid's blocks gathered: false where the recipe does not fit the tensors.
 bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const int64_t* sizes, int dims,
                  uint64_t numel, int64_t k, uint64_t* state, SampledPiece& call) {
-  int64_t g[4 + 3 * kMaxDims];
+  int64_t g[kGridFields];
   int n_fields = 0;
-  if (!ints_of(grid, g, &n_fields, 4 + 3 * kMaxDims) || n_fields < 1) return false;
+  if (!ints_of(grid, g, &n_fields, kGridFields) || n_fields < 1) return false;
   if (g[0] == kGridMatmul) return gather_matmul(g, n_fields, layouts, count, sizes, dims, state, call);
   if (g[0] == kGridPlaced) return gather_placed(g, n_fields, layouts, count, sizes, dims, numel, k, state, call);
   if (g[0] == kGridConv) return gather_conv(g, n_fields, layouts, count, numel, k, state, call);

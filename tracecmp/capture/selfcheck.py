@@ -591,7 +591,7 @@ class SelfChecker:
                     else:
                         values += t.narrow(1, start, block).transpose(0, 1).to(F64).reshape(-1).tolist()
             index = torch.arange(recipe.numel).reshape(recipe.sizes).narrow(1, start, block).transpose(0, 1)
-            return index.reshape(-1), values + list(floats)
+            return index.reshape(block, -1)[:, list(recipe.grid[2:])].reshape(-1), values + list(floats)
         if recipe.grid is not None and recipe.grid[0] == GRID_CONV:
             self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
             index = torch.tensor(flat)
@@ -1063,9 +1063,10 @@ class Recipe(NamedTuple):
     # *stride, *padding, *dilation: a (not transposed) convolution's sampled output (role
     # CONV_OUTPUT), input gradient or weight gradient elements, each with the terms it sums
     # (:func:`_output_taps` and the two like it), 0 for both factors of a tap that reads nothing.
-    # GRID_CHANNELS, block: a block of adjacent channels (dimension 1) of every tensor of the
-    # first's shape, each whole, one value a channel of 1-D ones; the output read along them, its
-    # extras at them (a batch norm's). None for elementwise recipes.
+    # GRID_CHANNELS, block, *positions: a block of adjacent channels (dimension 1) of every tensor
+    # of the first's shape, each whole, one value a channel of 1-D ones; the output read in each
+    # at ``positions`` (of its batch and positions, row-major), its extras at them (a batch
+    # norm's). None for elementwise recipes.
     grid: tuple[int, ...] | None
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
@@ -1473,6 +1474,9 @@ def _batch_norm_recipe(
     if not length or any(t.shape != x.shape for t in tensors[: 1 + backward]) or outputs[0].shape != x.shape:
         return None
     block = min(checker.sample, max(1, CHANNEL_BUDGET // ((1 + backward) * length)), channels)
+    # The output is compared at a few positions of each channel, as the usual path compares it (an
+    # honest kernel's largest error over a whole channel, 10^5 elements, passes its allowance).
+    positions = tuple(sorted(checker._pick(length, min(4 * checker.sample, CHANNEL_POSITIONS)).tolist()))
     position = {id(t): i for i, t in enumerate(tensors)}
     if x is not tensors[int(backward)] or any(t is not None and id(t) not in position for t in per_channel):
         return None
@@ -1491,8 +1495,8 @@ def _batch_norm_recipe(
     device = torch.device("cpu")
     targets, limits = [], []
     for which in wanted:
-        key = ("batch_norm channels", backward, which, constants, tuple(shapes[i] for i in inputs), device)
-        batch = _Batch(key, functools.partial(values, which, constants), ())
+        key = ("batch_norm channels", backward, which, constants, positions, tuple(shapes[i] for i in inputs), device)
+        batch = _Batch(key, functools.partial(values, which, constants, torch.tensor(positions)), ())
         n = length if training or which else 1
         targets.append(_batched(which, _gathered, batch, n, eps_acc, "rows", block, coherent=sixteen and not which))
         t = outputs[which]
@@ -1505,18 +1509,24 @@ def _batch_norm_recipe(
     extras = tuple((which, (channels,), _SAMPLED_CODES[outputs[which].dtype], limit, block)
                    for which, limit in zip(wanted[1:], limits[1:]))  # fmt: skip
     return Recipe(
-        tuple(x.shape), x.numel(), block * length, limits[0], _SAMPLED_CODES[out.dtype], _number_array(), [],
-        tuple(out.shape), (GRID_CHANNELS, block), "rows", block, 0, extras, (), targets[0], out.dtype, len(tensors),
+        tuple(x.shape), x.numel(), block * len(positions), limits[0], _SAMPLED_CODES[out.dtype], _number_array(), [],
+        tuple(out.shape), (GRID_CHANNELS, block, *positions), "rows", block, 0, extras, (), targets[0], out.dtype,
+        len(tensors),
         shapes, inputs, (), extra_targets=tuple((t, outputs[w].dtype) for t, w in zip(targets[1:], wanted[1:])),
     )  # fmt: skip
 
 
 def _batch_norm_channels_values(
-    which: int, constants: tuple[bool, bool, bool, float], values: torch.Tensor, *per_channel: torch.Tensor
+    which: int,
+    constants: tuple[bool, bool, bool, float],
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    *per_channel: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``ref`` of a batch norm's output along gathered channels ``values`` (..., block,
-    length) (``which`` 0), or of its saved mean (1) or 1/std (2) at them, from the weight and bias
-    that are given, then in evaluation the running mean and variance, at them (..., block)."""
+    """Float64 ``ref`` of a batch norm's output at ``positions`` of gathered channels ``values``
+    (..., block, length) (``which`` 0), or of its saved mean (1) or 1/std (2) at them, from the
+    weight and bias that are given, then in evaluation the running mean and variance, at them
+    (..., block)."""
     has_weight, has_bias, training, eps = constants
     given = iter(t[..., None] for t in per_channel)
     w = next(given) if has_weight else None
@@ -1530,15 +1540,20 @@ def _batch_norm_channels_values(
         mean = next(given)
         rstd = (next(given) + eps).rsqrt()
         stats = (mean, rstd, mean.abs(), torch.ones_like(mean))
-    value, scale = _normalization(values, lambda: stats, w, bb)[which]()
+    value, scale = _normalization(values[..., positions], lambda: stats, w, bb)[which]()
     return (value.flatten(-2), scale.flatten(-2)) if which == 0 else (value, scale)
 
 
 def _batch_norm_backward_channels_values(
-    which: int, constants: tuple[bool, bool, float], gs: torch.Tensor, xs: torch.Tensor, *per_channel: torch.Tensor
+    which: int,
+    constants: tuple[bool, bool, float],
+    positions: torch.Tensor,
+    gs: torch.Tensor,
+    xs: torch.Tensor,
+    *per_channel: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``ref`` of a batch norm's input gradient along gathered channels of the output
-    gradient and input ``gs``, ``xs`` (..., block, length) (``which`` 0), or of its weight (1) or
+    """Float64 ``ref`` of a batch norm's input gradient at ``positions`` of gathered channels of the
+    output gradient and input ``gs``, ``xs`` (..., block, length) (``which`` 0), or of its weight (1) or
     bias (2) gradient at them, from the weight if given and the statistics the op reads (saved
     mean and 1/std in training, running mean and variance in evaluation) at them (..., block)."""
     has_weight, training, eps = constants
@@ -1554,11 +1569,12 @@ def _batch_norm_backward_channels_values(
     if which == 2:
         return gs.sum(-1), gs.abs().sum(-1)
     gw = gs * w if w is not None else gs
+    at_gw, at_xhat, at_spread = gw[..., positions], xhat[..., positions], spread[..., positions]
     if not training:
-        return (gw * rs).flatten(-2), (gw.abs() * rs).flatten(-2)
-    value = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+        return (at_gw * rs).flatten(-2), (at_gw.abs() * rs).flatten(-2)
+    value = rs * (at_gw - gw.mean(-1, keepdim=True) - at_xhat * (gw * xhat).mean(-1, keepdim=True))
     spreads = (gw.abs() * spread).mean(-1, keepdim=True)
-    scale = rs * (gw.abs() + gw.abs().mean(-1, keepdim=True) + spread * spreads)
+    scale = rs * (at_gw.abs() + gw.abs().mean(-1, keepdim=True) + at_spread * spreads)
     return value.flatten(-2), scale.flatten(-2)
 
 
@@ -2113,6 +2129,8 @@ CONV_TERMS = 1 << 14
 # A batch norm's sampled channels are recomputed whole (its statistics read every element): at
 # most this many elements a call, and at least one channel. A scaled kernel shows in any element.
 CHANNEL_BUDGET = 1 << 14
+# ... and its output compared at most at this many positions of each (a recipe's grid holds them)
+CHANNEL_POSITIONS = 120
 
 
 def _grid(per_dim: Sequence[torch.Tensor]) -> list[torch.Tensor]:
