@@ -195,11 +195,14 @@ def find_truth(case: Case, obs: Observation, trace_path: Path) -> tuple[Record, 
     rows = ops[ops["op_id"].isin(producers) & (ops["op"] == site.op)].sort_values("op_id")
     if rows.empty:
         raise HarnessError(f"no row of {site.op} in the target trace holds the faulty output (checksum)")
-    # The call whose outputs hold most of the site's checksums: another call may hold one of them
-    # (two batch norms' backward fed the same gradient return the same bias gradient).
-    held = rows["op_id"].map(producers.count)
-    row = rows[held == held.max()].iloc[0]
     kth = ops[(ops["kind"] == "op") & (ops["op"] == site.op) & (ops["phase"] == site.phase)].sort_values("op_id")
+    # The call whose outputs hold most of the site's checksums, the site's own call among equals:
+    # another call may hold one of them (two batch norms' backward fed the same gradient return
+    # the same bias gradient), or all (a call repeated on the same inputs).
+    held = rows["op_id"].map(producers.count)
+    rows = rows[held == held.max()]
+    own = rows[rows["op_id"] == int(kth.iloc[site.k]["op_id"])] if len(kth) > site.k else rows.iloc[:0]
+    row = (own if not own.empty else rows).iloc[0]
     if case.target.insertion is None and (len(kth) <= site.k or int(kth.iloc[site.k]["op_id"]) != int(row["op_id"])):
         notes.append(f"the {site.k}-th {site.op} in {site.phase} of the trace is not the faulty call")
     if row["phase"] != site.phase:
