@@ -144,10 +144,7 @@ def hot_and_cold(reps: int) -> None:
 def _classify_only(self: Any, func: Any, args: Any, kwargs: Any) -> None:
     """``SelfChecker.prepare`` that checks nothing but still classifies the op: the per-op path
     sends an op it has no kind for to the Python reference, every call."""
-    from tracecmp.capture.selfcheck import _classify
-
-    if func not in self.kinds:
-        self.kinds[func] = _classify(func)
+    self.kind_of(func)
 
 
 def alternated(model_name: str, rounds: int, steps: int) -> None:

@@ -371,9 +371,7 @@ class SelfChecker:
         >>> SelfChecker().prepare(torch.ops.aten.nonzero.default, (torch.ones(3),), {}) is None
         True
         """
-        kind = self.kinds.get(func, _UNSEEN)
-        if kind is _UNSEEN:
-            kind = self.kinds[func] = _classify(func)
+        kind = self.kind_of(func)
         if kind is None:
             return None
         try:
@@ -386,6 +384,22 @@ class SelfChecker:
         if not targets:
             return None
         return Plan(func, targets, _written(kind, func, args, kwargs))
+
+    def kind_of(self, func: Any) -> Callable[..., tuple[_Target, ...] | None] | None:
+        """The check an op overload gets (None: none), classified at its first call (the per-op
+        path reads the result from ``kinds``).
+
+        >>> import torch
+        >>> checker = SelfChecker()
+        >>> checker.kind_of(torch.ops.aten.nonzero.default) is None
+        True
+        >>> checker.kind_of(torch.ops.aten.exp.default) is not None
+        True
+        """
+        kind = self.kinds.get(func, _UNSEEN)
+        if kind is _UNSEEN:
+            kind = self.kinds[func] = _classify(func)
+        return kind
 
     def finish(self, plan: Plan, out: Any, defer: bool = False) -> list[Check]:
         """Compare the op's outputs ``out`` against the float64 recomputation planned for them.
