@@ -908,7 +908,11 @@ def test_calls_through_a_recipe_pass_honest_and_fail_a_five_percent_scale(name: 
     """The per-op path's gathering (its reference here) judges a call as the usual path does:
     honest calls within the limit, a 5% scaled output far outside it."""
     func, make, kwargs = RECIPE_CALLS[name]
-    if SUMS_AT_16_BITS and name in ("a bf16 sum of rows", "layer_norm over two dimensions, no affine"):
+    if SUMS_AT_16_BITS and name in (
+        "a bf16 sum of rows",
+        "layer_norm over two dimensions, no affine",
+        "a bf16 1-d convolution",
+    ):
         pytest.skip("this torch sums 16-bit rows at 16 bits: a 5% scale may hide in their allowance")
     gen = torch.Generator().manual_seed(0)
     checker = _learned(func, make(gen), kwargs)
