@@ -2655,37 +2655,27 @@ def _batch_norm(
     _, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // length))
     values = _channels(x, rows)
-    per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None] if t is not None else None
-    w, bb, eps = per_channel(weight), per_channel(bias), b["eps"]
-
-    @functools.lru_cache(maxsize=None)  # shared by the three outputs' checks
-    def stats() -> tuple[torch.Tensor, ...]:
-        if not training:  # running statistics are read, not summed
-            mean = per_channel(running[0])
-            return mean, (per_channel(running[1]) + eps).rsqrt(), mean.abs(), torch.ones_like(mean)
-        mean = values.mean(-1, keepdim=True)
-        rstd = ((values - mean).square().mean(-1, keepdim=True) + eps).rsqrt()  # centred (Tensor.var is slower)
-        # The variance cancels by the mean's own size (E x^2 - mean^2), not by that of |x|.
-        return mean, rstd, values.abs().mean(-1, keepdim=True), 1 + mean.abs() * rstd
-
+    given = [t for t in (weight, bias, *(() if training else running)) if t is not None]
+    per_channel = [_take(t.detach().reshape(-1), rows).to(F64) for t in given]
+    constants = (weight is not None, bias is not None, training, b["eps"])
     # The statistics read whole channels; the output is compared at sampled positions of them.
     positions = checker._pick(length, 4 * checker.sample)
-    normalized = _normalization(values[:, positions], stats, w, bb)[0]
-    _, mean_ref, rstd_ref = _normalization(values, stats, w, bb)
-
+    ref = lambda which: functools.partial(  # noqa: E731
+        _batch_norm_channels_values, which, constants, positions, values, *per_channel
+    )
     crossings = rows[:, None] * length + positions[None, :]
-    at = lambda o: _take(_row_view(o, dims)[0], crossings)
+    at = lambda o: _take(_row_view(o, dims)[0], crossings).flatten()  # noqa: E731
     n = length if training else 1
     # CPU kernels of 16-bit inputs normalize with statistics held at the input's precision: so
     # wide an allowance that a 5% scale shows only as a scale fitted through the channels.
     sixteen = x.dtype in (torch.float16, torch.bfloat16)
     eps_acc = torch.finfo(x.dtype).eps if sixteen else None
-    targets = [_Target(0, at, normalized, n, eps_acc, "rows", rows.numel(), coherent=sixteen)]
+    targets = [_Target(0, at, ref(0), n, eps_acc, "rows", rows.numel(), coherent=sixteen)]
     if training:
-        per_row = lambda o: _take(o, rows)
+        per_row = lambda o: _take(o, rows)  # noqa: E731
         targets += [
-            _Target(1, per_row, mean_ref, length, eps_acc, "rows", rows.numel()),
-            _Target(2, per_row, rstd_ref, length, eps_acc, "rows", rows.numel()),
+            _Target(1, per_row, ref(1), length, eps_acc, "rows", rows.numel()),
+            _Target(2, per_row, ref(2), length, eps_acc, "rows", rows.numel()),
         ]
     return tuple(targets)
 
@@ -2707,41 +2697,21 @@ def _batch_norm_backward(
     _, count, length = _row_view(x.detach(), dims)
     rows = checker._sample(count, 1, max(1, CHANNEL_BUDGET // (2 * length)))
     xs, gs = _channels(x, rows), _channels(grad, rows)
-    per_channel = lambda t: _take(t.detach().reshape(-1), rows).to(F64)[:, None]
-    mu = per_channel(mean)
-    rs = per_channel(invstd) if train else (per_channel(invstd) + b["eps"]).rsqrt()
-    w = per_channel(weight) if weight is not None else None
-    xhat = (xs - mu) * rs
-    spread = (xs.abs() + mu.abs()) * rs  # what xhat is known to: x - mean cancels
-
+    per_channel = [_take(t.detach().reshape(-1), rows).to(F64) for t in (weight, mean, invstd) if t is not None]
+    constants = (weight is not None, bool(train), b["eps"])
     # The means read whole channels; the input gradient is compared at sampled positions of them.
     positions = checker._pick(length, 4 * checker.sample)
-
-    def input_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        gw = gs * w if w is not None else gs
-        at_gw, at_xhat, at_spread = gw[:, positions], xhat[:, positions], spread[:, positions]
-        if not train:
-            return at_gw * rs, at_gw.abs() * rs
-        value = rs * (at_gw - gw.mean(-1, keepdim=True) - at_xhat * (gw * xhat).mean(-1, keepdim=True))
-        spreads = (gw.abs() * spread).mean(-1, keepdim=True)
-        scale = rs * (at_gw.abs() + gw.abs().mean(-1, keepdim=True) + at_spread * spreads)
-        return value, scale
-
-    def weight_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        return (gs * xhat).sum(-1), (gs.abs() * spread).sum(-1)
-
-    def bias_ref() -> tuple[torch.Tensor, torch.Tensor]:
-        return gs.sum(-1), gs.abs().sum(-1)
-
+    ref = lambda which: functools.partial(  # noqa: E731
+        _batch_norm_backward_channels_values, which, constants, positions, gs, xs, *per_channel
+    )
     crossings = rows[:, None] * length + positions[None, :]
-    at = lambda o: _take(_row_view(o, dims)[0], crossings)
-    per_row = lambda o: _take(o, rows)
-    wanted = [(0, at, input_ref), (1, per_row, weight_ref), (2, per_row, bias_ref)]
-    present = [entry for entry, wants in zip(wanted, mask) if wants]
+    at = lambda o: _take(_row_view(o, dims)[0], crossings).flatten()  # noqa: E731
+    per_row = lambda o: _take(o, rows)  # noqa: E731
+    present = [(which, at if which == 0 else per_row) for which, wants in enumerate(mask) if wants]
     n_input = length if train else 1
     return tuple(
-        _Target(index, gather, ref, n_input if which == 0 else length, None, "rows", rows.numel())
-        for index, (which, gather, ref) in enumerate(present)
+        _Target(index, gather, ref(which), n_input if which == 0 else length, None, "rows", rows.numel())
+        for index, (which, gather) in enumerate(present)
     )
 
 
