@@ -65,7 +65,7 @@ _PROGRAM = textwrap.dedent(
 
     def recipes():
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
-        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts,
+        # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts, constants,
         # matmuls, reductions, softmax, layer norm and its input gradient, gradients placed into zeros,
         # convolutions, batch norms and their gradients.
         x, b = torch.randn(6, 5), torch.randn(5)
@@ -79,6 +79,7 @@ _PROGRAM = textwrap.dedent(
             u = torch.empty(6, 5).copy_(b)
             s = torch.tensor(3.0)
             s += 1
+            torch.ones_like(y), torch.full_like(h, 0.1), torch.zeros_like(x, dtype=torch.bfloat16)  # constants
             torch.addmm(b, x.t() @ x, torch.randn(5, 5).t())  # matmuls: blocks of rows and columns
             # Rows: sums and means over any dimensions, softmax along any, read in blocks
             t = torch.randn(4, 3, 6).transpose(0, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import math
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -119,6 +120,17 @@ def test_set_replaces_one_scalar_value(number_array: Callable[[str], Any]) -> No
         cols.set(2, "shape", (1,))
     with pytest.raises(ValueError, match="cannot hold None"):
         cols.set(2, "view_of", None)
+
+
+def test_set_many_replaces_a_float_column_at_rows(number_array: Callable[[str], Any]) -> None:
+    cols = Columns(TENSORS_SCHEMA, TENSORS, number_array=number_array)
+    cols.set(0, "min", None)
+    cols.set_many("min", [0, 2], [-1.5, 7.0])
+    table = cols.table().to_pylist()
+    assert [table[0]["min"], table[2]["min"]] == [-1.5, 7.0]
+    assert math.isnan(table[1]["min"])  # untouched
+    with pytest.raises(ValueError, match="not a float column"):
+        cols.set_many("nan_count", [0], [1.0])
 
 
 def test_a_value_of_the_wrong_kind_is_refused(number_array: Callable[[str], Any]) -> None:

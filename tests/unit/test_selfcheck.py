@@ -782,6 +782,9 @@ RECIPE_CALLS = {
     "reshaping copy": (aten._unsafe_view.default, lambda g: (_randn(g, 4, 6), [3, 8]), {}),
     "broadcast copy_": (aten.copy_.default, lambda g: (torch.empty(5, 4), _randn(g, 4)), {}),
     "cast to bf16": (aten._to_copy.default, lambda g: (_randn(g, 30),), {"dtype": torch.bfloat16}),
+    # A constant: the same value everywhere (backward's seed), exactly or rounded once
+    "ones_like": (aten.ones_like.default, lambda g: (_randn(g, 3, 5),), {}),
+    "a bf16 full_like": (aten.full_like.default, lambda g: (_randn(g, 40, dtype=torch.bfloat16), 0.1), {}),
     "mm": (aten.mm.default, lambda g: (_randn(g, 9, 33), _randn(g, 33, 7)), {}),
     "mm of a transposed operand": (aten.mm.default, lambda g: (_randn(g, 33, 9).t(), _randn(g, 33, 12)), {}),
     "a narrow mm": (aten.mm.default, lambda g: (_randn(g, 2, 5), _randn(g, 5, 3)), {}),
@@ -1136,3 +1139,83 @@ def test_a_wide_float32_convolution_reads_fewer_elements_and_a_16_bit_gradient_m
     checker = _learned(func, args, kwargs)
     (recipe,) = [r for r in checker.recipes.values() if isinstance(r, Recipe)]
     assert [piece.k for piece in (recipe, *recipe.more)] == [4 * checker.sample] * 2
+
+
+# Optimizer-like calls whose float changes every call: (op, inputs, the call's arguments from
+# its inputs and float, the name of the float in them)
+VARYING_FLOATS: dict[str, tuple[Any, Callable[[torch.Generator], tuple], Callable[..., tuple[tuple, dict]]]] = {
+    "mul by a Scalar": (aten.mul.Scalar, lambda g: (_randn(g, 64),), lambda t, f: ((t[0], f), {})),
+    "mul by a wrapped float": (aten.mul.Tensor, lambda g: (_randn(g, 64),), lambda t, f: ((t[0], f), {})),
+    "divide by a bias correction": (aten.div.Tensor, lambda g: (_randn(g, 8, 8).abs(),), lambda t, f: ((t[0], f), {})),
+    "addcdiv_ by a step size": (
+        aten.addcdiv_.default,
+        lambda g: (_randn(g, 64), _randn(g, 64), _randn(g, 64).abs() + 0.5),
+        lambda t, f: ((t[0].clone(), t[1], t[2]), {"value": -f}),
+    ),
+    "addcmul_": (
+        aten.addcmul_.default,
+        lambda g: (_randn(g, 64), _randn(g, 64), _randn(g, 64)),
+        lambda t, f: ((t[0].clone(), t[1], t[2]), {"value": f}),
+    ),
+    "add_ of alpha 1 in some calls": (
+        aten.add_.Tensor,
+        lambda g: (_randn(g, 64), _randn(g, 64)),
+        lambda t, f: ((t[0].clone(), t[1]), {"alpha": 1.0 if f > 0.3 else -f}),
+    ),
+    "lerp_ by a Scalar": (
+        aten.lerp_.Scalar,
+        lambda g: (_randn(g, 64), _randn(g, 64)),
+        lambda t, f: ((t[0].clone(), t[1], f), {}),
+    ),
+    "pow by a Scalar": (aten.pow.Tensor_Scalar, lambda g: (_randn(g, 64).abs(),), lambda t, f: ((t[0], 1 + f), {})),
+    "clamp between floats": (aten.clamp.default, lambda g: (_randn(g, 64),), lambda t, f: ((t[0], -f, f), {})),
+    "masked_fill by a float (a 0-d tensor only)": (
+        aten.masked_fill.Scalar,
+        lambda g: (_randn(g, 64), _randn(g, 64) > 0),
+        lambda t, f: ((t[0], t[1], f), {}),
+    ),
+    "leaky_relu (no overload taking a tensor)": (
+        aten.leaky_relu.default,
+        lambda g: (_randn(g, 64),),
+        lambda t, f: ((t[0], f), {}),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", VARYING_FLOATS)
+def test_calls_of_many_floats_recompute_as_one_per_float(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calls of a recipe that took other floats (an optimizer's step size) recompute in one
+    pass, each float a column: every residual as the pass per float finds it, a scaled call failing."""
+    import tracecmp.capture.selfcheck as selfcheck
+
+    func, make, call = VARYING_FLOATS[name]
+    g = torch.Generator().manual_seed(7)
+    floats = [0.05 * (i + 1) for i in range(12)]
+    faulty = 9
+
+    def residuals() -> list[float]:
+        checker, tickets = SelfChecker(), []
+        tensors = make(g.manual_seed(7))
+        for i, f in enumerate(floats):
+            args, kwargs = call(tensors, f)
+            if i == 0:
+                assert checker.prepare(func, args, kwargs) is not None
+            signature, taken, read = _signed(checker, func, args, kwargs)
+            recipe = checker.recipes.get(signature)
+            gathered = checker.gather_sampled(recipe, read, taken) if isinstance(recipe, Recipe) else None
+            out = func(*args, **kwargs)
+            if gathered is None:
+                checker.learn(signature, func, *call(tensors, f), out)
+                continue
+            ticket = checker.finish_sampled(recipe, *gathered, out * 1.05 if i == faulty else out)
+            assert ticket is not None
+            tickets.append(ticket)
+        found, _ = checker.collect()
+        return [found[t] for t in tickets]
+
+    by_columns = residuals()
+    monkeypatch.setattr(selfcheck, "_recompute_by_columns", lambda *_: False)
+    by_float = residuals()
+    assert by_columns == pytest.approx(by_float, rel=1e-9, abs=1e-12)
+    failed = [r > 3.25 for r in by_float]
+    assert failed == [i == faulty for i in range(2, len(floats))]

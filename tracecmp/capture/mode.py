@@ -1008,6 +1008,7 @@ class CaptureMode(TorchDispatchMode):
         with _disable_current_modes():
             residuals, coarse = self._checker.collect()
         pending = self._pending_checks
+        on_host: dict[str, tuple[list[int], list[float]]] = {"residual": ([], []), "coarse": ([], [])}
         for row, residual, rough in zip(self._deferred_rows, residuals, coarse):
             if row < 0:  # its op was cut short (trim_unfinished)
                 continue
@@ -1015,7 +1016,10 @@ class CaptureMode(TorchDispatchMode):
                 if isinstance(value, torch.Tensor):
                     pending.append((row, column, value))
                 else:
-                    self.check_rows.set(row, column, value)
+                    on_host[column][0].append(row)
+                    on_host[column][1].append(value)
+        for column, (rows, values) in on_host.items():
+            self.check_rows.set_many(column, rows, values)
         self._deferred_rows = []
         if not pending:
             return

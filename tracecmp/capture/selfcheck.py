@@ -1007,9 +1007,7 @@ def _pointwise_batch(
     """The float64 recomputation of a pointwise call (its gathered tensors still to be set):
     one object for every call alike (same op, constants, slots and sample: fewer objects held
     until the hand-over)."""
-    name = func.overloadpacket.__name__
-    rounded_once = name in _ROUNDED_ONCE and _alpha(func, args, kwargs) == 1
-    relative = rounded_once or name in _RELATIVE
+    relative = _relative(func, args, kwargs)
     key = (func, relative, _constants(template), slots, k)
     key, fn = checker.shared(key, lambda: functools.partial(_pointwise_values, func, template, relative))
     return _Batch(key, fn, ())
@@ -1194,6 +1192,14 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
         batch = _Batch(("exact", F64, (k,), torch.device("cpu")), _exact_values, ())
         target = _batched(0, _gathered, batch, 1, None, "exact", k, tensors[source].dtype)
         inputs: tuple[int, ...] = (source,)
+    elif kind is _moved:  # ones_like, zeros_like, full_like: the same constant everywhere
+        value = _constant_of(func, args, kwargs)
+        if value is None or len(tensors) != 1 or tuple(out.shape) != sizes:
+            return None
+        exact = torch.tensor(value, dtype=out.dtype).item() == value  # else the output rounds it once
+        batch = _Batch(("constant", value, (k,)), functools.partial(_constant_values, value), ())
+        target = _batched(0, _gathered, batch, 1, None, "exact", k, out.dtype if exact else F64)
+        inputs = (0,)
     else:
         if listed or tuple(out.shape) != sizes or not any(t.is_floating_point() for t in tensors):
             return None
@@ -1770,6 +1776,14 @@ def _recompute_by_floats(
         return residual, coarse
     residual, coarse = torch.empty(len(got), dtype=F64), torch.empty(len(got), dtype=F64)
     values, calls = torch.unique(floats, dim=0, return_inverse=True)
+    if len(values) > 1:
+        # An optimizer's step size or bias correction changes every step: one pass for all of
+        # them where the op takes its floats as tensors, rather than a pass per step.
+        try:
+            if _recompute_by_columns(recipe, inputs, floats, got, residual, coarse):
+                return residual, coarse
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            pass  # the calls are recomputed float by float below
     for i, taken in enumerate(values.tolist()):
         picked = calls == i
         target = recipe.target_for(checker, taken)
@@ -1777,6 +1791,117 @@ def _recompute_by_floats(
             target, [t[picked] for t in inputs], got[picked], recipe.out_dtype
         )
     return residual, coarse
+
+
+def _recompute_by_columns(
+    recipe: Recipe,
+    inputs: list[torch.Tensor],
+    floats: torch.Tensor,
+    got: torch.Tensor,
+    residual: torch.Tensor,
+    coarse: torch.Tensor,
+) -> bool:
+    """:func:`_recompute_by_floats` in one float64 pass (two for an add whose ``alpha`` is 1 in
+    some calls only), each float argument a column of the calls' values (:func:`_column_plan`),
+    into ``residual`` and ``coarse``; False where the op cannot take its floats so."""
+    func, (args, kwargs) = recipe.skeleton
+    names = _schema_arguments(func)[0]
+    taking = tuple(names[i] for i, a in enumerate(args) if a is _FLOAT) + tuple(
+        name for name, v in kwargs.items() if v is _FLOAT
+    )
+    plan = _column_plan(func, taking)
+    if plan is None:
+        return False
+    overload, folded = plan
+    columns = iter(floats.split(1, dim=1))  # (calls, 1) each: broadcast along the sampled values
+    scale = None
+    if folded is not None:  # the last float scales the tensor argument ``folded``
+        at = names.index(folded)
+        if at >= len(args) or args[at] is not _SLOT:
+            return False
+        scale, slot = floats[:, -1:], sum(a is _SLOT for a in args[:at])
+        inputs = [t * scale if i == slot else t for i, t in enumerate(inputs)]
+    column_args = [next(columns) if a is _FLOAT else a for a in args]
+    column_kwargs = {name: (next(columns) if v is _FLOAT else v) for name, v in kwargs.items()}
+    if folded is not None:
+        column_kwargs[taking[-1]] = 1
+    # Whether an add or sub rounds once depends on its alpha being 1 (_pointwise_batch): calls
+    # split by it; any other op's is the same for all its calls.
+    ones = (scale == 1).reshape(-1) if scale is not None else torch.ones(len(got), dtype=torch.bool)
+    for once in (True, False):
+        picked = ones if once else ~ones
+        if not bool(picked.any()):
+            continue
+        template = (
+            [a[picked] if isinstance(a, torch.Tensor) else a for a in column_args],
+            {k: (v[picked] if isinstance(v, torch.Tensor) else v) for k, v in column_kwargs.items()},
+        )
+        alpha = {taking[-1]: 1 if once else 2} if scale is not None else {}
+        relative = _relative(func, args, {**kwargs, **alpha})
+        batch = _Batch((), functools.partial(_pointwise_values, overload, template, relative), ())
+        residual[picked], coarse[picked], _ = _recompute(
+            recipe.target._replace(batch=batch), [t[picked] for t in inputs], got[picked], recipe.out_dtype
+        )
+    return True
+
+
+# A pointwise op's float argument that scales one of its tensors: folded into that tensor's
+# gathered values where the calls took other values (_recompute_by_columns).
+_FOLDED = {"add": "other", "sub": "other", "addcdiv": "tensor1", "addcmul": "tensor1"}
+
+
+_TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+
+
+@functools.lru_cache(maxsize=None)
+def _column_plan(func: Any, taking: tuple[str, ...]) -> tuple[Any, str | None] | None:
+    """How a pointwise overload takes per-call values of its float arguments ``taking`` as tensors:
+    the overload of its op with a tensor at each (``mul.Tensor`` for ``mul.Scalar``; itself where
+    the float stood for a tensor), and the argument its last float scales where that one is an
+    ``alpha`` or ``value`` (None where it is not); None where it has no such overload.
+
+    >>> from torch.ops import aten
+    >>> _column_plan(aten.mul.Scalar, ("other",))
+    (<OpOverload(op='aten.mul', overload='Tensor')>, None)
+    >>> _column_plan(aten.addcdiv_.default, ("value",))
+    (<OpOverload(op='aten.addcdiv_', overload='default')>, 'tensor1')
+    >>> _column_plan(aten.elu.default, ("alpha",)) is None
+    True
+    """
+    folded = _FOLDED.get(func.overloadpacket.__name__.rstrip("_"))
+    if taking and taking[-1] in ("alpha", "value") and folded is not None:
+        taking = taking[:-1]
+    else:
+        folded = None
+
+    def form(overload: Any, wanted: bool) -> list[tuple[str, str, bool, bool]]:
+        """Each argument's name, type, and whether it is keyword-only and written; a taken one's
+        type is a tensor's (optional or not) in the overload sought."""
+        return [
+            (
+                a.name,
+                ("Tensor" if wanted or str(a.type) in _TENSOR_TYPES else "") if a.name in taking else str(a.type),
+                a.kwarg_only,
+                bool(a.alias_info and a.alias_info.is_write),
+            )
+            for a in overload._schema.arguments
+        ]
+
+    wanted = form(func, True)
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        if form(overload, False) == wanted and len(overload._schema.returns) == len(func._schema.returns):
+            return overload, folded
+    return None
+
+
+def _relative(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a pointwise op's float64 value is what the kernel rounds, relative to itself (its
+    terms' sizes need no scale): it rounds once (an add of alpha 1, a mul), or is one of the
+    functions computed to within a few ulps of their own value (exp, tanh)."""
+    name = func.overloadpacket.__name__
+    return (name in _ROUNDED_ONCE and _alpha(func, args, kwargs) == 1) or name in _RELATIVE
 
 
 def _float_item(item: Any) -> bool:
@@ -2825,6 +2950,21 @@ def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor)
     return _batched(0, gather, batch, 1, None, "exact", values.numel(), values.dtype)
 
 
+def _constant_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> float | None:
+    """The value a ``ones_like``, ``zeros_like`` or ``full_like`` call fills with (None for another
+    op, or a fill that is not a real number)."""
+    name = func.overloadpacket.__name__
+    if name in ("ones_like", "zeros_like"):
+        return 1.0 if name == "ones_like" else 0.0
+    fill = _bind(func, args, kwargs).get("fill_value") if name == "full_like" else None
+    return float(fill) if isinstance(fill, (bool, int, float)) else None
+
+
+def _constant_values(value: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value`` at every gathered element of ``like`` (one row per call), exactly."""
+    return torch.full_like(like, value, dtype=F64), torch.zeros((), dtype=F64, device=like.device)
+
+
 def _exact_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The source's own values, exactly (float64 holds every real dtype but 64-bit integers' tails).
     return values.to(F64), torch.zeros((), dtype=F64, device=values.device)
@@ -3150,7 +3290,7 @@ def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple
 # pointwise ops, the one whose float arguments are left out of a signature and gathered per call.
 RECIPE_KINDS = (
     _pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm, _layer_norm_backward, _scattered, _convolution,
-    _convolution_backward, _batch_norm, _batch_norm_backward,
+    _convolution_backward, _batch_norm, _batch_norm_backward, _moved,
 )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import array
 import functools
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -260,6 +260,20 @@ class Columns:
         if kind == "N":
             with memoryview(self.parts[position + 1]) as view:
                 view[index] = 0 if value is None else 1
+
+    def set_many(self, name: str, rows: Sequence[int], values: Sequence[float]) -> None:
+        """:meth:`set` of float column ``name`` at each of ``rows`` (a capture's deferred residuals:
+        a few per op, so the column is looked up once)."""
+        position, kind = self._layout[self.schema.get_field_index(name)]
+        if kind == "l" or kind == "s" or self.schema.field(name).type != pa.float64():
+            raise ValueError(f"column {name!r} is not a float column")
+        with memoryview(self.parts[position]) as view:
+            for index, value in zip(rows, values):
+                view[index] = float(value)
+        if kind == "N":
+            with memoryview(self.parts[position + 1]) as view:
+                for index in rows:
+                    view[index] = 1
 
     def table(self) -> pa.Table:
         """The rows as an Arrow table of ``schema``.
