@@ -183,8 +183,11 @@ enum RecipeField {
   kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kOutIndex,
   kExtras, kMore, kRecipeFields
 };
-// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS: what a Recipe.grid's first field says it reads
-enum GridKind { kGridMatmul, kGridRows, kGridPlaced, kGridConv, kGridChannels };
+// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS, GRID_PICKED: what a
+// Recipe.grid's first field says it reads
+enum GridKind { kGridMatmul, kGridRows, kGridPlaced, kGridConv, kGridChannels, kGridPicked };
+// selfcheck.NLL_LOSS, NLL_LOSS_BACKWARD: a GRID_PICKED's roles
+enum PickedRole { kNllLoss, kNllLossBackward };
 // selfcheck.CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT: a GRID_CONV's roles
 enum ConvRole { kConvOutput, kConvInputGradient, kConvWeightGradient };
 // A grid's fields at most: a convolution's geometry, or a batch norm's positions (selfcheck.CHANNEL_POSITIONS)
@@ -409,6 +412,66 @@ bool gather_placed(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
   return true;
 }
 
+// selfcheck.Recipe.grid of GRID_PICKED (role, ignore_index, per_row), SelfChecker._picked: an
+// ``nll_loss_forward``'s every row (role kNllLoss: input, target[, weight]) or its backward's ``k``
+// rows drawn below their count (kNllLossBackward: output gradient, input, target[, weight], total
+// weight), each row's class read from its target (0 and a class weight of 0 where it is
+// ``ignore_index``); false where a target lies outside the classes.
+bool gather_picked(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, int64_t k,
+                   uint64_t* state, SampledPiece& call) {
+  if (n_fields != 4 || (g[1] != kNllLoss && g[1] != kNllLossBackward)) return false;
+  const bool backward = g[1] == kNllLossBackward;
+  const int64_t ignore = g[2], per_row = g[3];
+  const Py_ssize_t at = backward ? 1 : 0, plain = at + 2 + (backward ? 1 : 0);
+  if (count != plain && count != plain + 1) return false;
+  const Layout &x = layouts[at], &target = layouts[at + 1];
+  const Layout* weight = count == plain + 1 ? &layouts[at + 2] : nullptr;
+  if (x.dims < 1 || x.dims > 2 || target.dims != x.dims - 1 || target.code < 4 || target.code > 8) return false;
+  const int64_t rows = x.dims == 2 ? x.sizes[0] : 1, classes = x.sizes[x.dims - 1];
+  if (rows < 1 || classes < 1 || (x.dims == 2 && target.sizes[0] != rows)) return false;
+  if (weight != nullptr && (weight->dims != 1 || weight->sizes[0] != classes)) return false;
+  std::vector<uint64_t> picked;
+  if (backward) {
+    draw(state, static_cast<uint64_t>(rows), k, picked);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) picked.push_back(static_cast<uint64_t>(r));
+  }
+  const Reader read_target(target), read_x(x);
+  const int64_t by_target = target.dims ? target.strides[0] : 0, by_row = x.dims == 2 ? x.strides[0] : 0;
+  std::vector<int64_t> classes_at;  // each picked row's class (0 where ignored)
+  std::vector<double> weights, inputs;
+  for (uint64_t r : picked) {
+    const auto t = static_cast<int64_t>(read_target(static_cast<int64_t>(r) * by_target));
+    const bool ignored = t == ignore;
+    if (!ignored && (t < 0 || t >= classes)) return false;
+    classes_at.push_back(ignored ? 0 : t);
+    weights.push_back(ignored ? 0.0 : weight != nullptr ? Reader(*weight)(t * weight->strides[0]) : 1.0);
+    if (!backward)
+      inputs.push_back(ignored ? 0.0 : read_x(static_cast<int64_t>(r) * by_row + t * x.strides[x.dims - 1]));
+  }
+  if (backward) {
+    const Layout &grad = layouts[0], &total = layouts[count - 1];
+    if (total.dims != 0 || grad.dims > 1 || (grad.dims == 1 && grad.sizes[0] != rows)) return false;
+    const Reader read_grad(grad);
+    for (uint64_t r : picked)
+      call.values.push_back(read_grad(grad.dims ? static_cast<int64_t>(r) * grad.strides[0] : 0));
+    call.values.insert(call.values.end(), weights.begin(), weights.end());
+    call.values.push_back(Reader(total)(0));
+    for (size_t i = 0; i < picked.size(); ++i)
+      call.flat.push_back(picked[i] * static_cast<uint64_t>(classes) + static_cast<uint64_t>(classes_at[i]));
+    return true;
+  }
+  call.values.insert(call.values.end(), inputs.begin(), inputs.end());
+  call.values.insert(call.values.end(), weights.begin(), weights.end());
+  if (per_row) {
+    call.flat = picked;
+  } else {  // the loss, and its total weight (an extra) at row 0
+    call.flat.push_back(0);
+    call.rows.push_back(0);
+  }
+  return true;
+}
+
 // A row-major counter ``at`` over ``sizes`` (``n`` of them) advanced: false once it wraps to 0.
 bool advance(int64_t* at, const int64_t* sizes, int64_t n) {
   for (int64_t j = n - 1; j >= 0; --j) {
@@ -541,6 +604,7 @@ bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const 
   if (g[0] == kGridPlaced) return gather_placed(g, n_fields, layouts, count, sizes, dims, numel, k, state, call);
   if (g[0] == kGridConv) return gather_conv(g, n_fields, layouts, count, numel, k, state, call);
   if (g[0] == kGridChannels) return gather_channels(g, n_fields, layouts, count, state, call);
+  if (g[0] == kGridPicked) return gather_picked(g, n_fields, layouts, count, k, state, call);
   return g[0] == kGridRows && gather_rows(g, n_fields, layouts, count, state, call);
 }
 

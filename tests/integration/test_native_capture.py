@@ -67,7 +67,7 @@ _PROGRAM = textwrap.dedent(
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
         # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts, constants,
         # matmuls, reductions, softmax, layer norm and its input gradient, gradients placed into zeros,
-        # convolutions, batch norms and their gradients.
+        # convolutions, batch norms and their gradients, losses and theirs.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -100,6 +100,14 @@ _PROGRAM = textwrap.dedent(
             c16, k16 = torch.randn(3, 4, 20, dtype=torch.bfloat16), torch.randn(5, 4, 3, dtype=torch.bfloat16)
             o16 = torch.convolution(c16, k16, None, [1], [1], [1], False, [0], 1)
             torch.ops.aten.convolution_backward(torch.ones_like(o16), c16, k16, None, [1], [1], [1], False, [0], 1, [True, True, False])
+            # Losses: every row's input at its target (ignored rows: 0), the backward at drawn rows' targets
+            lp, labels = torch.log_softmax(torch.randn(9, 7), 1).t().contiguous().t(), torch.tensor([1, 6, -100, 0, 3, 3, 2, 5, 4])
+            cw = torch.rand(7) + 0.5
+            loss, total = torch.ops.aten.nll_loss_forward(lp, labels, None, 1, -100)
+            torch.ops.aten.nll_loss_forward(lp, labels, cw, 2, -100), torch.ops.aten.nll_loss_forward(lp[0], labels[1], cw, 1, -100)
+            rows, _ = torch.ops.aten.nll_loss_forward(lp, labels, cw, 0, -100)
+            torch.ops.aten.nll_loss_backward(torch.tensor(0.7), lp, labels, None, 1, -100, total)
+            torch.ops.aten.nll_loss_backward(torch.randn(9), lp, labels, cw, 0, -100, total)
             # Batch norms: adjacent channels whole, per-channel tensors at them, saved statistics as extras
             rm, rv, g6 = torch.zeros(6), torch.ones(6), torch.randn(6)
             _, sm, si = torch.ops.aten.native_batch_norm(o, g6, g6.neg(), rm, rv, True, 0.1, 1e-5)

@@ -761,6 +761,22 @@ def _signed(checker: SelfChecker, func: Any, args: tuple, kwargs: dict) -> tuple
     return (*signed, tensors)
 
 
+def _nll_call(gen: torch.Generator, reduction: int, weighted: bool) -> tuple:
+    """``nll_loss_forward``'s arguments: log-probabilities of 37 rows of 10 classes (transposed
+    in memory), targets with a few ignored (-100), class weights or None."""
+    x = torch.log_softmax(_randn(gen, 10, 37), 0).t()
+    target = torch.randint(0, 10, (37,), generator=gen)
+    target[::9] = -100
+    return x, target, (_randn(gen, 10).abs() + 0.5) if weighted else None, reduction, -100
+
+
+def _nll_backward_call(gen: torch.Generator, reduction: int) -> tuple:
+    x, target, weight, _, ignore = _nll_call(gen, reduction, weighted=True)
+    _, total = aten.nll_loss_forward.default(x, target, weight, reduction, ignore)
+    grad = _randn(gen, 37) if reduction == 0 else _randn(gen, 1)[0]
+    return grad, x, target, weight, reduction, ignore, total
+
+
 def _learned(func: Any, args: tuple, kwargs: dict | None = None, **opts: Any) -> SelfChecker:
     """A checker that has seen two calls of ``func`` (checked the usual way) and made its recipe."""
     kwargs = kwargs or {}
@@ -788,6 +804,16 @@ RECIPE_CALLS = {
     "mm": (aten.mm.default, lambda g: (_randn(g, 9, 33), _randn(g, 33, 7)), {}),
     "mm of a transposed operand": (aten.mm.default, lambda g: (_randn(g, 33, 9).t(), _randn(g, 33, 12)), {}),
     "a narrow mm": (aten.mm.default, lambda g: (_randn(g, 2, 5), _randn(g, 5, 3)), {}),
+    # A loss from every row's input at its target (and its total weight); its backward at rows' targets
+    "nll_loss, mean": (aten.nll_loss_forward.default, lambda g: _nll_call(g, 1, weighted=False), {}),
+    "nll_loss with class weights and ignored rows, sum": (
+        aten.nll_loss_forward.default,
+        lambda g: _nll_call(g, 2, weighted=True),
+        {},
+    ),
+    "nll_loss per row": (aten.nll_loss_forward.default, lambda g: _nll_call(g, 0, weighted=True), {}),
+    "nll_loss backward, mean": (aten.nll_loss_backward.default, lambda g: _nll_backward_call(g, 1), {}),
+    "nll_loss backward per row": (aten.nll_loss_backward.default, lambda g: _nll_backward_call(g, 0), {}),
     # Rows: a block of adjacent ones, read whole, the output at them or along them
     "a bias gradient's sum": (aten.sum.dim_IntList, lambda g: (_randn(g, 4, 7, 24), [0, 1]), {}),
     "mean over a middle dimension": (aten.mean.dim, lambda g: (_randn(g, 5, 9, 6).transpose(0, 2), [1], True), {}),
@@ -976,15 +1002,24 @@ def test_a_layer_norms_mean_and_rstd_are_checked_with_its_output(faulty: int | N
 
 
 @pytest.mark.parametrize(
-    ("name", "outputs"), [("convolution backward", 2), ("batch norm in training", 3), ("batch norm backward", 3)]
+    ("name", "outputs"),
+    [
+        ("convolution backward", 2),
+        ("batch norm in training", 3),
+        ("batch norm backward", 3),
+        ("nll_loss with class weights and ignored rows, sum", 2),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_output_a_call_checks_through_its_recipes_fails_alone(name: str, outputs: int, dtype: torch.dtype) -> None:
     """A convolution backward's two gradients (a recipe each: the second in ``more``), a batch
-    norm's output, saved mean and 1/std, its backward's three gradients (extras): each checked
+    norm's output, saved mean and 1/std, its backward's three gradients, a loss and its total
+    weight (extras): each checked
     with a ticket of its own, an honest call within every limit and a 5% scaled output failing alone."""
     func, make, kwargs = RECIPE_CALLS[name]
     if dtype != torch.float32:
+        if name.startswith("nll_loss"):
+            pytest.skip("a float32 loss")
         if name != "convolution backward":
             pytest.skip("16-bit batch norms hold their statistics at 16 bits: a 5% scaled mean hides")
         make = lambda g: _convolution_backward_call(g, dtype)  # noqa: E731

@@ -606,6 +606,12 @@ class SelfChecker:
                         values += t.narrow(1, start, block).transpose(0, 1).to(F64).reshape(-1).tolist()
             index = torch.arange(recipe.numel).reshape(recipe.sizes).narrow(1, start, block).transpose(0, 1)
             return index.reshape(block, -1)[:, list(recipe.grid[2:])].reshape(-1), values + list(floats)
+        if recipe.grid is not None and recipe.grid[0] == GRID_PICKED:
+            picked_rows = self._picked(recipe, tensors)
+            if picked_rows is None:
+                return None
+            index, picked_values = picked_rows
+            return index, picked_values + list(floats)
         if recipe.grid is not None and recipe.grid[0] == GRID_CONV:
             self._stream, flat = draw(self._stream, recipe.numel, recipe.k)
             index = torch.tensor(flat)
@@ -638,6 +644,35 @@ class SelfChecker:
             for t in tensors:
                 values += _take(t if t.shape == recipe.sizes else t.expand(recipe.sizes), index).to(F64).tolist()
         return index, values + list(floats)
+
+    def _picked(self, recipe: Recipe, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float]] | None:
+        """A GRID_PICKED recipe's rows gathered (:class:`Recipe`): the output's positions and the
+        values; None where a target lies outside the classes (the kernel's error, not a check's)."""
+        _, role, ignore, per_row = recipe.grid  # type: ignore[misc]
+        backward = role == NLL_LOSS_BACKWARD
+        x, target = tensors[int(backward)], tensors[int(backward) + 1]
+        weight = tensors[int(backward) + 2] if len(tensors) == 3 + 2 * backward else None
+        rows, classes = (x.shape[0] if x.dim() == 2 else 1), x.shape[-1]
+        if backward:
+            self._stream, drawn = draw(self._stream, rows, recipe.k)
+        else:
+            drawn = list(range(rows))
+        picked = torch.tensor(drawn, dtype=torch.int64)
+        with self._quietly:
+            t = target.reshape(-1)[picked].to(torch.int64)
+            kept = t != ignore
+            if bool(((t < 0) | (t >= classes))[kept].any()):
+                return None
+            t = torch.where(kept, t, 0)
+            w = weight[t].to(F64) if weight is not None else torch.ones(len(drawn), dtype=F64)
+            w = torch.where(kept, w, 0.0)
+            if backward:
+                grad, total = tensors[0], tensors[-1]
+                g = grad.reshape(-1)[picked] if grad.dim() else grad.reshape(1).expand(len(drawn))
+                values = g.to(F64).tolist() + w.tolist() + total.to(F64).reshape(1).tolist()
+                return picked * classes + t, values
+            picked_x = torch.where(kept, x.reshape(rows, classes)[picked, t].to(F64), 0.0)
+        return (picked if per_row else torch.zeros(1, dtype=torch.int64)), picked_x.tolist() + w.tolist()
 
     def gather_call(
         self, recipe: Recipe, tensors: Sequence[torch.Tensor], floats: Sequence[float] = ()
@@ -1078,7 +1113,12 @@ class Recipe(NamedTuple):
     # GRID_CHANNELS, block, *positions: a block of adjacent channels (dimension 1) of every tensor
     # of the first's shape, each whole, one value a channel of 1-D ones; the output read in each
     # at ``positions`` (of its batch and positions, row-major), its extras at them (a batch
-    # norm's). None for elementwise recipes.
+    # norm's). GRID_PICKED, role, ignore_index, per_row: an ``nll_loss_forward`` (role NLL_LOSS)
+    # reads every row's input at its target and the target's class weight (0 for both where the
+    # target is ``ignore_index``), its output at 0 (its total weight as an extra) or at every row
+    # (``per_row``: no reduction); its backward (NLL_LOSS_BACKWARD) at ``k`` drawn rows the output
+    # gradient (at the row where ``per_row``) and class weight, then the total weight, its output
+    # at each row's target. None for elementwise recipes.
     grid: tuple[int, ...] | None
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
@@ -1112,8 +1152,9 @@ class Recipe(NamedTuple):
         return self.target._replace(batch=batch)
 
 
-GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS = 0, 1, 2, 3, 4
+GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS, GRID_PICKED = 0, 1, 2, 3, 4, 5
 CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT = 0, 1, 2  # a GRID_CONV's roles
+NLL_LOSS, NLL_LOSS_BACKWARD = 0, 1  # a GRID_PICKED's roles
 
 
 def draw(state: int, n: int, k: int) -> tuple[int, list[int]]:
@@ -1162,6 +1203,9 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     if kind in (_batch_norm, _batch_norm_backward):
         readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
         return _batch_norm_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
+    if kind in (_nll_loss, _nll_loss_backward):
+        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
+        return _nll_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
     if kind in (_layer_norm, _layer_norm_backward):  # a layer norm's output or input gradient first
         out = out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(out, torch.Tensor) or _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
@@ -2919,6 +2963,100 @@ def _nll_loss_backward(
     return (_Target(0, lambda o: _take(o, at), ref, 1, None, "matmul", picked.numel()),)
 
 
+def _nll_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    outputs: Any,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """An ``nll_loss_forward`` (:func:`_nll_loss`) from every row's input at its target and class
+    weight (its loss, and its total weight as an extra), or its backward (:func:`_nll_loss_backward`)
+    at a sample of rows, each row's one nonzero gradient at its target (GRID_PICKED)."""
+    backward = checker.kinds.get(func) is _nll_loss_backward
+    b = _bind(func, args, kwargs)
+    x, target, weight = b["self"], b["target"], b["weight"]
+    reduction, per_row = b["reduction"], int(b["reduction"] == 0)
+    order = [x, target] + ([weight] if weight is not None else [])
+    if backward:
+        order = [b["grad_output"], *order, b["total_weight"]]
+    if len(order) != len(tensors) or any(a is not t for a, t in zip(order, tensors)):
+        return None
+    if x.dim() not in (1, 2) or target.dim() != x.dim() - 1 or not x.is_floating_point() or not x.shape[-1]:
+        return None
+    if target.is_floating_point() or target.dtype == torch.bool or not isinstance(b["ignore_index"], int):
+        return None
+    rows, classes = (x.shape[0] if x.dim() == 2 else 1), x.shape[-1]
+    if not rows or rows > GATHER_BUDGET or weight is not None and weight.shape != (classes,):
+        return None
+    out = outputs if backward else outputs[0] if isinstance(outputs, (tuple, list)) and len(outputs) == 2 else None
+    if not isinstance(out, torch.Tensor) or not _sampled_readable(out) or out.dtype not in _SAMPLED_CODES:
+        return None
+    if _SAMPLED_CODES[out.dtype] >= _FLOATING_CODES:
+        return None
+    grid = (GRID_PICKED, NLL_LOSS_BACKWARD if backward else NLL_LOSS, b["ignore_index"], per_row)
+    cpu = torch.device("cpu")
+    if backward:
+        grad, total = b["grad_output"], b["total_weight"]
+        if grad.shape != (target.shape if per_row else ()) or total.shape != () or out.shape != x.shape:
+            return None
+        k = checker.sample
+        batch = _Batch(("nll_loss backward", reduction, k, cpu), functools.partial(_nll_backward_values, reduction), ())
+        target_of = _batched(0, _gathered, batch, 1, None, "matmul", k)
+        return Recipe(
+            tuple(x.shape), rows, k, _limits(target_of, out.dtype)[-1], _SAMPLED_CODES[out.dtype], _number_array(),
+            [], tuple(out.shape), grid, "matmul", k, -1, (), (), target_of, out.dtype, len(tensors),
+            ((k,), (k,), (1,)), (0, 1, 2), (),
+        )  # fmt: skip
+    total = outputs[1]
+    if out.shape != (target.shape if per_row else ()):
+        return None
+    n = 1 if per_row else rows
+    batch = _Batch(("nll_loss", reduction, rows, cpu), functools.partial(_nll_values, reduction), ())
+    target_of = _batched(0, _gathered, batch, n, None, "matmul", rows if per_row else 1)
+    extras: tuple[tuple[int, tuple[int, ...], int, float, int], ...] = ()
+    extra_targets: tuple[tuple[_Target, torch.dtype], ...] = ()
+    if not per_row:  # the total weight, summed from the same class weights
+        if not (isinstance(total, torch.Tensor) and total.shape == () and total.dtype in _SAMPLED_CODES):
+            return None
+        summed = _batched(
+            1, _gathered, _Batch(("nll_loss total", rows, cpu), _nll_total_values, ()), n, None, "matmul", 1
+        )
+        extras = ((1, (), _SAMPLED_CODES[total.dtype], _limits(summed, total.dtype)[-1], 1),)
+        extra_targets = ((summed, total.dtype),)
+    return Recipe(
+        tuple(x.shape), rows, rows if per_row else 1, _limits(target_of, out.dtype)[-1], _SAMPLED_CODES[out.dtype],
+        _number_array(), [], tuple(out.shape), grid, "matmul", rows if per_row else 1, 0, extras, (), target_of,
+        out.dtype, len(tensors), ((rows,), (rows,)), (0, 1), (), extra_targets=extra_targets,
+    )  # fmt: skip
+
+
+def _nll_values(reduction: int, picked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of calls (a row each) from every row's picked input and class weight: ``-sum w x /
+    sum w`` (mean), ``-sum w x`` (sum), or ``-w x`` per row (none); and the size of its terms."""
+    terms = -weights * picked
+    if reduction == 0:
+        return terms, terms.abs()
+    divisor = weights.sum(-1, keepdim=True) if reduction == 1 else 1.0
+    return terms.sum(-1, keepdim=True) / divisor, terms.abs().sum(-1, keepdim=True) / divisor
+
+
+def _nll_total_values(picked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``nll_loss_forward``'s total weight: the sum of the rows' class weights."""
+    total = weights.sum(-1, keepdim=True)
+    return total, total
+
+
+def _nll_backward_values(
+    reduction: int, grad: torch.Tensor, weights: torch.Tensor, total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one nonzero gradient of each sampled row, at its target: ``-g w / total_weight`` (mean),
+    ``-g w`` (sum, or per row)."""
+    value = -grad * weights / (total if reduction == 1 else 1.0)
+    return value, value.abs()
+
+
 # --- copies and casts: the output is the input's value ---
 
 
@@ -3290,7 +3428,7 @@ def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple
 # pointwise ops, the one whose float arguments are left out of a signature and gathered per call.
 RECIPE_KINDS = (
     _pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm, _layer_norm_backward, _scattered, _convolution,
-    _convolution_backward, _batch_norm, _batch_norm_backward, _moved,
+    _convolution_backward, _batch_norm, _batch_norm_backward, _moved, _nll_loss, _nll_loss_backward,
 )  # fmt: skip
 
 
