@@ -213,16 +213,22 @@ bool gather_matmul(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
   const int64_t j = static_cast<int64_t>(start[0]), i = static_cast<int64_t>(start[1]);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) call.flat.push_back(static_cast<uint64_t>((i + r) * n + j + c));
-  std::vector<uint64_t> of_a, of_b;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t kk = 0; kk < K; ++kk) of_a.push_back(static_cast<uint64_t>((i + r) * K + kk));
-  for (int64_t kk = 0; kk < K; ++kk)
-    for (int64_t c = 0; c < cols; ++c) of_b.push_back(static_cast<uint64_t>(kk * n + j + c));
-  const int64_t a_sizes[2] = {m, K}, b_sizes[2] = {K, n};
+  // A's rows and B's columns in row-major order, read by their strides (a deep layer's block reads
+  // thousands of values: no division per value, the dtype's loader chosen once).
   for (Py_ssize_t t = 0; t < count; ++t) {
-    if (t == a) gather(layouts[t], a_sizes, 2, of_a, call.values);
-    else if (t == b) gather(layouts[t], b_sizes, 2, of_b, call.values);
-    else gather(layouts[t], sizes, 2, call.flat, call.values);  // the bias, broadcast to the output
+    const Layout& l = layouts[t];
+    if (t != a && t != b) {
+      gather(l, sizes, 2, call.flat, call.values);  // the bias, broadcast to the output
+      continue;
+    }
+    const Reader read(l);
+    const int64_t outer = t == a ? rows : K, inner = t == a ? K : cols;
+    const int64_t from = t == a ? i * l.strides[0] : j * l.strides[1];
+    const size_t base = call.values.size();
+    call.values.resize(base + static_cast<size_t>(outer * inner));
+    double* out = call.values.data() + base;
+    for (int64_t r = 0; r < outer; ++r)
+      for (int64_t c = 0; c < inner; ++c) *out++ = read(from + r * l.strides[0] + c * l.strides[1]);
   }
   return true;
 }
