@@ -183,9 +183,9 @@ enum RecipeField {
   kSizes, kNumel, kSample, kLimit, kOutCode, kValues, kTickets, kOutSizes, kGrid, kHow, kSampled, kOutIndex,
   kExtras, kMore, kRecipeFields
 };
-// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS, GRID_PICKED: what a
-// Recipe.grid's first field says it reads
-enum GridKind { kGridMatmul, kGridRows, kGridPlaced, kGridConv, kGridChannels, kGridPicked };
+// selfcheck.GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS, GRID_PICKED,
+// GRID_ATTENTION: what a Recipe.grid's first field says it reads
+enum GridKind { kGridMatmul, kGridRows, kGridPlaced, kGridConv, kGridChannels, kGridPicked, kGridAttention };
 // selfcheck.NLL_LOSS, NLL_LOSS_BACKWARD: a GRID_PICKED's roles
 enum PickedRole { kNllLoss, kNllLossBackward };
 // selfcheck.CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT: a GRID_CONV's roles
@@ -478,6 +478,60 @@ bool gather_picked(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
   return true;
 }
 
+// selfcheck.Recipe.grid of GRID_ATTENTION (block, causal, masked), SelfChecker._attended: fused
+// attention's ``block`` adjacent query rows of one batch and head (the pair drawn, then the first
+// row), with that head's keys and values whole, the mask's rows there (broadcast to (B, H, L, S))
+// and the rows' positions; the output (B, H, L, Ev) at those rows.
+bool gather_attention(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, uint64_t* state,
+                      SampledPiece& call) {
+  if (n_fields != 4) return false;
+  const int64_t block = g[1], masked = g[3];
+  if (count != 3 + (masked ? 1 : 0)) return false;
+  const Layout &q = layouts[0], &k = layouts[1], &v = layouts[2];
+  if (q.dims != 4 || k.dims != 4 || v.dims != 4) return false;
+  const int64_t batch = q.sizes[0], heads = q.sizes[1], length = q.sizes[2], width = q.sizes[3];
+  const int64_t source = k.sizes[2], out_width = v.sizes[3];
+  if (k.sizes[0] != batch || k.sizes[1] != heads || k.sizes[3] != width || v.sizes[0] != batch ||
+      v.sizes[1] != heads || v.sizes[2] != source || block < 1 || block > length)
+    return false;
+  const int64_t full[4] = {batch, heads, length, source};
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+  if (masked) {  // broadcast to (B, H, L, S): leading and size-1 dimensions read with stride 0
+    const Layout& m = layouts[3];
+    const int lead = 4 - m.dims;
+    if (lead < 0) return false;
+    for (int d = 0; d < m.dims; ++d) {
+      if (m.sizes[d] != 1 && m.sizes[d] != full[lead + d]) return false;
+      mask_strides[lead + d] = m.sizes[d] == 1 ? 0 : m.strides[d];
+    }
+  }
+  std::vector<uint64_t> drawn;
+  draw(state, static_cast<uint64_t>(batch * heads), 1, drawn);
+  draw(state, static_cast<uint64_t>(length - block + 1), 1, drawn);
+  const int64_t pair = static_cast<int64_t>(drawn[0]), start = static_cast<int64_t>(drawn[1]);
+  const int64_t b = pair / heads, h = pair % heads;
+  // Rows ``first`` on (``n`` of them) of a (B, H, rows, columns) tensor's head (b, h), row-major
+  auto rows_of = [&](const Layout& t, const int64_t* strides, int64_t first, int64_t n, int64_t columns) {
+    const Reader read(t);
+    const int64_t head = b * strides[0] + h * strides[1];
+    const size_t base = call.values.size();
+    call.values.resize(base + static_cast<size_t>(n * columns));
+    double* out = call.values.data() + base;
+    for (int64_t r = first; r < first + n; ++r)
+      for (int64_t c = 0; c < columns; ++c) *out++ = read(head + r * strides[2] + c * strides[3]);
+  };
+  rows_of(q, q.strides, start, block, width);
+  rows_of(k, k.strides, 0, source, width);
+  rows_of(v, v.strides, 0, source, out_width);
+  if (masked) rows_of(layouts[3], mask_strides, start, block, source);
+  for (int64_t r = start; r < start + block; ++r) {
+    call.values.push_back(static_cast<double>(r));
+    for (int64_t c = 0; c < out_width; ++c)
+      call.flat.push_back(static_cast<uint64_t>((pair * length + r) * out_width + c));
+  }
+  return true;
+}
+
 // A row-major counter ``at`` over ``sizes`` (``n`` of them) advanced: false once it wraps to 0.
 bool advance(int64_t* at, const int64_t* sizes, int64_t n) {
   for (int64_t j = n - 1; j >= 0; --j) {
@@ -611,6 +665,7 @@ bool gather_grid(PyObject* grid, const Layout* layouts, Py_ssize_t count, const 
   if (g[0] == kGridConv) return gather_conv(g, n_fields, layouts, count, numel, k, state, call);
   if (g[0] == kGridChannels) return gather_channels(g, n_fields, layouts, count, state, call);
   if (g[0] == kGridPicked) return gather_picked(g, n_fields, layouts, count, k, state, call);
+  if (g[0] == kGridAttention) return gather_attention(g, n_fields, layouts, count, state, call);
   return g[0] == kGridRows && gather_rows(g, n_fields, layouts, count, state, call);
 }
 

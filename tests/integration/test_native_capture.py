@@ -67,7 +67,7 @@ _PROGRAM = textwrap.dedent(
         # Checks the C path gathers itself (capture/selfcheck.py, Recipe): broadcasting, 0-d and
         # integer scalars, floats, masks, 16-bit and strided inputs, in-place ops, copies, casts, constants,
         # matmuls, reductions, softmax, layer norm and its input gradient, gradients placed into zeros,
-        # convolutions, batch norms and their gradients, losses and theirs.
+        # convolutions, batch norms and their gradients, losses and theirs, fused attention.
         x, b = torch.randn(6, 5), torch.randn(5)
         for i in range(3):  # a signature's first two calls teach its recipe
             x.clone().add_(b, alpha=-0.1 * (i + 1))  # a step size: gathered with each call
@@ -108,6 +108,11 @@ _PROGRAM = textwrap.dedent(
             rows, _ = torch.ops.aten.nll_loss_forward(lp, labels, cw, 0, -100)
             torch.ops.aten.nll_loss_backward(torch.tensor(0.7), lp, labels, None, 1, -100, total)
             torch.ops.aten.nll_loss_backward(torch.randn(9), lp, labels, cw, 0, -100, total)
+            # Fused attention: a block of query rows of one head, with its keys and values whole
+            aq, ak, av = torch.randn(2, 9, 3, 8).transpose(1, 2), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            flash(aq, ak, av), flash(aq, ak, av, is_causal=True), flash(aq, ak, av, attn_mask=torch.randn(9, 9), scale=0.3)
+            flash(aq.bfloat16(), ak.bfloat16(), av.bfloat16(), attn_mask=torch.randn(2, 1, 9, 9).bfloat16())
             # Batch norms: adjacent channels whole, per-channel tensors at them, saved statistics as extras
             rm, rv, g6 = torch.zeros(6), torch.ones(6), torch.randn(6)
             _, sm, si = torch.ops.aten.native_batch_norm(o, g6, g6.neg(), rm, rv, True, 0.1, 1e-5)

@@ -761,6 +761,15 @@ def _signed(checker: SelfChecker, func: Any, args: tuple, kwargs: dict) -> tuple
     return (*signed, tensors)
 
 
+FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _attention_call(gen: torch.Generator, dtype: torch.dtype) -> tuple:
+    """Queries, keys and values of 2 batches, 3 heads, 7 positions, 8 wide (the query transposed in memory)."""
+    q = _randn(gen, 2, 7, 3, 8, dtype=dtype).transpose(1, 2)
+    return q, _randn(gen, 2, 3, 7, 8, dtype=dtype), _randn(gen, 2, 3, 7, 8, dtype=dtype)
+
+
 def _nll_call(gen: torch.Generator, reduction: int, weighted: bool) -> tuple:
     """``nll_loss_forward``'s arguments: log-probabilities of 37 rows of 10 classes (transposed
     in memory), targets with a few ignored (-100), class weights or None."""
@@ -804,6 +813,23 @@ RECIPE_CALLS = {
     "mm": (aten.mm.default, lambda g: (_randn(g, 9, 33), _randn(g, 33, 7)), {}),
     "mm of a transposed operand": (aten.mm.default, lambda g: (_randn(g, 33, 9).t(), _randn(g, 33, 12)), {}),
     "a narrow mm": (aten.mm.default, lambda g: (_randn(g, 2, 5), _randn(g, 5, 3)), {}),
+    # Fused attention: a block of query rows of one batch and head, with that head's keys and values
+    "attention": (FLASH_CPU, lambda g: _attention_call(g, torch.float32), {}),
+    "causal attention": (FLASH_CPU, lambda g: _attention_call(g, torch.float32), {"is_causal": True}),
+    "attention under a mask of -inf where it hides": (
+        FLASH_CPU,
+        lambda g: _attention_call(g, torch.float32),
+        {
+            "attn_mask": torch.zeros(7, 7).masked_fill(
+                torch.rand(7, 7, generator=torch.Generator().manual_seed(3)) > 0.7, -math.inf
+            )
+        },
+    ),
+    "bf16 attention under an additive mask, scaled": (
+        FLASH_CPU,
+        lambda g: _attention_call(g, torch.bfloat16),
+        {"attn_mask": torch.randn(2, 1, 7, 7).to(torch.bfloat16), "scale": 0.2},
+    ),
     # A loss from every row's input at its target (and its total weight); its backward at rows' targets
     "nll_loss, mean": (aten.nll_loss_forward.default, lambda g: _nll_call(g, 1, weighted=False), {}),
     "nll_loss with class weights and ignored rows, sum": (

@@ -606,6 +606,9 @@ class SelfChecker:
                         values += t.narrow(1, start, block).transpose(0, 1).to(F64).reshape(-1).tolist()
             index = torch.arange(recipe.numel).reshape(recipe.sizes).narrow(1, start, block).transpose(0, 1)
             return index.reshape(block, -1)[:, list(recipe.grid[2:])].reshape(-1), values + list(floats)
+        if recipe.grid is not None and recipe.grid[0] == GRID_ATTENTION:
+            index, attended = self._attended(recipe, tensors)
+            return index, attended + list(floats)
         if recipe.grid is not None and recipe.grid[0] == GRID_PICKED:
             picked_rows = self._picked(recipe, tensors)
             if picked_rows is None:
@@ -644,6 +647,23 @@ class SelfChecker:
             for t in tensors:
                 values += _take(t if t.shape == recipe.sizes else t.expand(recipe.sizes), index).to(F64).tolist()
         return index, values + list(floats)
+
+    def _attended(self, recipe: Recipe, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+        """A GRID_ATTENTION recipe's block gathered (:class:`Recipe`): the output's positions and
+        the values (queries, keys, values, mask rows, the rows' positions)."""
+        _, block, _, masked = recipe.grid  # type: ignore[misc]
+        q, k, v = tensors[:3]
+        batch, heads, length, _ = q.shape
+        self._stream, (pair,) = draw(self._stream, batch * heads, 1)
+        self._stream, (start,) = draw(self._stream, length - block + 1, 1)
+        at = divmod(pair, heads)
+        with self._quietly:
+            parts = [q[at][start : start + block], k[at], v[at]]
+            if masked:
+                parts.append(tensors[3].expand(batch, heads, length, k.shape[2])[at][start : start + block])
+            values = [x for part in parts for x in part.to(F64).reshape(-1).tolist()]
+        rows = pair * length + torch.arange(start, start + block)
+        return _row_index(rows, v.shape[-1]).reshape(-1), values + [float(start + r) for r in range(block)]
 
     def _picked(self, recipe: Recipe, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float]] | None:
         """A GRID_PICKED recipe's rows gathered (:class:`Recipe`): the output's positions and the
@@ -1118,7 +1138,10 @@ class Recipe(NamedTuple):
     # target is ``ignore_index``), its output at 0 (its total weight as an extra) or at every row
     # (``per_row``: no reduction); its backward (NLL_LOSS_BACKWARD) at ``k`` drawn rows the output
     # gradient (at the row where ``per_row``) and class weight, then the total weight, its output
-    # at each row's target. None for elementwise recipes.
+    # at each row's target. GRID_ATTENTION, block, causal, masked: fused attention's block of
+    # adjacent query rows of one batch and head (both drawn), read with that head's keys and values
+    # whole, the mask's rows there (``masked``) and the rows' positions; its output at those rows.
+    # None for elementwise recipes.
     grid: tuple[int, ...] | None
     how: str  # what the check rows say (Check.how)
     sampled: int  # and how many elements or rows they say were recomputed
@@ -1152,7 +1175,7 @@ class Recipe(NamedTuple):
         return self.target._replace(batch=batch)
 
 
-GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS, GRID_PICKED = 0, 1, 2, 3, 4, 5
+GRID_MATMUL, GRID_ROWS, GRID_PLACED, GRID_CONV, GRID_CHANNELS, GRID_PICKED, GRID_ATTENTION = 0, 1, 2, 3, 4, 5, 6
 CONV_OUTPUT, CONV_INPUT_GRADIENT, CONV_WEIGHT_GRADIENT = 0, 1, 2  # a GRID_CONV's roles
 NLL_LOSS, NLL_LOSS_BACKWARD = 0, 1  # a GRID_PICKED's roles
 
@@ -1203,6 +1226,9 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     if kind in (_batch_norm, _batch_norm_backward):
         readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
         return _batch_norm_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
+    if kind is _attention:
+        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
+        return _attention_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
     if kind in (_nll_loss, _nll_loss_backward):
         readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
         return _nll_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
@@ -2655,6 +2681,86 @@ def _attention(
     return (_Target(0, gather, ref, source, None, "rows", rows.numel()),)
 
 
+def _attention_recipe(
+    checker: SelfChecker,
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    outputs: Any,
+    tensors: list[torch.Tensor],
+) -> Recipe | None:
+    """CPU flash attention (:func:`_attention`) at a block of adjacent query rows of one batch and
+    head, read with that head's keys and values whole and the mask's rows (GRID_ATTENTION)."""
+    if func.overloadpacket.__name__ != "_scaled_dot_product_flash_attention_for_cpu":
+        return None
+    b = _bind(func, args, kwargs)
+    q, k, v, mask = b["query"], b["key"], b["value"], b.get("attn_mask")
+    if b.get("dropout_p", 0.0) != 0.0 or not _floating(q, k, v):
+        return None
+    order = [q, k, v] + ([mask] if mask is not None else [])
+    if len(order) != len(tensors) or any(a is not t for a, t in zip(order, tensors)):
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        return None
+    batch, heads, length, width = q.shape
+    source, causal = k.shape[2], bool(b.get("is_causal", False))
+    if not (length and source and width) or causal and length != source or q.shape[-1] != k.shape[-1]:
+        return None
+    if mask is not None:
+        if mask.dim() > 4 or not mask.is_floating_point():  # the kernel adds it (bool masks arrive as -inf)
+            return None
+        try:
+            torch.broadcast_shapes(mask.shape, (batch, heads, length, source))
+        except RuntimeError:
+            return None
+        if mask.expand(batch, heads, length, source).shape != (batch, heads, length, source):
+            return None
+    out = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else None
+    if not isinstance(out, torch.Tensor) or out.shape != (*q.shape[:3], v.shape[-1]) or not _sampled_readable(out):
+        return None
+    if _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
+        return None
+    block = min(checker.sample, length)
+    shapes = ((block, width), (source, width), (source, v.shape[-1]))
+    shapes += ((block, source),) * (mask is not None) + ((block,),)
+    if sum(math.prod(shape) for shape in shapes) > GATHER_BUDGET:
+        return None
+    factor = b.get("scale") or 1.0 / math.sqrt(width)
+    kinds = (factor, causal)
+    batch_of = _Batch(("attention", kinds, shapes), functools.partial(_attention_values, *kinds), ())
+    target = _batched(0, _gathered, batch_of, source, None, "rows", block)
+    grid = (GRID_ATTENTION, block, int(causal), int(mask is not None))
+    return Recipe(
+        tuple(out.shape), batch * heads, block * v.shape[-1], _limits(target, out.dtype)[-1],
+        _SAMPLED_CODES[out.dtype], _number_array(), [], tuple(out.shape), grid, "rows", block, 0, (), (), target,
+        out.dtype, len(tensors), shapes, tuple(range(len(shapes))), (),
+    )  # fmt: skip
+
+
+def _attention_values(
+    factor: float, causal: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention's output at gathered query rows (calls, block, E) from their head's keys and
+    values (calls, S, E), the rows of the mask it adds (where there is one) and the rows'
+    positions (for ``causal``), in float64: value, scale and excess as :func:`_attention`."""
+    *mask, positions = rest
+    scores = torch.einsum("cre,cse->crs", q, k) * factor
+    # exp(s) errs by the absolute error of s: a unit of what its products add up to
+    reach = torch.einsum("cre,cse->crs", q.abs(), k.abs()) * abs(factor)
+    if mask:
+        scores = scores + mask[0]
+    if causal:
+        ahead = torch.arange(k.shape[1], device=q.device)[None, None, :] > positions[..., None]
+        scores = scores.masked_fill(ahead, -math.inf)
+    weights = torch.softmax(scores, -1)
+    value = torch.einsum("crs,csv->crv", weights, v)
+    weighted = torch.einsum("crs,csv->crv", weights, v.abs())
+    spread = torch.einsum("crs,csv->crv", weights * reach, v.abs())
+    # Scores and sums run in float32; 16-bit kernels round the weights to the output's dtype
+    # before they weight the values: that part is rounded at eps_out (the excess).
+    return value, _finite_scale(weighted + spread), _finite_scale(weighted)
+
+
 def _normalization(
     values: torch.Tensor, stats: Callable[[], tuple[torch.Tensor, ...]], w: torch.Tensor | None, bb: torch.Tensor | None
 ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], ...]:
@@ -3428,7 +3534,7 @@ def _bound_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple
 # pointwise ops, the one whose float arguments are left out of a signature and gathered per call.
 RECIPE_KINDS = (
     _pointwise, _copy, _matmul, _reduction, _softmax, _layer_norm, _layer_norm_backward, _scattered, _convolution,
-    _convolution_backward, _batch_norm, _batch_norm_backward, _moved, _nll_loss, _nll_loss_backward,
+    _convolution_backward, _batch_norm, _batch_norm_backward, _moved, _nll_loss, _nll_loss_backward, _attention,
 )  # fmt: skip
 
 
