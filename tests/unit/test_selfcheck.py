@@ -1280,3 +1280,16 @@ def test_calls_of_many_floats_recompute_as_one_per_float(name: str, monkeypatch:
     assert by_columns == pytest.approx(by_float, rel=1e-9, abs=1e-12)
     failed = [r > 3.25 for r in by_float]
     assert failed == [i == faulty for i in range(2, len(floats))]
+
+
+def test_a_reduction_of_a_whole_tensor_past_the_gather_budget_is_checked_from_its_float64_sums() -> None:
+    """A loss's mean over more elements than a recipe reads: checked the usual way from its float64
+    sum and sum of magnitudes taken before the op, an honest mean passing and a 5% scale failing."""
+    x = torch.randn(700, 1000, generator=torch.Generator().manual_seed(2)) + 0.1
+    for func, args in ((aten.mean.default, (x,)), (aten.sum.dim_IntList, (x, [0, 1]))):
+        for scale, fails in ((1.0, False), (1.05, True)):
+            checker = SelfChecker()
+            plan = checker.prepare(func, args, {})
+            assert plan is not None
+            (check,) = checker.finish(plan, func(*args) * scale)
+            assert (check.residual > check.limit) == fails, (func, scale, check)

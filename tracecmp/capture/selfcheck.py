@@ -89,6 +89,7 @@ from torch.utils._pytree import tree_flatten
 
 from tracecmp.aten.rounding import REDUCED_MODELS
 from tracecmp.capture import native
+from tracecmp.capture.stats import tensor_stats
 
 __all__ = [
     "QUEUE_MAX",
@@ -2565,16 +2566,39 @@ def _reduction(
     # batch) a row's elements lie a whole row of x apart, and adjacent rows share their cache lines.
     start, size = checker._block(count, checker.sample)
     rows = torch.arange(start, start + size)
-    values = _take(view, _row_index(rows, length))
     divisor = length if func.overloadpacket.__name__ == "mean" else 1
+    if count == 1:
+        # A reduction of everything (a loss): its sums taken now, rather than a copy of the whole
+        # input held until the hand-over.
+        values = _whole_sums(x)
+        fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = functools.partial(_summed, divisor)
+    else:
+        values = _take(view, _row_index(rows, length))
+        fn = functools.partial(_sums, divisor)
     out_dtype = b.get("dtype") or x.dtype
     # A reduction to one element runs in parallel with per-thread partial sums kept in the output
     # dtype (TensorIterator's two-pass reduction): a 16-bit output then accumulates at its own eps.
     eps_acc = torch.finfo(out_dtype).eps if count == 1 and out_dtype in (torch.float16, torch.bfloat16) else None
-    batch = _Batch(
-        ("sum", divisor, values.dtype, values.shape, values.device), functools.partial(_sums, divisor), (values,)
-    )
+    batch = _Batch(("sum", count == 1, divisor, values.dtype, values.shape, values.device), fn, (values,))
     return (_batched(0, lambda o: _take(o, rows), batch, length, eps_acc, "rows", rows.numel()),)
+
+
+def _whole_sums(x: torch.Tensor) -> torch.Tensor:
+    """``[[sum, sum of magnitudes]]`` of ``x``'s elements, float64 on its device: the sum exact to
+    float64 rounding, the magnitudes (a scale) summed at float32 or better. On the CPU the sum is
+    the statistics pass's (pairwise float64, ~20x faster than torch's float64 sum of float32)."""
+    magnitude = torch.linalg.vector_norm(x, 1, dtype=torch.promote_types(x.dtype, torch.float32)).to(F64)
+    if x.is_cpu and x.numel():
+        stats = tensor_stats(x)
+        if not (stats.nan_count or stats.inf_count):
+            return torch.stack([torch.tensor(stats.mean * x.numel(), dtype=F64), magnitude])[None]
+    return torch.stack([x.sum(dtype=F64), magnitude])[None]
+
+
+def _summed(divisor: int, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole reduction's value and magnitude (over ``divisor``) from its float64 sum and sum of
+    magnitudes (:func:`_reduction`), one row a call."""
+    return sums[..., :1] / divisor, sums[..., 1:] / divisor
 
 
 def _sums(divisor: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
