@@ -2674,30 +2674,22 @@ def _attention(
     queries = _take(q, _row_index(rows, width)).to(F64)  # (r, E)
     keys = k.reshape(batch * heads, source, width)[pair.to(k.device)].to(F64)  # (r, S, E)
     values = v.reshape(batch * heads, source, v.shape[-1])[pair.to(v.device)].to(F64)  # (r, S, Ev)
-    bias = None
+    # Each sampled row a call of one row: its query, its head's keys and values, its mask row
+    # (added: a boolean one as 0 where it keeps, -inf where it hides), its position.
+    rest = [position.to(F64)[:, None]]
     if mask is not None:
         full = mask.detach().expand(batch, heads, length, source).reshape(batch * heads * length, source)
         bias = full[rows.to(mask.device)]
-    ahead = torch.arange(source)[None, :] > position[:, None] if causal else None
+        if bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=F64, device=bias.device).masked_fill(~bias, -math.inf)
+        bias = bias.to(F64)
+        rest.insert(0, bias[:, None])
 
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.einsum("re,rse->rs", queries, keys) * factor
-        # exp(s) errs by the absolute error of s: a unit of what its products add up to
-        reach = torch.einsum("re,rse->rs", queries.abs(), keys.abs()) * abs(factor)
-        if bias is not None:
-            if bias.dtype == torch.bool:
-                scores = scores.masked_fill(~bias.to(scores.device), -math.inf)
-            else:
-                scores = scores + bias.to(scores.device, F64)
-        if ahead is not None:
-            scores = scores.masked_fill(ahead.to(scores.device), -math.inf)
-        weights = torch.softmax(scores, -1)
-        value = torch.einsum("rs,rsv->rv", weights, values)
-        weighted = torch.einsum("rs,rsv->rv", weights, values.abs())
-        spread = torch.einsum("rs,rsv->rv", weights * reach, values.abs())
-        # Scores and sums run in float32; 16-bit kernels round the weights to the output's dtype
-        # before they weight the values: that part is rounded at eps_out (the excess).
-        return value, _finite_scale(weighted + spread), _finite_scale(weighted)
+    def ref() -> tuple[torch.Tensor, ...]:
+        device = queries.device
+        row = [t.to(device) for t in rest]
+        found = _attention_values(factor, causal, queries[:, None], keys, values, *row)
+        return tuple(t[:, 0] for t in found)
 
     def gather(o: torch.Tensor) -> torch.Tensor:
         return _take(o, _row_index(rows, o.shape[-1]))
