@@ -536,7 +536,7 @@ class SelfChecker:
         >>> checker.signature(torch.ops.aten.mul.Tensor, ("T", (float, 0.5)), [x])[1]
         [0.5]
         """
-        kind = self.kinds.get(func)
+        kind = self.kind_of(func)  # classified here at an op's first call: its signature noted then
         if self.full or kind not in RECIPE_KINDS:
             return None
         # Only a pointwise op's floats (RECIPE_KINDS[0]) are gathered per call; another's (a
