@@ -194,25 +194,31 @@ enum ConvRole { kConvOutput, kConvInputGradient, kConvWeightGradient };
 constexpr int kGridFields = 128;
 
 // selfcheck.Recipe.grid of GRID_MATMUL: a 2-D matmul's block of ``rows`` adjacent rows of A and
-// ``cols`` adjacent columns of B (their starts drawn, columns first), every crossing a sampled
+// ``cols`` adjacent columns of B (their starts drawn, columns first; a bmm's matrix drawn before
+// them), every crossing a sampled
 // output element; each tensor read in its role (A's rows whole, B's columns whole, the bias at
 // the crossings). False where the recipe does not fit the tensors (no exception: the usual path).
 bool gather_matmul(const int64_t* g, int n_fields, const Layout* layouts, Py_ssize_t count, const int64_t* sizes,
                    int dims, uint64_t* state, SampledPiece& call) {
-  if (n_fields != 6 || dims != 2) return false;
+  if (n_fields != 6 || (dims != 2 && dims != 3)) return false;
   const int64_t rows = g[1], cols = g[2], a = g[3], b = g[4], bias = g[5];
-  const int64_t m = sizes[0], n = sizes[1];
-  if (a < 0 || a >= count || b < 0 || b >= count || bias >= count || layouts[a].dims != 2 || layouts[b].dims != 2)
+  const int lead = dims - 2;  // a bmm's batch of matrices: one drawn first
+  const int64_t m = sizes[lead], n = sizes[lead + 1];
+  if (a < 0 || a >= count || b < 0 || b >= count || bias >= count || (lead && bias >= 0) ||
+      layouts[a].dims != dims || layouts[b].dims != dims)
     return false;
-  const int64_t K = layouts[a].sizes[1];
-  if (layouts[a].sizes[0] != m || layouts[b].sizes[0] != K || layouts[b].sizes[1] != n || rows > m || cols > n)
-    return false;
+  const Layout &A = layouts[a], &B = layouts[b];
+  const int64_t K = A.sizes[lead + 1];
+  if (A.sizes[lead] != m || B.sizes[lead] != K || B.sizes[lead + 1] != n || rows > m || cols > n) return false;
+  if (lead && (A.sizes[0] != sizes[0] || B.sizes[0] != sizes[0] || sizes[0] < 1)) return false;
   std::vector<uint64_t> start;
+  if (lead) draw(state, static_cast<uint64_t>(sizes[0]), 1, start);
   draw(state, static_cast<uint64_t>(n - cols + 1), 1, start);
   draw(state, static_cast<uint64_t>(m - rows + 1), 1, start);
-  const int64_t j = static_cast<int64_t>(start[0]), i = static_cast<int64_t>(start[1]);
+  const int64_t at = lead ? static_cast<int64_t>(start[0]) : 0;
+  const int64_t j = static_cast<int64_t>(start[lead]), i = static_cast<int64_t>(start[lead + 1]);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) call.flat.push_back(static_cast<uint64_t>((i + r) * n + j + c));
+    for (int64_t c = 0; c < cols; ++c) call.flat.push_back(static_cast<uint64_t>((at * m + i + r) * n + j + c));
   // A's rows and B's columns in row-major order, read by their strides (a deep layer's block reads
   // thousands of values: no division per value, the dtype's loader chosen once).
   for (Py_ssize_t t = 0; t < count; ++t) {
@@ -222,13 +228,14 @@ bool gather_matmul(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
       continue;
     }
     const Reader read(l);
+    const int64_t* strides = l.strides + lead;  // of the matrix's rows and columns
     const int64_t outer = t == a ? rows : K, inner = t == a ? K : cols;
-    const int64_t from = t == a ? i * l.strides[0] : j * l.strides[1];
+    const int64_t from = (lead ? at * l.strides[0] : 0) + (t == a ? i * strides[0] : j * strides[1]);
     const size_t base = call.values.size();
     call.values.resize(base + static_cast<size_t>(outer * inner));
     double* out = call.values.data() + base;
     for (int64_t r = 0; r < outer; ++r)
-      for (int64_t c = 0; c < inner; ++c) *out++ = read(from + r * l.strides[0] + c * l.strides[1]);
+      for (int64_t c = 0; c < inner; ++c) *out++ = read(from + r * strides[0] + c * strides[1]);
   }
   return true;
 }

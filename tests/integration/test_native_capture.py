@@ -81,6 +81,7 @@ _PROGRAM = textwrap.dedent(
             s += 1
             torch.ones_like(y), torch.full_like(h, 0.1), torch.zeros_like(x, dtype=torch.bfloat16)  # constants
             torch.addmm(b, x.t() @ x, torch.randn(5, 5).t())  # matmuls: blocks of rows and columns
+            torch.bmm(torch.randn(4, 6, 7), torch.randn(4, 5, 7).mT), torch.bmm(torch.randn(3, 2, 9).bfloat16(), torch.randn(3, 9, 4).bfloat16())
             # Rows: sums and means over any dimensions, softmax along any, read in blocks
             t = torch.randn(4, 3, 6).transpose(0, 2)
             t.sum([0, 2]), t.mean(1, keepdim=True), h.sum(-1), t.sum(dtype=torch.float64)

@@ -813,6 +813,12 @@ RECIPE_CALLS = {
     "mm": (aten.mm.default, lambda g: (_randn(g, 9, 33), _randn(g, 33, 7)), {}),
     "mm of a transposed operand": (aten.mm.default, lambda g: (_randn(g, 33, 9).t(), _randn(g, 33, 12)), {}),
     "a narrow mm": (aten.mm.default, lambda g: (_randn(g, 2, 5), _randn(g, 5, 3)), {}),
+    "bmm of a transposed operand": (aten.bmm.default, lambda g: (_randn(g, 3, 9, 33), _randn(g, 3, 12, 33).mT), {}),
+    "a bf16 bmm": (
+        aten.bmm.default,
+        lambda g: (_randn(g, 5, 7, 20, dtype=torch.bfloat16), _randn(g, 5, 20, 3, dtype=torch.bfloat16)),
+        {},
+    ),
     # Fused attention: a block of query rows of one batch and head, with that head's keys and values
     "attention": (FLASH_CPU, lambda g: _attention_call(g, torch.float32), {}),
     "causal attention": (FLASH_CPU, lambda g: _attention_call(g, torch.float32), {"is_causal": True}),

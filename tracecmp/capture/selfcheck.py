@@ -631,10 +631,14 @@ class SelfChecker:
             return index, values + list(floats)
         if recipe.grid is not None:
             _, rows, cols, a, b, _ = recipe.grid
-            m, n = recipe.sizes
+            *batches, m, n = recipe.sizes
+            at = 0  # a bmm's matrix: drawn first
+            if batches:
+                self._stream, (at,) = draw(self._stream, batches[0], 1)
+                tensors = [t[at] for t in tensors]
             self._stream, (j,) = draw(self._stream, n - cols + 1, 1)
             self._stream, (i,) = draw(self._stream, m - rows + 1, 1)
-            index = ((torch.arange(i, i + rows) * n)[:, None] + torch.arange(j, j + cols)).reshape(-1)
+            index = ((torch.arange(i, i + rows) * n)[:, None] + torch.arange(j, j + cols)).reshape(-1) + at * m * n
             with self._quietly:
                 for position, t in enumerate(tensors):
                     block = t[i : i + rows] if position == a else t[:, j : j + cols] if position == b else None
@@ -1120,7 +1124,7 @@ class Recipe(NamedTuple):
     tickets: list[int]  # per queued call, its place in what SelfChecker.collect returns
     out_sizes: tuple[int, ...]
     # GRID_MATMUL, rows, columns, A, B, bias: the block's size and which tensors play which part
-    # (bias -1: none); GRID_ROWS, rows, kept, along, *order: a block of adjacent rows of every
+    # (bias -1: none), of one drawn matrix where the output has three dimensions (a bmm); GRID_ROWS, rows, kept, along, *order: a block of adjacent rows of every
     # tensor viewed with its dimensions in ``order``, the first ``kept`` of them numbering the
     # rows, and the output read at those rows (along 0) or along them (1). A row of a tensor is
     # as long as its own dimensions after ``kept`` (a layer norm's saved mean: 1), and one of
@@ -1320,23 +1324,27 @@ def _matmul_recipe(
     out: torch.Tensor,
     tensors: list[torch.Tensor],
 ) -> Recipe | None:
-    """A 2-D ``mm`` or ``addmm`` (alpha and beta 1) at full float32 or 16-bit precision: the
-    usual path's block of rows and columns (:func:`_matmul`), read by the per-op path."""
+    """A 2-D ``mm`` or ``addmm`` (alpha and beta 1), or a ``bmm``, at full float32 or 16-bit
+    precision: the usual path's block of rows and columns (:func:`_matmul`), of one drawn matrix
+    of a ``bmm``, read by the per-op path."""
     name = func.overloadpacket.__name__
     b = _bind(func, args, kwargs)
-    if name not in ("mm", "addmm") or checker.reduced_precision is not None or b.get("beta", 1) != 1:
+    if name not in ("mm", "addmm", "bmm") or checker.reduced_precision is not None or b.get("beta", 1) != 1:
         return None
     if b.get("alpha", 1) != 1 or any(type(a) is float for a in (*args, *kwargs.values())):
         return None
-    A, B = (b["self"], b["mat2"]) if name == "mm" else (b["mat1"], b["mat2"])
-    if A.dim() != 2 or B.dim() != 2 or A.dtype != B.dtype or not A.is_floating_point():
+    A, B = (b["mat1"], b["mat2"]) if name == "addmm" else (b["self"], b["mat2"])
+    dims = 3 if name == "bmm" else 2
+    if A.dim() != dims or B.dim() != dims or A.dtype != B.dtype or not A.is_floating_point():
         return None
-    if _eps_matrix(A.dtype, A.device, False, None) is not None or tuple(out.shape) != (A.shape[0], B.shape[1]):
+    if _eps_matrix(A.dtype, A.device, False, None) is not None or out.shape != (*A.shape[:-1], B.shape[-1]):
         return None
-    (m, K), n = A.shape, B.shape[1]
+    if dims == 3 and (A.shape[0] != B.shape[0] or not A.shape[0]):
+        return None
+    (m, K), n = A.shape[-2:], B.shape[-1]
     cols = min(n, math.isqrt(max(checker.sample - 1, 0)) + 1)
     rows = min(m, -(-checker.sample // cols))
-    roles = (0, 1, -1) if name == "mm" else (1, 2, 0)
+    roles = (1, 2, 0) if name == "addmm" else (0, 1, -1)
     shapes = {roles[0]: (rows, K), roles[1]: (K, cols)}
     if name == "addmm":
         shapes[0] = (rows * cols,)
@@ -1349,14 +1357,14 @@ def _matmul_recipe(
     limit = _limits(target, out.dtype)[-1]
     code, gathered = _SAMPLED_CODES[out.dtype], _number_array()
     return Recipe(
-        (m, n),
-        m * n,
+        tuple(out.shape),
+        out.numel(),
         rows * cols,
         limit,
         code,
         gathered,
         [],
-        (m, n),
+        tuple(out.shape),
         (GRID_MATMUL, rows, cols, *roles),
         "matmul",
         rows * cols,
