@@ -677,6 +677,7 @@ def _scatter_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, 
         ("slice_backward open", aten.slice_backward.default, (r(2, 4), [6, 4], 0, -2, 2**62, 1), {}),
         # A cache's first concatenation, onto an empty tensor: the empty input moves nothing.
         ("cat onto an empty tensor", aten.cat.default, ([torch.empty(0, dtype=dtype), r(4, 2, 3)], -2), {}),
+        ("cat of three along a middle dimension", aten.cat.default, ([r(4, 2, 3), r(4, 5, 3).mT.mT, r(4, 1, 3)], 1), {}),
         ("tril", aten.tril.default, (r(5, 6), -1), {}),
         ("triu", aten.triu.default, (r(2, 5, 6), 1), {}),
     ]

@@ -3400,8 +3400,12 @@ def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[st
     a constant): the same op on float64 copies of the inputs, sampled, must be the output exactly.
     Recomputed whole, as cheap as the op itself (it only moves memory)."""
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    if not all(_plain(t) and not t.is_complex() for t in tensors):
+        return None
+    if func is aten.cat.default:
+        return _concatenated(checker, func, args, kwargs)
     # Empty inputs move nothing (a cache's first ``cat`` onto an empty tensor): judged by the rest.
-    if not all(_plain(t) and not t.is_complex() for t in tensors) or sum(t.numel() for t in tensors) > MOVED_MAX:
+    if sum(t.numel() for t in tensors) > MOVED_MAX:
         return None
     widened = lambda a: a.detach().to(F64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
     f_args = [[widened(t) for t in a] if isinstance(a, (list, tuple)) else widened(a) for a in args]
@@ -3415,6 +3419,44 @@ def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[st
     # Exact where the output keeps float64's values (same dtype as what it moved): limit 0.
     dtype = next((t.dtype for t in tensors if t.is_floating_point() and t.numel()), None)
     return (_Target(0, lambda o: _take(o, flat), lambda: (picked, scale), 1, None, "exact", flat.numel(), dtype),)
+
+
+def _concatenated(
+    checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[_Target, ...] | None:
+    """A concatenation at sampled positions of its output: the element of the input that lies
+    there (past the inputs before it along ``dim``), exactly; only those elements read, however
+    long the inputs (a cache's keys and values grow every step)."""
+    b = _bind(func, args, kwargs)
+    # 1-D empty tensors are skipped by cat whatever their dim; other empty ones place nothing.
+    parts = [t.detach() for t in b["tensors"] if not (t.dim() == 1 and t.numel() == 0)]
+    if not parts or not all(t.is_floating_point() for t in parts) or len({t.device for t in parts}) > 1:
+        return None
+    dim = b["dim"] % parts[0].dim()
+    sizes = [t.shape[dim] for t in parts]
+    shape = (*parts[0].shape[:dim], sum(sizes), *parts[0].shape[dim + 1 :])
+    if any(
+        t.dim() != len(shape) or t.shape[:dim] + t.shape[dim + 1 :] != shape[:dim] + shape[dim + 1 :] for t in parts
+    ):
+        return None
+    numel, inner = math.prod(shape), math.prod(shape[dim + 1 :])
+    if not numel:
+        return None
+    flat = checker._sample(numel)
+    along, outer, within = (flat // inner) % shape[dim], flat // (inner * shape[dim]), flat % inner
+    ends = torch.tensor(sizes).cumsum(0)
+    which = torch.searchsorted(ends, along, right=True)
+    device = parts[0].device
+    picked = torch.empty(flat.shape, dtype=F64, device=device)
+    for i, t in enumerate(parts):
+        here = which == i
+        if sizes[i] and bool(here.any()):
+            local = (outer[here] * sizes[i] + along[here] - (ends[i] - sizes[i])) * inner + within[here]
+            picked[here.to(device)] = _take(t, local).to(F64)
+    scale = torch.zeros((), dtype=F64, device=device)
+    dtypes = {t.dtype for t in parts}
+    source = parts[0].dtype if len(dtypes) == 1 else F64  # mixed: the output promotes, rounding once
+    return (_Target(0, lambda o: _take(o, flat), lambda: (picked, scale), 1, None, "exact", flat.numel(), source),)
 
 
 # How a _foreach_ overload's per-tensor call is spelled: its lists' elements are tensors or scalars.
