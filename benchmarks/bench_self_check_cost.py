@@ -185,12 +185,16 @@ def alternated(model_name: str, rounds: int, steps: int) -> None:
                 finally:
                     SelfChecker.prepare = prepare  # type: ignore[method-assign]
     median = {c: statistics.median(t) for c, t in times.items()}
-    print(f"| {model_name}, alternated ({rounds} rounds of {steps} steps) | step (median) | added by the checks |")
-    print("|---|---:|---:|")
+    print(
+        f"| {model_name}, alternated ({rounds} rounds of {steps} steps) | step (median) | the plain step's"
+        " | added by the checks |"
+    )
+    print("|---|---:|---:|---:|")
     for config in configs:
         added = median[config] - median["statistics"]
-        share = f"{added * 1e3:.1f} ms ({added / median['plain']:.1%} of the plain step)" if "checks" in config else ""
-        print(f"| {config} | {median[config] * 1e3:.1f} ms | {share} |")
+        share = f"{added * 1e3:.3g} ms ({added / median['plain']:.1%} of the plain step)" if "checks" in config else ""
+        ratio = median[config] / median["plain"]
+        print(f"| {config} | {median[config] * 1e3:.3g} ms | {ratio:.2f}x | {share} |")
     print()
 
 
