@@ -499,7 +499,7 @@ bool gather_attention(const int64_t* g, int n_fields, const Layout* layouts, Py_
   const int64_t batch = q.sizes[0], heads = q.sizes[1], length = q.sizes[2], width = q.sizes[3];
   const int64_t source = k.sizes[2], out_width = v.sizes[3];
   if (k.sizes[0] != batch || k.sizes[1] != heads || k.sizes[3] != width || v.sizes[0] != batch ||
-      v.sizes[1] != heads || v.sizes[2] != source || block < 1 || block > length)
+      v.sizes[1] != heads || v.sizes[2] != source || block < 1 || block > length || batch < 1 || heads < 1)
     return false;
   const int64_t full[4] = {batch, heads, length, source};
   int64_t mask_strides[4] = {0, 0, 0, 0};

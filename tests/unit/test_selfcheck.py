@@ -677,7 +677,12 @@ def _scatter_cases(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, 
         ("slice_backward open", aten.slice_backward.default, (r(2, 4), [6, 4], 0, -2, 2**62, 1), {}),
         # A cache's first concatenation, onto an empty tensor: the empty input moves nothing.
         ("cat onto an empty tensor", aten.cat.default, ([torch.empty(0, dtype=dtype), r(4, 2, 3)], -2), {}),
-        ("cat of three along a middle dimension", aten.cat.default, ([r(4, 2, 3), r(4, 5, 3).mT.mT, r(4, 1, 3)], 1), {}),
+        (
+            "cat of three along a middle dimension",
+            aten.cat.default,
+            ([r(4, 2, 3), r(4, 5, 3).mT.mT, r(4, 1, 3)], 1),
+            {},
+        ),
         ("tril", aten.tril.default, (r(5, 6), -1), {}),
         ("triu", aten.triu.default, (r(2, 5, 6), 1), {}),
     ]
@@ -1300,3 +1305,19 @@ def test_a_reduction_of_a_whole_tensor_past_the_gather_budget_is_checked_from_it
             assert plan is not None
             (check,) = checker.finish(plan, func(*args) * scale)
             assert (check.residual > check.limit) == fails, (func, scale, check)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_constant_its_dtype_cannot_hold_is_allowed_one_rounding_and_an_exact_one_none(dtype: torch.dtype) -> None:
+    """``full_like(x, 1/3)`` holds 1/3 rounded once to its dtype: within the limit; ``ones_like``
+    holds 1 exactly: limit 0. Either changed by 2^-6 fails, on the usual path and the recipe's."""
+    x = torch.randn(40).to(dtype)
+    for func, args in ((aten.full_like.default, (x, 1 / 3)), (aten.ones_like.default, (x,))):
+        (honest,) = _run(func, args, {}, sample=16)
+        assert honest.residual <= honest.limit and (honest.limit == 0.0) == (func is aten.ones_like.default)
+        (faulty,) = _run(func, args, {}, sample=16, tamper=lambda out: out + 2.0**-6)
+        assert faulty.residual > faulty.limit
+        checker = _learned(func, args)
+        signature, floats, tensors = _signed(checker, func, args, {})
+        recipe = checker.recipes[signature]
+        assert isinstance(recipe, Recipe) and recipe.limit == honest.limit

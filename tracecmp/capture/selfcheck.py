@@ -2728,7 +2728,12 @@ def _attention_recipe(
         return None
     batch, heads, length, width = q.shape
     source, causal = k.shape[2], bool(b.get("is_causal", False))
-    if not (length and source and width) or causal and length != source or q.shape[-1] != k.shape[-1]:
+    if (
+        not (batch and heads and length and source and width)
+        or causal
+        and length != source
+        or q.shape[-1] != k.shape[-1]
+    ):
         return None
     if mask is not None:
         if mask.dim() > 4 or not mask.is_floating_point():  # the kernel adds it (bool masks arrive as -inf)
@@ -3219,11 +3224,11 @@ def _exact(gather: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor)
 
 
 def _constant_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> float | None:
-    """The value a ``ones_like``, ``zeros_like`` or ``full_like`` call fills with (None for another
-    op, or a fill that is not a real number)."""
+    """The value a ``ones_like``, ``zeros_like``, ``full_like``, ``new_ones`` or ``new_zeros`` call
+    fills with (None for another op, or a fill that is not a real number)."""
     name = func.overloadpacket.__name__
-    if name in ("ones_like", "zeros_like"):
-        return 1.0 if name == "ones_like" else 0.0
+    if name in ("ones_like", "zeros_like", "new_ones", "new_zeros"):
+        return 1.0 if "ones" in name else 0.0
     fill = _bind(func, args, kwargs).get("fill_value") if name == "full_like" else None
     return float(fill) if isinstance(fill, (bool, int, float)) else None
 
@@ -3416,8 +3421,14 @@ def _moved(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[st
     flat = checker._sample(value.numel())
     picked = _take(value, flat)
     scale = torch.zeros((), dtype=F64, device=picked.device)
-    # Exact where the output keeps float64's values (same dtype as what it moved): limit 0.
-    dtype = next((t.dtype for t in tensors if t.is_floating_point() and t.numel()), None)
+    # Exact where the output keeps float64's values (same dtype as what it moved, a constant it
+    # holds exactly): limit 0. A constant it cannot hold (0.1 in bf16) is rounded once.
+    constant = _constant_of(func, args, kwargs)
+    if constant is not None:
+        made = kwargs.get("dtype") or tensors[0].dtype
+        dtype = made if torch.tensor(constant, dtype=made).item() == constant else F64
+    else:
+        dtype = next((t.dtype for t in tensors if t.is_floating_point() and t.numel()), None)
     return (_Target(0, lambda o: _take(o, flat), lambda: (picked, scale), 1, None, "exact", flat.numel(), dtype),)
 
 
