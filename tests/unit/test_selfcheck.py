@@ -837,10 +837,11 @@ RECIPE_CALLS = {
             )
         },
     ),
-    "bf16 attention under an additive mask, scaled": (
+    # (fp16: in bf16 a 5% scale may hide in the allowance of rows whose terms cancel)
+    "fp16 attention under an additive mask, scaled": (
         FLASH_CPU,
-        lambda g: _attention_call(g, torch.bfloat16),
-        {"attn_mask": torch.randn(2, 1, 7, 7).to(torch.bfloat16), "scale": 0.2},
+        lambda g: _attention_call(g, torch.float16),
+        {"attn_mask": torch.randn(2, 1, 7, 7, generator=torch.Generator().manual_seed(4)).half(), "scale": 0.2},
     ),
     # A loss from every row's input at its target (and its total weight); its backward at rows' targets
     "nll_loss, mean": (aten.nll_loss_forward.default, lambda g: _nll_call(g, 1, weighted=False), {}),
