@@ -109,11 +109,12 @@ _PROGRAM = textwrap.dedent(
             rows, _ = torch.ops.aten.nll_loss_forward(lp, labels, cw, 0, -100)
             torch.ops.aten.nll_loss_backward(torch.tensor(0.7), lp, labels, None, 1, -100, total)
             torch.ops.aten.nll_loss_backward(torch.randn(9), lp, labels, cw, 0, -100, total)
-            # Fused attention: a block of query rows of one head, with its keys and values whole
-            aq, ak, av = torch.randn(2, 9, 3, 8).transpose(1, 2), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
-            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-            flash(aq, ak, av), flash(aq, ak, av, is_causal=True), flash(aq, ak, av, attn_mask=torch.randn(9, 9), scale=0.3)
-            flash(aq.bfloat16(), ak.bfloat16(), av.bfloat16(), attn_mask=torch.randn(2, 1, 9, 9).bfloat16())
+            # Fused attention (torch 2.2 on): a block of query rows of one head, with its keys and values whole
+            if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+                aq, ak, av = torch.randn(2, 9, 3, 8).transpose(1, 2), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
+                flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+                flash(aq, ak, av), flash(aq, ak, av, is_causal=True), flash(aq, ak, av, attn_mask=torch.randn(9, 9), scale=0.3)
+                flash(aq.bfloat16(), ak.bfloat16(), av.bfloat16(), attn_mask=torch.randn(2, 1, 9, 9).bfloat16())
             # Batch norms: adjacent channels whole, per-channel tensors at them, saved statistics as extras
             rm, rv, g6 = torch.zeros(6), torch.ones(6), torch.randn(6)
             _, sm, si = torch.ops.aten.native_batch_norm(o, g6, g6.neg(), rm, rv, True, 0.1, 1e-5)
