@@ -449,7 +449,7 @@ bool gather_picked(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
   } else {
     for (int64_t r = 0; r < rows; ++r) picked.push_back(static_cast<uint64_t>(r));
   }
-  const Reader read_target(target), read_x(x);
+  const Reader read_target(target), read_x(x), read_weight(weight != nullptr ? *weight : target);
   const int64_t by_target = target.dims ? target.strides[0] : 0, by_row = x.dims == 2 ? x.strides[0] : 0;
   std::vector<int64_t> classes_at;  // each picked row's class (0 where ignored)
   std::vector<double> weights, inputs;
@@ -458,7 +458,7 @@ bool gather_picked(const int64_t* g, int n_fields, const Layout* layouts, Py_ssi
     const bool ignored = t == ignore;
     if (!ignored && (t < 0 || t >= classes)) return false;
     classes_at.push_back(ignored ? 0 : t);
-    weights.push_back(ignored ? 0.0 : weight != nullptr ? Reader(*weight)(t * weight->strides[0]) : 1.0);
+    weights.push_back(ignored ? 0.0 : weight != nullptr ? read_weight(t * weight->strides[0]) : 1.0);
     if (!backward)
       inputs.push_back(ignored ? 0.0 : read_x(static_cast<int64_t>(r) * by_row + t * x.strides[x.dims - 1]));
   }

@@ -1223,25 +1223,27 @@ def _recipe(checker: SelfChecker, func: Any, args: Sequence[Any], kwargs: dict[s
     listed = [a for a in values if isinstance(a, (list, tuple))]
     if not 0 < len(tensors) <= RECIPE_TENSORS or any(isinstance(x, torch.Tensor) for a in listed for x in a):
         return None
+    if not all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors):
+        return None
     kind = checker.kinds.get(func)
-    if kind in (_convolution, _convolution_backward):
-        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
-        return _convolution_recipe(checker, func, args, kwargs, out, tensors) if readable else None
+    # Recipes that find the outputs they check among the op's outputs themselves
+    of_outputs = {
+        _convolution: _convolution_recipe,
+        _convolution_backward: _convolution_recipe,
+        _batch_norm: _batch_norm_recipe,
+        _batch_norm_backward: _batch_norm_recipe,
+        _attention: _attention_recipe,
+        _nll_loss: _nll_recipe,
+        _nll_loss_backward: _nll_recipe,
+    }.get(kind)
+    if of_outputs is not None:
+        return of_outputs(checker, func, args, kwargs, out, tensors)
     outputs = out
-    if kind in (_batch_norm, _batch_norm_backward):
-        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
-        return _batch_norm_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
-    if kind is _attention:
-        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
-        return _attention_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
-    if kind in (_nll_loss, _nll_loss_backward):
-        readable = all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)
-        return _nll_recipe(checker, func, args, kwargs, outputs, tensors) if readable else None
     if kind in (_layer_norm, _layer_norm_backward):  # a layer norm's output or input gradient first
         out = out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(out, torch.Tensor) or _SAMPLED_CODES.get(out.dtype, _FLOATING_CODES) >= _FLOATING_CODES:
         return None
-    if not (_sampled_readable(out) and all(_sampled_readable(t) and t.dtype in _SAMPLED_CODES for t in tensors)):
+    if not _sampled_readable(out):
         return None
     if kind is _matmul:
         return _matmul_recipe(checker, func, args, kwargs, out, tensors)
